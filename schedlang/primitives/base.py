@@ -35,6 +35,8 @@ class Primitive:
     name: ClassVar[str] = ""
     #: whether Verify compares numerics after this step (False for pure annotations)
     verifiable: ClassVar[bool] = True
+    #: whether a call is recorded as a step of the plan (False for queries such as ``find``)
+    records_step: ClassVar[bool] = True
 
     @classmethod
     def validate(cls, sch: "Schedule", **kwargs: Any) -> Dict[str, Any]:
@@ -60,6 +62,15 @@ class Primitive:
     def decode_args(cls, data: Dict[str, Any]) -> Dict[str, Any]:
         """Inverse of :meth:`encode_args`."""
         return dict(data)
+
+    @classmethod
+    def replay_args(cls, args: Dict[str, Any]) -> Dict[str, Any]:
+        """Arguments to use when the step is replayed on a fresh model in this process.
+
+        The default reuses them as they are. A primitive whose arguments point into the
+        working copy (graph nodes, say) re-encodes them here so they are looked up again.
+        """
+        return dict(args)
 
     @classmethod
     def describe_args(cls, args: Dict[str, Any]) -> str:

@@ -1,0 +1,46 @@
+"""schedlang: a schedule language for optimizing PyTorch models.
+
+Wrap an unchanged ``nn.Module`` in a schedule, say how to run it (shard, sync, replace,
+checkpoint, trace, find, fuse ...), check it with ``Verify`` and ``build`` it::
+
+    import schedlang
+    sch = schedlang.create_schedule(model)
+    with schedlang.Verify(sch, example_inputs=[x]):
+        sch["mlp.fc1"].shard("weight", axis=0)
+        ...
+    model, optimizer = schedlang.build(sch, optimizer="adamw", lr=1e-4)
+"""
+
+from . import distributed, primitives
+from .build import build
+from .errors import (DistributedError, LoweringError, NotTracedError, PatternError, PlanError,
+                     PlanSerializationError, ScheduleKeyError, ScheduleTypeError, ScheduleValueError,
+                     SchedlangError, ShardError, SyncError, TraceError, VerificationError)
+from .init import init_empty_weights
+from .plan import Plan, Step, replay
+from .primitives.base import list_primitives
+from .schedule import Schedule, create_schedule
+from .verify import Verify
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Schedule", "create_schedule", "Plan", "Step", "replay", "list_primitives", "build", "Verify",
+    "init_empty_weights", "call_module", "distributed", "primitives",
+    "SchedlangError", "ScheduleKeyError", "ScheduleValueError", "ScheduleTypeError", "ShardError", "SyncError",
+    "PlanError", "PlanSerializationError", "TraceError", "NotTracedError", "PatternError", "LoweringError",
+    "VerificationError", "DistributedError", "__version__",
+]
+
+
+def __getattr__(name):
+    # graph helpers and optimizers are imported on first use, so `import schedlang` stays light
+    if name == "call_module":
+        from .graph.pattern import call_module
+
+        return call_module
+    if name == "optim":
+        import importlib
+
+        return importlib.import_module(".optim", __name__)
+    raise AttributeError(f"module 'schedlang' has no attribute {name!r}")

@@ -1,0 +1,202 @@
+"""Autograd-aware collectives for tensor and sequence parallelism.
+
+Each function here is differentiable: its backward is the collective's adjoint, so
+a schedule that inserts it keeps gradients exact. With one rank (or without
+torch.distributed) every function is the identity.
+
+==========================  ======================  ===========================
+function                    forward                 backward
+==========================  ======================  ===========================
+``reduce_forward``          all-reduce (sum)        identity
+``reduce_backward``         identity                all-reduce (sum)
+``gather_forward(axis)``    all-gather along axis   keep this rank's slice
+``scatter_forward(axis)``   keep this rank's slice  all-gather along axis
+``reduce_scatter_forward``  reduce-scatter          all-gather
+``gather_backward(axis)``   identity                all-gather ... (rarely used)
+==========================  ======================  ===========================
+
+``reduce_forward`` after a row-parallel linear and ``reduce_backward`` before a
+column-parallel one are the two conjugate operators of Megatron-LM's MLP.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .groups import rank as _rank
+from .groups import world_size as _world_size
+
+__all__ = [
+    "reduce_forward",
+    "reduce_backward",
+    "gather_forward",
+    "scatter_forward",
+    "reduce_scatter_forward",
+    "gather_backward",
+    "reduce_scatter_backward",
+    "all_gather_tensor",
+    "reduce_scatter_tensor",
+    "local_slice",
+]
+
+
+def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    out = x.contiguous().clone()
+    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+    return out
+
+
+def all_gather_tensor(x: torch.Tensor, axis: int, group=None) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``axis`` (not differentiable)."""
+    world = _world_size(group)
+    if world == 1:
+        return x
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(parts, x, group=group)
+    return torch.cat(parts, dim=axis)
+
+
+def local_slice(x: torch.Tensor, axis: int, group=None) -> torch.Tensor:
+    """This rank's equal slice of ``x`` along ``axis``."""
+    world = _world_size(group)
+    if world == 1:
+        return x
+    size = x.shape[axis]
+    if size % world:
+        raise ValueError(f"cannot split dimension {axis} of size {size} over {world} ranks")
+    return x.narrow(axis, _rank(group) * (size // world), size // world).contiguous()
+
+
+def reduce_scatter_tensor(x: torch.Tensor, axis: int, group=None) -> torch.Tensor:
+    """Sum ``x`` over ranks and keep this rank's slice along ``axis`` (not differentiable)."""
+    world = _world_size(group)
+    if world == 1:
+        return x
+    if x.shape[axis] % world:
+        raise ValueError(f"cannot reduce-scatter dimension {axis} of size {x.shape[axis]} over {world} ranks")
+    if dist.get_backend(group) == "gloo":
+        # gloo has no reduce-scatter: an all-reduce followed by a slice gives the same values
+        return local_slice(_all_reduce(x, group), axis, group)
+    parts = [p.contiguous() for p in x.chunk(world, dim=axis)]
+    out = torch.empty_like(parts[0])
+    dist.reduce_scatter(out, parts, op=dist.ReduceOp.SUM, group=group)
+    return out
+
+
+class _ReduceForward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ReduceBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group), None
+
+
+class _GatherForward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, axis, group, grad_is_replicated):
+        ctx.axis, ctx.group, ctx.replicated = axis, group, grad_is_replicated
+        return all_gather_tensor(x, axis, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # a replicated downstream computation gives every rank the full gradient: keep our slice;
+        # otherwise each rank holds a partial gradient that must be summed first
+        if ctx.replicated:
+            return local_slice(grad, ctx.axis, ctx.group), None, None, None
+        return reduce_scatter_tensor(grad, ctx.axis, ctx.group), None, None, None
+
+
+class _ScatterForward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, axis, group):
+        ctx.axis, ctx.group = axis, group
+        return local_slice(x, axis, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_tensor(grad, ctx.axis, ctx.group), None, None
+
+
+class _ReduceScatterForward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, axis, group):
+        ctx.axis, ctx.group = axis, group
+        return reduce_scatter_tensor(x, axis, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_tensor(grad, ctx.axis, ctx.group), None, None
+
+
+class _GatherBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, axis, group):
+        ctx.axis, ctx.group = axis, group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_tensor(grad, ctx.axis, ctx.group), None, None
+
+
+class _ReduceScatterBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, axis, group):
+        ctx.axis, ctx.group = axis, group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter_tensor(grad, ctx.axis, ctx.group), None, None
+
+
+def reduce_forward(x: torch.Tensor, group=None) -> torch.Tensor:
+    """All-reduce (sum) in forward; identity in backward."""
+    return x if _world_size(group) == 1 else _ReduceForward.apply(x, group)
+
+
+def reduce_backward(x: torch.Tensor, group=None) -> torch.Tensor:
+    """Identity in forward; all-reduce (sum) of the gradient in backward."""
+    return x if _world_size(group) == 1 else _ReduceBackward.apply(x, group)
+
+
+def gather_forward(x: torch.Tensor, axis: int, group=None, grad_is_replicated: bool = True) -> torch.Tensor:
+    """All-gather along ``axis`` in forward; slice (or reduce-scatter) the gradient in backward."""
+    return x if _world_size(group) == 1 else _GatherForward.apply(x, axis, group, grad_is_replicated)
+
+
+def scatter_forward(x: torch.Tensor, axis: int, group=None) -> torch.Tensor:
+    """Keep this rank's slice along ``axis`` in forward; all-gather the gradient in backward."""
+    return x if _world_size(group) == 1 else _ScatterForward.apply(x, axis, group)
+
+
+def reduce_scatter_forward(x: torch.Tensor, axis: int, group=None) -> torch.Tensor:
+    """Reduce-scatter along ``axis`` in forward; all-gather the gradient in backward."""
+    return x if _world_size(group) == 1 else _ReduceScatterForward.apply(x, axis, group)
+
+
+def gather_backward(x: torch.Tensor, axis: int, group=None) -> torch.Tensor:
+    """Identity in forward; all-gather the gradient along ``axis`` in backward."""
+    return x if _world_size(group) == 1 else _GatherBackward.apply(x, axis, group)
+
+
+def reduce_scatter_backward(x: torch.Tensor, axis: int, group=None) -> torch.Tensor:
+    """Identity in forward; reduce-scatter the gradient along ``axis`` in backward."""
+    return x if _world_size(group) == 1 else _ReduceScatterBackward.apply(x, axis, group)

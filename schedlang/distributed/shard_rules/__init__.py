@@ -1,0 +1,76 @@
+"""Per-module-type shard rules.
+
+Sharding a tensor changes a module's shapes; a rule keeps the module consistent
+afterwards (a column-parallel ``nn.Linear`` reports its new ``out_features``) and refuses
+splits that cannot work. One rule per module type, one file each; a rule registers
+itself with :func:`register_shard_rule`. Modules without a rule may still be sharded
+(the tensor is split and nothing else changes); a log line says so.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Dict, Optional, Type
+
+from torch import nn
+
+__all__ = ["ShardRule", "register_shard_rule", "find_shard_rule"]
+
+logger = logging.getLogger("schedlang.distributed.shard_rules")
+
+_RULES: Dict[object, Type["ShardRule"]] = {}
+
+
+class ShardRule:
+    """How sharding a tensor of one module type is checked and how the module is fixed up."""
+
+    #: the module classes this rule applies to (exact classes or subclasses, see ``match_subclasses``)
+    module_types: tuple = ()
+    #: class names matched when the class cannot be imported here (e.g. transformers' Conv1D)
+    module_type_names: tuple = ()
+    match_subclasses: bool = False
+
+    @classmethod
+    def check(cls, path: str, module: nn.Module, tensor_name: str, axis: int, world_size: int) -> None:
+        """Raise :class:`schedlang.ShardError` if the split cannot work. Must not change anything."""
+
+    @classmethod
+    def after_shard(cls, module: nn.Module, tensor_name: str, axis: int, world_size: int, rank: int) -> None:
+        """Update the module after ``tensor_name`` was replaced by its shard."""
+
+
+def register_shard_rule(rule: Type[ShardRule]) -> Type[ShardRule]:
+    for t in rule.module_types:
+        _RULES[t] = rule
+    for name in rule.module_type_names:
+        _RULES[name] = rule
+    return rule
+
+
+def find_shard_rule(module: nn.Module) -> Optional[Type[ShardRule]]:
+    """The rule for ``module``'s class (or, for rules that allow it, a base class)."""
+    _load_rules()
+    klass = type(module)
+    rule = _RULES.get(klass) or _RULES.get(klass.__name__)
+    if rule is not None:
+        return rule
+    for base in klass.__mro__[1:]:
+        rule = _RULES.get(base)
+        if rule is not None and rule.match_subclasses:
+            return rule
+    return None
+
+
+_LOADED = False
+
+
+def _load_rules() -> None:
+    global _LOADED
+    if _LOADED:
+        return
+    _LOADED = True
+    import importlib
+    import pkgutil
+
+    for info in pkgutil.iter_modules(__path__):
+        importlib.import_module(f"{__name__}.{info.name}")

@@ -1,0 +1,60 @@
+"""Shard rule for ``nn.Linear`` (weight of shape (out_features, in_features)).
+
+* weight axis 0 (column parallel): each rank computes ``out_features / world`` outputs;
+  the bias, if any, must be sharded along axis 0 too.
+* weight axis 1 (row parallel): each rank computes a partial sum over its inputs. The
+  partial sums are added by a ``fwd_post`` all-reduce, and the bias must be added once,
+  after it: the module becomes a :class:`~schedlang.primitives.decompose.LinearWithSeparateBias`
+  that runs its forward-post syncs before adding the (unsharded) bias.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ...errors import ShardError
+from ..sync_ops import SyncHook
+from . import ShardRule, register_shard_rule
+
+
+@register_shard_rule
+class LinearShardRule(ShardRule):
+    module_types = (nn.Linear,)
+    match_subclasses = True
+
+    @classmethod
+    def check(cls, path, module, tensor_name, axis, world_size):
+        from ...primitives.decompose import LinearWithSeparateBias
+
+        shards = getattr(module, "_schedlang_shards", {})
+        if tensor_name == "bias" and shards.get("weight") is not None and shards["weight"].axis == 1:
+            raise ShardError(
+                f"{path or '<root>'}: cannot shard 'bias' of a row-parallel Linear (weight sharded along axis 1): "
+                "its bias is added once after the all-reduce; keep it whole")
+        if (tensor_name == "weight" and axis == 1 and module.bias is not None
+                and type(module) not in (nn.Linear, LinearWithSeparateBias)):
+            raise ShardError(
+                f"{path or '<root>'}: cannot shard 'weight' along axis 1 of {type(module).__name__} (a Linear subclass "
+                "with a bias): the bias must be added after the all-reduce, which schedlang can only arrange for "
+                "nn.Linear; replace the module first or shard along axis 0")
+        if tensor_name == "weight" and axis == 1 and shards.get("bias") is not None:
+            raise ShardError(
+                f"{path or '<root>'}: cannot shard 'weight' along axis 1: 'bias' is already sharded along axis 0 "
+                "(column parallel); a row-parallel Linear keeps its bias whole")
+
+    @classmethod
+    def after_shard(cls, module, tensor_name, axis, world_size, rank):
+        if tensor_name != "weight":
+            return
+        module.out_features, module.in_features = module.weight.shape
+        if axis == 1 and module.bias is not None:
+            from ...primitives.decompose import LinearWithSeparateBias
+
+            module.__class__ = LinearWithSeparateBias
+            inner = list(getattr(module, "_schedlang_inner_post_syncs", ()))
+            # forward-post syncs registered before the shard must also run before the bias
+            for key, hook in list(module._forward_hooks.items()):
+                if isinstance(hook, SyncHook) and hook.mode == "fwd_post":
+                    inner.append(hook.child_name)
+                    del module._forward_hooks[key]
+            module._schedlang_inner_post_syncs = inner

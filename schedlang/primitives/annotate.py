@@ -1,0 +1,51 @@
+"""``annotate(param_name, key, value)``: attach metadata to a parameter.
+
+The value is set as an attribute of the parameter (``param.<key>``, as Slapo does) and
+recorded on the module, so it survives copies, replay and ``build``. Useful to mark
+parameters for an optimizer or a checkpoint converter (e.g. their original shape).
+"""
+
+from __future__ import annotations
+
+from ..errors import ScheduleKeyError, ScheduleTypeError, ScheduleValueError
+from .base import Primitive, register_primitive
+
+_RESERVED = {"data", "grad", "requires_grad", "shape", "dtype", "device"}
+
+
+def apply_annotations(module) -> None:
+    """Set recorded annotations as attributes of the module's (current) parameters."""
+    for pname, kv in getattr(module, "_schedlang_annotations", {}).items():
+        param = module._parameters.get(pname)
+        if param is not None:
+            for key, value in kv.items():
+                setattr(param, key, value)
+
+
+@register_primitive
+class Annotate(Primitive):
+    name = "annotate"
+    verifiable = False
+
+    @classmethod
+    def validate(cls, sch, param_name, key, value):
+        where = sch.path or "<root>"
+        params = [n for n, _ in sch.mod.named_parameters(recurse=False)]
+        if param_name not in params:
+            raise ScheduleKeyError(f"{where}: no parameter '{param_name}' to annotate; valid names: "
+                                   f"{', '.join(params) if params else 'none (it owns no parameters)'}")
+        if not isinstance(key, str) or not key.isidentifier():
+            raise ScheduleTypeError(f"{where}: annotation key must be an identifier string, got {key!r}")
+        if key in _RESERVED or key.startswith("_"):
+            raise ScheduleValueError(f"{where}: annotation key {key!r} would shadow a tensor attribute; choose "
+                                     "another name")
+        return {"param_name": param_name, "key": key, "value": value}
+
+    @classmethod
+    def apply(cls, sch, param_name, key, value):
+        module = sch.mod
+        notes = {k: dict(v) for k, v in getattr(module, "_schedlang_annotations", {}).items()}
+        notes.setdefault(param_name, {})[key] = value
+        module._schedlang_annotations = notes
+        setattr(getattr(module, param_name), key, value)
+        return None

@@ -1,0 +1,52 @@
+"""``decompose()``: an ``nn.Linear`` becomes a matmul followed by a separate bias add.
+
+After ``.trace()`` the graph then shows ``linear(x, weight)`` and ``add(_, bias)`` as two
+nodes, so the bias add can be fused with the activation that follows (bias + GELU).
+The module keeps its parameters, hooks and shards; only its forward changes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import ScheduleTypeError, ScheduleValueError
+from .base import Primitive, register_primitive
+
+__all__ = ["LinearWithSeparateBias"]
+
+
+class LinearWithSeparateBias(nn.Linear):
+    """``nn.Linear`` whose bias is added in a separate op, after any forward-post syncs it
+    runs itself (a row-parallel linear must add its bias once, after the all-reduce)."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        out = F.linear(input, self.weight)
+        for name in getattr(self, "_schedlang_inner_post_syncs", ()):
+            out = getattr(self, name)(out)
+        if self.bias is not None:
+            out = out + self.bias
+        return out
+
+
+@register_primitive
+class Decompose(Primitive):
+    name = "decompose"
+
+    @classmethod
+    def validate(cls, sch):
+        module, where = sch.mod, sch.path or "<root>"
+        if isinstance(module, LinearWithSeparateBias):
+            raise ScheduleValueError(f"{where}: {type(module).__name__} is already decomposed (its bias is added "
+                                     "separately)")
+        if type(module) is not nn.Linear:
+            raise ScheduleTypeError(f"{where}: decompose applies to nn.Linear, not {type(module).__name__}")
+        if module.bias is None:
+            raise ScheduleValueError(f"{where}: Linear has no bias, so there is nothing to decompose (bias=False)")
+        return {}
+
+    @classmethod
+    def apply(cls, sch):
+        sch.mod.__class__ = LinearWithSeparateBias
+        return None

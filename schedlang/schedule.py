@@ -1,0 +1,336 @@
+"""The ``Schedule``: a tree of views over a model, with one typed method per primitive.
+
+A schedule never changes the user's model. ``create_schedule`` deep-copies it once (free
+for a model on the meta device) and every primitive works on that copy. A ``Schedule``
+object is a light view: the shared root state plus a dotted path, so ``sch["layers.0"]``
+always shows the module that is at that path *now*, after replacements and tracing.
+
+Each primitive call checks its arguments first, then changes the working copy; if the
+change itself fails, the tree is restored, so nothing is ever half-applied. A successful
+call is recorded as a :class:`~schedlang.plan.Step` of ``sch.plan``.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import re
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Type, Union
+
+import torch
+from torch import nn
+
+from .distributed import groups
+from .errors import ScheduleKeyError, ScheduleTypeError
+from .plan import Plan, Step
+from .primitives.base import get_primitive
+
+__all__ = ["Schedule", "create_schedule"]
+
+logger = logging.getLogger("schedlang.schedule")
+
+_INTERNAL_CHILD = re.compile(r"^_schedlang_")
+
+
+class _RootState:
+    """What all views of one schedule share."""
+
+    def __init__(self, module: nn.Module, original: nn.Module, group):
+        self.module = module
+        self.original = original
+        self.group = group
+        self.plan = Plan()
+        self.metadata: Dict[str, Dict[str, Any]] = {}
+
+
+class _TreeSnapshot:
+    """Shallow copy of every module's attribute dictionaries, to undo a failed primitive.
+
+    Primitives never change tensors in place (they swap in new ``Parameter`` objects,
+    child modules and hooks), so restoring the dictionaries restores the tree.
+    """
+
+    def __init__(self, state: _RootState):
+        self.state = state
+        self.root = state.module
+        self.saved = []
+        for m in self.root.modules():
+            d = dict(m.__dict__)
+            for key, value in d.items():
+                if isinstance(value, dict):
+                    d[key] = type(value)(value) if type(value) is not dict else dict(value)
+                elif isinstance(value, list):
+                    d[key] = list(value)
+            self.saved.append((m, m.__class__, d))
+
+    def restore(self) -> None:
+        self.state.module = self.root
+        for m, klass, d in self.saved:
+            m.__dict__.clear()
+            m.__dict__.update(d)
+            m.__class__ = klass
+
+
+class Schedule:
+    """A view of one submodule of the scheduled model.
+
+    Example::
+
+        sch = schedlang.create_schedule(model)
+        sch["mlp.linear1"].shard("weight", axis=0)
+        print(sch.plan)
+    """
+
+    def __init__(self, state: _RootState, path: str = ""):
+        self._state = state
+        self._path = path
+
+    # ------------------------------------------------------------------ tree
+    @property
+    def mod(self) -> nn.Module:
+        """The module at this path in the working copy, as the plan so far has made it."""
+        return _get_submodule(self._state.module, self._path)
+
+    @property
+    def path(self) -> str:
+        """Dotted path from the root ("" for the root)."""
+        return self._path
+
+    @property
+    def name(self) -> str:
+        """Last component of the path ("" for the root)."""
+        return self._path.rsplit(".", 1)[-1] if self._path else ""
+
+    @property
+    def parent(self) -> Optional["Schedule"]:
+        """Schedule of the parent module (None for the root)."""
+        if not self._path:
+            return None
+        return Schedule(self._state, self._path.rsplit(".", 1)[0] if "." in self._path else "")
+
+    @property
+    def root(self) -> "Schedule":
+        return Schedule(self._state, "")
+
+    @property
+    def child(self) -> Dict[str, "Schedule"]:
+        """Child schedules by name, in module order (schedlang's own sync modules left out)."""
+        return {n: Schedule(self._state, _join(self._path, n)) for n, _ in self.mod.named_children()
+                if not _INTERNAL_CHILD.match(n)}
+
+    def named_schedules(self, prefix: str = "") -> Iterator[Tuple[str, "Schedule"]]:
+        """All schedules of this subtree, this one first, as (relative path, schedule)."""
+        yield prefix, self
+        for n, c in self.child.items():
+            yield from c.named_schedules(_join(prefix, n))
+
+    def __getitem__(self, path: str) -> "Schedule":
+        if not isinstance(path, str):
+            raise ScheduleTypeError(f"{self._display()}: schedule paths are strings like 'layers.0.mlp', got {path!r}")
+        if path == "":
+            return self
+        module = self.mod
+        walked = self._path
+        for part in path.split("."):
+            children = dict(module.named_children())
+            if part not in children or _INTERNAL_CHILD.match(part):
+                valid = [n for n in children if not _INTERNAL_CHILD.match(n)]
+                shown = ", ".join(valid[:20]) + (", ..." if len(valid) > 20 else "") if valid else "none (a leaf module)"
+                raise ScheduleKeyError(
+                    f"{walked or '<root>'}: no submodule '{part}' (looking up '{_join(self._path, path)}'); "
+                    f"valid children: {shown}")
+            module = children[part]
+            walked = _join(walked, part)
+        return Schedule(self._state, walked)
+
+    def __contains__(self, path: str) -> bool:
+        try:
+            self[path]
+            return True
+        except ScheduleKeyError:
+            return False
+
+    # ------------------------------------------------------------------ state
+    @property
+    def plan(self) -> Plan:
+        """The ordered steps applied so far (shared by every view of this schedule)."""
+        return self._state.plan
+
+    @property
+    def group(self):
+        """The torch.distributed process group this schedule shards and syncs over (None: the world)."""
+        return self._state.group
+
+    @property
+    def world_size(self) -> int:
+        return groups.world_size(self._state.group)
+
+    @property
+    def rank(self) -> int:
+        return groups.rank(self._state.group)
+
+    @property
+    def metadata(self) -> Dict[str, Any]:
+        """Free-form per-path metadata (primitives record what they did here)."""
+        return self._state.metadata.setdefault(self._path, {})
+
+    def _display(self) -> str:
+        return self._path or "<root>"
+
+    def __repr__(self) -> str:
+        return f"Schedule(path={self._display()!r}, module={type(self.mod).__name__}, steps={len(self.plan)})"
+
+    def _set_module(self, new_module: nn.Module) -> None:
+        """Put ``new_module`` at this path of the working copy."""
+        if not self._path:
+            self._state.module = new_module
+            return
+        parent_path, _, name = self._path.rpartition(".")
+        parent = _get_submodule(self._state.module, parent_path)
+        setattr(parent, name, new_module) if name in parent._modules else parent.add_module(name, new_module)
+
+    # ------------------------------------------------------------------ running primitives
+    def _run(self, name: str, **kwargs: Any) -> Any:
+        primitive = get_primitive(name)
+        args = primitive.validate(self, **kwargs)
+        snapshot = _TreeSnapshot(self._state)
+        try:
+            result = primitive.apply(self, **args)
+        except BaseException:
+            snapshot.restore()
+            raise
+        if getattr(primitive, "records_step", True):
+            self._state.plan.append(Step(primitive=name, path=self._path, args=args))
+            logger.debug("step %d: %s at %s", len(self._state.plan) - 1, name, self._display())
+        return result
+
+    # ------------------------------------------------------------------ graph-free primitives
+    def replace(self, new_mod_or_fn: Union[nn.Module, Callable], target_ops=None, name: Optional[str] = None):
+        """Replace this module by ``new_mod_or_fn``, or, with ``target_ops`` (subgraphs from
+        :meth:`find`), replace those subgraphs of the traced module by it.
+
+        Example::
+
+            sch["mlp"].replace(FastMLP.from_module(sch["mlp"].mod))
+        """
+        return self._run("replace", new_mod_or_fn=new_mod_or_fn, target_ops=target_ops, name=name)
+
+    def replace_all(self, module_type: Type[nn.Module], make_fn: Callable[[str, nn.Module], nn.Module]):
+        """Replace every submodule of type ``module_type`` under this path by ``make_fn(path, old_module)``.
+
+        Example::
+
+            sch.replace_all(nn.GELU, lambda name, old: FastGELU())
+        """
+        return self._run("replace_all", module_type=module_type, make_fn=make_fn)
+
+    def shard(self, tensor_name: str, axis: int):
+        """Split parameter or buffer ``tensor_name`` of this module along ``axis`` over the group.
+
+        Example (Megatron MLP)::
+
+            sch["fc1"].shard("weight", axis=0); sch["fc1"].shard("bias", axis=0)
+            sch["fc2"].shard("weight", axis=1)
+        """
+        return self._run("shard", tensor_name=tensor_name, axis=axis)
+
+    def sync(self, mode: str, sync_op_or_fn: Union[str, Callable] = "all_reduce", **kwargs: Any):
+        """Insert a synchronization: ``mode`` in ``fwd_pre``, ``fwd_post``, ``bwd_post``;
+        op ``all_reduce``, ``all_gather`` (``axis=``), ``reduce_scatter`` (``axis=``) or a callable.
+
+        Example::
+
+            sch["fc2"].sync(mode="fwd_post", sync_op_or_fn="all_reduce")
+            sch["fc1"].sync(mode="bwd_post", sync_op_or_fn="all_reduce")
+        """
+        return self._run("sync", mode=mode, sync_op_or_fn=sync_op_or_fn, **kwargs)
+
+    def checkpoint(self, subgraph=None, **kwargs: Any):
+        """Recompute this module's activations in backward (``torch.utils.checkpoint``, non-reentrant);
+        with ``subgraph`` (from :meth:`find`), only that part of the traced module.
+
+        Example::
+
+            for i in range(n_layers): sch[f"layers.{i}"].checkpoint()
+        """
+        return self._run("checkpoint", subgraph=subgraph, **kwargs)
+
+    def fork_rng(self):
+        """Give this module's random ops (dropout) a per-rank random stream, as tensor-parallel
+        regions need, without disturbing the default stream the rest of the model uses."""
+        return self._run("fork_rng")
+
+    def annotate(self, param_name: str, key: str, value: Any):
+        """Attach ``key = value`` to parameter ``param_name`` (kept through build and replay)."""
+        return self._run("annotate", param_name=param_name, key=key, value=value)
+
+    def decompose(self):
+        """Turn an ``nn.Linear`` into a matmul followed by a separate bias add, so that the bias
+        add can be fused with what follows."""
+        return self._run("decompose")
+
+    # ------------------------------------------------------------------ graph primitives
+    def trace(self, recursive: bool = True, flatten: bool = False, leaf_modules=None, tracer: str = "fx",
+              concrete_args: Optional[Dict[str, Any]] = None):
+        """Trace this submodule into an FX graph (hierarchy kept unless ``flatten``).
+
+        Example::
+
+            sch["mlp"].trace(flatten=True)
+        """
+        return self._run("trace", recursive=recursive, flatten=flatten, leaf_modules=leaf_modules, tracer=tracer,
+                         concrete_args=concrete_args)
+
+    def find(self, regex_or_pattern_fn):
+        """Find nodes of the traced module: a regex over module names, or a pattern function
+        matched by dataflow (returns a list of subgraphs).
+
+        Example::
+
+            subgraphs = sch["mlp"].find(lambda x, b: F.gelu(x + b))
+        """
+        return self._run("find", regex_or_pattern_fn=regex_or_pattern_fn)
+
+    def fuse(self, subgraph, compiler: str = "triton", name: str = "FusedModule"):
+        """Fuse a found subgraph into one submodule lowered by ``compiler`` (``triton``,
+        ``inductor`` or ``eager``).
+
+        Example::
+
+            sch["mlp"].fuse(subgraphs, compiler="triton", name="BiasGeLU")
+        """
+        return self._run("fuse", subgraph=subgraph, compiler=compiler, name=name)
+
+    def horizontal_fuse(self, rules: Optional[Sequence[str]] = None, min_group_size: int = 2):
+        """Apply the atomic horizontal-fusion rules to the traced module until nothing changes;
+        returns a report of what was fused."""
+        return self._run("horizontal_fuse", rules=rules, min_group_size=min_group_size)
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _get_submodule(root: nn.Module, path: str) -> nn.Module:
+    module = root
+    if path:
+        for part in path.split("."):
+            module = module._modules[part]
+    return module
+
+
+def create_schedule(model: nn.Module, group=None) -> Schedule:
+    """Wrap ``model`` in a root :class:`Schedule`.
+
+    ``group`` is the torch.distributed process group to shard and sync over (default: the
+    world, when torch.distributed is initialized). The schedule works on a deep copy of
+    ``model``; the model you pass is never changed.
+
+    Example::
+
+        sch = schedlang.create_schedule(model)
+        print(sch["layers.0"].mod)
+    """
+    if not isinstance(model, nn.Module):
+        raise ScheduleTypeError(f"create_schedule expects a torch.nn.Module, got {type(model).__name__}")
+    return Schedule(_RootState(copy.deepcopy(model), model, group))
