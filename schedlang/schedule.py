@@ -190,7 +190,8 @@ class Schedule:
         setattr(parent, name, new_module) if name in parent._modules else parent.add_module(name, new_module)
 
     # ------------------------------------------------------------------ running primitives
-    def _run(self, name: str, **kwargs: Any) -> Any:
+    def _run(self, _primitive: str, /, **kwargs: Any) -> Any:
+        name = _primitive
         primitive = get_primitive(name)
         args = primitive.validate(self, **kwargs)
         snapshot = _TreeSnapshot(self._state)

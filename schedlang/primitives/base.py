@@ -79,10 +79,14 @@ class Primitive:
 
 
 def _short_repr(value: Any, limit: int = 60) -> str:
-    if callable(value) and hasattr(value, "__qualname__"):
-        text = f"<{getattr(value, '__module__', '?')}.{value.__qualname__}>"
-    elif hasattr(value, "__class__") and value.__class__.__module__.startswith("torch.nn"):
+    from torch import nn
+
+    if isinstance(value, nn.Module):
         text = f"<{type(value).__name__}>"
+    elif isinstance(value, type):
+        text = value.__name__
+    elif callable(value) and hasattr(value, "__qualname__"):
+        text = f"<{getattr(value, '__module__', '?')}.{value.__qualname__}>"
     else:
         text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -1,0 +1,27 @@
+import pytest
+import torch
+
+import schedlang
+from tests.helpers.models import MLP
+
+
+def test_annotation_is_set_kept_through_build_and_replay():
+    sch = schedlang.create_schedule(MLP())
+    sch["fc1"].annotate("weight", "orig_shape", (20, 12))
+    assert sch["fc1"].mod.weight.orig_shape == (20, 12)
+    sch["fc1"].shard("weight", axis=0)  # a new Parameter: build re-applies annotations
+    model, _ = schedlang.build(sch)
+    assert model.fc1.weight.orig_shape == (20, 12)
+    replayed = schedlang.replay(sch.plan.to_json(), MLP())
+    assert replayed["fc1"].mod._schedlang_annotations == {"weight": {"orig_shape": [20, 12]}}
+
+
+@pytest.mark.parametrize("args,error,message", [
+    (("w", "k", 1), schedlang.ScheduleKeyError, r"fc1: no parameter 'w' to annotate; valid names: weight, bias"),
+    (("weight", "not valid", 1), schedlang.ScheduleTypeError, r"annotation key must be an identifier string"),
+    (("weight", "grad", 1), schedlang.ScheduleValueError, r"annotation key 'grad' would shadow a tensor attribute"),
+])
+def test_annotate_errors(args, error, message):
+    sch = schedlang.create_schedule(MLP())
+    with pytest.raises(error, match=message):
+        sch["fc1"].annotate(*args)

@@ -1,0 +1,54 @@
+import pytest
+import torch
+from torch import nn
+
+import schedlang
+from tests.helpers.models import Stack
+
+
+class TanhGELU(nn.Module):
+    def forward(self, x):
+        return torch.nn.functional.gelu(x, approximate="tanh")
+
+
+def test_replace_all_replaces_every_match_and_reports_paths():
+    model = Stack(layers=3)
+    sch = schedlang.create_schedule(model)
+    seen = []
+
+    def make(path, old):
+        seen.append((path, type(old).__name__))
+        return TanhGELU()
+
+    replaced = sch.replace_all(nn.GELU, make)
+    assert replaced == ["layers.0.mlp.act", "layers.1.mlp.act", "layers.2.mlp.act"]
+    assert seen == [(p, "GELU") for p in replaced]
+    assert all(isinstance(sch[p].mod, TanhGELU) for p in replaced)
+    x = torch.randn(4, 12)
+    model.eval(); sch.mod.eval()
+    torch.testing.assert_close(sch.mod(x), model(x), rtol=1e-2, atol=1e-3)
+
+
+def test_replace_all_under_a_subtree_only():
+    sch = schedlang.create_schedule(Stack())
+    assert sch["layers.1"].replace_all(nn.Linear, lambda p, old: old) == ["mlp.fc1", "mlp.fc2"]
+    assert sch.plan[0].path == "layers.1"
+
+
+def test_replace_all_is_atomic_and_validates():
+    sch = schedlang.create_schedule(Stack())
+    calls = []
+
+    def bad(path, old):
+        calls.append(path)
+        return "not a module" if len(calls) == 2 else nn.Identity()
+
+    with pytest.raises(schedlang.ScheduleTypeError, match=r"<root>: make_fn returned str for 'layers.1.mlp.act'"):
+        sch.replace_all(nn.GELU, bad)
+    assert isinstance(sch["layers.0.mlp.act"].mod, nn.GELU)  # nothing applied
+    with pytest.raises(schedlang.ScheduleValueError, match=r"<root>: no submodule of type Conv2d to replace"):
+        sch.replace_all(nn.Conv2d, lambda p, o: o)
+    with pytest.raises(schedlang.ScheduleTypeError, match=r"expects an nn.Module subclass as module_type, got 3"):
+        sch.replace_all(3, lambda p, o: o)
+    with pytest.raises(schedlang.ScheduleTypeError, match=r"expects make_fn\(path, old_module\) -> nn.Module, got int"):
+        sch.replace_all(nn.GELU, 3)

@@ -1,0 +1,80 @@
+import pytest
+import torch
+from torch import nn
+
+import schedlang
+from schedlang.distributed.sharding import shard_source
+from tests.helpers.models import MLP
+
+
+def test_shard_records_spec_and_keeps_module_consistent_single_rank():
+    sch = schedlang.create_schedule(MLP(12, 20))
+    sch["fc1"].shard("weight", axis=0)
+    sch["fc1"].shard("bias", axis=-1)
+    spec = sch["fc1"].mod._schedlang_shards["bias"]
+    assert spec.axis == 0 and spec.world_size == 1 and spec.full_shape == (20,)
+    assert sch["fc1"].mod.out_features == 20
+    assert str(sch.plan).count("shard") == 2
+    assert sch.plan[1].args == {"tensor_name": "bias", "axis": 0}  # negative axis normalized
+
+
+def test_sharded_parameter_is_a_new_tensor_linked_to_its_source():
+    sch = schedlang.create_schedule(MLP())
+    old = sch["fc2"].mod.weight
+    sch["fc2"].shard("weight", axis=1)
+    new = sch["fc2"].mod.weight
+    assert new is not old and isinstance(new, nn.Parameter)
+    src, spec = shard_source(new)
+    assert src is old and spec.axis == 1
+    torch.testing.assert_close(new, spec.slice_of(old))
+
+
+def test_shard_buffer():
+    model = nn.BatchNorm1d(6)
+    sch = schedlang.create_schedule(model)
+    sch.shard("running_mean", axis=0)
+    assert "running_mean" in sch.mod._schedlang_shards
+
+
+@pytest.mark.parametrize("name,axis,error,message", [
+    ("weights", 0, schedlang.ScheduleKeyError,
+     r"fc1: Linear has no parameter or buffer 'weights'; valid names: weight, bias"),
+    ("weight", 5, schedlang.ShardError,
+     r"fc1: cannot shard 'weight' \(shape \(20, 12\)\) along axis 5: valid axes are 0, 1"),
+    ("weight", -3, schedlang.ShardError, r"along axis -3: valid axes are 0, 1"),
+    ("weight", 1.0, schedlang.ScheduleTypeError, r"fc1: shard axis must be an int, got 1.0"),
+    (3, 0, schedlang.ScheduleTypeError, r"fc1: shard expects a tensor name \(str\), got 3"),
+])
+def test_bad_shard_arguments(name, axis, error, message):
+    sch = schedlang.create_schedule(MLP(12, 20))
+    with pytest.raises(error, match=message):
+        sch["fc1"].shard(name, axis)
+    assert len(sch.plan) == 0
+
+
+def test_shard_twice_and_row_parallel_bias_rejected():
+    sch = schedlang.create_schedule(MLP())
+    sch["fc1"].shard("weight", axis=0)
+    with pytest.raises(schedlang.ShardError, match=r"fc1: 'weight' is already sharded \(along axis 0\)"):
+        sch["fc1"].shard("weight", axis=1)
+    sch["fc2"].shard("weight", axis=1)
+    with pytest.raises(schedlang.ShardError, match=r"fc2: cannot shard 'bias' of a row-parallel Linear"):
+        sch["fc2"].shard("bias", axis=0)
+
+
+def test_module_without_tensors():
+    sch = schedlang.create_schedule(MLP())
+    with pytest.raises(schedlang.ScheduleKeyError, match=r"act: GELU has no parameter or buffer 'weight'; valid "
+                       r"names: none \(it owns no tensors\)"):
+        sch["act"].shard("weight", 0)
+
+
+def test_row_parallel_linear_with_bias_adds_bias_once_single_rank():
+    model = MLP()
+    sch = schedlang.create_schedule(model)
+    sch["fc2"].sync("fwd_post", "all_reduce")  # registered before the shard: must move before the bias
+    sch["fc2"].shard("weight", axis=1)
+    x = torch.randn(4, 12)
+    torch.testing.assert_close(sch.mod(x), model(x))
+    assert sch["fc2"].mod._schedlang_inner_post_syncs == ["_schedlang_sync_fwd_post_0"]
+    assert not sch["fc2"].mod._forward_hooks

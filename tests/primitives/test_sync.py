@@ -1,0 +1,73 @@
+import pytest
+import torch
+
+import schedlang
+from schedlang.distributed.sync_ops import SyncOp
+from tests.helpers.models import MLP
+
+
+@pytest.mark.parametrize("mode", ["fwd_pre", "fwd_post", "bwd_post"])
+def test_sync_inserts_a_named_leaf_and_is_identity_on_one_rank(mode):
+    model = MLP(7, 13)
+    sch = schedlang.create_schedule(model)
+    sch["fc1"].sync(mode, "all_reduce")
+    child = getattr(sch["fc1"].mod, f"_schedlang_sync_{mode}_0")
+    assert isinstance(child, SyncOp)
+    assert "fc1" in sch.child and list(sch["fc1"].child) == []  # sync modules are not schedule children
+    x = torch.randn(5, 7, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_(True)
+    model(x).sum().backward()
+    sch.mod(x2).sum().backward()
+    torch.testing.assert_close(x2.grad, x.grad)
+
+
+def test_callable_sync_runs_in_the_right_place():
+    calls = []
+
+    def record(t):
+        calls.append(tuple(t.shape))
+        return t * 2
+
+    model = MLP(6, 10)
+    sch = schedlang.create_schedule(model)
+    sch["fc1"].sync("fwd_post", record)
+    x = torch.randn(3, 6)
+    out = sch.mod(x)
+    assert calls == [(3, 10)]
+    expected = model.fc2(model.act(model.fc1(x) * 2))
+    torch.testing.assert_close(out, expected)
+
+
+def test_sync_with_tuple_output_applies_to_first_element():
+    class Pair(torch.nn.Module):
+        def forward(self, x):
+            return x + 1, x
+
+    sch = schedlang.create_schedule(Pair())
+    sch.sync("fwd_post", lambda t: -t)
+    a, b = sch.mod(torch.ones(2))
+    assert torch.equal(a, -2 * torch.ones(2)) and torch.equal(b, torch.ones(2))
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(mode="fwd", sync_op_or_fn="all_reduce"),
+     r"fc1: invalid sync mode 'fwd': valid modes are fwd_pre, fwd_post, bwd_post"),
+    (dict(mode="fwd_post", sync_op_or_fn="broadcast"),
+     r"fc1: invalid sync op 'broadcast': valid ops are all_reduce, all_gather, reduce_scatter, or a callable"),
+    (dict(mode="fwd_post", sync_op_or_fn="all_gather"), r"fc1: sync op 'all_gather' needs axis=<int>"),
+    (dict(mode="fwd_post", sync_op_or_fn="reduce_scatter", axis="1"), r"fc1: sync axis must be an int, got '1'"),
+    (dict(mode="fwd_post", sync_op_or_fn="all_reduce", axis=1), r"fc1: sync op 'all_reduce' takes no axis"),
+    (dict(mode="fwd_post", sync_op_or_fn="all_reduce", group=3),
+     r"fc1: unknown sync option\(s\) group: valid options are axis, tensor_parallel_output_grad"),
+])
+def test_bad_sync_arguments(kwargs, message):
+    sch = schedlang.create_schedule(MLP())
+    with pytest.raises(schedlang.SyncError, match=message):
+        sch["fc1"].sync(**kwargs)
+    assert len(sch.plan) == 0 and not hasattr(sch["fc1"].mod, "_schedlang_sync_fwd_post_0")
+
+
+def test_sync_error_is_a_value_error():
+    sch = schedlang.create_schedule(MLP())
+    with pytest.raises(ValueError):
+        sch["fc1"].sync("nope", "all_reduce")
