@@ -1,0 +1,17 @@
+"""Fused multi-tensor optimizers: a few Triton launches update every parameter.
+
+``FusedAdamW``, ``FusedAdam`` and ``FusedSGD`` are ``torch.optim.Optimizer`` subclasses with
+torch.optim's arguments and state-dict layout; ``make_optimizer(name, params, **kw)`` builds
+one by name. Triton is imported on the first ``step``, not here.
+
+Example::
+
+    import schedlang.optim
+    opt = schedlang.optim.FusedAdamW(model.parameters(), lr=1e-3)
+"""
+
+from schedlang.optim.adam import FusedAdam, FusedAdamW
+from schedlang.optim.factory import OPTIMIZERS, make_optimizer
+from schedlang.optim.sgd import FusedSGD
+
+__all__ = ["FusedAdam", "FusedAdamW", "FusedSGD", "make_optimizer", "OPTIMIZERS"]

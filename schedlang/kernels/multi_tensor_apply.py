@@ -1,0 +1,123 @@
+"""Host-side machinery shared by the multi-tensor optimizer kernels.
+
+A multi-tensor kernel updates hundreds of tensors of different sizes in one launch. Each program
+of the launch owns one *chunk*: ``chunk_size`` consecutive elements of one tensor. Two small
+int tables on the device tell a program what to do:
+
+* the **tensor table**, one row of :data:`ROW_WIDTH` int64 per tensor: the addresses of the
+  tensors that belong together (parameter, gradient, optimizer state...), other per-tensor
+  integers (a flag), and the tensor's element count in the last column;
+* the **chunk map**, one ``(tensor index, chunk index)`` int32 pair per program.
+
+Building them costs a few host->device copies, so :class:`ChunkTables` keeps them and rebuilds
+only when an address or a size changes: a new parameter set, gradients re-allocated at other
+addresses (``zero_grad(set_to_none=True)`` usually gets the same blocks back from the caching
+allocator), a state tensor replaced by ``load_state_dict``.
+
+Example::
+
+    tables = ChunkTables()
+    rows = [(p.data_ptr(), g.data_ptr()) for p, g in zip(params, grads)]
+    tensor_table, chunk_map, aligned = tables.get(rows, [p.numel() for p in params], 4096, device)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+__all__ = ["ROW_WIDTH", "ChunkTables", "interpreting", "use_triton", "is_dense"]
+
+logger = logging.getLogger("schedlang.kernels.multi_tensor_apply")
+
+#: int64 columns per tensor row (64 bytes: one row is one cache line).
+ROW_WIDTH = 8
+#: the last column of a row holds the tensor's element count.
+NUMEL_COLUMN = ROW_WIDTH - 1
+#: vector loads of 16 bytes need every address of a launch to be a multiple of this.
+VECTOR_BYTES = 16
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run under the numpy interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def use_triton(device: torch.device) -> bool:
+    """Whether tensors on ``device`` are updated by the Triton kernels (else by the reference).
+
+    CUDA tensors always are; CPU tensors only under the interpreter (that is how CI tests the
+    kernels), so that an optimizer on a CPU model still works without it.
+    """
+    if device.type == "cuda":
+        return True
+    return device.type == "cpu" and interpreting()
+
+
+def is_dense(*tensors: torch.Tensor | None) -> bool:
+    """True when every tensor given is contiguous (the kernels walk memory as one flat range)."""
+    return all(t is None or t.is_contiguous() for t in tensors)
+
+
+class ChunkTables:
+    """Tensor table and chunk map of one multi-tensor launch, rebuilt only when they go stale.
+
+    ``get(rows, numels, chunk_size, device)`` returns ``(tensor_table, chunk_map, aligned)``:
+    ``tensor_table`` is int64 ``(n, ROW_WIDTH)`` on ``device`` with ``rows[i]`` in its first
+    columns and ``numels[i]`` in the last; ``chunk_map`` is int32 ``(n_chunks, 2)``; ``aligned``
+    says that every non-zero address in ``rows`` is a multiple of 16 bytes, so the kernel may
+    promise the compiler 16-byte vector accesses. ``rebuilds`` counts the builds (tests use it).
+    """
+
+    def __init__(self) -> None:
+        self.key = None
+        self.tensor_table: torch.Tensor | None = None
+        self.chunk_map: torch.Tensor | None = None
+        self.aligned = False
+        self.rebuilds = 0
+
+    def get(self, rows, numels, chunk_size: int, device: torch.device):
+        key = (chunk_size, device, tuple(rows), tuple(numels))
+        if key != self.key:
+            self._build(rows, numels, chunk_size, device)
+            self.key = key
+        return self.tensor_table, self.chunk_map, self.aligned
+
+    def zero_column(self, column: int) -> None:
+        """Set one column to 0 on the device and in the cached key (no rebuild follows)."""
+        if self.tensor_table is None:
+            return
+        self.tensor_table[:, column].zero_()
+        chunk_size, device, rows, numels = self.key
+        rows = tuple(tuple(0 if i == column else v for i, v in enumerate(r)) for r in rows)
+        self.key = (chunk_size, device, rows, numels)
+
+    def _build(self, rows, numels, chunk_size: int, device: torch.device) -> None:
+        n = len(rows)
+        width = len(rows[0]) if n else 0
+        if width > NUMEL_COLUMN:
+            raise ValueError(f"a tensor row holds at most {NUMEL_COLUMN} integers, got {width}")
+        table = torch.zeros((n, ROW_WIDTH), dtype=torch.int64)
+        if n:
+            table[:, :width] = torch.tensor(rows, dtype=torch.int64)
+            table[:, NUMEL_COLUMN] = torch.tensor(numels, dtype=torch.int64)
+        counts = (table[:, NUMEL_COLUMN] + chunk_size - 1) // chunk_size
+        tensor_index = torch.repeat_interleave(torch.arange(n, dtype=torch.int64), counts)
+        first_chunk = torch.cumsum(counts, 0) - counts
+        chunk_index = torch.arange(tensor_index.numel(), dtype=torch.int64) - first_chunk[tensor_index]
+        chunk_map = torch.stack([tensor_index, chunk_index], dim=1).to(torch.int32)
+        self.aligned = all(addr % VECTOR_BYTES == 0 for r in rows for addr in r[:width] if addr)
+        self.tensor_table = _to_device(table, device)
+        self.chunk_map = _to_device(chunk_map, device)
+        self.rebuilds += 1
+        logger.debug("built chunk tables: %d tensors, %d chunks of %d, aligned=%s",
+                     n, chunk_map.shape[0], chunk_size, self.aligned)
+
+
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if device.type == "cuda":
+        # pinned + non_blocking: the copy is queued on the stream, the host does not wait for it
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)

@@ -1,0 +1,162 @@
+"""SGD with momentum, dampening and Nesterov over many tensors in one Triton launch.
+
+Maths, per element, in fp32 (``g`` negated when maximizing; ``b`` the fp32 momentum buffer)::
+
+    g = g + wd * p                              # L2 weight decay
+    b = g                                       # first step of a fresh buffer
+    b = momentum * b + (1 - dampening) * g      # later steps
+    d = g + momentum * b  (nesterov)  or  b
+    p = p - lr * d
+
+Bytes moved per element: read p, g, b and write p, b (5 passes of 4 bytes for fp32; without
+momentum read p, g and write p). A fresh buffer is written without being read, through a flag
+in its tensor-table row that the host clears after that step. The launch shape and the tables
+are those of :mod:`schedlang.kernels.multi_tensor_adam`; lr is read from a device tensor when it
+is one (no recompilation, no host synchronization, CUDA-graph friendly).
+
+Example::
+
+    multi_tensor_sgd(params, grads, buffers, [True] * len(params), lr=0.1, momentum=0.9,
+                     dampening=0.0, weight_decay=1e-4, nesterov=True, tables=ChunkTables())
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from schedlang.kernels.multi_tensor_adam import DEFAULT_CONFIG, INTERPRETER_CONFIG, _store_rounded
+from schedlang.kernels.multi_tensor_apply import ROW_WIDTH, ChunkTables, is_dense, use_triton
+from schedlang.kernels.multi_tensor_sgd_reference import multi_tensor_sgd_reference
+
+__all__ = ["multi_tensor_sgd", "reference"]
+
+reference = multi_tensor_sgd_reference
+
+# tensor table columns
+_P, _G, _BUF, _FRESH = range(4)
+
+_TRITON_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+@triton.jit
+def _sgd_block(p_ptr, g_ptr, b_ptr, offs, mask, fresh, lr, momentum, dampening, weight_decay,
+               PARAM_DTYPE: tl.constexpr, HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr,
+               MAXIMIZE: tl.constexpr, HAS_WEIGHT_DECAY: tl.constexpr):
+    p = tl.load(p_ptr + offs, mask=mask).to(tl.float32)
+    g = tl.load(g_ptr + offs, mask=mask).to(tl.float32)
+    if MAXIMIZE:
+        g = -g
+    if HAS_WEIGHT_DECAY:
+        g = g + weight_decay * p
+    if HAS_MOMENTUM:
+        if fresh:
+            b = g
+        else:
+            b = tl.load(b_ptr + offs, mask=mask) * momentum + (1.0 - dampening) * g
+        tl.store(b_ptr + offs, b, mask=mask)
+        if NESTEROV:
+            g = g + momentum * b
+        else:
+            g = b
+    _store_rounded(p_ptr + offs, p - lr * g, mask, PARAM_DTYPE)
+
+
+@triton.jit
+def _multi_tensor_sgd_kernel(
+    tensor_table, chunk_map, lr_ptr, lr_value, momentum, dampening, weight_decay,
+    PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr, LR_ON_DEVICE: tl.constexpr,
+    HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr,
+    HAS_WEIGHT_DECAY: tl.constexpr, ALIGNED: tl.constexpr,
+    CHUNK: tl.constexpr, BLOCK: tl.constexpr, ROW: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    t = tl.load(chunk_map + 2 * pid).to(tl.int64)
+    chunk = tl.load(chunk_map + 2 * pid + 1).to(tl.int64)
+    row = tensor_table + t * ROW
+    p_ptr = tl.load(row + 0).to(tl.pointer_type(PARAM_DTYPE))
+    g_ptr = tl.load(row + 1).to(tl.pointer_type(GRAD_DTYPE))
+    b_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
+    fresh = tl.load(row + 3) != 0
+    numel = tl.load(row + ROW - 1)
+    if ALIGNED:
+        p_ptr = tl.multiple_of(p_ptr, 16)
+        g_ptr = tl.multiple_of(g_ptr, 16)
+        b_ptr = tl.multiple_of(b_ptr, 16)
+    if LR_ON_DEVICE:
+        lr = tl.load(lr_ptr).to(tl.float32)
+    else:
+        lr = lr_value
+
+    start = chunk * CHUNK
+    p_ptr += start
+    g_ptr += start
+    b_ptr += start
+    size = tl.minimum(numel - start, CHUNK)
+    full = size // BLOCK * BLOCK
+    for i in range(0, full, BLOCK):
+        offs = i + tl.arange(0, BLOCK)
+        _sgd_block(p_ptr, g_ptr, b_ptr, offs, None, fresh, lr, momentum, dampening, weight_decay,
+                   PARAM_DTYPE, HAS_MOMENTUM, NESTEROV, MAXIMIZE, HAS_WEIGHT_DECAY)
+    if full < size:
+        offs = full + tl.arange(0, BLOCK)
+        _sgd_block(p_ptr, g_ptr, b_ptr, offs, offs < size, fresh, lr, momentum, dampening, weight_decay,
+                   PARAM_DTYPE, HAS_MOMENTUM, NESTEROV, MAXIMIZE, HAS_WEIGHT_DECAY)
+
+
+def multi_tensor_sgd(params, grads, momentum_buffers, fresh, *, lr, momentum: float, dampening: float,
+                     weight_decay: float, nesterov: bool = False, maximize: bool = False,
+                     tables: ChunkTables | None = None, config: dict | None = None) -> None:
+    """One SGD step over lists of tensors, in place (parameters and momentum buffers).
+
+    ``params`` of one dtype (fp32, bf16 or fp16) on one device, ``grads`` of one dtype, fp32
+    ``momentum_buffers`` shaped like the params (ignored, may be ``[]``, when ``momentum == 0``),
+    ``fresh[i]`` True for a buffer allocated for this step. ``lr`` is a float or a 0-d tensor on
+    the device. ``tables`` keeps the launch tables between calls; ``config`` overrides the
+    launch shape. Non-contiguous tensors, and CPU tensors without the Triton interpreter, go
+    through :func:`reference`.
+
+    Example::
+
+        multi_tensor_sgd([w], [w.grad], [], [False], lr=0.1, momentum=0.0, dampening=0.0,
+                         weight_decay=0.0)
+    """
+    if not params:
+        return
+    kwargs = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                  nesterov=nesterov, maximize=maximize)
+    device = params[0].device
+    has_momentum = momentum != 0
+    buffers = momentum_buffers if has_momentum else [None] * len(params)
+    fresh = list(fresh) if has_momentum else [False] * len(params)
+    if not use_triton(device):
+        return reference(params, grads, buffers, fresh, **kwargs)
+    dense = [is_dense(p, g, b) for p, g, b in zip(params, grads, buffers)]
+    if not all(dense):
+        strided = [i for i, d in enumerate(dense) if not d]
+        reference(*([seq[i] for i in strided] for seq in (params, grads, buffers, fresh)), **kwargs)
+        keep = [i for i, d in enumerate(dense) if d]
+        if not keep:
+            return
+        params, grads, buffers, fresh = ([seq[i] for i in keep] for seq in (params, grads, buffers, fresh))
+        tables = None
+
+    cfg = dict(INTERPRETER_CONFIG if device.type == "cpu" else DEFAULT_CONFIG)
+    cfg.update(config or {})
+    rows = [(p.data_ptr(), g.data_ptr(), b.data_ptr() if b is not None else 0, int(bool(f)))
+            for p, g, b, f in zip(params, grads, buffers, fresh)]
+    tables = tables if tables is not None else ChunkTables()
+    tensor_table, chunk_map, aligned = tables.get(rows, [p.numel() for p in params], cfg["chunk_size"], device)
+    lr_on_device = isinstance(lr, torch.Tensor)
+    _multi_tensor_sgd_kernel[(chunk_map.shape[0],)](
+        tensor_table, chunk_map, lr if lr_on_device else tensor_table, 0.0 if lr_on_device else float(lr),
+        float(momentum), float(dampening), float(weight_decay),
+        PARAM_DTYPE=_TRITON_DTYPES[params[0].dtype], GRAD_DTYPE=_TRITON_DTYPES[grads[0].dtype],
+        LR_ON_DEVICE=lr_on_device, HAS_MOMENTUM=has_momentum, NESTEROV=nesterov, MAXIMIZE=maximize,
+        HAS_WEIGHT_DECAY=weight_decay != 0, ALIGNED=aligned,
+        CHUNK=cfg["chunk_size"], BLOCK=cfg["block_size"], ROW=ROW_WIDTH, num_warps=cfg["num_warps"],
+    )
+    if any(fresh):
+        # the buffers hold their first value now: later steps must read them
+        tables.zero_column(_FRESH)
