@@ -8,7 +8,7 @@ Used as a context manager around the primitives to check::
 
 On exit it builds two models from the same weights: the *reference* (a copy of the
 original model) and the *scheduled* model (the whole plan replayed on another copy, so
-every shard is cut from the same full tensor). When distributed, the weights are first
+every shard is cut from the same full tensor). When distributed, the weights and the inputs are first
 broadcast from rank 0. Both run forward in eval mode (dropout off) on the same inputs,
 then backward from the same random output gradients. It compares
 
@@ -204,6 +204,14 @@ class Verify:
                   if isinstance(v, torch.Tensor) and v.grad is not None]
         return out, grads
 
+    @staticmethod
+    def _broadcast(x, src, group, device):
+        if not isinstance(x, torch.Tensor):
+            return x
+        x = x.detach().clone().to(device)
+        dist.broadcast(x, src=src, group=group)
+        return x
+
     def run(self) -> VerifyReport:
         """Run the check now; returns the report or raises VerificationError."""
         state = self.sch._state
@@ -220,6 +228,9 @@ class Verify:
             with torch.no_grad():
                 for t in list(reference.parameters()) + list(reference.buffers()):
                     dist.broadcast(t.data, src=src, group=group)
+            # tensor parallelism needs the same inputs everywhere: use rank 0's
+            self.example_inputs = [self._broadcast(x, src, group, device) for x in self.example_inputs]
+            self.example_kwargs = {k: self._broadcast(v, src, group, device) for k, v in self.example_kwargs.items()}
         base = copy.deepcopy(reference)
         names = {id(p): n for n, p in base.named_parameters()}
         keep_alive = list(base.parameters())  # shard sources are weakly referenced

@@ -1,0 +1,115 @@
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import schedlang
+from tests.helpers.models import MLP, Stack
+
+
+class BackwardBrokenGELU(torch.autograd.Function):
+    """GELU in forward, a wrong gradient in backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return F.gelu(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return grad * torch.sigmoid(x)  # not GELU's derivative
+
+
+class BrokenGELU(nn.Module):
+    def forward(self, x):
+        return BackwardBrokenGELU.apply(x)
+
+
+def test_verify_passes_on_a_correct_schedule_and_reports():
+    sch = schedlang.create_schedule(Stack())
+    x = torch.randn(4, 12)
+    with schedlang.Verify(sch, example_inputs=[x]) as v:
+        sch["layers.0.mlp.fc1"].decompose()
+        sch["layers.1"].checkpoint()
+        sch["layers.0.mlp.fc1"].shard("weight", axis=0)
+        sch["layers.0.mlp.fc1"].shard("bias", axis=0)
+    assert v.report.passed
+    assert "output" in v.report.compared and "input[0] gradient" in v.report.compared
+    assert any("shard 0/1 along axis 0 of 'layers.0.mlp.fc1.weight'" in c for c in v.report.compared)
+    assert "Verify passed" in str(v.report)
+
+
+def test_verify_catches_a_replacement_that_only_breaks_backward():
+    sch = schedlang.create_schedule(MLP(7, 13))
+    x = torch.randn(5, 7)
+    with pytest.raises(schedlang.VerificationError) as info:
+        with schedlang.Verify(sch, example_inputs=[x]):
+            sch["act"].replace(BrokenGELU())
+    text = str(info.value)
+    assert not any(line.strip().startswith("output") for line in text.splitlines())  # forward is fine
+    assert "input[0] gradient: max abs diff" in text
+    assert "gradient of parameter 'fc1.weight'" in text
+    assert "steps applied inside this Verify block:\n  #0 replace at 'act' (new_mod_or_fn=<BrokenGELU>)" in text
+    assert isinstance(info.value, AssertionError)
+
+
+def test_verify_catches_a_forward_change_and_names_the_output():
+    sch = schedlang.create_schedule(MLP())
+    with pytest.raises(schedlang.VerificationError, match=r"output: max abs diff .* elements outside rtol"):
+        with schedlang.Verify(sch, example_inputs=[torch.randn(3, 12)], check_backward=False):
+            sch["act"].replace(nn.ReLU())
+
+
+def test_verify_blames_earlier_steps_when_block_is_empty():
+    sch = schedlang.create_schedule(MLP())
+    sch["act"].replace(nn.Tanh())
+    with pytest.raises(schedlang.VerificationError, match="no steps were applied inside this Verify block"):
+        with schedlang.Verify(sch, example_inputs=[torch.randn(3, 12)]):
+            pass
+
+
+def test_verify_is_skipped_when_the_block_raises_or_disabled():
+    sch = schedlang.create_schedule(MLP())
+    with pytest.raises(schedlang.ShardError):
+        with schedlang.Verify(sch, example_inputs=[torch.randn(3, 12)]):
+            sch["fc1"].shard("weight", axis=7)
+    with schedlang.Verify(sch, example_inputs=[torch.randn(3, 12)], enable=False):
+        sch["act"].replace(nn.ReLU())
+
+
+def test_verify_bf16_tolerances_and_kwargs():
+    class KW(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(16, 16)
+
+        def forward(self, x, scale=None):
+            return self.lin(x) * scale
+
+    model = KW().to(torch.bfloat16)
+    sch = schedlang.create_schedule(model)
+    x = torch.randn(8, 16, dtype=torch.bfloat16)
+    s = torch.rand(16, dtype=torch.bfloat16)
+    with schedlang.Verify(sch, example_inputs=[x], example_kwargs={"scale": s}) as v:
+        sch["lin"].decompose()
+    assert "input 'scale' gradient" in v.report.compared
+
+
+def test_verify_argument_errors():
+    sch = schedlang.create_schedule(MLP())
+    with pytest.raises(schedlang.ScheduleValueError, match="example_inputs must be a list or tuple of inputs, got Tensor"):
+        schedlang.Verify(sch, example_inputs=torch.randn(2, 12))
+    with schedlang.init_empty_weights():
+        meta = MLP()
+    msch = schedlang.create_schedule(meta)
+    with pytest.raises(schedlang.ScheduleValueError, match="Verify needs a model with real weights"):
+        with schedlang.Verify(msch, example_inputs=[torch.randn(2, 12)]):
+            msch["fc1"].decompose()
+
+
+def test_verify_reports_running_errors_as_mismatch():
+    sch = schedlang.create_schedule(MLP())
+    with pytest.raises(schedlang.VerificationError, match=r"running the models raised RuntimeError"):
+        with schedlang.Verify(sch, example_inputs=[torch.randn(2, 12)]):
+            sch["fc1"].replace(nn.Linear(3, 20))
