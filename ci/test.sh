@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Install schedlang with its test and docs extras and run the whole suite (README.md, quick start 2).
+# torch==2.13.0 is named explicitly: on the CI machines it resolves to a local CPU build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m pip install --quiet --upgrade pip >/dev/null 2>&1 || true
+python3 -m pip install --quiet "torch==2.13.0" -e ".[test,docs]"
+python3 -m pip check || true
+log=$(mktemp)
+set +e
+python3 -m pytest -q -p no:cacheprovider 2>&1 | tee "$log"
+status=${PIPESTATUS[0]}
+set -e
+if [ "$status" -eq 5 ] || ! grep -Eq '[0-9]+ passed' "$log"; then
+  echo "ci: no tests ran" >&2
+  exit 1
+fi
+exit "$status"
