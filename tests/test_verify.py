@@ -113,3 +113,17 @@ def test_verify_reports_running_errors_as_mismatch():
     with pytest.raises(schedlang.VerificationError, match=r"running the models raised RuntimeError"):
         with schedlang.Verify(sch, example_inputs=[torch.randn(2, 12)]):
             sch["fc1"].replace(nn.Linear(3, 20))
+
+
+@pytest.mark.gpu
+def test_verify_on_cuda_catches_backward_only_bug():
+    sch = schedlang.create_schedule(MLP(7, 13))
+    x = torch.randn(5, 7, device="cuda")
+    with schedlang.Verify(sch, example_inputs=[x]) as v:
+        sch["fc1"].decompose()
+        sch["fc1"].shard("weight", axis=0)
+        sch["fc1"].shard("bias", axis=0)
+    assert v.report.passed
+    with pytest.raises(schedlang.VerificationError, match="input\\[0\\] gradient"):
+        with schedlang.Verify(sch, example_inputs=[x]):
+            sch["act"].replace(BrokenGELU())
