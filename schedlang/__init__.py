@@ -11,7 +11,7 @@ checkpoint, trace, find, fuse ...), check it with ``Verify`` and ``build`` it::
     model, optimizer = schedlang.build(sch, optimizer="adamw", lr=1e-4)
 """
 
-from . import distributed, primitives
+from . import distributed, env, primitives
 from .build import build
 from .errors import (DistributedError, LoweringError, NotTracedError, PatternError, PlanError,
                      PlanSerializationError, ScheduleKeyError, ScheduleTypeError, ScheduleValueError,
@@ -26,7 +26,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Schedule", "create_schedule", "Plan", "Step", "replay", "list_primitives", "build", "Verify",
-    "init_empty_weights", "call_module", "distributed", "primitives",
+    "init_empty_weights", "call_module", "distributed", "env", "primitives",
     "SchedlangError", "ScheduleKeyError", "ScheduleValueError", "ScheduleTypeError", "ShardError", "SyncError",
     "PlanError", "PlanSerializationError", "TraceError", "NotTracedError", "PatternError", "LoweringError",
     "VerificationError", "DistributedError", "__version__",
