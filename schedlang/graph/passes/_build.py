@@ -1,0 +1,113 @@
+"""Building blocks shared by the fusion rules: fused parameters, stacking and unstacking."""
+
+from __future__ import annotations
+
+import operator
+import weakref
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Union
+
+import torch
+from torch import fx
+
+from ._context import ParamSource, RewriteContext
+from ._nodes import piece_of, shape_key
+
+__all__ = ["TensorRef", "attr_ref", "module_ref", "fuse_tensors", "stack", "unstack", "group_key"]
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """A parameter a member uses: a get_attr node, or ``<module target>.<name>`` of a called module.
+
+    ``exclusive`` says the member is its only user, so it may be moved into a fused parameter.
+    """
+
+    target: str
+    node: Optional[fx.Node]
+    value: torch.Tensor
+    exclusive: bool
+
+
+def attr_ref(ctx: RewriteContext, node: fx.Node) -> Optional[TensorRef]:
+    if not isinstance(node, fx.Node) or node.op != "get_attr":
+        return None
+    value = ctx.tensor(node.target)
+    if not isinstance(value, torch.Tensor):
+        return None
+    return TensorRef(node.target, node, value, ctx.exclusive_attr(node))
+
+
+def module_ref(ctx: RewriteContext, member: fx.Node, name: str) -> Optional[TensorRef]:
+    value = getattr(ctx.get_submodule(member.target), name, None)
+    if value is None:
+        return None
+    return TensorRef(f"{member.target}.{name}", None, value, ctx.exclusive_module(member))
+
+
+def fuse_tensors(ctx: RewriteContext, hint: str, refs: Sequence[TensorRef], how: str, dim: int) -> fx.Node:
+    """One tensor holding ``refs`` concatenated (``how="cat"``) or stacked along ``dim``.
+
+    When every member owns its parameter, the result is a new parameter initialized from
+    the originals (they are deleted at commit once unused). Otherwise the graph
+    concatenates the originals on every call, which keeps shared (tied) weights shared.
+    """
+    if all(r.exclusive for r in refs):
+        values = [r.value.detach() for r in refs]
+        value = torch.cat(values, dim) if how == "cat" else torch.stack(values, dim)
+        sources: List[ParamSource] = []
+        offset = 0
+        for r in refs:
+            if how == "cat":
+                length = r.value.shape[dim]
+                sources.append(ParamSource(r.target, (("narrow", dim, offset, length),), weakref.ref(r.value)))
+                offset += length
+            else:
+                sources.append(ParamSource(r.target, (("select", dim, offset, 1),), weakref.ref(r.value)))
+                offset += 1
+        return ctx.new_parameter(f"hfused_{hint}", value, refs[0].value.requires_grad, sources)
+    nodes = [r.node if r.node is not None else ctx.node("get_attr", r.target) for r in refs]
+    return ctx.call(torch.cat if how == "cat" else torch.stack, nodes, dim)
+
+
+def stack(ctx: RewriteContext, inputs: Sequence[fx.Node], dim: int) -> fx.Node:
+    return ctx.call(torch.stack, list(inputs), dim)
+
+
+def unstack(ctx: RewriteContext, grouped: fx.Node, dim: int, count: int) -> List[fx.Node]:
+    """``grouped.unbind(dim)`` and one getitem node per piece."""
+    parts = ctx.node("call_method", "unbind", (grouped, dim), num_pieces=count)
+    return [ctx.call(operator.getitem, parts, i) for i in range(count)]
+
+
+def group_key(ctx: RewriteContext, node: fx.Node, last_dim: Optional[int] = None):
+    """Grouping key of an operand: the split it is a piece of, else a same-shape key.
+
+    Preferring the split keeps the pieces of one split together, which the round-trip
+    rules then turn into a view of the split's input instead of a copy.
+    """
+    piece = piece_of(node)
+    if piece is not None:
+        if piece.spec.kind == "unbind":
+            return ("pieces", piece.spec.node)
+        size = piece.size if piece.size is not None else (last_dim if piece.spec.dim == -1 else None)
+        if size is not None:
+            return ("pieces", piece.spec.node, size)
+    return shape_key(node, ctx, last_dim)
+
+
+def stack_dim_for(inputs: Sequence[fx.Node], default: int) -> int:
+    """Where to put the group dimension when stacking ``inputs`` so a round trip can undo it.
+
+    Pieces of one unbind along ``g`` go back to ``g``; pieces of a split along ``d < 0`` go
+    right before ``d`` (then the stack is a view of the split's input).
+    """
+    pieces = [piece_of(i) for i in inputs]
+    if pieces and all(p is not None for p in pieces) and len({p.spec.node for p in pieces}) == 1:
+        spec = pieces[0].spec
+        if spec.kind == "unbind":
+            return spec.dim
+        if spec.dim < 0:
+            return spec.dim - 1
+        return spec.dim
+    return default

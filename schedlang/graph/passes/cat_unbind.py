@@ -1,0 +1,79 @@
+"""Rule ``cat_unbind``: concatenating the pieces of an unbind is a move and a flatten.
+
+Before (the end of the seed chain, after the layer norm and tanh were fused)::
+
+    unbind = tanh.unbind(-2)                                # tanh: (B, N, D)
+    y = torch.cat([unbind[0], ..., unbind[N-1]], -1)        # (B, N*D)
+
+After: ``y = tanh.flatten(-2, -1)`` (a view when ``tanh`` is contiguous). A run of
+consecutive pieces inside a longer list becomes a ``narrow`` first.
+"""
+
+from __future__ import annotations
+
+from typing import List
+
+from torch import fx
+
+from . import group_ops
+from ._context import RewriteContext, Rule
+from ._nodes import split_spec
+from ._roundtrip import CAT_FUNCTIONS, runs, tensor_list
+
+__all__ = ["CatUnbind"]
+
+
+def merge(ctx: RewriteContext, grouped: fx.Node, group_dim: int, dim: int) -> fx.Node:
+    """Node for ``torch.cat(grouped.unbind(group_dim), dim)``."""
+    if group_dim < 0 and dim < 0:
+        moved = grouped if group_dim == dim - 1 else ctx.method("movedim", grouped, group_dim, dim - 1)
+        return ctx.method("flatten", moved, dim - 1, dim)
+    if group_dim >= 0 and dim >= 0:
+        moved = grouped if group_dim == dim else ctx.method("movedim", grouped, group_dim, dim)
+        return ctx.method("flatten", moved, dim, dim + 1)
+    return ctx.call(group_ops.merge_group_dim, grouped, group_dim, dim)
+
+
+class CatUnbind(Rule):
+    name = "cat_unbind"
+    kind = "simplify"
+    description = "cat of the pieces of an unbind -> movedim + flatten of its input"
+
+    def _plan(self, node: fx.Node):
+        found = tensor_list(node, CAT_FUNCTIONS)
+        if found is None:
+            return None
+        tensors, dim = found
+        spec = split_spec(tensors) if isinstance(tensors, fx.Node) else None
+        if spec is not None:
+            return ("whole", spec, dim) if spec.kind == "unbind" else None
+        if not isinstance(tensors, (list, tuple)):
+            return None
+        usable = [r for r in runs(tensors) if r.spec.kind == "unbind"]
+        return ("runs", tensors, dim, usable) if usable else None
+
+    def matches(self, ctx: RewriteContext) -> List[fx.Node]:
+        return [n for n in ctx.graph.nodes if self._plan(n) is not None]
+
+    def rewrite(self, ctx: RewriteContext, key, node: fx.Node) -> bool:
+        plan = self._plan(node)
+        if plan is None:
+            return False
+        with ctx.graph.inserting_before(node):
+            if plan[0] == "whole":
+                spec, dim = plan[1], plan[2]
+                result = merge(ctx, spec.base, spec.dim, dim)
+                n_in = "all"
+            else:
+                _, tensors, dim, usable = plan
+                items = list(tensors)
+                for run in reversed(usable):
+                    spec = run.spec
+                    source = spec.base if run.covers_all() else ctx.method("narrow", spec.base, spec.dim, run.first,
+                                                                           run.count)
+                    items[run.start:run.stop] = [merge(ctx, source, spec.dim, dim)]
+                result = items[0] if len(items) == 1 else ctx.call(node.target, items, dim)
+                n_in = str(len(tensors))
+        ctx.record(self.name, [node], result, f"cat of {n_in} unbind pieces -> flatten of the grouped tensor")
+        ctx.replace(node, result)
+        return True

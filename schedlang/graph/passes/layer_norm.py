@@ -1,0 +1,113 @@
+"""Rule ``layer_norm``: layer norms over the pieces of one split (or same-shape inputs) become one.
+
+Before (seed case: an embedding output cut into N features of width D)::
+
+    split = x.split(64, -1)
+    n0 = self.ln0(split[0]); n1 = self.ln1(split[1]); ...
+
+After: one normalization over a ``(B, N, D)`` stack, one affine step with stacked
+``(N, D)`` weight and bias::
+
+    stacked = torch.stack([split[0], split[1], ...], -2)     # a view after stack_unbind
+    y = group_ops.group_layer_norm(stacked, (64,), self.hfused_ln_weight_0, self.hfused_ln_bias_0, 1e-05, -2)
+    unbind = y.unbind(-2)
+    n0 = unbind[0]; ...
+
+Candidates: ``nn.LayerNorm`` (exact class, no hooks) and ``F.layer_norm`` whose weight
+and bias are module attributes or None. Key: operand shape/split, normalized shape,
+eps, which affine parameters exist, their dtype/device.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Hashable, List, Optional, Tuple
+
+import torch.nn.functional as F
+from torch import fx, nn
+
+from . import group_ops
+from ._build import TensorRef, attr_ref, fuse_tensors, group_key, module_ref, stack, stack_dim_for, unstack
+from ._context import RewriteContext, Rule
+from ._nodes import arg, is_call, module_of, plain_module
+
+__all__ = ["LayerNormGroup"]
+
+_Operands = Tuple[fx.Node, Tuple[int, ...], float, Optional[TensorRef], Optional[TensorRef]]
+
+
+def layer_norm_operands(ctx: RewriteContext, node: fx.Node) -> Optional[_Operands]:
+    """(input, normalized_shape, eps, weight, bias) of a fusable layer norm node."""
+    if node.op == "call_module":
+        module = module_of(ctx, node)
+        if module is None or not plain_module(module, nn.LayerNorm) or len(node.args) != 1 or node.kwargs:
+            return None
+        x = node.args[0]
+        shape, eps = tuple(module.normalized_shape), module.eps
+        weight = module_ref(ctx, node, "weight") if module.weight is not None else None
+        bias = module_ref(ctx, node, "bias") if module.bias is not None else None
+    elif is_call(node, (F.layer_norm,)):
+        x = arg(node, 0, "input")
+        shape = arg(node, 1, "normalized_shape")
+        shape = (shape,) if type(shape) is int else shape
+        if not isinstance(shape, (tuple, list)) or not all(type(s) is int for s in shape):
+            return None
+        shape = tuple(shape)
+        eps = arg(node, 4, "eps", 1e-5)
+        w, b = arg(node, 2, "weight"), arg(node, 3, "bias")
+        weight = None if w is None else attr_ref(ctx, w)
+        bias = None if b is None else attr_ref(ctx, b)
+        if (w is not None and weight is None) or (b is not None and bias is None) or not isinstance(eps, float):
+            return None
+    else:
+        return None
+    if not isinstance(x, fx.Node) or not shape:
+        return None
+    for ref in (weight, bias):
+        if ref is not None and tuple(ref.value.shape) != shape:
+            return None
+    return x, shape, eps, weight, bias
+
+
+def _param_signature(ref: Optional[TensorRef]):
+    return None if ref is None else (ref.value.dtype, ref.value.device, ref.value.requires_grad)
+
+
+class LayerNormGroup(Rule):
+    name = "layer_norm"
+    description = "layer norms over pieces of one split / same-shape inputs -> one layer norm on a (B, N, D) view"
+    needs_independence = True
+
+    def collect(self, ctx: RewriteContext) -> Dict[Hashable, List[fx.Node]]:
+        groups: Dict[Hashable, List[fx.Node]] = {}
+        for node in ctx.graph.nodes:
+            ops = layer_norm_operands(ctx, node)
+            if ops is None:
+                continue
+            x, shape, eps, weight, bias = ops
+            key = group_key(ctx, x, shape[-1] if len(shape) == 1 else None)
+            if key[0] == "node":
+                continue
+            groups.setdefault((key, shape, eps, _param_signature(weight), _param_signature(bias)), []).append(node)
+        return groups
+
+    def rewrite(self, ctx: RewriteContext, key: Hashable, members: List[fx.Node]) -> bool:
+        operands = [layer_norm_operands(ctx, m) for m in members]
+        inputs = [o[0] for o in operands]
+        shape, eps = operands[0][1], operands[0][2]
+        weights = [o[3] for o in operands]
+        biases = [o[4] for o in operands]
+        k = len(shape)
+        dim = stack_dim_for(inputs, -(k + 1))
+        if not (dim == 0 or dim <= -(k + 1)):
+            dim = -(k + 1)
+        n = len(members)
+        with ctx.graph.inserting_before(members[0]):
+            w = fuse_tensors(ctx, "ln_weight", weights, "stack", 0) if weights[0] is not None else None
+            b = fuse_tensors(ctx, "ln_bias", biases, "stack", 0) if biases[0] is not None else None
+            grouped = stack(ctx, inputs, dim)
+            y = ctx.call(group_ops.group_layer_norm, grouped, shape, w, b, eps, dim)
+            outs = unstack(ctx, y, dim, n)
+        ctx.record(self.name, members, y, f"{n} x layer_norm{shape} -> 1 group_layer_norm over {n} stacked pieces")
+        for m, out in zip(members, outs):
+            ctx.replace(m, out)
+        return True

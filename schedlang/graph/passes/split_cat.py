@@ -1,0 +1,70 @@
+"""Rule ``split_cat``: concatenating the pieces of a split, in order, gives back its input.
+
+Before::
+
+    split = x.split([16, 16, 32], -1)
+    y = torch.cat([split[0], split[1], split[2]], -1)      # or torch.cat(split, -1)
+
+After: ``y = x``. A consecutive run of pieces inside a longer list becomes one
+``narrow`` view of ``x`` (``torch.cat([a, split[1], split[2], b])`` ->
+``torch.cat([a, x.narrow(-1, 16, 48), b])``). The cat must be along the split's dim.
+"""
+
+from __future__ import annotations
+
+from typing import List
+
+from torch import fx
+
+from ._context import RewriteContext, Rule
+from ._nodes import split_spec
+from ._roundtrip import CAT_FUNCTIONS, run_source, runs, same_dim, tensor_list
+
+__all__ = ["SplitCat"]
+
+
+class SplitCat(Rule):
+    name = "split_cat"
+    kind = "simplify"
+    description = "cat of the pieces of a split, in order, along its dim -> the split's input (or a narrow view)"
+
+    def _plan(self, node: fx.Node):
+        found = tensor_list(node, CAT_FUNCTIONS)
+        if found is None:
+            return None
+        tensors, dim = found
+        spec = split_spec(tensors) if isinstance(tensors, fx.Node) else None
+        if spec is not None:
+            return ("whole", spec) if spec.kind == "split" and same_dim(spec.dim, dim, spec.base) else None
+        if not isinstance(tensors, (list, tuple)):
+            return None
+        usable = [r for r in runs(tensors) if r.spec.kind == "split" and same_dim(r.spec.dim, dim, r.spec.base)]
+        return ("runs", tensors, dim, usable) if usable else None
+
+    def matches(self, ctx: RewriteContext) -> List[fx.Node]:
+        return [n for n in ctx.graph.nodes if self._plan(n) is not None]
+
+    def rewrite(self, ctx: RewriteContext, key, node: fx.Node) -> bool:
+        plan = self._plan(node)
+        if plan is None:
+            return False
+        if plan[0] == "whole":
+            ctx.record(self.name, [node], plan[1].base, f"cat(split('{plan[1].base.name}')) -> '{plan[1].base.name}'")
+            ctx.replace(node, plan[1].base)
+            return True
+        _, tensors, dim, usable = plan
+        items = list(tensors)
+        changed = False
+        with ctx.graph.inserting_before(node):
+            for run in reversed(usable):
+                source = run_source(ctx, run)
+                if source is not None:
+                    items[run.start:run.stop] = [source]
+                    changed = True
+            if not changed:
+                return False
+            result = items[0] if len(items) == 1 else ctx.call(node.target, items, dim)
+        ctx.record(self.name, [node], result, f"cat of {len(tensors)} tensors -> {len(items)} "
+                                              f"(runs of split pieces replaced by their source)")
+        ctx.replace(node, result)
+        return True

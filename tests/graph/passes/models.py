@@ -1,0 +1,139 @@
+"""Models and a numerics checker shared by the horizontal-fusion tests."""
+
+from __future__ import annotations
+
+import copy
+from typing import Dict, List, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+from schedlang.graph.passes.horizontal import fused_parameter_sources, horizontal_fuse
+
+
+def randomize(model: nn.Module) -> nn.Module:
+    """Give every parameter fresh random values (LayerNorm starts at ones/zeros otherwise)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.5 + (1.0 if p.dim() == 1 else 0.0))
+    return model
+
+
+class SplitLayerNormTanhCat(nn.Module):
+    """Seed case 1: an embedding output cut into N features, LayerNorm + tanh each, concatenated."""
+
+    def __init__(self, n=5, d=8, list_sizes=False):
+        super().__init__()
+        self.n, self.d, self.list_sizes = n, d, list_sizes
+        self.norms = nn.ModuleList(nn.LayerNorm(d) for _ in range(n))
+
+    def forward(self, x):
+        pieces = torch.split(x, [self.d] * self.n, -1) if self.list_sizes else x.split(self.d, -1)
+        return torch.cat([torch.tanh(self.norms[i](pieces[i])) for i in range(self.n)], -1)
+
+
+class ParallelBranches(nn.Module):
+    """Seed case 2: N parallel Linear -> LayerNorm -> ReLU branches on one input."""
+
+    def __init__(self, n=4, d_in=6, d=8, concat=False):
+        super().__init__()
+        self.concat = concat
+        self.linears = nn.ModuleList(nn.Linear(d_in, d) for _ in range(n))
+        self.norms = nn.ModuleList(nn.LayerNorm(d) for _ in range(n))
+
+    def forward(self, x):
+        outs = [torch.relu(norm(lin(x))) for lin, norm in zip(self.linears, self.norms)]
+        return torch.cat(outs, -1) if self.concat else tuple(outs)
+
+
+class BranchesOnPieces(nn.Module):
+    """N parallel Linear -> LayerNorm -> GELU branches, each on its own piece of the input."""
+
+    def __init__(self, n=3, d_in=5, d=7):
+        super().__init__()
+        self.d_in = d_in
+        self.linears = nn.ModuleList(nn.Linear(d_in, d) for _ in range(n))
+        self.norms = nn.ModuleList(nn.LayerNorm(d) for _ in range(n))
+        self.act = nn.GELU()
+
+    def forward(self, x):
+        pieces = x.split(self.d_in, -1)
+        outs = [self.act(self.norms[i](self.linears[i](pieces[i]))) for i in range(len(self.linears))]
+        return torch.cat(outs, -1)
+
+
+class DependentLinears(nn.Module):
+    """A chain of equal-shape linears: no two may be fused (each needs the previous one)."""
+
+    def __init__(self, d=6, depth=3):
+        super().__init__()
+        self.linears = nn.ModuleList(nn.Linear(d, d) for _ in range(depth))
+
+    def forward(self, x):
+        for lin in self.linears:
+            x = lin(x)
+        return x
+
+
+def run_with_grads(model: nn.Module, inputs: Sequence[torch.Tensor], grad_seed: int = 1):
+    """Outputs (flattened), input gradients and parameter gradients after one backward pass."""
+    inputs = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in inputs]
+    model.zero_grad(set_to_none=True)
+    out = model(*inputs)
+    outs = [out] if isinstance(out, torch.Tensor) else list(out)
+    gen = torch.Generator().manual_seed(grad_seed)
+    loss = sum((o * torch.randn(o.shape, generator=gen, dtype=o.dtype)).sum() for o in outs)
+    loss.backward()
+    return [o.detach() for o in outs], [x.grad for x in inputs if x.requires_grad]
+
+
+def check_fusion(model: nn.Module, inputs: Sequence[torch.Tensor], rules=None, min_group_size: int = 2,
+                 atol: float = 1e-5, rtol: float = 1.3e-6, gm: Optional[fx.GraphModule] = None):
+    """Trace, fuse, and compare outputs, input gradients and every parameter gradient.
+
+    A fused parameter's gradient is compared slice by slice with the gradients of the
+    originals it was built from. Returns (fused GraphModule, report).
+    """
+    traced = gm if gm is not None else fx.symbolic_trace(model)
+    fused = copy.deepcopy(traced)
+    report = horizontal_fuse(fused, rules=rules, min_group_size=min_group_size)
+    fused.graph.lint()
+    ref_out, ref_in_grads = run_with_grads(model, inputs)
+    out, in_grads = run_with_grads(fused, inputs)
+    assert len(out) == len(ref_out)
+    for a, b in zip(out, ref_out):
+        torch.testing.assert_close(a, b, atol=atol, rtol=rtol)
+    for a, b in zip(in_grads, ref_in_grads):
+        torch.testing.assert_close(a, b, atol=atol, rtol=rtol)
+    originals = dict(model.named_parameters())
+    fused_info = fused_parameter_sources(fused)
+    covered = set()
+    for name, p in fused.named_parameters():
+        if name in fused_info:
+            info = fused_info[name]
+            for src in info.sources:
+                covered.add(src.name)
+                torch.testing.assert_close(src.take(p.detach()), originals[src.name].detach(), atol=0, rtol=0)
+                torch.testing.assert_close(src.take(p.grad), originals[src.name].grad, atol=atol, rtol=rtol)
+        else:
+            covered.add(name)
+            torch.testing.assert_close(p.grad, originals[name].grad, atol=atol, rtol=rtol)
+    assert covered == set(originals), f"parameters not accounted for: {set(originals) - covered}"
+    return fused, report
+
+
+def count_calls(gm: fx.GraphModule) -> Dict[str, int]:
+    """How many nodes call each op, by a readable name (module class, function or method name)."""
+    counts: Dict[str, int] = {}
+    for n in gm.graph.nodes:
+        if n.op == "call_module":
+            key = type(gm.get_submodule(n.target)).__name__
+        elif n.op == "call_function":
+            key = getattr(n.target, "__name__", str(n.target))
+        elif n.op == "call_method":
+            key = n.target
+        else:
+            continue
+        counts[key] = counts.get(key, 0) + 1
+    return counts
