@@ -16,6 +16,7 @@ Example::
 from __future__ import annotations
 
 import keyword
+import logging
 import math
 import re
 from dataclasses import dataclass, field
@@ -155,10 +156,18 @@ def fake_propagate(owner: torch.nn.Module, graph: torch.fx.Graph, metas):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with mode:
-        fakes = [torch.empty(shape, dtype=dtype) for shape, dtype in metas]
-        prop = _FakeProp(owner, graph)
-        prop.run(*fakes)
+    # a subgraph that rejects these shapes is reported by our error; keep the fake-tensor
+    # machinery from logging the same failure as an internal error
+    fake_logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = fake_logger.level
+    fake_logger.setLevel(logging.CRITICAL)
+    try:
+        with mode:
+            fakes = [torch.empty(shape, dtype=dtype) for shape, dtype in metas]
+            prop = _FakeProp(owner, graph)
+            prop.run(*fakes)
+    finally:
+        fake_logger.setLevel(level)
     return prop.metas
 
 
@@ -307,6 +316,11 @@ class _Translator:
             raise op_table.Unsupported("does not produce a tensor")
         shape, dtype = self.metas[node]
         if not _shape_agrees(shape, self.full_shape, value):
+            if value.squeezed and (value.cols or len(shape) == len(self.full_shape)):
+                raise op_table.Unsupported(
+                    f"mixes a reduction taken without keepdim=True with tensors that keep the last dimension "
+                    f"(PyTorch broadcasts the reduced tensor along another axis, giving shape {tuple(shape)}); "
+                    "reduce with keepdim=True")
             raise op_table.Unsupported(
                 f"produces shape {tuple(shape)}, which is not an elementwise broadcast of the subgraph's "
                 f"rows x last-dimension grid {tuple(self.full_shape)} (as {value.kind} values)")
@@ -328,7 +342,8 @@ class _Translator:
             shape, dtype = self.metas[item]
             value = self.env[item]
             want = _class_shape(self.full_shape, value)
-            if tuple(shape) != want and not (value.squeezed and tuple(shape) == tuple(self.full_shape[:-1])):
+            padded = (1,) * (len(want) - len(shape)) + tuple(shape)
+            if len(shape) > len(want) or padded != want:
                 self.problems.append((item, f"output of shape {tuple(shape)} is broadcast over some leading "
                                             f"dimensions of {tuple(self.full_shape)}; only outputs spanning all "
                                             "rows (or none) are fused"))

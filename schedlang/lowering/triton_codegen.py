@@ -137,12 +137,12 @@ def backward_plan(spec: Specialization, needs_grad: tuple, has_grad_output: tupl
         if not need or grad is None or inp.dtype == torch.bool:
             continue
         if inp.kind in ("full", "row"):
-            dtype = torch.float32 if inp.expand else inp.dtype
+            dtype = spec.compute_dtype if inp.expand else inp.dtype
             sinks.append(Sink("grad", grad, f"d_{inp.name}", inp.kind, dtype, k))
         elif inp.kind == "col":
-            sinks.append(Sink("col_partial", grad, f"d_{inp.name}_partial", "col", torch.float32, k))
+            sinks.append(Sink("col_partial", grad, f"d_{inp.name}_partial", "col", spec.compute_dtype, k))
         else:
-            sinks.append(Sink("scalar_partial", grad, f"d_{inp.name}_partial", "scalar", torch.float32, k))
+            sinks.append(Sink("scalar_partial", grad, f"d_{inp.name}_partial", "scalar", spec.compute_dtype, k))
     plan = KernelPlan(f"{_snake(spec.name)}_bwd_kernel{tag}", "backward", spec, sinks, [], grad_outputs)
     plan = _finish(plan)
     plan.persistent = plan.reduces_rows
@@ -155,6 +155,14 @@ def _kind_of(v: Value) -> str:
 
 
 # --------------------------------------------------------------------------- source emission
+
+def _downcast(expr: str, tl_dtype: str) -> str:
+    """Cast to a narrower float type, rounding to nearest even as PyTorch does (``to_bf16``
+    is defined in the module prelude)."""
+    if tl_dtype == "tl.bfloat16":
+        return f"to_bf16({expr})"
+    return f"{expr}.to({tl_dtype})"
+
 
 def _literal(value) -> str:
     if isinstance(value, bool):
@@ -174,7 +182,7 @@ class _Emitter:
         self.compute = TL_DTYPES[self.spec.compute_dtype]
         self.names: dict[int, str] = {}
         self.taken = {"n_rows", "n_cols", "seed", "pid", "rows", "cols", "mask", "row_mask", "col_mask", "tl",
-                      "triton", "BLOCK_R", "BLOCK_N", "row_block", "INF", "NAN", "tanh", "n_cols_f", "libdevice",
+                      "triton", "BLOCK_R", "BLOCK_N", "row_block", "INF", "NAN", "tanh", "to_bf16", "n_cols_f", "libdevice",
                       "zero_index"}
         self.taken |= {f"{inp.name}_ptr" for inp in self.spec.inputs}
         self.taken |= {f"{inp.name}_row_stride" for inp in self.spec.inputs}
@@ -281,7 +289,7 @@ class _Emitter:
         if op in ("maximum", "minimum"):
             return f"tl.{op}({self.num(a[0])}, {self.num(a[1])})"
         if op == "round":
-            return f"{self.num(a[0])}.to({_ROUND_DTYPES[v.attr('dtype')]}).to({self.compute})"
+            return f"{_downcast(self.num(a[0]), _ROUND_DTYPES[v.attr('dtype')])}.to({self.compute})"
         if op == "row0":
             return f"tl.where(rows == 0, {self.num(a[0])}, 0.0)"
         if op == "not":
@@ -338,10 +346,11 @@ class _Emitter:
         self.sink_names = {}
         for sink in plan.sinks:
             self.sink_names[id(sink)] = self._fresh(sink.name)
-            what = {"output": "", "grad": "gradient ", "col_partial": "per-program column sums (float32) ",
-                    "scalar_partial": "per-program sums (float32) "}[sink.role]
+            what = {"output": "", "grad": "gradient ", "col_partial": "per-program column sums ",
+                    "scalar_partial": "per-program sums "}[sink.role]
             if sink.role in ("col_partial", "scalar_partial"):
-                desc = "(programs, n_cols)" if sink.role == "col_partial" else "(programs,)"
+                dt = str(sink.dtype).replace("torch.", "")
+                desc = f"(programs, n_cols) {dt}" if sink.role == "col_partial" else f"(programs,) {dt}"
             else:
                 desc = _describe(sink.kind, sink.dtype, plan.spec)
             params.append((f"{self.sink_names[id(sink)]}_ptr", f"{what}{desc}"))
@@ -362,14 +371,17 @@ class _Emitter:
             ptr, mask = self.offsets(name, sink.kind, stride)
             value = self.tile(v, rows, cols)
             if sink.dtype != self.spec.compute_dtype:
-                value = f"{value}.to({TL_DTYPES[sink.dtype]})"
+                value = _downcast(value, TL_DTYPES[sink.dtype])
+            # row-invariant results are written once, by the first program (masks built as
+            # tensors: a scalar condition is not a valid store mask everywhere)
             if sink.kind == "col":
-                mask = "col_mask & (tl.program_id(0) == 0)"
+                mask = "col_mask & ((zero_index + tl.program_id(0)) == 0)"
             elif sink.kind == "scalar":
-                mask = "(tl.program_id(0) == 0) & (tl.program_id(1) == 0)"
+                mask = "(zero_index + tl.program_id(0) + tl.program_id(1)) == 0"
             if sink.kind == "row" and v.cols:  # gradient of a row input: sum over the row
-                value = (f"tl.sum(tl.where(mask, {self.tile(v, True, True)}, 0.0), axis=1, keep_dims=True)"
-                         + (f".to({TL_DTYPES[sink.dtype]})" if sink.dtype != self.spec.compute_dtype else ""))
+                value = f"tl.sum(tl.where(mask, {self.tile(v, True, True)}, 0.0), axis=1, keep_dims=True)"
+                if sink.dtype != self.spec.compute_dtype:
+                    value = _downcast(value, TL_DTYPES[sink.dtype])
             self.lines.append(f"{indent}tl.store({ptr}, {value}, mask={mask})")
         else:
             # gradients always span rows (see autodiff); padded rows and columns add zero
@@ -390,7 +402,7 @@ class _Emitter:
         self.lines = [f'    """{doc[0]}'] + [f"    {line}" if line else "" for line in doc[1:]] + ['    """']
         uses_scalar = any(v.op == "input" and spec.inputs[v.attr("index")].kind == "scalar" for v in plan.values) \
             or any(v.op == "grad_output" and not v.rows and not v.cols for v in plan.values) \
-            or any(s.kind == "scalar" and s.role in ("output", "grad") for s in plan.sinks)
+            or any(s.kind in ("scalar", "col") and s.role in ("output", "grad") for s in plan.sinks)
         if plan.whole_row:
             self.lines.append("    cols = tl.arange(0, BLOCK_N)[None, :]  # the whole row: BLOCK_N >= n_cols")
         else:
@@ -414,9 +426,9 @@ class _Emitter:
             for sink in plan.sinks:
                 name = self.sink_names[id(sink)]
                 if sink.role == "col_partial":
-                    self.lines.append(f"    {name}_acc = tl.zeros([1, BLOCK_N], dtype=tl.float32)")
+                    self.lines.append(f"    {name}_acc = tl.zeros([1, BLOCK_N], dtype={self.compute})")
                 elif sink.role == "scalar_partial":
-                    self.lines.append(f"    {name}_acc = tl.zeros([1, 1], dtype=tl.float32)")
+                    self.lines.append(f"    {name}_acc = tl.zeros([1, 1], dtype={self.compute})")
             self.lines.append("    # each program walks the row blocks pid, pid + programs, ... and keeps its column "
                               "sums in registers")
             self.lines.append("    for row_block in range(tl.program_id(0), tl.cdiv(n_rows, BLOCK_R), "
@@ -495,6 +507,11 @@ NAN = tl.constexpr(float("nan"))
 @triton.jit
 def tanh(x):
     return libdevice.tanh(x)
+
+
+@triton.jit
+def to_bf16(x):
+    return x.to(tl.bfloat16)
 '''
 
 _PRELUDE_INTERPRET = '''import triton
@@ -508,6 +525,14 @@ NAN = tl.constexpr(float("nan"))
 def tanh(x):
     # 1 - 2 / (exp(2x) + 1): exact limits at +-inf (the interpreter has no libdevice)
     return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def to_bf16(x):
+    # round to nearest even on the bits: the interpreter's float32 -> bfloat16 cast truncates
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
 '''
 
 
