@@ -45,7 +45,7 @@ import triton.language as tl
 from schedlang.kernels.multi_tensor_adam_reference import multi_tensor_adam_reference
 from schedlang.kernels.multi_tensor_apply import ROW_WIDTH, ChunkTables, is_dense, use_triton
 
-__all__ = ["multi_tensor_adam", "reference", "DEFAULT_CONFIG", "INTERPRETER_CONFIG"]
+__all__ = ["multi_tensor_adam", "AdamLauncher", "reference", "DEFAULT_CONFIG", "INTERPRETER_CONFIG"]
 
 reference = multi_tensor_adam_reference
 
@@ -194,6 +194,75 @@ def _log(beta: float) -> float:
     return math.log(beta) if beta > 0 else _LOG_OF_ZERO
 
 
+class AdamLauncher:
+    """A prepared Adam(W) launch over fixed lists of tensors; call it once per step.
+
+    The constructor builds (or takes from ``tables``) the device tables; the launcher keeps
+    references to the parameters and state but not to the gradients, whose addresses it
+    recorded: the caller passes the same gradients (same addresses) to every call. Tensors
+    that are not contiguous, and CPU tensors without the Triton interpreter, go through
+    :func:`reference` on each call.
+
+    Example::
+
+        launch = AdamLauncher(params, grads, exp_avgs, exp_avg_sqs, [], steps)
+        launch(grads, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
+    """
+
+    def __init__(self, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *,
+                 amsgrad: bool = False, tables: ChunkTables | None = None, config: dict | None = None):
+        n = len(params)
+        self.amsgrad = amsgrad
+        vmaxes = list(max_exp_avg_sqs) if amsgrad else [None] * n
+        device = params[0].device if n else torch.device("cpu")
+        triton_ok = use_triton(device)
+        dense = [triton_ok and is_dense(p, g, m, v, vm)
+                 for p, g, m, v, vm in zip(params, grads, exp_avgs, exp_avg_sqs, vmaxes)]
+        self.strided = [i for i, d in enumerate(dense) if not d]
+        self.strided_state = [(params[i], exp_avgs[i], exp_avg_sqs[i], vmaxes[i], state_steps[i])
+                              for i in self.strided]
+        keep = [i for i, d in enumerate(dense) if d]
+        self.n_kernel = len(keep)
+        if not keep:
+            return
+        cfg = dict(INTERPRETER_CONFIG if device.type == "cpu" else DEFAULT_CONFIG)
+        cfg.update(config or {})
+        self.config = cfg
+        rows = [(params[i].data_ptr(), grads[i].data_ptr(), exp_avgs[i].data_ptr(), exp_avg_sqs[i].data_ptr(),
+                 vmaxes[i].data_ptr() if amsgrad else 0, state_steps[i].data_ptr()) for i in keep]
+        tables = tables if tables is not None else ChunkTables()
+        self.tensor_table, self.chunk_map, self.aligned = tables.get(
+            rows, [params[i].numel() for i in keep], cfg["chunk_size"], device)
+        self.param_dtype = _TRITON_DTYPES[params[keep[0]].dtype]
+        self.grad_dtype = _TRITON_DTYPES[grads[keep[0]].dtype]
+        # the kernel reads through raw addresses: keep what it writes alive with the tables
+        self._alive = [(params[i], exp_avgs[i], exp_avg_sqs[i], vmaxes[i], state_steps[i]) for i in keep]
+
+    def __call__(self, grads, *, lr, beta1: float, beta2: float, eps: float, weight_decay: float,
+                 maximize: bool = False, decoupled_weight_decay: bool = False) -> None:
+        if self.strided:
+            p, m, v, vm, s = (list(x) for x in zip(*self.strided_state))
+            reference(p, [grads[i] for i in self.strided], m, v, vm if self.amsgrad else [], s,
+                      lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, amsgrad=self.amsgrad,
+                      maximize=maximize, decoupled_weight_decay=decoupled_weight_decay)
+        if not self.n_kernel:
+            return
+        n = self.n_kernel
+        _increment_steps_kernel[(triton.cdiv(n, 1024),)](self.tensor_table, n, STEP_COLUMN=_STEP, ROW=ROW_WIDTH,
+                                                        BLOCK=1024, num_warps=4)
+        lr_on_device = isinstance(lr, torch.Tensor)
+        cfg = self.config
+        _multi_tensor_adam_kernel[(self.chunk_map.shape[0],)](
+            self.tensor_table, self.chunk_map, lr if lr_on_device else self.tensor_table,
+            0.0 if lr_on_device else float(lr),
+            float(beta1), float(beta2), _log(beta1), _log(beta2), float(eps), float(weight_decay),
+            PARAM_DTYPE=self.param_dtype, GRAD_DTYPE=self.grad_dtype, LR_ON_DEVICE=lr_on_device,
+            AMSGRAD=self.amsgrad, MAXIMIZE=bool(maximize), DECOUPLED=bool(decoupled_weight_decay),
+            HAS_WEIGHT_DECAY=weight_decay != 0, ALIGNED=self.aligned,
+            CHUNK=cfg["chunk_size"], BLOCK=cfg["block_size"], ROW=ROW_WIDTH, num_warps=cfg["num_warps"],
+        )
+
+
 def multi_tensor_adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *,
                       lr, beta1: float, beta2: float, eps: float, weight_decay: float,
                       amsgrad: bool = False, maximize: bool = False,
@@ -205,7 +274,8 @@ def multi_tensor_adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, sta
     ``grads`` of one dtype, fp32 ``exp_avgs``/``exp_avg_sqs`` (and ``max_exp_avg_sqs`` when
     ``amsgrad``, else ``[]``) shaped like the params, and 0-d fp32 ``state_steps`` on the same
     device (incremented here). ``lr`` is a float or a 0-d tensor on that device. ``tables``
-    keeps the launch tables between calls; ``config`` overrides the launch shape.
+    keeps the launch tables between calls; ``config`` overrides the launch shape
+    (``chunk_size``, ``block_size``: powers of two, ``num_warps``).
 
     Tensors that are not contiguous, and CPU tensors when the Triton interpreter is off, go
     through :func:`reference`.
@@ -217,45 +287,7 @@ def multi_tensor_adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, sta
     """
     if not params:
         return
-    kwargs = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-                  amsgrad=amsgrad, maximize=maximize, decoupled_weight_decay=decoupled_weight_decay)
-    device = params[0].device
-    if not use_triton(device):
-        return reference(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, **kwargs)
-    vmaxes = max_exp_avg_sqs if amsgrad else [None] * len(params)
-    dense = [is_dense(p, g, m, v, vm) for p, g, m, v, vm in zip(params, grads, exp_avgs, exp_avg_sqs, vmaxes)]
-    if not all(dense):
-        strided = [i for i, d in enumerate(dense) if not d]
-
-        def pick(seq):
-            return [seq[i] for i in strided] if seq else seq
-
-        reference(pick(params), pick(grads), pick(exp_avgs), pick(exp_avg_sqs),
-                  pick(max_exp_avg_sqs if amsgrad else []), pick(state_steps), **kwargs)
-        keep = [i for i, d in enumerate(dense) if d]
-        if not keep:
-            return
-        params, grads, exp_avgs, exp_avg_sqs, state_steps, vmaxes = (
-            [seq[i] for i in keep] for seq in (params, grads, exp_avgs, exp_avg_sqs, state_steps, vmaxes))
-        tables = None  # the cached tables describe the full list
-
-    cfg = dict(INTERPRETER_CONFIG if device.type == "cpu" else DEFAULT_CONFIG)
-    cfg.update(config or {})
-    rows = [(p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), vm.data_ptr() if vm is not None else 0,
-             s.data_ptr())
-            for p, g, m, v, vm, s in zip(params, grads, exp_avgs, exp_avg_sqs, vmaxes, state_steps)]
-    tables = tables if tables is not None else ChunkTables()
-    tensor_table, chunk_map, aligned = tables.get(rows, [p.numel() for p in params], cfg["chunk_size"], device)
-
-    n = len(params)
-    _increment_steps_kernel[(triton.cdiv(n, 1024),)](tensor_table, n, STEP_COLUMN=_STEP, ROW=ROW_WIDTH,
-                                                    BLOCK=1024, num_warps=4)
-    lr_on_device = isinstance(lr, torch.Tensor)
-    _multi_tensor_adam_kernel[(chunk_map.shape[0],)](
-        tensor_table, chunk_map, lr if lr_on_device else tensor_table, 0.0 if lr_on_device else float(lr),
-        float(beta1), float(beta2), _log(beta1), _log(beta2), float(eps), float(weight_decay),
-        PARAM_DTYPE=_TRITON_DTYPES[params[0].dtype], GRAD_DTYPE=_TRITON_DTYPES[grads[0].dtype],
-        LR_ON_DEVICE=lr_on_device, AMSGRAD=amsgrad, MAXIMIZE=maximize, DECOUPLED=decoupled_weight_decay,
-        HAS_WEIGHT_DECAY=weight_decay != 0, ALIGNED=aligned,
-        CHUNK=cfg["chunk_size"], BLOCK=cfg["block_size"], ROW=ROW_WIDTH, num_warps=cfg["num_warps"],
-    )
+    AdamLauncher(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, amsgrad=amsgrad,
+                 tables=tables, config=config)(
+        grads, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, maximize=maximize,
+        decoupled_weight_decay=decoupled_weight_decay)

@@ -30,7 +30,7 @@ from schedlang.kernels.multi_tensor_adam import DEFAULT_CONFIG, INTERPRETER_CONF
 from schedlang.kernels.multi_tensor_apply import ROW_WIDTH, ChunkTables, is_dense, use_triton
 from schedlang.kernels.multi_tensor_sgd_reference import multi_tensor_sgd_reference
 
-__all__ = ["multi_tensor_sgd", "reference"]
+__all__ = ["multi_tensor_sgd", "SGDLauncher", "reference"]
 
 reference = multi_tensor_sgd_reference
 
@@ -105,6 +105,74 @@ def _multi_tensor_sgd_kernel(
                    PARAM_DTYPE, HAS_MOMENTUM, NESTEROV, MAXIMIZE, HAS_WEIGHT_DECAY)
 
 
+class SGDLauncher:
+    """A prepared SGD launch over fixed lists of tensors; call it once per step.
+
+    Keeps references to parameters and buffers, not to gradients (see
+    :class:`~schedlang.kernels.multi_tensor_adam.AdamLauncher`). ``fresh[i]`` marks a buffer
+    allocated for the first call: that call writes it without reading it, later calls read it.
+
+    Example::
+
+        launch = SGDLauncher(params, grads, buffers, [True] * len(params), has_momentum=True)
+        launch(grads, lr=0.1, momentum=0.9, dampening=0.0, weight_decay=0.0)
+    """
+
+    def __init__(self, params, grads, momentum_buffers, fresh, *, has_momentum: bool = True,
+                 tables: ChunkTables | None = None, config: dict | None = None):
+        n = len(params)
+        self.has_momentum = has_momentum
+        buffers = list(momentum_buffers) if has_momentum else [None] * n
+        fresh = [bool(f) for f in fresh] if has_momentum else [False] * n
+        device = params[0].device if n else torch.device("cpu")
+        triton_ok = use_triton(device)
+        dense = [triton_ok and is_dense(p, g, b) for p, g, b in zip(params, grads, buffers)]
+        self.strided = [i for i, d in enumerate(dense) if not d]
+        self.strided_state = [[params[i], buffers[i], fresh[i]] for i in self.strided]
+        keep = [i for i, d in enumerate(dense) if d]
+        self.n_kernel = len(keep)
+        self.any_fresh = any(fresh[i] for i in keep)
+        if not keep:
+            return
+        cfg = dict(INTERPRETER_CONFIG if device.type == "cpu" else DEFAULT_CONFIG)
+        cfg.update(config or {})
+        self.config = cfg
+        rows = [(params[i].data_ptr(), grads[i].data_ptr(), buffers[i].data_ptr() if has_momentum else 0,
+                 int(fresh[i])) for i in keep]
+        self.tables = tables if tables is not None else ChunkTables()
+        self.tensor_table, self.chunk_map, self.aligned = self.tables.get(
+            rows, [params[i].numel() for i in keep], cfg["chunk_size"], device)
+        self.param_dtype = _TRITON_DTYPES[params[keep[0]].dtype]
+        self.grad_dtype = _TRITON_DTYPES[grads[keep[0]].dtype]
+        self._alive = [(params[i], buffers[i]) for i in keep]
+
+    def __call__(self, grads, *, lr, momentum: float, dampening: float, weight_decay: float,
+                 nesterov: bool = False, maximize: bool = False) -> None:
+        kwargs = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                      nesterov=nesterov, maximize=maximize)
+        if self.strided:
+            p, b, f = (list(x) for x in zip(*self.strided_state))
+            reference(p, [grads[i] for i in self.strided], b, f, **kwargs)
+            for entry in self.strided_state:
+                entry[2] = False
+        if not self.n_kernel:
+            return
+        lr_on_device = isinstance(lr, torch.Tensor)
+        cfg = self.config
+        _multi_tensor_sgd_kernel[(self.chunk_map.shape[0],)](
+            self.tensor_table, self.chunk_map, lr if lr_on_device else self.tensor_table,
+            0.0 if lr_on_device else float(lr), float(momentum), float(dampening), float(weight_decay),
+            PARAM_DTYPE=self.param_dtype, GRAD_DTYPE=self.grad_dtype, LR_ON_DEVICE=lr_on_device,
+            HAS_MOMENTUM=self.has_momentum, NESTEROV=bool(nesterov), MAXIMIZE=bool(maximize),
+            HAS_WEIGHT_DECAY=weight_decay != 0, ALIGNED=self.aligned,
+            CHUNK=cfg["chunk_size"], BLOCK=cfg["block_size"], ROW=ROW_WIDTH, num_warps=cfg["num_warps"],
+        )
+        if self.any_fresh:
+            # the buffers hold their first value now: later steps must read them
+            self.tables.zero_column(_FRESH)
+            self.any_fresh = False
+
+
 def multi_tensor_sgd(params, grads, momentum_buffers, fresh, *, lr, momentum: float, dampening: float,
                      weight_decay: float, nesterov: bool = False, maximize: bool = False,
                      tables: ChunkTables | None = None, config: dict | None = None) -> None:
@@ -124,39 +192,6 @@ def multi_tensor_sgd(params, grads, momentum_buffers, fresh, *, lr, momentum: fl
     """
     if not params:
         return
-    kwargs = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
-                  nesterov=nesterov, maximize=maximize)
-    device = params[0].device
-    has_momentum = momentum != 0
-    buffers = momentum_buffers if has_momentum else [None] * len(params)
-    fresh = list(fresh) if has_momentum else [False] * len(params)
-    if not use_triton(device):
-        return reference(params, grads, buffers, fresh, **kwargs)
-    dense = [is_dense(p, g, b) for p, g, b in zip(params, grads, buffers)]
-    if not all(dense):
-        strided = [i for i, d in enumerate(dense) if not d]
-        reference(*([seq[i] for i in strided] for seq in (params, grads, buffers, fresh)), **kwargs)
-        keep = [i for i, d in enumerate(dense) if d]
-        if not keep:
-            return
-        params, grads, buffers, fresh = ([seq[i] for i in keep] for seq in (params, grads, buffers, fresh))
-        tables = None
-
-    cfg = dict(INTERPRETER_CONFIG if device.type == "cpu" else DEFAULT_CONFIG)
-    cfg.update(config or {})
-    rows = [(p.data_ptr(), g.data_ptr(), b.data_ptr() if b is not None else 0, int(bool(f)))
-            for p, g, b, f in zip(params, grads, buffers, fresh)]
-    tables = tables if tables is not None else ChunkTables()
-    tensor_table, chunk_map, aligned = tables.get(rows, [p.numel() for p in params], cfg["chunk_size"], device)
-    lr_on_device = isinstance(lr, torch.Tensor)
-    _multi_tensor_sgd_kernel[(chunk_map.shape[0],)](
-        tensor_table, chunk_map, lr if lr_on_device else tensor_table, 0.0 if lr_on_device else float(lr),
-        float(momentum), float(dampening), float(weight_decay),
-        PARAM_DTYPE=_TRITON_DTYPES[params[0].dtype], GRAD_DTYPE=_TRITON_DTYPES[grads[0].dtype],
-        LR_ON_DEVICE=lr_on_device, HAS_MOMENTUM=has_momentum, NESTEROV=nesterov, MAXIMIZE=maximize,
-        HAS_WEIGHT_DECAY=weight_decay != 0, ALIGNED=aligned,
-        CHUNK=cfg["chunk_size"], BLOCK=cfg["block_size"], ROW=ROW_WIDTH, num_warps=cfg["num_warps"],
-    )
-    if any(fresh):
-        # the buffers hold their first value now: later steps must read them
-        tables.zero_column(_FRESH)
+    SGDLauncher(params, grads, momentum_buffers, fresh, has_momentum=momentum != 0, tables=tables,
+                config=config)(grads, lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                               nesterov=nesterov, maximize=maximize)

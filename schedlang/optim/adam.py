@@ -69,12 +69,18 @@ class FusedAdam(FusedOptimizer):
                 raise ScheduleValueError(
                     f"Invalid beta parameter at index {i}: {_as_float(beta)}{where}: must be in [0, 1)")
 
-    def _step_group(self, group_index: int, group: dict, entries) -> None:
-        from schedlang.kernels.multi_tensor_adam import multi_tensor_adam
+    def _plan_flags(self, group: dict) -> tuple:
+        return (bool(group["amsgrad"]),)
 
+    def _checked_state_keys(self, group: dict) -> tuple:
+        keys = ("exp_avg", "exp_avg_sq", "step")
+        return keys + ("max_exp_avg_sq",) if group["amsgrad"] else keys
+
+    def _states_of(self, group: dict):
         amsgrad = group["amsgrad"]
 
-        def states_of(p, state):
+        def states_of(p, states):
+            state = states[p]
             if "step" not in state:  # lazy initialization, on the first step with a gradient
                 state["step"] = torch.zeros((), dtype=torch.float32, device=local_tensor(p).device)
                 state["exp_avg"] = fp32_state_like(p)
@@ -83,17 +89,22 @@ class FusedAdam(FusedOptimizer):
                 state["max_exp_avg_sq"] = fp32_state_like(p)
             return state["exp_avg"], state["exp_avg_sq"], state["max_exp_avg_sq"] if amsgrad else None, state["step"]
 
-        beta1, beta2 = (_as_float(b) for b in group["betas"])
-        decoupled = self._always_decoupled or bool(group.get("decoupled_weight_decay", False))
-        for key, (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps) in \
-                self._buckets(entries, states_of).items():
-            device = key[0]
-            multi_tensor_adam(
-                params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs if amsgrad else [], steps,
-                lr=self._lr_argument(group["lr"], device), beta1=beta1, beta2=beta2,
-                eps=_as_float(group["eps"]), weight_decay=_as_float(group["weight_decay"]),
-                amsgrad=amsgrad, maximize=group["maximize"], decoupled_weight_decay=decoupled,
-                tables=self._chunk_tables((group_index,) + key))
+        return states_of
+
+    def _make_launcher(self, lists, tables):
+        from schedlang.kernels.multi_tensor_adam import AdamLauncher
+
+        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = lists
+        amsgrad = max_exp_avg_sqs[0] is not None
+        return AdamLauncher(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs if amsgrad else [], steps,
+                            amsgrad=amsgrad, tables=tables)
+
+    def _launch(self, launcher, grads, group: dict, device: torch.device) -> None:
+        beta1, beta2 = group["betas"]
+        launcher(grads, lr=self._lr_argument(group["lr"], device), beta1=_as_float(beta1), beta2=_as_float(beta2),
+                 eps=_as_float(group["eps"]), weight_decay=_as_float(group["weight_decay"]),
+                 maximize=group["maximize"],
+                 decoupled_weight_decay=self._always_decoupled or bool(group.get("decoupled_weight_decay", False)))
 
 
 class FusedAdamW(FusedAdam):

@@ -13,7 +13,8 @@ the parameter, as torch.optim makes it), so DTensor and plain parameters mix fre
 from __future__ import annotations
 
 import logging
-from itertools import chain
+import operator
+from itertools import chain, compress, repeat
 
 import torch
 
@@ -61,9 +62,13 @@ class FusedOptimizer(torch.optim.Optimizer):
     """Base class of :class:`FusedAdam`, :class:`FusedAdamW` and :class:`FusedSGD`.
 
     Subclasses set ``_state_tensor_keys`` (state entries kept as fp32 tensors shaped like the
-    parameter), implement ``_check_group(group, where)`` (raise on bad hyperparameters) and
-    ``_step_group(group_index, group, entries)`` where ``entries`` lists ``(param, grad)`` pairs
-    of the group's parameters that have a gradient.
+    parameter) and implement ``_check_group(group, where)`` (raise on bad hyperparameters),
+    ``_states_of``, ``_make_launcher`` and ``_launch`` (see the stepping section below).
+
+    ``step`` keeps, per param group, a plan: the launchers of its buckets (device tables built
+    once) and what they assume. A step whose plan still holds costs a few passes over the
+    parameter list in C plus the launches; otherwise the plan is rebuilt (and the device tables
+    too when an address changed).
     """
 
     _state_tensor_keys: tuple[str, ...] = ()
@@ -115,6 +120,29 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     # -- stepping -------------------------------------------------------------------------
 
+    # subclass hooks
+    def _plan_flags(self, group: dict) -> tuple:
+        """Group settings that change what the launch tables hold (e.g. amsgrad)."""
+        return ()
+
+    def _checked_state_keys(self, group: dict) -> tuple:
+        """State entries whose tensors the launch tables point at."""
+        return ()
+
+    def _states_of(self, group: dict):
+        """``(param, state_mapping) -> tuple`` of what the launcher takes per tensor.
+
+        Creates missing state; ``state_mapping`` is ``self.state`` (a defaultdict: reading an
+        entry creates it, so an optimizer without state, SGD without momentum, leaves it alone).
+        """
+        raise NotImplementedError
+
+    def _make_launcher(self, lists, tables):
+        raise NotImplementedError
+
+    def _launch(self, launcher, grads, group: dict, device: torch.device) -> None:
+        raise NotImplementedError
+
     def _chunk_tables(self, key):
         from schedlang.kernels.multi_tensor_apply import ChunkTables
 
@@ -146,52 +174,74 @@ class FusedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        # check every gradient before any state is created or any tensor is written
+        plans = self.__dict__.setdefault("_schedlang_plans", {})
+        # first check everything, so that an error leaves every tensor and the state unchanged
         work = []
         for gi, group in enumerate(self.param_groups):
-            entries = []
-            for i, p in enumerate(group["params"]):
-                grad = p.grad
-                if grad is None:
+            plan = plans.get(gi)
+            grads = plan.grads_if_valid(self, group) if plan is not None else None
+            if grads is not None:
+                work.append((gi, group, plan, grads))
+            else:
+                work.append((gi, group, None, self._checked_entries(gi, group)))
+        for gi, group, plan, payload in work:
+            if plan is None:
+                if not payload:
+                    plans.pop(gi, None)
                     continue
-                if grad.is_sparse:
-                    raise ScheduleValueError(
-                        f"{type(self).__name__} does not support sparse gradients (parameter {i} of "
-                        f"param group {gi} has a {grad.layout} gradient); use torch.optim.SparseAdam or "
-                        f"dense gradients (e.g. nn.Embedding(sparse=False))")
-                if grad.dtype not in SUPPORTED_DTYPES:
-                    raise ScheduleTypeError(
-                        f"{type(self).__name__}: the gradient of parameter {i} of param group {gi} has "
-                        f"dtype {grad.dtype}; the fused kernels read {_DTYPE_NAMES} gradients")
-                entries.append((p, grad))
-            work.append(entries)
-        for gi, (group, entries) in enumerate(zip(self.param_groups, work)):
-            if entries:
-                self._step_group(gi, group, entries)
+                plan, payload = self._build_plan(gi, group, payload)
+                plans[gi] = plan
+            plan.launch(self, group, payload)
         return loss
 
-    def _buckets(self, entries, states_of):
-        """Sort ``(param, grad)`` pairs into launch buckets keyed by (device, dtypes).
+    def _checked_entries(self, gi: int, group: dict):
+        entries = []
+        for i, p in enumerate(group["params"]):
+            grad = p.grad
+            if grad is None:
+                continue
+            if grad.is_sparse:
+                raise ScheduleValueError(
+                    f"{type(self).__name__} does not support sparse gradients (parameter {i} of "
+                    f"param group {gi} has a {grad.layout} gradient); use torch.optim.SparseAdam or "
+                    f"dense gradients (e.g. nn.Embedding(sparse=False))")
+            if grad.dtype not in SUPPORTED_DTYPES:
+                raise ScheduleTypeError(
+                    f"{type(self).__name__}: the gradient of parameter {i} of param group {gi} has "
+                    f"dtype {grad.dtype}; the fused kernels read {_DTYPE_NAMES} gradients")
+            entries.append((p, grad))
+        return entries
 
-        ``states_of(param, state)`` returns the tuple of state tensors the kernel needs; the
-        bucket holds a list per position: locals of params, grads, then of each state tensor.
-        """
+    def _build_plan(self, gi: int, group: dict, entries):
+        """Create missing state, sort tensors into buckets, prepare one launcher per bucket."""
         dtensor = _dtensor_class()
-        buckets = {}
+        states_of = self._states_of(group)
         state = self.state
-        for p, g in entries:
+        buckets = {}
+        any_dtensor = False
+        for position, (p, g) in enumerate(entries):
             lp = local_tensor(p, dtensor)
             lg = local_tensor(g, dtensor)
+            any_dtensor = any_dtensor or lp is not p or lg is not g
             key = (lp.device, lp.dtype, lg.dtype)
-            lists = buckets.get(key)
-            extra = states_of(p, state[p])
-            if lists is None:
-                lists = buckets[key] = [[] for _ in range(2 + len(extra))]
+            extra = states_of(p, state)
+            bucket = buckets.get(key)
+            if bucket is None:
+                bucket = buckets[key] = ([], [[] for _ in range(2 + len(extra))])
+            bucket[0].append(position)
+            lists = bucket[1]
             lists[0].append(lp)
             lists[1].append(lg)
             for lst, t in zip(lists[2:], extra):
                 lst.append(local_tensor(t, dtensor) if isinstance(t, torch.Tensor) else t)
-        return buckets
+        launches = []
+        for key, (positions, lists) in buckets.items():
+            launcher = self._make_launcher(lists, self._chunk_tables((gi,) + key))
+            launches.append((key[0], launcher, positions if len(buckets) > 1 else None))
+        plan = _GroupPlan(self, group, entries, launches, fast=not any_dtensor)
+        return plan, [local_tensor(g, dtensor) for _, g in entries]
+
+    # -- state dict -----------------------------------------------------------------------
 
     # -- state dict -----------------------------------------------------------------------
 
@@ -236,9 +286,73 @@ class FusedOptimizer(torch.optim.Optimizer):
                 step = step.detach() if isinstance(step, torch.Tensor) else torch.tensor(float(step))
                 state["step"] = step.to(device=local_tensor(param).device, dtype=torch.float32, copy=True)
         self.__dict__.pop("_schedlang_chunk_tables", None)
+        self.__dict__.pop("_schedlang_plans", None)
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
         for group in self.param_groups:
             for key, value in self.defaults.items():
                 group.setdefault(key, value)
+
+
+_get_grad = operator.attrgetter("grad")
+_get_dtype = operator.attrgetter("dtype")
+_data_ptr = torch.Tensor.data_ptr
+
+
+class _GroupPlan:
+    """The launchers of one param group, and what must hold for them to be reused.
+
+    Reuse needs the same parameter list with gradients on the same parameters, every gradient
+    and parameter at its recorded address with its recorded dtype, the same state tensors and
+    the same table-shaping settings. Checking that is a few C-level passes over the list, much
+    cheaper than gathering everything again. Groups with DTensors are rebuilt on every step
+    (the launch tables themselves are still reused when no address changed).
+    """
+
+    def __init__(self, optimizer, group, entries, launches, fast: bool):
+        params = group["params"]
+        self.params_list = params
+        self.n_params = len(params)
+        have = {id(p) for p, _ in entries}
+        self.grad_mask = tuple(id(p) in have for p in params)
+        active = [p for p, _ in entries]
+        self.param_ptrs = tuple(map(_data_ptr, active)) if fast else None
+        self.grad_ptrs = tuple(_data_ptr(g) for _, g in entries) if fast else None
+        self.grad_dtypes = tuple(_get_dtype(g) for _, g in entries)
+        self.flags = optimizer._plan_flags(group)
+        self.state_obj = optimizer.state
+        self.state_len = len(optimizer.state)
+        keys = optimizer._checked_state_keys(group)
+        self.state_dicts = [optimizer.state[p] for p in active] if keys else []
+        self.state_checks = [(key, [st[key] for st in self.state_dicts]) for key in keys]
+        self.launches = launches
+        self.fast = fast
+
+    def grads_if_valid(self, optimizer, group):
+        """The group's gradients (active ones, in order) if the plan still holds, else None."""
+        params = group["params"]
+        if (not self.fast or params is not self.params_list or len(params) != self.n_params
+                or optimizer.state is not self.state_obj or len(optimizer.state) != self.state_len
+                or optimizer._plan_flags(group) != self.flags):
+            return None
+        try:
+            all_grads = list(map(_get_grad, params))
+            if tuple(map(operator.is_not, all_grads, repeat(None))) != self.grad_mask:
+                return None
+            grads = list(compress(all_grads, self.grad_mask))
+            if tuple(map(_data_ptr, grads)) != self.grad_ptrs or tuple(map(_get_dtype, grads)) != self.grad_dtypes:
+                return None
+            if tuple(map(_data_ptr, compress(params, self.grad_mask))) != self.param_ptrs:
+                return None
+            for key, tensors in self.state_checks:
+                if not all(map(operator.is_, map(operator.itemgetter(key), self.state_dicts), tensors)):
+                    return None
+        except (KeyError, RuntimeError, TypeError):  # a missing state entry, a sparse gradient...
+            return None
+        return grads
+
+    def launch(self, optimizer, group, grads) -> None:
+        for device, launcher, positions in self.launches:
+            bucket_grads = grads if positions is None else [grads[i] for i in positions]
+            optimizer._launch(launcher, bucket_grads, group, device)

@@ -55,14 +55,19 @@ class FusedSGD(FusedOptimizer):
                 f"Nesterov momentum requires a momentum and zero dampening{where}: got momentum={momentum}, "
                 f"dampening={dampening}")
 
-    def _step_group(self, group_index: int, group: dict, entries) -> None:
-        from schedlang.kernels.multi_tensor_sgd import multi_tensor_sgd
+    def _plan_flags(self, group: dict) -> tuple:
+        return (_as_float(group["momentum"]) != 0,)
 
-        momentum = _as_float(group["momentum"])
+    def _checked_state_keys(self, group: dict) -> tuple:
+        return ("momentum_buffer",) if _as_float(group["momentum"]) != 0 else ()
 
-        def states_of(p, state):
-            if momentum == 0:
+    def _states_of(self, group: dict):
+        has_momentum = _as_float(group["momentum"]) != 0
+
+        def states_of(p, states):
+            if not has_momentum:
                 return None, False
+            state = states[p]
             buf = state.get("momentum_buffer")
             if buf is None:  # the kernel writes it (with the first gradient) before any read
                 buf = state["momentum_buffer"] = torch.empty_like(
@@ -70,11 +75,17 @@ class FusedSGD(FusedOptimizer):
                 return buf, True
             return buf, False
 
-        for key, (params, grads, buffers, fresh) in self._buckets(entries, states_of).items():
-            device = key[0]
-            multi_tensor_sgd(
-                params, grads, buffers if momentum != 0 else [], fresh,
-                lr=self._lr_argument(group["lr"], device), momentum=momentum,
-                dampening=_as_float(group["dampening"]), weight_decay=_as_float(group["weight_decay"]),
-                nesterov=group["nesterov"], maximize=group["maximize"],
-                tables=self._chunk_tables((group_index,) + key))
+        return states_of
+
+    def _make_launcher(self, lists, tables):
+        from schedlang.kernels.multi_tensor_sgd import SGDLauncher
+
+        params, grads, buffers, fresh = lists
+        has_momentum = buffers[0] is not None
+        return SGDLauncher(params, grads, buffers if has_momentum else [], fresh, has_momentum=has_momentum,
+                           tables=tables)
+
+    def _launch(self, launcher, grads, group: dict, device: torch.device) -> None:
+        launcher(grads, lr=self._lr_argument(group["lr"], device), momentum=_as_float(group["momentum"]),
+                 dampening=_as_float(group["dampening"]), weight_decay=_as_float(group["weight_decay"]),
+                 nesterov=group["nesterov"], maximize=group["maximize"])
