@@ -124,8 +124,8 @@ def bench_adamw(args, bandwidth):
 
     sweep = []
     if args.sweep:
-        configs = [(65536, 2048, 8), (65536, 1024, 4), (32768, 4096, 8), (131072, 4096, 16),
-                   (16384, 1024, 4), (131072, 2048, 8)]
+        configs = [(16384, 1024, 4), (131072, 4096, 16), (65536, 1024, 4), (32768, 2048, 8),
+                   (8192, 1024, 4), (16384, 2048, 8), (16384, 1024, 4)]
         default = dict(mta.DEFAULT_CONFIG)
         best = None
         for chunk, block, warps in configs:
