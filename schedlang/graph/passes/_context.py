@@ -17,13 +17,14 @@ from typing import Any, Callable, Dict, Hashable, Iterable, List, Optional, Sequ
 
 import torch
 from torch import fx, nn
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from ._nodes import NUM_PIECES_META, is_call, split_spec
 
 __all__ = ["RewriteContext", "Rule", "FusionRecord", "ParamSource", "FusedParameter", "FUSED_SOURCES"]
 
 #: fused parameter -> where its parts come from (weakly keyed: forgotten with the parameter)
-FUSED_SOURCES: "weakref.WeakKeyDictionary[torch.Tensor, FusedParameter]" = weakref.WeakKeyDictionary()
+FUSED_SOURCES = WeakTensorKeyDictionary()
 
 
 @dataclass(frozen=True)
