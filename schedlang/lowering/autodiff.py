@@ -12,10 +12,11 @@ the sum can be pushed down to the leaves: a bias gradient is then one column sum
 very end instead of a cross-row reduction in the middle of the kernel. Two places must
 reduce early:
 
-* a row reduction (``rowsum``) needs the true gradient of its result, so a column-spanning
-  ``G`` is summed over columns first (in registers: rows are whole in one tile);
-* row values (``row`` kind) are reduced over columns as soon as their gradient is
-  complete, which is the same reduction done once.
+* a value without a column axis (a row statistic such as a mean or a variance, a scalar)
+  sums each incoming contribution over the columns before adding it up (in registers:
+  rows are whole in one tile). Contributions that span columns and contributions that do
+  not would otherwise be added as if they meant the same thing. Every gradient spans the
+  row axis (see below), so no such care is needed for rows.
 
 Outputs that do not span rows (a ``col`` output computed from weights only) receive their
 incoming gradient on row 0 alone, so that the final sum over rows counts it once.
@@ -53,6 +54,10 @@ def derive_gradients(g: Graph, outputs: list[Value], grad_outputs: list[Value | 
     def accumulate(v: Value, contribution: Value):
         if v.is_bool or v.op in ("const", "ncols", "keep_mask"):
             return
+        if contribution.cols and not v.cols:
+            # v has no column axis: sum the contribution over the row now (in registers),
+            # so that every term added up below means the same thing
+            contribution = g.rowsum(contribution)
         previous = grads.get(v.id)
         grads[v.id] = contribution if previous is None else g.add(previous, contribution)
 
@@ -67,8 +72,6 @@ def derive_gradients(g: Graph, outputs: list[Value], grad_outputs: list[Value | 
         if grad is None or not v.args:
             continue
         g.set_origin(("grad", v.origin))
-        if v.rows and not v.cols and grad.cols:
-            grad = grads[v.id] = g.rowsum(grad)
         for arg, contribution in _vjp(g, v, grad):
             accumulate(arg, contribution)
     g.set_origin(None)

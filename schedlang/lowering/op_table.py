@@ -57,6 +57,10 @@ class OpContext:
     def ndim(self, value: Value) -> int:
         return self._translator.full_ndim - (1 if value.squeezed else 0)
 
+    def tensor_meta(self, value: Value) -> tuple:
+        """(shape, dtype) PyTorch gives the argument ``value`` of this node."""
+        return self._translator.meta_of(self.node, value)
+
     def unsupported(self, reason: str):
         raise Unsupported(reason)
 
@@ -479,6 +483,52 @@ def _unsqueeze(ctx, x, dim):
     if x.squeezed and dim in (-1, ctx.ndim(x)):
         return ctx.g.squeeze_if(x, False)
     ctx.unsupported(f"unsqueeze(dim={dim!r}) other than restoring a reduced last dimension")
+
+
+# ---------------------------------------------------------------------------- shape queries
+# x.dtype, x.shape[-1], x.size(-1), x.dim(): Python values known once the shapes are (the
+# kernels are specialized per shape), so traced code like LlamaRMSNorm's
+# ``hidden.to(input_dtype)`` or ``F.layer_norm(x, (x.shape[-1],))`` lowers.
+
+def _python_value(fn):
+    fn.returns_python = True
+    return fn
+
+
+@_func(getattr)
+@_python_value
+def _getattr(ctx, obj, name, *default):
+    if isinstance(obj, Value):
+        shape, dtype = ctx.tensor_meta(obj)
+        if name == "dtype":
+            return dtype
+        if name == "shape":
+            return torch.Size(shape)
+        if name == "ndim":
+            return len(shape)
+        ctx.unsupported(f"tensor attribute {name!r} (dtype, shape and ndim are known at lowering time)")
+    return getattr(obj, name, *default)
+
+
+@_func(operator.getitem)
+@_python_value
+def _getitem(ctx, obj, index):
+    if isinstance(obj, Value):
+        ctx.unsupported("indexing a tensor (only whole tensors are fused)")
+    return obj[index]
+
+
+@_method("size")
+@_python_value
+def _size(ctx, x, dim=None):
+    shape = torch.Size(ctx.tensor_meta(x)[0])
+    return shape if dim is None else shape[dim]
+
+
+@_method("dim")
+@_python_value
+def _dim(ctx, x):
+    return len(ctx.tensor_meta(x)[0])
 
 
 # ---------------------------------------------------------------------------- leaf modules

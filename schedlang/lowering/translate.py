@@ -228,6 +228,12 @@ class _Translator:
         self.dropout_ps.append(p)
         return self.g.keep_mask(p, len(self.dropout_ps) - 1)
 
+    def meta_of(self, node, value) -> tuple:
+        for arg in node.all_input_nodes:
+            if self.env.get(arg) is value and arg in self.metas:
+                return self.metas[arg]
+        raise op_table.Unsupported("argument is not a tensor of the subgraph")
+
     def ndim_of(self, node, value) -> int:
         for arg in node.all_input_nodes:
             if self.env.get(arg) is value and arg in self.metas:
@@ -310,6 +316,9 @@ class _Translator:
                 value = handler(ctx, *args, **kwargs)
             except TypeError as exc:  # an argument combination the handler does not take
                 raise op_table.Unsupported(f"arguments not supported ({exc})") from None
+        if getattr(handler, "returns_python", False) and not isinstance(value, Value):
+            self.env[node] = value  # a shape, dtype or size: a constant of this specialization
+            return
         if not isinstance(value, Value):
             raise op_table.Unsupported("does not produce a tensor")
         if node not in self.metas:
