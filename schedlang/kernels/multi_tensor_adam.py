@@ -52,10 +52,10 @@ reference = multi_tensor_adam_reference
 # tensor table columns
 _P, _G, _M, _V, _VMAX, _STEP = range(6)
 
-#: launch shape on a GPU: elements per program, elements per loop iteration, warps. Chosen by
-#: bench/bench_optim.py --sweep on an H200 (configurations within 1% of each other there); a
-#: smaller chunk keeps small models' launches wide enough to fill the GPU
-DEFAULT_CONFIG = {"chunk_size": 16384, "block_size": 1024, "num_warps": 4}
+#: launch shape on a GPU: elements per program, elements per loop iteration, warps. The best of
+#: bench/bench_optim.py --sweep on an H200 (bench/results/2026-11-21-optim.md; the configurations
+#: tried were within 4% of each other); small chunks also keep small models' launches wide
+DEFAULT_CONFIG = {"chunk_size": 8192, "block_size": 1024, "num_warps": 4}
 #: the numpy interpreter runs programs one by one: small blocks keep tests fast
 INTERPRETER_CONFIG = {"chunk_size": 2048, "block_size": 512, "num_warps": 4}
 
