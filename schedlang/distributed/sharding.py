@@ -19,22 +19,35 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["ShardSpec", "ShardSource", "shard_tensor", "shard_source", "record_shard_source", "shard_specs"]
+__all__ = ["ShardSpec", "ShardSource", "shard_tensor", "shard_source", "record_shard_source", "shard_specs",
+           "remember_unsharded", "unsharded_view"]
 
 
 @dataclasses.dataclass(frozen=True)
 class ShardSpec:
-    """How one tensor of a module is split: along ``axis`` into ``world_size`` equal parts, part ``rank``."""
+    """How one tensor of a module is split: along ``axis`` into ``world_size`` equal parts, part ``rank``.
+
+    ``groups`` > 1 describes a fused tensor: ``axis`` holds ``groups`` equal blocks (GPT-2's
+    ``c_attn`` holds q | k | v), each block is split into ``world_size`` parts, and the shard is
+    the concatenation of part ``rank`` of every block (rank r gets [q_r, k_r, v_r]). With the
+    default ``groups=1`` the shard is one contiguous slice.
+    """
 
     axis: int
     world_size: int
     rank: int
     full_shape: Tuple[int, ...]
+    groups: int = 1
 
     def slice_of(self, full: torch.Tensor) -> torch.Tensor:
-        """This shard's part of the unsharded tensor ``full``."""
-        size = full.shape[self.axis] // self.world_size
-        return full.narrow(self.axis, self.rank * size, size)
+        """This shard's part of the unsharded tensor ``full`` (a view when ``groups == 1``)."""
+        if self.groups == 1:
+            size = full.shape[self.axis] // self.world_size
+            return full.narrow(self.axis, self.rank * size, size)
+        block = full.shape[self.axis] // self.groups
+        size = block // self.world_size
+        return torch.cat([full.narrow(self.axis, g * block + self.rank * size, size) for g in range(self.groups)],
+                         dim=self.axis)
 
 
 @dataclasses.dataclass
@@ -47,10 +60,13 @@ class ShardSource:
 _SOURCES = WeakIdKeyDictionary()
 
 
-def shard_tensor(t: torch.Tensor, axis: int, rank: int, world_size: int) -> torch.Tensor:
-    """A fresh (non-aliasing) copy of this rank's slice of ``t`` along ``axis``."""
-    size = t.shape[axis] // world_size
-    return t.detach().narrow(axis, rank * size, size).clone()
+def shard_tensor(t: torch.Tensor, axis: int, rank: int, world_size: int, groups: int = 1) -> torch.Tensor:
+    """A fresh (non-aliasing) copy of this rank's slice of ``t`` along ``axis`` (see :class:`ShardSpec`
+    for ``groups``)."""
+    if groups == 1:
+        size = t.shape[axis] // world_size
+        return t.detach().narrow(axis, rank * size, size).clone()
+    return ShardSpec(axis, world_size, rank, tuple(t.shape), groups).slice_of(t.detach()).contiguous()
 
 
 def record_shard_source(shard: torch.Tensor, source: torch.Tensor, spec: ShardSpec) -> None:
@@ -58,7 +74,7 @@ def record_shard_source(shard: torch.Tensor, source: torch.Tensor, spec: ShardSp
     if prior is not None and prior.source() is not None:
         # a shard of a shard: remember the original tensor and compose the slicing
         outer = prior.spec
-        if outer.axis == spec.axis:
+        if outer.axis == spec.axis and outer.groups == 1 and spec.groups == 1:
             spec = ShardSpec(spec.axis, outer.world_size * spec.world_size,
                              outer.rank * spec.world_size + spec.rank, outer.full_shape)
             source = prior.source()
@@ -77,3 +93,25 @@ def shard_source(t: torch.Tensor) -> Optional[Tuple[torch.Tensor, ShardSpec]]:
 def shard_specs(module: nn.Module) -> Dict[str, ShardSpec]:
     """The shard records of ``module``'s own tensors (name -> spec)."""
     return dict(getattr(module, "_schedlang_shards", {}))
+
+
+def remember_unsharded(module: nn.Module, **attributes) -> None:
+    """Record ``module``'s class and the given attributes as they were before any shard.
+
+    Shard rules call this before they change a module (a vocabulary-parallel embedding
+    changes its class, ``num_embeddings`` and ``padding_idx``); ``build`` uses the record to
+    initialize a meta-device module at full size exactly as the unsharded module would be.
+    The first record of an attribute wins, so a second shard keeps the original values.
+    """
+    record = module.__dict__.get("_schedlang_unsharded") or {"class": type(module), "attributes": {}}
+    # a new record each time (never changed in place), so undoing a failed step restores the old one
+    module.__dict__["_schedlang_unsharded"] = {"class": record["class"],
+                                               "attributes": {**attributes, **record["attributes"]}}
+
+
+def unsharded_view(module: nn.Module):
+    """``(class, attributes)`` of ``module`` before sharding (its current ones if it was never changed)."""
+    record = module.__dict__.get("_schedlang_unsharded")
+    if record is None:
+        return type(module), {}
+    return record["class"], dict(record["attributes"])

@@ -8,7 +8,9 @@ records the call as a ``call_module`` node of a leaf module, so a sync survives
 
 Modes (what the op is applied to):
 
-* ``fwd_pre``  - the module's first tensor input, in forward;
+* ``fwd_pre``  - the module's first positional tensor input (or, when the module is called
+  with keyword arguments only, as HF decoder layers call their attention, its first tensor
+  keyword argument), in forward;
 * ``fwd_post`` - the module's output (first element of a tuple output), in forward;
 * ``bwd_post`` - the gradient of the module's first tensor input, i.e. after the module's
   backward (the op runs on the input in forward as an identity whose backward is the collective).
@@ -25,7 +27,7 @@ from torch import nn
 from . import collectives as C
 from .groups import world_size
 
-__all__ = ["SyncOp", "SyncHook", "SYNC_MODES", "SYNC_OPS", "sync_children", "attach_sync"]
+__all__ = ["SyncOp", "SyncHook", "SYNC_MODES", "SYNC_OPS", "sync_children", "attach_sync", "bias_after_inner_syncs"]
 
 SYNC_MODES = ("fwd_pre", "fwd_post", "bwd_post")
 SYNC_OPS = ("all_reduce", "all_gather", "reduce_scatter")
@@ -90,10 +92,16 @@ class SyncHook:
     def __call__(self, module: nn.Module, args, *rest):
         sync = getattr(module, self.child_name)
         if self.mode in ("fwd_pre", "bwd_post"):
+            # registered with_kwargs=True: rest == (kwargs,) and the hook returns (args, kwargs)
+            kwargs = rest[0] if rest else None
             i = _first_tensor_index(args)
-            if i is None:
-                raise RuntimeError(f"{type(module).__name__}: {self.mode} sync needs a positional tensor input")
-            return args[:i] + (sync(args[i]),) + args[i + 1:]
+            if i is not None:
+                args = args[:i] + (sync(args[i]),) + args[i + 1:]
+                return args if kwargs is None else (args, kwargs)
+            key = next((k for k, v in (kwargs or {}).items() if isinstance(v, torch.Tensor)), None)
+            if key is None:
+                raise RuntimeError(f"{type(module).__name__}: {self.mode} sync needs a tensor input")
+            return args, {**kwargs, key: sync(kwargs[key])}
         output = rest[0]
         if isinstance(output, torch.Tensor):
             return sync(output)
@@ -129,5 +137,19 @@ def attach_sync(module: nn.Module, sync: SyncOp) -> str:
     elif sync.mode == "fwd_post":
         module.register_forward_hook(SyncHook(name, sync.mode))
     else:
-        module.register_forward_pre_hook(SyncHook(name, sync.mode))
+        module.register_forward_pre_hook(SyncHook(name, sync.mode), with_kwargs=True)
     return name
+
+
+def bias_after_inner_syncs(module: nn.Module, bias: torch.Tensor) -> torch.Tensor:
+    """The bias a row-parallel module adds after its inner forward-post syncs.
+
+    After an all-reduce every rank adds the bias to the whole output, and its gradient is
+    already complete. After a reduce-scatter (sequence parallelism) each rank adds it to its
+    own slice only, so the bias gradient must be summed over that sync's group.
+    """
+    for name in getattr(module, "_schedlang_inner_post_syncs", ()):
+        sync = getattr(module, name)
+        if isinstance(sync, SyncOp) and sync.op == "reduce_scatter":
+            return C.reduce_backward(bias, sync.group)
+    return bias

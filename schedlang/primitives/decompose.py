@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..distributed.sync_ops import bias_after_inner_syncs
 from ..errors import ScheduleTypeError, ScheduleValueError
 from .base import Primitive, register_primitive
 
@@ -26,7 +27,7 @@ class LinearWithSeparateBias(nn.Linear):
         for name in getattr(self, "_schedlang_inner_post_syncs", ()):
             out = getattr(self, name)(out)
         if self.bias is not None:
-            out = out + self.bias
+            out = out + bias_after_inner_syncs(self, self.bias)
         return out
 
 

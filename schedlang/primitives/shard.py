@@ -3,7 +3,17 @@
 Every rank keeps an equal slice along ``axis`` (rank r holds part r). The module's shard
 rule (see :mod:`schedlang.distributed.shard_rules`) refuses splits that cannot work and
 keeps the module consistent afterwards. The new tensor is a fresh ``Parameter``; the
-unsharded one is left untouched for whoever else holds it.
+unsharded one is left untouched.
+
+Two things beyond the module itself are taken care of:
+
+* tied tensors: when the same ``Parameter`` is held by several modules of the model (an
+  LM head tied to the word embeddings), every holder gets the same new shard, so the tie
+  survives (each holder's rule checks and fixes up its module);
+* the parent's rule: a module whose behaviour depends on its children's shapes (an
+  attention module's head count, GPT-2's fused q|k|v projection) may check the split
+  (``check_child_shard``, which may ask for a fused layout: ``groups`` equal blocks split
+  block-wise) and update itself afterwards (``after_child_shard``).
 """
 
 from __future__ import annotations
@@ -54,16 +64,7 @@ class Shard(Primitive):
             raise ShardError(
                 f"{where}: cannot shard '{tensor_name}' (shape {shape}) along axis {axis}: size {shape[axis]} is not "
                 f"divisible by the world size {world}")
-        if tensor_name in getattr(module, "_schedlang_shards", {}):
-            prior = module._schedlang_shards[tensor_name]
-            raise ShardError(f"{where}: '{tensor_name}' is already sharded (along axis {prior.axis}); a tensor is "
-                             "sharded once")
-        rule = find_shard_rule(module)
-        if rule is not None:
-            rule.check(sch.path, module, tensor_name, axis, world)
-        else:
-            logger.info("%s: no shard rule for %s; '%s' is split and the module is left as it is",
-                        where, type(module).__name__, tensor_name)
+        _check_holders(sch, tensor, axis, world)
         return {"tensor_name": tensor_name, "axis": axis}
 
     @classmethod
@@ -71,18 +72,77 @@ class Shard(Primitive):
         module = sch.mod
         world, rank = sch.world_size, sch.rank
         old = getattr(module, tensor_name)
-        spec = ShardSpec(axis=axis, world_size=world, rank=rank, full_shape=tuple(old.shape))
-        piece = shard_tensor(old, axis, rank, world)
-        if tensor_name in module._parameters:
-            new = nn.Parameter(piece, requires_grad=old.requires_grad)
-            module._parameters[tensor_name] = new
-        else:
-            new = piece
-            module._buffers[tensor_name] = new
+        holders = _holders(sch, old)
+        groups = _check_holders(sch, old, axis, world)
+        spec = ShardSpec(axis=axis, world_size=world, rank=rank, full_shape=tuple(old.shape), groups=groups)
+        piece = shard_tensor(old, axis, rank, world, groups)
+        is_param = tensor_name in module._parameters
+        new = nn.Parameter(piece, requires_grad=old.requires_grad) if is_param else piece
         record_shard_source(new, old, spec)
-        module._schedlang_shards = {**getattr(module, "_schedlang_shards", {}), tensor_name: spec}
-        rule = find_shard_rule(module)
-        if rule is not None:
-            rule.after_shard(module, tensor_name, axis, world, rank)
-        sch.metadata.setdefault("shards", {})[tensor_name] = spec
+        for path, holder, name in holders:
+            (holder._parameters if is_param else holder._buffers)[name] = new
+            holder._schedlang_shards = {**getattr(holder, "_schedlang_shards", {}), name: spec}
+        for path, holder, name in holders:
+            rule = find_shard_rule(holder)
+            if rule is not None:
+                rule.after_shard(holder, name, axis, world, rank)
+            parent, child_name = _parent(sch, path)
+            parent_rule = find_shard_rule(parent) if parent is not None else None
+            if parent_rule is not None and hasattr(parent_rule, "after_child_shard"):
+                parent_rule.after_child_shard(parent, child_name, holder, name, axis, world, rank)
+            sch.root[path].metadata.setdefault("shards", {})[name] = spec
         return None
+
+
+def _holders(sch, tensor):
+    """(path, module, name) of every module of the model that holds ``tensor`` (tied weights), this one first."""
+    found = [(sch.path, sch.mod, n) for n, t in list(sch.mod._parameters.items()) + list(sch.mod._buffers.items())
+             if t is tensor]
+    for path, m in sch.root.mod.named_modules(remove_duplicate=False):
+        if m is sch.mod:
+            continue
+        for n, t in list(m._parameters.items()) + list(m._buffers.items()):
+            if t is tensor and (path, n) not in [(p, k) for p, _, k in found]:
+                found.append((path, m, n))
+    return found
+
+
+def _parent(sch, path):
+    if not path:
+        return None, ""
+    parent_path, _, child_name = path.rpartition(".")
+    return sch.root[parent_path].mod, child_name
+
+
+def _check_holders(sch, tensor, axis, world) -> int:
+    """Run every holder's rule and its parent's rule; return the layout (``groups``) they agree on."""
+    groups_by = {}
+    shape = tuple(tensor.shape)
+    for path, holder, name in _holders(sch, tensor):
+        where = path or "<root>"
+        if name in getattr(holder, "_schedlang_shards", {}):
+            prior = holder._schedlang_shards[name]
+            raise ShardError(f"{where}: '{name}' is already sharded (along axis {prior.axis}); a tensor is "
+                             "sharded once")
+        rule = find_shard_rule(holder)
+        if rule is not None:
+            rule.check(path, holder, name, axis, world)
+        else:
+            logger.info("%s: no shard rule for %s; '%s' is split and the module is left as it is",
+                        where, type(holder).__name__, name)
+        parent, child_name = _parent(sch, path)
+        parent_rule = find_shard_rule(parent) if parent is not None else None
+        groups = 1
+        if parent_rule is not None and hasattr(parent_rule, "check_child_shard"):
+            groups = parent_rule.check_child_shard(path, parent, child_name, holder, name, axis, world) or 1
+        groups_by[where] = groups
+    if len(set(groups_by.values())) > 1:
+        shown = ", ".join(f"{p}: {g}" for p, g in groups_by.items())
+        raise ShardError(f"{sch.path or '<root>'}: the tied tensor's holders need different fused layouts ({shown}); "
+                         "shard them separately or untie them")
+    groups = next(iter(groups_by.values()))
+    if shape[axis] % (world * groups):
+        raise ShardError(f"{sch.path or '<root>'}: cannot shard the fused tensor (shape {shape}, {groups} blocks along "
+                         f"axis {axis}) over {world} ranks: each block of {shape[axis] // groups} must be divisible "
+                         f"by {world}")
+    return groups

@@ -1,0 +1,95 @@
+"""Shard rule for HF ``Conv1D`` (``transformers.pytorch_utils.Conv1D``, used by GPT-2).
+
+``Conv1D`` is a linear layer with the weight stored transposed: shape (in ``nx``, out ``nf``),
+``y = x @ weight + bias``. So the axes are the other way round from ``nn.Linear``:
+
+* weight axis 1 (column parallel): each rank computes ``nf / world`` outputs; shard the bias
+  along axis 0 as well;
+* weight axis 0 (row parallel): each rank computes a partial sum over its inputs. The module
+  becomes a ``RowParallelConv1D`` that runs its ``fwd_post`` syncs (the all-reduce, or the
+  reduce-scatter of sequence parallelism) before adding the bias, so that the bias is added once.
+
+GPT-2's fused attention projection ``c_attn`` (q | k | v along the output axis) is split
+head-wise, each rank getting [q_r, k_r, v_r]: its parent's rule (GPT2Attention, see
+``attention.py``) asks for that layout.
+
+Example (GPT-2 MLP)::
+
+    sch["mlp.c_fc"].shard("weight", axis=1); sch["mlp.c_fc"].shard("bias", axis=0)
+    sch["mlp.c_proj"].shard("weight", axis=0)
+    sch["mlp.c_proj"].sync(mode="fwd_post", sync_op_or_fn="all_reduce")
+    sch["mlp"].sync(mode="bwd_post", sync_op_or_fn="all_reduce")
+"""
+
+from __future__ import annotations
+
+from typing import Dict
+
+import torch
+
+from ...errors import ShardError
+from ..sharding import remember_unsharded
+from ..sync_ops import SyncHook, bias_after_inner_syncs
+from . import ShardRule, register_shard_rule
+
+__all__ = ["Conv1DShardRule", "row_parallel_conv1d_class"]
+
+_ROW_PARALLEL_CLASSES: Dict[type, type] = {}
+
+
+def _row_parallel_forward(self, x: torch.Tensor) -> torch.Tensor:
+    size_out = x.size()[:-1] + (self.nf,)
+    out = torch.mm(x.reshape(-1, x.size(-1)), self.weight).view(size_out)
+    for name in getattr(self, "_schedlang_inner_post_syncs", ()):
+        out = getattr(self, name)(out)
+    return out + bias_after_inner_syncs(self, self.bias)
+
+
+def row_parallel_conv1d_class(base: type) -> type:
+    """The row-parallel subclass of ``base`` (a Conv1D class): bias added after the forward-post syncs."""
+    klass = _ROW_PARALLEL_CLASSES.get(base)
+    if klass is None:
+        klass = type("RowParallelConv1D", (base,), {
+            "forward": _row_parallel_forward,
+            "__doc__": "Row-parallel Conv1D: partial product, forward-post syncs, then the (whole) bias.",
+            "__module__": __name__,
+        })
+        _ROW_PARALLEL_CLASSES[base] = klass
+    return klass
+
+
+@register_shard_rule
+class Conv1DShardRule(ShardRule):
+    module_type_names = ("Conv1D", "RowParallelConv1D")
+
+    @classmethod
+    def check(cls, path, module, tensor_name, axis, world_size):
+        where = path or "<root>"
+        shards = getattr(module, "_schedlang_shards", {})
+        weight_axis = shards["weight"].axis if "weight" in shards else None
+        if tensor_name == "bias" and weight_axis == 0:
+            raise ShardError(
+                f"{where}: cannot shard 'bias' of a row-parallel Conv1D (weight sharded along axis 0): its bias is "
+                "added once after the all-reduce; keep it whole")
+        if tensor_name == "weight" and axis == 0 and "bias" in shards:
+            raise ShardError(
+                f"{where}: cannot shard 'weight' along axis 0 (row parallel): 'bias' is already sharded (column "
+                "parallel); a row-parallel Conv1D keeps its bias whole")
+
+    @classmethod
+    def after_shard(cls, module, tensor_name, axis, world_size, rank):
+        if tensor_name != "weight":
+            return
+        remember_unsharded(module, nx=module.nx, nf=module.nf)
+        module.nx, module.nf = module.weight.shape
+        if axis != 0:
+            return
+        module.__class__ = row_parallel_conv1d_class(type(module))
+        inner = list(getattr(module, "_schedlang_inner_post_syncs", ()))
+        # forward-post syncs registered before the shard must also run before the bias
+        for key, hook in list(module._forward_hooks.items()):
+            if isinstance(hook, SyncHook) and hook.mode == "fwd_post":
+                inner.append(hook.child_name)
+                del module._forward_hooks[key]
+        module._schedlang_inner_post_syncs = inner
+
