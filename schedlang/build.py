@@ -10,14 +10,14 @@ full size in a temporary copy and cut, so memory holds at most one full module a
 
 from __future__ import annotations
 
-import copy
 import logging
-from typing import Any, Callable, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
-from .distributed.sharding import shard_tensor
+from .distributed.sharding import shard_tensor, unsharded_view
 from .errors import ScheduleTypeError, ScheduleValueError
 from .init import has_meta_tensors
 
@@ -26,48 +26,217 @@ __all__ = ["build"]
 logger = logging.getLogger("schedlang.build")
 
 
-def _default_init(root: nn.Module) -> Callable[[nn.Module], None]:
-    hf_init = getattr(root, "_init_weights", None)
+def _is_hf_model(module: nn.Module) -> bool:
+    """A transformers PreTrainedModel (without importing transformers): it initializes its submodules itself."""
+    return callable(getattr(module, "_init_weights", None)) and hasattr(module, "config") and any(
+        k.__name__ == "PreTrainedModel" for k in type(module).__mro__)
 
-    def init(module: nn.Module) -> None:
+
+def _default_inits(root: nn.Module) -> Dict[int, Callable[[nn.Module], None]]:
+    """Per module (by id), the function that initializes it: the ``_init_weights`` of the closest enclosing
+    HF model, as transformers' ``initialize_weights`` dispatches it, else the module's ``reset_parameters``."""
+    inits: Dict[int, Callable[[nn.Module], None]] = {}
+
+    def reset(module: nn.Module) -> None:
         if callable(getattr(module, "reset_parameters", None)):
             module.reset_parameters()
-        elif hf_init is not None:
-            hf_init(module)
 
-    return init
+    def visit(module: nn.Module, owner) -> None:
+        if _is_hf_model(module):
+            owner = module._init_weights
+        inits.setdefault(id(module), owner or reset)
+        for child in module.children():
+            visit(child, owner)
+
+    visit(root, None)
+    return inits
 
 
-def _materialize_module(module: nn.Module, device, init: Optional[Callable[[nn.Module], None]]) -> None:
-    """Allocate ``module``'s own meta tensors on ``device``; initialize at full size and keep this rank's shard."""
-    own = [(n, t) for n, t in list(module._parameters.items()) + list(module._buffers.items())
-           if t is not None and t.is_meta]
-    if not own:
-        return
-    specs = getattr(module, "_schedlang_shards", {})
-    # a childless shallow copy holding full-size tensors: the init sees the shapes of the unsharded module
-    template = copy.copy(module)  # new attribute dict; the tensor dicts are replaced below
-    template._modules = {}
-    template._parameters = dict(module._parameters)
-    template._buffers = dict(module._buffers)
-    for n, t in own:
-        full = specs[n].full_shape if n in specs else tuple(t.shape)
-        data = torch.empty(full, dtype=t.dtype, device=device)
-        if n in template._parameters:
-            template._parameters[n] = nn.Parameter(data, requires_grad=t.requires_grad)
-        else:
-            template._buffers[n] = data
-    if init is not None:
+def _own_tensors(module: nn.Module):
+    return [(n, t, n in module._parameters) for n, t in list(module._parameters.items()) + list(module._buffers.items())
+            if t is not None]
+
+
+def _full_shape(module: nn.Module, name: str, tensor: torch.Tensor) -> Tuple[int, ...]:
+    spec = getattr(module, "_schedlang_shards", {}).get(name)
+    return tuple(spec.full_shape) if spec is not None else tuple(tensor.shape)
+
+
+def _template(module: nn.Module, make_tensor: Callable, memo: Dict[int, torch.Tensor]) -> nn.Module:
+    """A copy of ``module``'s subtree as the unsharded model has it: original classes and attributes (see
+    ``remember_unsharded``), full-size tensors made by ``make_tensor(module, name, tensor, is_param)``
+    (one per distinct tensor, so tied tensors stay tied). The module itself is not changed."""
+    klass, attributes = unsharded_view(module)
+    copy_ = klass.__new__(klass)
+    copy_.__dict__.update(module.__dict__)
+    copy_.__dict__.update(attributes)
+    copy_.__dict__["_parameters"], copy_.__dict__["_buffers"], copy_.__dict__["_modules"] = {}, {}, {}
+    for name, t, is_param in _own_tensors(module):
+        if id(t) not in memo:
+            memo[id(t)] = make_tensor(module, name, t, is_param)
+        (copy_._parameters if is_param else copy_._buffers)[name] = memo[id(t)]
+    for name, child in module._modules.items():
+        copy_._modules[name] = None if child is None else _template(child, make_tensor, memo)
+    return copy_
+
+
+def _new_tensor(shape, like: torch.Tensor, is_param: bool, device) -> torch.Tensor:
+    data = torch.empty(shape, dtype=like.dtype, device=device)
+    return nn.Parameter(data, requires_grad=like.requires_grad) if is_param else data
+
+
+def _cut(module: nn.Module, name: str, full: torch.Tensor) -> torch.Tensor:
+    spec = getattr(module, "_schedlang_shards", {}).get(name)
+    if spec is None:
+        return full.detach()
+    return shard_tensor(full, spec.axis, spec.rank, spec.world_size, getattr(spec, "groups", 1))
+
+
+class _Materializer:
+    """Allocates a meta-device model's tensors at their sharded size, module by module, children first.
+
+    Each module's init runs on a temporary full-size copy (so it sees the shapes, classes and
+    attributes of the unsharded module and draws the same random numbers in the same order), and
+    each rank keeps its shard of the result. An init may also write its descendants' tensors
+    (GPT-2's attention re-initializes ``c_proj``): a dry run on meta tensors finds which, and those
+    are re-cut into the descendants' shards. Tied tensors are materialized once and stay tied.
+    """
+
+    def __init__(self, device, init: Optional[Callable[[nn.Module], None]], inits: Dict[int, Callable]):
+        self.device = device
+        self.init = init
+        self.inits = inits
+        self.done: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # id(meta tensor) -> (meta tensor, new tensor)
+
+    def run(self, root: nn.Module) -> None:
+        needs = {id(m) for m in root.modules() if any(t.is_meta for _, t, _ in _own_tensors(m))}
+        # modules with a meta tensor somewhere below them; their init may have something to write
+        order = list(_post_order(root))
+        has_meta_below: Dict[int, bool] = {}
+        for m in order:
+            has_meta_below[id(m)] = id(m) in needs or any(has_meta_below.get(id(c), False)
+                                                           for c in m.children())
+        for m in tqdm(order, desc="materializing", disable=not _show_progress(len(order)), leave=False):
+            if has_meta_below[id(m)]:
+                self._materialize(m)
+
+    def _init_fn(self, module: nn.Module):
+        if self.init is None:
+            return None
+        return self.init if self.init is not _DEFAULT else self.inits.get(id(module))
+
+    def _materialize(self, module: nn.Module) -> None:
+        pending = []
+        for name, t, is_param in _own_tensors(module):
+            if not t.is_meta:
+                continue
+            if id(t) in self.done:  # tied: materialized with its other holder
+                (module._parameters if is_param else module._buffers)[name] = self.done[id(t)][1]
+            else:
+                pending.append((name, t, is_param))
+        init = self._init_fn(module)
+        if init is None:
+            for name, t, is_param in pending:
+                shape = tuple(t.shape)
+                self._store(module, name, t, is_param, _new_tensor(shape, t, is_param, self.device))
+            return
+        written_below = self._dry_run(module, init) if module._modules else set()
+        if not pending and not written_below:
+            return
+        own_ids = {id(t) for _, t, _ in pending}
+
+        def make(owner, name, t, is_param):
+            shape = _full_shape(owner, name, t)
+            if id(t) in own_ids:
+                return _new_tensor(shape, t, is_param, self.device)
+            if id(t) in written_below:
+                new = _new_tensor(shape, t, is_param, self.device)
+                if new.is_floating_point():  # NaN marks what the init leaves unwritten (checked below)
+                    with torch.no_grad():
+                        new.fill_(float("nan"))
+                return new
+            return _new_tensor(shape, t, is_param, "meta")  # not touched: a placeholder of the right shape
+
+        memo: Dict[int, torch.Tensor] = {}
+        template = _template(module, make, memo)
+        versions = {i: memo[i]._version for i in own_ids}
         with torch.no_grad():
             init(template)
-    for n, t in own:
-        full = template._parameters[n] if n in template._parameters else template._buffers[n]
-        spec = specs.get(n)
-        value = full.detach() if spec is None else shard_tensor(full, spec.axis, spec.rank, spec.world_size)
-        if n in module._parameters:
-            module._parameters[n] = nn.Parameter(value.contiguous(), requires_grad=t.requires_grad)
+        for name, t, is_param in pending:
+            full = memo[id(t)]
+            if full._version == versions[id(t)]:
+                logger.warning("%s: %s's init did not set '%s'; it is initialized to zeros", type(module).__name__,
+                               type(module).__name__, name)
+                with torch.no_grad():
+                    full.zero_()
+            self._store(module, name, t, is_param, _cut(module, name, full))
+        if written_below:
+            self._recut_descendants(module, memo, written_below)
+
+    def _dry_run(self, module: nn.Module, init) -> set:
+        """ids of the tensors *below* ``module`` that its init writes (found on meta copies)."""
+        memo: Dict[int, torch.Tensor] = {}
+        template = _template(module, lambda owner, name, t, is_param: _new_tensor(
+            _full_shape(owner, name, t), t, is_param, "meta"), memo)
+        before = {i: m._version for i, m in memo.items()}
+        try:
+            with torch.no_grad():
+                init(template)
+        except Exception as e:  # an init that cannot run on meta tensors: assume it writes only its own
+            logger.debug("%s: dry run of the init failed (%s); assuming it writes only its own tensors",
+                         type(module).__name__, e)
+            return set()
+        own = {id(t) for _, t, _ in _own_tensors(module)}
+        return {i for i, m in memo.items() if m._version != before[i] and i not in own}
+
+    def _recut_descendants(self, module: nn.Module, memo, written: set) -> None:
+        for path, sub in module.named_modules():
+            if sub is module:
+                continue
+            for name, t, is_param in _own_tensors(sub):
+                if id(t) not in written:
+                    continue
+                full = memo[id(t)]
+                if full.is_floating_point() and torch.isnan(full).any():
+                    raise ScheduleValueError(
+                        f"build: the init of {type(module).__name__} writes only part of '{path}.{name}' (a tensor of "
+                        "one of its submodules), which cannot be rebuilt from a shard; initialize that tensor in the "
+                        "submodule's own init, or build the model with real weights")
+                with torch.no_grad():
+                    t.copy_(_cut(sub, name, full))
+                written = written - {id(t)}
+
+    def _store(self, module: nn.Module, name: str, old: torch.Tensor, is_param: bool, value: torch.Tensor) -> None:
+        if is_param:
+            new = nn.Parameter(value.detach().contiguous(), requires_grad=old.requires_grad)
+            module._parameters[name] = new
         else:
-            module._buffers[n] = value.contiguous()
+            new = value.contiguous()
+            module._buffers[name] = new
+        self.done[id(old)] = (old, new)
+
+
+_DEFAULT = object()
+
+
+def _post_order(root: nn.Module):
+    seen = set()
+
+    def visit(m):
+        if id(m) in seen:
+            return
+        seen.add(id(m))
+        for c in m.children():
+            yield from visit(c)
+        yield m
+
+    yield from visit(root)
+
+
+def _show_progress(n: int) -> bool:
+    import sys
+
+    return n > 200 and sys.stderr.isatty()
 
 
 def build(sch, init_weights: Union[None, bool, Callable[[nn.Module], None]] = None, optimizer: Any = None,
@@ -100,9 +269,8 @@ def build(sch, init_weights: Union[None, bool, Callable[[nn.Module], None]] = No
     if has_meta_tensors(model):
         target = torch.device(device) if device is not None else (
             torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
-        init = None if init_weights is False else (init_weights if callable(init_weights) else _default_init(model))
-        for module in model.modules():
-            _materialize_module(module, target, init)
+        init = None if init_weights is False else (init_weights if callable(init_weights) else _DEFAULT)
+        _Materializer(target, init, _default_inits(model) if init is _DEFAULT else {}).run(model)
         logger.info("materialized meta tensors on %s", target)
     elif callable(init_weights):
         with torch.no_grad():

@@ -1,0 +1,103 @@
+"""Steps shared by the model schedules: column / row pairs, vocabulary-parallel embedding and LM head."""
+
+from __future__ import annotations
+
+from typing import List, Tuple
+
+from torch import nn
+
+from ..errors import ScheduleTypeError
+
+SEQUENCE_AXIS = 1
+
+
+def base_and_prefix(sch, layers_name: str, family: str) -> Tuple[object, str]:
+    """The schedule whose child ``layers_name`` holds the transformer layers (``sch`` or a descendant)."""
+    frontier = [sch]
+    for _ in range(4):
+        for s in frontier:
+            if layers_name in s.child and isinstance(s[layers_name].mod, nn.ModuleList):
+                return s, s.path
+        frontier = [c for s in frontier for c in s.child.values()]
+    raise ScheduleTypeError(f"{sch.path or '<root>'}: {type(sch.mod).__name__} does not look like a {family} model: "
+                            f"no '{layers_name}' ModuleList found within 4 levels")
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    return any(k.__name__ == "Conv1D" for k in type(module).__mro__)
+
+
+def _sharded(sch, name: str) -> bool:
+    return name in getattr(sch.mod, "_schedlang_shards", {})
+
+
+def shard_column(sch) -> None:
+    """Column parallel: split the outputs (Linear weight axis 0, Conv1D weight axis 1) and the bias."""
+    module = sch.mod
+    if not (isinstance(module, nn.Linear) or _is_conv1d(module)):
+        raise ScheduleTypeError(f"{sch.path}: expected an nn.Linear or Conv1D, found {type(module).__name__}")
+    if not _sharded(sch, "weight"):
+        sch.shard("weight", axis=1 if _is_conv1d(module) else 0)
+    if getattr(module, "bias", None) is not None and not _sharded(sch, "bias"):
+        sch.shard("bias", axis=0)
+
+
+def shard_row(sch) -> None:
+    """Row parallel: split the inputs (Linear weight axis 1, Conv1D weight axis 0); the bias stays whole."""
+    module = sch.mod
+    if not (isinstance(module, nn.Linear) or _is_conv1d(module)):
+        raise ScheduleTypeError(f"{sch.path}: expected an nn.Linear or Conv1D, found {type(module).__name__}")
+    sch.shard("weight", axis=0 if _is_conv1d(module) else 1)
+
+
+def shard_linear_pair(layer, block, columns: List[str], row: str, sequence_parallel: bool, norm: str) -> None:
+    """Megatron pair: ``columns`` column parallel, ``row`` row parallel, and the syncs around them.
+
+    Tensor parallel: all-reduce the row's output, all-reduce the block input's gradient.
+    Sequence parallel: all-gather the norm's output along the sequence before the block, and
+    reduce-scatter the row's output along the sequence.
+    """
+    for name in columns:
+        shard_column(block[name])
+    shard_row(block[row])
+    if sequence_parallel:
+        layer[norm].sync(mode="fwd_post", sync_op_or_fn="all_gather", axis=SEQUENCE_AXIS,
+                         tensor_parallel_output_grad=False)
+        block[row].sync(mode="fwd_post", sync_op_or_fn="reduce_scatter", axis=SEQUENCE_AXIS)
+    else:
+        block[row].sync(mode="fwd_post", sync_op_or_fn="all_reduce")
+        block.sync(mode="bwd_post", sync_op_or_fn="all_reduce")
+
+
+def shard_vocab_embedding(emb) -> None:
+    """Vocabulary-parallel embedding: split the rows, all-reduce the (zero-masked) lookups."""
+    if not _sharded(emb, "weight"):
+        emb.shard("weight", axis=0)
+    emb.sync(mode="fwd_post", sync_op_or_fn="all_reduce")
+
+
+def split_sequence_at(layer) -> None:
+    from ..distributed.sequence_parallel import split_sequence
+
+    split_sequence(layer, axis=SEQUENCE_AXIS)
+
+
+def finish_lm_head(sch, base, final_norm: str, sequence_parallel: bool, gather_logits: bool,
+                   head_path: str = "lm_head", install_loss: bool = True) -> None:
+    """Gather the final norm's output (sequence parallel) and make the LM head vocabulary parallel."""
+    has_head = head_path in sch
+    if sequence_parallel:
+        base[final_norm].sync(mode="fwd_post", sync_op_or_fn="all_gather", axis=SEQUENCE_AXIS,
+                              tensor_parallel_output_grad=not has_head)
+    if not has_head:
+        return
+    head = sch[head_path]
+    shard_column(head)
+    if not sequence_parallel:
+        head.sync(mode="bwd_post", sync_op_or_fn="all_reduce")
+    if gather_logits:
+        head.sync(mode="fwd_post", sync_op_or_fn="all_gather", axis=-1)
+    elif install_loss and hasattr(type(sch.root.mod), "loss_function"):
+        from ..distributed.cross_entropy import use_vocab_parallel_loss
+
+        use_vocab_parallel_loss(sch)
