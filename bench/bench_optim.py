@@ -204,8 +204,8 @@ def bench_adamw(args, bandwidth):
         log(f"{name}: {ms:.3f} ms (floor {floor_sgd:.3f})")
         del ps, opt
         torch.cuda.empty_cache()
-    return dict(results=results, cold_first=cold_first, floor_ms=floor_ms, nbytes=nbytes, sweep=sweep, extra=extra, err=err,
-                config=dict(mta.DEFAULT_CONFIG))
+    return dict(results=results, cold_first=cold_first, floor_ms=floor_ms, nbytes=nbytes, sweep=sweep,
+                extra=extra, err=err, config=dict(mta.DEFAULT_CONFIG))
 
 
 def report(r, bandwidth):

@@ -94,7 +94,8 @@ print("loaded into torch.optim.AdamW, step =", float(next(iter(restored.state.va
 # kernel runs in Triton's numpy interpreter: those figures show that it works, not how fast it is.
 for name, ts in times.items():
     median = sorted(ts[2:])[len(ts[2:]) // 2]
-    print(f"{name:22s} {median * 1e3:8.2f} ms/step ({device}{', Triton interpreter' if device == 'cpu' and 'schedlang' in name else ''})")
+    where = device + (", Triton interpreter" if device == "cpu" and "schedlang" in name else "")
+    print(f"{name:22s} {median * 1e3:8.2f} ms/step ({where})")
 
 # %%
 # On a GPU the fused step runs near the memory floor. ``bench/bench_optim.py`` measures an AdamW

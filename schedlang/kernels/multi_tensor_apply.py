@@ -64,7 +64,8 @@ def is_dense(*tensors: torch.Tensor | None) -> bool:
 class ChunkTables:
     """Tensor table and chunk map of one multi-tensor launch, rebuilt only when they go stale.
 
-    ``get(rows, numels, chunk_size, device)`` returns ``(tensor_table, chunk_map, aligned)``:
+    ``get(rows, numels, chunk_size, device)`` returns ``(tensor_table, chunk_map, aligned)``
+    (the chunk map is kept when only addresses changed):
     ``tensor_table`` is int64 ``(n, ROW_WIDTH)`` on ``device`` with ``rows[i]`` in its first
     columns and ``numels[i]`` in the last; ``chunk_map`` is int32 ``(n_chunks, 2)``; ``aligned``
     says that every non-zero address in ``rows`` is a multiple of 16 bytes, so the kernel may
@@ -73,6 +74,7 @@ class ChunkTables:
 
     def __init__(self) -> None:
         self.key = None
+        self.chunk_key = None
         self.tensor_table: torch.Tensor | None = None
         self.chunk_map: torch.Tensor | None = None
         self.aligned = False
@@ -103,17 +105,21 @@ class ChunkTables:
         if n:
             table[:, :width] = torch.tensor(rows, dtype=torch.int64)
             table[:, NUMEL_COLUMN] = torch.tensor(numels, dtype=torch.int64)
-        counts = (table[:, NUMEL_COLUMN] + chunk_size - 1) // chunk_size
-        tensor_index = torch.repeat_interleave(torch.arange(n, dtype=torch.int64), counts)
-        first_chunk = torch.cumsum(counts, 0) - counts
-        chunk_index = torch.arange(tensor_index.numel(), dtype=torch.int64) - first_chunk[tensor_index]
-        chunk_map = torch.stack([tensor_index, chunk_index], dim=1).to(torch.int32)
         self.aligned = all(addr % VECTOR_BYTES == 0 for r in rows for addr in r[:width] if addr)
         self.tensor_table = _to_device(table, device)
-        self.chunk_map = _to_device(chunk_map, device)
+        # the chunk map depends on the sizes only: new addresses (re-allocated gradients) keep it
+        chunk_key = (chunk_size, device, tuple(numels))
+        if chunk_key != self.chunk_key:
+            counts = (table[:, NUMEL_COLUMN] + chunk_size - 1) // chunk_size
+            tensor_index = torch.repeat_interleave(torch.arange(n, dtype=torch.int64), counts)
+            first_chunk = torch.cumsum(counts, 0) - counts
+            chunk_index = torch.arange(tensor_index.numel(), dtype=torch.int64) - first_chunk[tensor_index]
+            chunk_map = torch.stack([tensor_index, chunk_index], dim=1).to(torch.int32)
+            self.chunk_map = _to_device(chunk_map, device)
+            self.chunk_key = chunk_key
         self.rebuilds += 1
         logger.debug("built chunk tables: %d tensors, %d chunks of %d, aligned=%s",
-                     n, chunk_map.shape[0], chunk_size, self.aligned)
+                     n, self.chunk_map.shape[0], chunk_size, self.aligned)
 
 
 def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:

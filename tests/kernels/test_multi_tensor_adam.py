@@ -80,7 +80,7 @@ def test_bias_correction_is_accurate_at_the_first_steps():
     g = [torch.randn(300)]
     for beta2 in (0.999, 0.99999, 0.0):
         ours, ref = _state(p, False), _state(p, False)
-        kw = dict(lr=1.0, beta1=0.9, beta2=beta2, eps=0.0, weight_decay=0.0)
+        kw = dict(lr=1.0, beta1=0.9, beta2=beta2, eps=1e-30, weight_decay=0.0)
         multi_tensor_adam(ours[0], g, *ours[1:], **kw)
         reference(ref[0], g, *ref[1:], **kw)
         torch.testing.assert_close(ours[0][0], ref[0][0], rtol=1e-6, atol=1e-6)
@@ -118,9 +118,12 @@ def test_chunk_tables_rebuild_only_when_an_address_changes():
     multi_tensor_adam(state[0], grads, *state[1:], **kw)
     multi_tensor_adam(state[0], grads, *state[1:], **kw)
     assert tables.rebuilds == 1
+    chunk_map = tables.chunk_map
     moved = [g.clone() for g in grads]  # same values, new storage
     multi_tensor_adam(state[0], moved, *state[1:], **kw)
     assert tables.rebuilds == 2
+    assert tables.chunk_map is chunk_map  # same sizes: only the tensor table was rebuilt
+    assert tables.tensor_table[:, 1].tolist() == [g.data_ptr() for g in moved]
     chunk_map = tables.chunk_map.tolist()
     # 91 elements: 1 chunk; 1000: 4 chunks of 256; 1: 1; 105: 1
     assert chunk_map == [[0, 0], [1, 0], [1, 1], [1, 2], [1, 3], [2, 0], [3, 0]]

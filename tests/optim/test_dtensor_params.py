@@ -60,3 +60,10 @@ def test_dtensor_and_plain_params_together(mesh, kind):
     assert isinstance(opt.state[ours[0]][key], DTensor)
     assert_params_close([p.to_local() if isinstance(p, DTensor) else p for p in ours],
                         [p.to_local() if isinstance(p, DTensor) else p for p in ref])
+    # the state dict keeps DTensor state for DTensor parameters and loads into a fresh optimizer
+    fresh = make()
+    opt2 = type(opt)(fresh, **{k: v for k, v in opt.defaults.items() if k in ("lr", "momentum", "weight_decay")})
+    opt2.load_state_dict(opt.state_dict())
+    loaded = opt2.state[fresh[0]][key]
+    assert isinstance(loaded, DTensor) and loaded.dtype == torch.float32
+    assert torch.equal(loaded.to_local(), opt.state[ours[0]][key].to_local())
