@@ -130,7 +130,7 @@ def _vjp(g: Graph, v: Value, grad: Value):
         cond, a, b = args
         yield a, g.where(cond, grad, 0.0)
         yield b, g.where(cond, 0.0, grad)
-    elif op in ("round", "row0", "alias"):
+    elif op in ("round", "row0", "alias", "broadcast"):
         # a cast's gradient is cast back: identity in the compute dtype
         yield args[0], grad
     elif op == "rowsum":

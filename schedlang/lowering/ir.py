@@ -42,7 +42,7 @@ __all__ = ["Value", "Graph", "LEAF_OPS", "UNARY_OPS", "BINARY_OPS", "COMPARE_OPS
 LEAF_OPS = frozenset({"input", "const", "ncols", "keep_mask", "grad_output"})
 #: Pointwise ops of one operand.
 UNARY_OPS = frozenset({"neg", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "erf", "abs", "relu",
-                       "round", "row0", "not", "alias"})
+                       "round", "row0", "not", "alias", "broadcast"})
 #: Pointwise ops of two operands producing a number.
 BINARY_OPS = frozenset({"add", "sub", "mul", "div", "maximum", "minimum"})
 #: Pointwise ops of two operands producing a boolean.
@@ -297,6 +297,12 @@ class Graph:
     def row0(self, a) -> Value:
         """``a`` on row 0, zero elsewhere: injects the gradient of a row-invariant output once."""
         return self._make("row0", (self._num(a),), rows=True, cols=self._num(a).cols)
+
+    def broadcast(self, a, rows: bool, cols: bool) -> Value:
+        """``a`` materialized over more axes (the values repeat along them)."""
+        a = self._num(a)
+        return self._make("broadcast", (a,), (("rows", rows), ("cols", cols)), rows=rows or a.rows,
+                          cols=cols or a.cols, is_bool=a.is_bool)
 
     def squeeze_if(self, a: Value, squeezed: bool) -> Value:
         """The same numbers marked as having (or not) their last dimension reduced away."""

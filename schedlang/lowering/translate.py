@@ -138,13 +138,23 @@ def lowering_error(name: str, problems: list[tuple[torch.fx.Node | None, str]], 
           "or leave these operations out of it")
 
 
+class _PropagationFailure(Exception):
+    def __init__(self, node, reason):
+        super().__init__(reason)
+        self.node, self.reason = node, reason
+
+
 class _FakeProp(torch.fx.Interpreter):
     def __init__(self, owner, graph):
         super().__init__(owner, graph=graph)
         self.metas = {}
 
     def run_node(self, n):
-        result = super().run_node(n)
+        try:
+            result = super().run_node(n)
+        except Exception as exc:
+            raise _PropagationFailure(n, str(exc).strip().splitlines()[0] if str(exc).strip() else
+                                      type(exc).__name__) from None
         if isinstance(result, torch.Tensor):
             self.metas[n] = (tuple(result.shape), result.dtype)
         return result
@@ -325,6 +335,14 @@ class _Translator:
             raise op_table.Unsupported("does not produce a tensor")
         shape, dtype = self.metas[node]
         if not _shape_agrees(shape, self.full_shape, value):
+            # folded algebra (x * 0, dropout with p=1) can leave a value with fewer axes
+            # than PyTorch's result: broadcast it back
+            for rows, cols in ((value.rows, True), (True, value.cols), (True, True)):
+                if (rows, cols) != (value.rows, value.cols) and _shape_agrees(
+                        shape, self.full_shape, _Axes(rows, cols, value.squeezed)):
+                    value = self.g.broadcast(value, rows, cols)
+                    break
+        if not _shape_agrees(shape, self.full_shape, value):
             if value.squeezed and (value.cols or len(shape) == len(self.full_shape)):
                 raise op_table.Unsupported(
                     f"mixes a reduction taken without keepdim=True with tensors that keep the last dimension "
@@ -364,6 +382,13 @@ class _Translator:
 class _Context(op_table.OpContext):
     def ndim(self, value):
         return self._translator.ndim_of(self.node, value)
+
+
+@dataclass
+class _Axes:
+    rows: bool
+    cols: bool
+    squeezed: bool = False
 
 
 def _class_shape(full: tuple, value: Value) -> tuple:
@@ -406,7 +431,8 @@ def specialize(gm: torch.fx.GraphModule, owner: torch.nn.Module, arg_metas, name
     arg_metas = [(tuple(shape), dtype) for shape, dtype in arg_metas]
     try:
         metas = fake_propagate(owner, gm.graph, arg_metas)
-    except Exception as exc:  # the subgraph itself rejects these shapes
-        raise lowering_error(name, [(None, f"running the subgraph on inputs of (shape, dtype) {arg_metas} "
-                                           f"failed: {type(exc).__name__}: {exc}")], owner) from None
+    except _PropagationFailure as exc:  # PyTorch itself rejects these shapes or dtypes
+        shapes = ", ".join(f"{tuple(shape)} {str(dtype).replace('torch.', '')}" for shape, dtype in arg_metas)
+        raise lowering_error(name, [(exc.node, f"PyTorch rejects it for inputs of shapes {shapes}: {exc.reason}")],
+                             owner) from None
     return _Translator(gm, owner, metas, name).run(arg_metas)

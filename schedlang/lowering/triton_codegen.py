@@ -290,6 +290,8 @@ class _Emitter:
             return f"tl.{op}({self.num(a[0])}, {self.num(a[1])})"
         if op == "round":
             return f"{_downcast(self.num(a[0]), _ROUND_DTYPES[v.attr('dtype')])}.to({self.compute})"
+        if op == "broadcast":
+            return self.tile(a[0], v.rows, v.cols)
         if op == "row0":
             return f"tl.where(rows == 0, {self.num(a[0])}, 0.0)"
         if op == "not":
