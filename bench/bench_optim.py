@@ -208,14 +208,14 @@ def bench_adamw(args, bandwidth):
                 extra=extra, err=err, config=dict(mta.DEFAULT_CONFIG))
 
 
-def report(r, bandwidth):
+def report(r, bandwidth, argv):
     import triton
 
     lines = [
         f"# AdamW step, 445 tensors (GPT-2 medium shapes), {datetime.date.today().isoformat()}",
         "",
         f"Device: {torch.cuda.get_device_name()}; torch {torch.__version__}, triton {triton.__version__}.",
-        "Command: `TRITON_CACHE_DIR=$(mktemp -d) python bench/bench_optim.py --sweep` "
+        f"Command: `TRITON_CACHE_DIR=$(mktemp -d) python bench/bench_optim.py {' '.join(argv)}` "
         "(Triton's cache starts empty, so first-step times include compilation).",
         "",
         f"Measured copy bandwidth (2 GiB device-to-device copy, read + write): {bandwidth / 1e12:.2f} TB/s.",
@@ -258,7 +258,8 @@ def main(argv=None):
     bandwidth = copy_bandwidth()
     log(f"{torch.cuda.get_device_name()} copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     r = bench_adamw(args, bandwidth)
-    text = report(r, bandwidth)
+    shown = [a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("--out")]
+    text = report(r, bandwidth, [a for a in shown if a.startswith("--")])
     print("\n" + text)
     if args.out:
         Path(args.out).write_text(text)
