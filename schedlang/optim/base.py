@@ -239,6 +239,8 @@ class FusedOptimizer(torch.optim.Optimizer):
             launcher = self._make_launcher(lists, self._chunk_tables((gi,) + key))
             launches.append((key[0], launcher, positions if len(buckets) > 1 else None))
         plan = _GroupPlan(self, group, entries, launches, fast=not any_dtensor)
+        logger.debug("%s: launch plan of param group %d built (%d tensors, %d buckets)",
+                     type(self).__name__, gi, len(entries), len(launches))
         return plan, [local_tensor(g, dtensor) for _, g in entries]
 
     # -- state dict -----------------------------------------------------------------------
