@@ -966,33 +966,19 @@ class SchedlangTracer(fx.Tracer):
     def _leaf_module_example(self, m: nn.Module, args, kwargs) -> Any:
         sync_op, sync_hook = _sync_op_class()
         if sync_op is not None and isinstance(m, sync_op):
-            return self._sync_example(m, self.example_of(args[0] if args else None, strict=False))
+            return self._run_example(lambda x: _shape_only_sync_forward(m, x), args[:1], {})
         forward = type(m).forward
         example = self._run_example(lambda *a, **k: forward(m, *a, **k), args, kwargs)
         if sync_hook is not None and example is not UNKNOWN:
             for hook in m._forward_hooks.values():
                 if isinstance(hook, sync_hook):
-                    sync = getattr(m, hook.child_name, None)
+                    sync = m._modules.get(hook.child_name)
                     if isinstance(example, torch.Tensor):
-                        example = self._sync_example(sync, example)
+                        example = self._run_example(lambda x: _shape_only_sync_forward(sync, x), (example,), {})
                     elif isinstance(example, tuple) and example:
-                        example = (self._sync_example(sync, example[0]),) + example[1:]
+                        first = self._run_example(lambda x: _shape_only_sync_forward(sync, x), (example[0],), {})
+                        example = (first,) + example[1:]
         return example
-
-    def _sync_example(self, sync: nn.Module, x: Any) -> Any:
-        """Output example of a SyncOp: collectives only change the sharded axis."""
-        if not isinstance(x, torch.Tensor) or callable(getattr(sync, "op", None)):
-            return UNKNOWN if callable(getattr(sync, "op", None)) else x
-        if sync.mode == "bwd_post" or sync.op == "all_reduce":
-            return x
-        from ..distributed.groups import world_size
-
-        shape = list(x.shape)
-        axis = sync.axis % len(shape)
-        shape[axis] = shape[axis] * world_size(sync.group) if sync.op == "all_gather" else \
-            shape[axis] // world_size(sync.group)
-        with self.fake_mode:
-            return torch.empty(shape, dtype=x.dtype, device=x.device)
 
 
 @contextlib.contextmanager
@@ -1003,9 +989,37 @@ def _plain_modules():
     nn.Module.__getattr__ = fx._symbolic_trace._orig_module_getattr
     nn.Module.__call__ = fx._symbolic_trace._orig_module_call
     try:
-        yield
+        with _shape_only_syncs():
+            yield
     finally:
         nn.Module.__getattr__, nn.Module.__call__ = patched_getattr, patched_call
+
+
+def _shape_only_sync_forward(self, x):
+    """SyncOp.forward for example values: the output shape, no communication."""
+    if not isinstance(x, torch.Tensor) or callable(self.op) or self.mode == "bwd_post" or self.op == "all_reduce":
+        return x
+    from ..distributed.groups import world_size
+
+    n = world_size(self.group)
+    if self.op == "all_gather":
+        return torch.cat([x] * n, dim=self.axis)
+    return x.narrow(self.axis, 0, x.shape[self.axis] // n)
+
+
+@contextlib.contextmanager
+def _shape_only_syncs():
+    """While example values are computed, sync ops return the right shape without a collective."""
+    sync_op, _ = _sync_op_class()
+    if sync_op is None or sync_op.__dict__.get("forward") is _shape_only_sync_forward:
+        yield
+        return
+    original = sync_op.__dict__["forward"]
+    sync_op.forward = _shape_only_sync_forward
+    try:
+        yield
+    finally:
+        sync_op.forward = original
 
 
 def _is_fake(t: torch.Tensor) -> bool:
@@ -1234,7 +1248,13 @@ def trace_module(module: nn.Module, *, path: str = "", recursive: bool = True, f
     tracer = SchedlangTracer(options, path=path)
 
     def make_example(t):
-        return fake_mode.from_tensor(t) if not _is_fake(t) else t
+        if _is_fake(t):
+            return t
+        if t.device.type == "meta":  # an example from a plan: only its shape and dtype count
+            device = _module_device(module)
+            with fake_mode:
+                return torch.empty(t.shape, dtype=t.dtype, device="cpu" if device.type == "meta" else device)
+        return fake_mode.from_tensor(t)
 
     try:
         with _tracing_patches(module):
@@ -1307,7 +1327,7 @@ def capture_call(container: nn.Module, target: nn.Module, fake_mode=None) -> Tup
         device = _module_device(container)
         if device.type == "meta":
             device = torch.device("cpu")
-        with fake_mode, torch.no_grad():
+        with _shape_only_syncs(), fake_mode, torch.no_grad():
             ids = torch.zeros(EXAMPLE_BATCH, EXAMPLE_SEQUENCE, dtype=torch.long, device=device)
             container(input_ids=ids, **kwargs)
     except _Captured:
