@@ -76,6 +76,16 @@ def load_source(source: str, stem: str):
         return module
 
 
+_SM_COUNT: dict = {}
+
+
+def _sm_count(device) -> int:
+    count = _SM_COUNT.get(device.index)
+    if count is None:
+        count = _SM_COUNT[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
+    return count
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
@@ -100,8 +110,9 @@ def _candidates(plan, spec: Specialization) -> list[tuple[int, int, int]]:
         bn = min(_next_pow2(N), 1024)
         br = max(1, min(max_r, 4096 // bn))
         first = (br, bn, _num_warps(br * bn))
-        rest = [(r, c, w) for c in (256, 512, 1024, 2048) for r in (1, 2, 4, 8, 16) for w in (4, 8)
-                if c <= _next_pow2(N) and r <= max_r and 1024 <= r * c <= 8192]
+        rest = [(r, c, w) for r, c, w in ((1, 1024, 4), (2, 1024, 4), (4, 1024, 4), (8, 1024, 8), (2, 2048, 8),
+                                          (4, 2048, 8), (8, 512, 4), (16, 512, 8), (16, 256, 4))
+                if c <= _next_pow2(N) and r <= max_r]
     out = [first]
     for cand in rest:
         if cand not in out:
@@ -112,31 +123,45 @@ def _candidates(plan, spec: Specialization) -> list[tuple[int, int, int]]:
 class _Kernel:
     """One generated kernel with its launch logic."""
 
-    def __init__(self, plan, fn, spec: Specialization):
-        self.plan, self.fn, self.spec = plan, fn, spec
+    def __init__(self, plan, fn, spec: Specialization, interpret: bool):
+        self.plan, self.fn, self.spec, self.interpret = plan, fn, spec, interpret
+        self._chosen: dict = {}  # device -> (config, grid)
 
     def grid_and_programs(self, br: int, bn: int, device) -> tuple:
         row_blocks = -(-self.spec.n_rows // br)
         col_blocks = 1 if self.plan.whole_row else -(-self.spec.n_cols // bn)
         if self.plan.persistent:
-            if device.type == "cuda":
-                cap = 4 * torch.cuda.get_device_properties(device).multi_processor_count
-                cap = max(1, cap // col_blocks)
-            else:
-                cap = 8
-            row_blocks = min(row_blocks, cap)
+            # enough programs to fill the GPU a few times over; each keeps one partial row
+            cap = 4 * _sm_count(device) if device.type == "cuda" else 8
+            row_blocks = min(row_blocks, max(1, cap // col_blocks))
         return (row_blocks, col_blocks)
 
     def launch(self, build_args, device):
         """``build_args(grid)`` returns (positional args, post-processing callback)."""
-        config = self._choose(build_args, device)
-        return self._run(build_args, config, device)
+        chosen = self._chosen.get(device)
+        if chosen is None:
+            config = self._choose(build_args, device)
+            chosen = self._chosen[device] = (config, self.grid_and_programs(config[0], config[1], device))
+        (br, bn, warps), grid = chosen
+        args, finish = build_args(grid)
+        if self.interpret:
+            self._launch_interpreted(grid, args, br, bn, warps)
+        else:
+            self.fn[grid](*args, BLOCK_R=br, BLOCK_N=bn, num_warps=warps)
+        return finish()
+
+    def _launch_interpreted(self, grid, args, br, bn, warps):
+        import numpy as np
+
+        # padded lanes may divide 0 by 0 in numpy; they are masked out of every result
+        with np.errstate(all="ignore"):
+            self.fn[grid](*args, BLOCK_R=br, BLOCK_N=bn, num_warps=warps)
 
     def _run(self, build_args, config, device):
         br, bn, warps = config
         grid = self.grid_and_programs(br, bn, device)
         args, finish = build_args(grid)
-        if _interpreting():
+        if self.interpret:
             import numpy as np
 
             # padded lanes may divide 0 by 0 in numpy; they are masked out of every result
@@ -149,7 +174,7 @@ class _Kernel:
     def _choose(self, build_args, device):
         candidates = _candidates(self.plan, self.spec)
         size = self.spec.n_rows * self.spec.n_cols
-        if (device.type != "cuda" or _interpreting() or len(candidates) == 1 or size < 2 ** 20
+        if (device.type != "cuda" or self.interpret or len(candidates) == 1 or size < 2 ** 20
                 or os.environ.get("SCHEDLANG_AUTOTUNE", "1") == "0"):
             return candidates[0]
         key = (self.plan.kernel_name, id(self.fn), self.spec.n_rows, self.spec.n_cols, device.index)
@@ -208,6 +233,9 @@ class CompiledSubgraph:
         self.default_backward_key = (all_needs, all_present)
         self._kernels: dict = {}
         self.uses_dropout = bool(spec.dropout_ps)
+        position = {id(inp): k for k, inp in enumerate(spec.inputs)}
+        self._forward_reads = [(position[id(inp)], inp.kind, inp.expand) for inp in self.forward_plan.inputs]
+        self._saved: dict = {}
 
     # ---------------------------------------------------------------- source
     @property
@@ -225,9 +253,12 @@ class CompiledSubgraph:
 
     def saved_input_indices(self, needs: tuple) -> list[int]:
         """Positions (in ``spec.inputs``) of the inputs the backward kernel reads."""
-        plan = self.backward_plan_for(needs, tuple(True for _ in self.spec.outputs))
-        used = {id(inp) for inp in plan.inputs}
-        return [k for k, inp in enumerate(self.spec.inputs) if id(inp) in used]
+        saved = self._saved.get(needs)
+        if saved is None:
+            plan = self.backward_plan_for(needs, tuple(True for _ in self.spec.outputs))
+            used = {id(inp) for inp in plan.inputs}
+            saved = self._saved[needs] = [k for k, inp in enumerate(self.spec.inputs) if id(inp) in used]
+        return saved
 
     def _kernel(self, plan) -> _Kernel:
         kernel = self._kernels.get(id(plan))
@@ -237,7 +268,8 @@ class CompiledSubgraph:
             else:
                 plans = [plan]
             module = load_source(module_source(self.spec, plans, self.interpret), plan.kernel_name)
-            kernel = self._kernels[id(plan)] = _Kernel(plan, getattr(module, plan.kernel_name), self.spec)
+            kernel = self._kernels[id(plan)] = _Kernel(plan, getattr(module, plan.kernel_name), self.spec,
+                                                       self.interpret)
         return kernel
 
     # ---------------------------------------------------------------- forward
@@ -247,14 +279,13 @@ class CompiledSubgraph:
         outs = [torch.empty(o.shape, dtype=o.dtype, device=device) for o in spec.outputs]
         if spec.n_rows * spec.n_cols == 0:
             return outs
-        position = {id(inp): k for k, inp in enumerate(spec.inputs)}
 
         def build(grid):
             args = []
-            for inp in plan.inputs:
-                t = _prepare(inp.kind, inp.expand, tensors[position[id(inp)]], spec, self.index64)
+            for k, kind, expand in self._forward_reads:
+                t = _prepare(kind, expand, tensors[k], spec, self.index64)
                 args.append(t)
-                if inp.kind in ("full", "row"):
+                if kind == "full" or kind == "row":
                     args.append(t.stride(0))
             args.extend(outs)
             args.extend([spec.n_rows, spec.n_cols])
@@ -325,6 +356,8 @@ class CompiledSubgraph:
                     else:
                         grad = buf.sum().to(inp.dtype).view(inp.shape)
                     grads[sink.index] = grad
+                for k, other in plan.grad_aliases.items():
+                    grads[k] = grads[other]
                 return grads
 
             return args, finish
@@ -407,11 +440,11 @@ class TritonFusedSubgraph(FusedSubgraph):
 
     def specialize(self, metas) -> CompiledSubgraph:
         """Generate (or fetch) the kernels for inputs of the given ``(shape, dtype)`` pairs."""
-        attr_key = tuple((q, tuple(t.shape), t.dtype) for q in self._attr_names
-                         for t in [self._fetch(q)] if isinstance(t, torch.Tensor))
+        attr_key = tuple((q, t.shape, t.dtype) for q in self._attr_names
+                         for t in [self._fetch(q)] if isinstance(t, torch.Tensor)) if self._attr_names else ()
         dropout_key = tuple(self.get_submodule(t).training for t in self._dropout_modules)
         interpret = _interpreting()
-        key = (tuple(metas), attr_key, dropout_key, interpret)
+        key = (tuple((tuple(shape), dtype) for shape, dtype in metas), attr_key, dropout_key, interpret)
         compiled = self._compiled.get(key)
         if compiled is None:
             spec = specialize(self.graph_module, self, metas, self.name)
@@ -440,11 +473,11 @@ class TritonFusedSubgraph(FusedSubgraph):
 
                 raise ScheduleTypeError(f"{self.name}: input {self.input_names[k]!r} is a {type(a).__name__}; "
                                         "the triton compiler takes tensors only")
-        compiled = self.specialize([(tuple(a.shape), a.dtype) for a in args])
+        compiled = self.specialize([(a.shape, a.dtype) for a in args])
         # kernel inputs in spec order: arguments by position, then attributes as met
         ordered = [args[inp.source[1]] if inp.source[0] == "arg" else self._fetch(inp.source[1])
                    for inp in compiled.spec.inputs]
-        self._check_devices(ordered)
+        self._check_devices(ordered, compiled.interpret)
         seed = int(torch.randint(0, 2 ** 31 - 1, ()).item()) if compiled.uses_dropout else 0
         if torch.is_grad_enabled() and any(t.requires_grad for t in ordered):
             outs = _FusedFunction.apply(compiled, seed, *ordered)
@@ -452,13 +485,16 @@ class TritonFusedSubgraph(FusedSubgraph):
             outs = compiled.forward(ordered, seed)
         return outs[0] if compiled.spec.single_output else tuple(outs)
 
-    def _check_devices(self, tensors):
+    def _check_devices(self, tensors, interpret: bool):
+        first = tensors[0].device if tensors else None
+        if first is not None and first.type == "cuda" and all(t.device == first for t in tensors):
+            return
         devices = {t.device for t in tensors}
         if len(devices) > 1:
             raise LoweringError(f"{self.name}: inputs are on several devices {sorted(map(str, devices))}; "
                                 "the fused kernels need them on one")
         device = next(iter(devices), torch.device("cpu"))
-        if device.type != "cuda" and not _interpreting():
+        if device.type != "cuda" and not interpret:
             raise LoweringError(
                 f"{self.name}: compiler='triton' runs on CUDA tensors (or on CPU with TRITON_INTERPRET=1), "
                 f"got tensors on {device}; use compiler='inductor' or compiler='eager' on this device")

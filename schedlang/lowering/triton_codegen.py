@@ -75,6 +75,7 @@ class KernelPlan:
     persistent: bool = False
     uses_seed: bool = False
     values: list = field(default_factory=list)          # reachable values in topological order
+    grad_aliases: dict = field(default_factory=dict)    # input position -> position with the same gradient
 
     @property
     def reduces_rows(self) -> bool:
@@ -132,10 +133,17 @@ def backward_plan(spec: Specialization, needs_grad: tuple, has_grad_output: tupl
     values = [o.value for o, _, _ in grad_outputs]
     grads = derive_gradients(g, values, [v for _, v, _ in grad_outputs],
                              [inp.value for inp in spec.inputs])
-    sinks = []
+    sinks, aliases, stored = [], {}, {}
     for k, (inp, need, grad) in enumerate(zip(spec.inputs, needs_grad, grads)):
         if not need or grad is None or inp.dtype == torch.bool:
             continue
+        key = (grad.id, inp.kind, inp.dtype, tuple(inp.shape), inp.expand)
+        if inp.kind in ("full", "row") and key in stored:
+            # x and residual of x + residual get the same gradient: write it once and
+            # hand both the same tensor, as eager autograd does
+            aliases[k] = stored[key]
+            continue
+        stored[key] = k
         if inp.kind in ("full", "row"):
             dtype = spec.compute_dtype if inp.expand else inp.dtype
             sinks.append(Sink("grad", grad, f"d_{inp.name}", inp.kind, dtype, k))
@@ -144,6 +152,7 @@ def backward_plan(spec: Specialization, needs_grad: tuple, has_grad_output: tupl
         else:
             sinks.append(Sink("scalar_partial", grad, f"d_{inp.name}_partial", "scalar", spec.compute_dtype, k))
     plan = KernelPlan(f"{_snake(spec.name)}_bwd_kernel{tag}", "backward", spec, sinks, [], grad_outputs)
+    plan.grad_aliases = aliases
     plan = _finish(plan)
     plan.persistent = plan.reduces_rows
     return plan
@@ -492,6 +501,8 @@ def _kernel_doc(plan: KernelPlan) -> list[str]:
         lines.append(f"Reads {names}; writes {', '.join(s.name for s in plan.sinks)}.")
     else:
         grads = ", ".join(f"d_{spec.inputs[s.index].name}" for s in plan.sinks)
+        for k, other in plan.grad_aliases.items():
+            grads += f" (d_{spec.inputs[k].name} is the same tensor as d_{spec.inputs[other].name})"
         lines.append(f"Recomputes the forward from {names} (nothing else is saved) and writes {grads}.")
     lines.append(f"Memory traffic at {spec.n_rows} x {spec.n_cols}: {_size(read)} read, {_size(written)} written "
                  "(each tensor once: the floor of this kernel).")

@@ -198,3 +198,16 @@ def test_shapes_seen_are_specialized_separately():
     assert fused.specializations == [(((7, 13), torch.float32), ((13,), torch.float32)),
                                      (((4, 13), torch.float32), ((13,), torch.float32)),
                                      (((2, 3, 13), torch.float32), ((13,), torch.float32))]
+
+
+def test_inputs_with_the_same_gradient_share_one_tensor():
+    from schedlang.lowering import lower_subgraph
+
+    gm = torch.fx.symbolic_trace(lambda x, b, r: F.layer_norm(x + b + r, (13,)))
+    fused = lower_subgraph(gm, "triton", "AddNorm")
+    x, r = (torch.randn(7, 13, device=DEVICE, requires_grad=True) for _ in range(2))
+    b = torch.randn(13, device=DEVICE, requires_grad=True)
+    gx, gb, gr = torch.autograd.grad(fused(x, b, r), (x, b, r), torch.randn(7, 13, device=DEVICE))
+    assert gx.data_ptr() == gr.data_ptr()  # written once
+    want = torch.autograd.grad(gm(x, b, r), (x, b, r), torch.randn(7, 13, device=DEVICE))
+    assert want[0].shape == gx.shape and gb.shape == want[1].shape
