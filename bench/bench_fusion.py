@@ -74,7 +74,7 @@ def timed(fn):
     fn()
     torch.cuda.synchronize()
     first = time.perf_counter() - t0
-    ms = do_bench(fn, warmup=50, rep=400, return_mode="median")
+    ms = do_bench(fn, warmup=25, rep=200, return_mode="median")
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(50):

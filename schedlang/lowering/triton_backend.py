@@ -104,14 +104,15 @@ def _candidates(plan, spec: Specialization) -> list[tuple[int, int, int]]:
         target = 4096 if bn <= 4096 else bn
         br = max(1, min(max_r, target // bn))
         first = (br, bn, _num_warps(br * bn))
-        rest = [(r, bn, w) for r in (1, 2, 4, 8, 16) for w in (4, 8, 16)
+        warps = (4, 8) if bn <= 2048 else (8, 16)
+        rest = [(r, bn, w) for r in (1, 2, 4, 8) for w in warps
                 if r <= max_r and r * bn <= 16384 and w * 32 * 2 <= max(r * bn, 256)]
     else:
         bn = min(_next_pow2(N), 1024)
         br = max(1, min(max_r, 4096 // bn))
         first = (br, bn, _num_warps(br * bn))
-        rest = [(r, c, w) for r, c, w in ((1, 1024, 4), (2, 1024, 4), (4, 1024, 4), (8, 1024, 8), (2, 2048, 8),
-                                          (4, 2048, 8), (8, 512, 4), (16, 512, 8), (16, 256, 4))
+        rest = [(r, c, w) for r, c, w in ((2, 1024, 4), (4, 1024, 4), (4, 1024, 8), (8, 1024, 8), (4, 2048, 8),
+                                          (8, 512, 4))
                 if c <= _next_pow2(N) and r <= max_r]
     out = [first]
     for cand in rest:
