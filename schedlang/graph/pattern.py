@@ -16,9 +16,9 @@ Matching follows dataflow from the pattern's outputs back to its inputs, so
   ``operator.add`` / ``torch.add`` / ``x.add(y)``, ``F.layer_norm`` / ``nn.LayerNorm`` ...;
 * a pattern input matches any value (a node, a parameter, a constant); the same input
   used twice must match the same value twice (``x * torch.sigmoid(x)``);
-* a constant the pattern passes explicitly must be equal in the graph
-  (``F.gelu(x, approximate="tanh")``); an argument the pattern leaves out is not compared
-  (``F.dropout(x)`` matches ``nn.Dropout(0.1)``);
+* a constant the pattern passes must be equal in the graph (``F.gelu(x, approximate="tanh")``);
+  an argument the pattern leaves out, or leaves at the default of a Python-level function
+  such as ``F.dropout``, is not compared (``F.dropout(x)`` matches ``nn.Dropout(0.1)``);
 * ``call_module(regex, *args)`` matches a call of any module whose name matches ``regex``;
 * a match's intermediate values are used only inside the match (so it can be replaced),
   and matches never share nodes.
@@ -203,6 +203,39 @@ def _named(spec: _OpSpec, args: Sequence[Any], kwargs: Dict[str, Any]) -> Dict[s
     return named
 
 
+def _python_defaults(fn: Callable) -> Dict[str, Any]:
+    """Defaults of a Python-level function; FX records them as if they had been passed."""
+    if not hasattr(fn, "__code__"):
+        return {}  # builtins: FX records only what the caller passed
+    try:
+        return {p.name: p.default for p in inspect.signature(fn).parameters.values()
+                if p.default is not inspect.Parameter.empty}
+    except (TypeError, ValueError):
+        return {}
+
+
+def _drop_recorded_defaults(canon: "_Canon", fn: Callable, spec: Optional[_OpSpec]) -> "_Canon":
+    defaults = _python_defaults(fn)
+    if not defaults:
+        return canon
+    names = dict(zip(spec.positional, inspect.signature(fn).parameters)) if spec is not None else {}
+    kept = {}
+    for key, value in canon.args.items():
+        param = names.get(key, key)
+        if param in defaults and _same_value(defaults[param], value) and not isinstance(value, fx.Node):
+            continue
+        kept[key] = value
+    return dataclasses.replace(canon, args=kept)
+
+
+def pattern_canonicalize(node: fx.Node, owner: nn.Module) -> "_Canon":
+    """Like :func:`canonicalize`, but arguments a pattern left at their default are not compared."""
+    canon = canonicalize(node, owner)
+    if node.op == "call_function" and node.target is not call_module:
+        canon = _drop_recorded_defaults(canon, node.target, _BY_FUNCTION.get(id(node.target)))
+    return canon
+
+
 def canonicalize(node: fx.Node, owner: nn.Module, path: str = "") -> _Canon:
     """The canonical operator and named arguments of a call node of ``owner``'s graph."""
     if node.op == "call_function" and node.target is call_module:
@@ -247,7 +280,7 @@ def _raw_args(node: fx.Node) -> Dict[str, Any]:
 
 
 def _pattern_name(pattern: Any) -> str:
-    return getattr(pattern, "__qualname__", None) or type(pattern).__qualname__
+    return getattr(pattern, "__name__", None) or type(pattern).__name__
 
 
 def trace_pattern(pattern: Any) -> fx.GraphModule:
@@ -281,8 +314,6 @@ def trace_pattern(pattern: Any) -> fx.GraphModule:
     gm.graph.eliminate_dead_code()
     output = next(n for n in gm.graph.nodes if n.op == "output")
     outs = _flatten_outputs(output.args[0])
-    if not any(n.op in _CALLS for n in gm.graph.nodes):
-        raise PatternError(f"pattern {_pattern_name(pattern)} contains no operation to match")
     for o in outs:
         if not isinstance(o, fx.Node) or o.op not in _CALLS:
             raise PatternError(f"pattern {_pattern_name(pattern)} must return results of operations, but returns "
@@ -337,7 +368,7 @@ class _Matcher:
         self.pattern = pattern
         self.owner = owner
         self.path = path
-        self.pattern_canon = {n: canonicalize(n, pattern) for n in pattern.graph.nodes if n.op in _CALLS}
+        self.pattern_canon = {n: pattern_canonicalize(n, pattern) for n in pattern.graph.nodes if n.op in _CALLS}
         self._target_canon: Dict[fx.Node, Optional[_Canon]] = {}
         output = next(n for n in pattern.graph.nodes if n.op == "output")
         self.outputs = []

@@ -758,7 +758,7 @@ class SchedlangTracer(fx.Tracer):
             value = bool(example)
         except Exception as e:
             raise TraceError(
-                f"{self.where()}: the condition '{obj.node.format_node()}' depends on tensor data, which symbolic "
+                f"{self.where()}: the condition '{_describe_node(obj.node)}' depends on tensor data, which symbolic "
                 f"tracing cannot know; mark the module as a leaf (leaf_modules=[...]) or make the function a leaf "
                 f"(schedlang.graph.register_leaf_function) ({_describe(e)})") from e
         self.specializations.append(f"bool({obj.node.name}) = {value}")
@@ -794,7 +794,7 @@ class SchedlangTracer(fx.Tracer):
         example = self.metas.get(obj.node, UNKNOWN)
         if example is UNKNOWN:
             raise TraceError(
-                f"{self.where()}: '{obj.node.format_node()}' is {how}, so its value must be known while tracing, "
+                f"{self.where()}: '{_describe_node(obj.node)}' is {how}, so its value must be known while tracing, "
                 "but no example input reaches it; pass example tensors for the inputs in concrete_args "
                 "(e.g. concrete_args={'hidden_states': torch.randn(2, 8, 64)}), specialize the argument, or keep "
                 "the module as a leaf (leaf_modules=[...])")
@@ -1028,6 +1028,12 @@ def _is_fake(t: torch.Tensor) -> bool:
     return isinstance(t, FakeTensor)
 
 
+def _describe_node(node: fx.Node) -> str:
+    target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+    args = ", ".join(str(a) for a in node.args)
+    return f"{node.name} = {target}({args})" if node.op != "placeholder" else node.name
+
+
 def _reserve_name(graph: fx.Graph, name: str) -> None:
     namespace = getattr(graph, "_graph_namespace", None)
     if namespace is not None and hasattr(namespace, "create_name"):
@@ -1108,6 +1114,7 @@ def build_traced_module(original: nn.Module, graph: fx.Graph, tracer: SchedlangT
             gm._non_persistent_buffers_set.add(name)
 
     _restore_missing_state(original, gm)
+    _restore_order(original, gm)
     _restore_containers(original, gm)
     _carry_attributes(original, gm)
     gm._schedlang_input_names = tuple(tracer._spec.input_names()) if tracer._spec else ()
@@ -1138,6 +1145,21 @@ def _restore_missing_state(original: nn.Module, gm: nn.Module) -> None:
                 target.register_buffer(name, b, persistent=name not in module._non_persistent_buffers_set)
             elif name in module._non_persistent_buffers_set:
                 target._non_persistent_buffers_set.add(name)
+
+
+def _restore_order(original: nn.Module, gm: nn.Module) -> None:
+    """Children, parameters and buffers in the original order (``print`` and ``state_dict`` as before)."""
+    for path, orig in original.named_modules():
+        new = _submodule_or_none(gm, path)
+        if new is None or new is orig:
+            continue
+        for attr in ("_modules", "_parameters", "_buffers"):
+            mine, theirs = getattr(new, attr), getattr(orig, attr)
+            order = [k for k in theirs if k in mine] + [k for k in mine if k not in theirs]
+            if order != list(mine):
+                items = [(k, mine[k]) for k in order]
+                mine.clear()
+                mine.update(items)
 
 
 def _restore_containers(original: nn.Module, gm: nn.Module) -> None:

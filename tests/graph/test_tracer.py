@@ -1,0 +1,296 @@
+"""The hierarchy-keeping tracer: structure, numerics, what survives tracing, and its errors."""
+
+import copy
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+
+from schedlang.errors import TraceError
+from schedlang.graph import PH, TracedModule, register_leaf_function, trace_module
+from tests.helpers.models import MLP, Stack
+
+
+def _check_fwd_bwd(reference: nn.Module, traced: nn.Module, *inputs, rtol=1.3e-6, atol=1e-5):
+    ref_in = [x.clone().requires_grad_(x.is_floating_point()) for x in inputs]
+    new_in = [x.clone().requires_grad_(x.is_floating_point()) for x in inputs]
+    ref_out, new_out = reference(*ref_in), traced(*new_in)
+    torch.testing.assert_close(new_out, ref_out, rtol=rtol, atol=atol)
+    grad = torch.randn_like(ref_out)
+    ref_out.backward(grad)
+    new_out.backward(grad)
+    for a, b in zip(new_in, ref_in):
+        if b.grad is not None:
+            torch.testing.assert_close(a.grad, b.grad, rtol=rtol, atol=atol)
+
+
+def test_hierarchy_is_kept_with_one_graph_per_traced_child():
+    model = Stack(hidden=12, inner=20).eval()
+    gm = trace_module(model)
+    assert isinstance(gm, TracedModule)
+    assert type(gm.layers) is nn.ModuleList and len(gm.layers) == 2
+    assert isinstance(gm.layers[0], fx.GraphModule) and isinstance(gm.layers[0].mlp, fx.GraphModule)
+    # leaves are the very same modules, so parameters keep their identity and names
+    assert gm.layers[0].mlp.fc1 is model.layers[0].mlp.fc1
+    assert list(gm.state_dict()) == list(model.state_dict())
+    assert {n: id(p) for n, p in gm.named_parameters()} == {n: id(p) for n, p in model.named_parameters()}
+    assert [n for n, _ in gm.named_children()] == ["layers", "head"]
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_module"]
+    assert targets == ["layers.0", "layers.1", "head"]
+    for shape in [(3, 12), (7, 13, 12), (1000, 12)]:
+        _check_fwd_bwd(model, gm, torch.randn(*shape))
+
+
+def test_flatten_inlines_children_into_one_graph():
+    model = Stack(hidden=12, inner=20).eval()
+    gm = trace_module(model, flatten=True)
+    assert not any(isinstance(m, fx.GraphModule) for _, m in gm.named_modules() if m is not gm)
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_module"]
+    assert "layers.0.mlp.fc1" in targets and "layers.1.mlp.act" in targets
+    assert list(gm.state_dict()) == list(model.state_dict())
+    _check_fwd_bwd(model, gm, torch.randn(7, 13, 12))
+
+
+def test_recursive_false_keeps_children_as_calls():
+    model = Stack().eval()
+    gm = trace_module(model, recursive=False)
+    assert gm.layers[0] is model.layers[0] and not isinstance(gm.layers[0], fx.GraphModule)
+    _check_fwd_bwd(model, gm, torch.randn(4, 12))
+
+
+def test_leaf_modules_by_type_and_by_name():
+    model = Stack().eval()
+    gm = trace_module(model, leaf_modules=[MLP])
+    assert gm.layers[0].mlp is model.layers[0].mlp
+    gm = trace_module(model, flatten=True, leaf_modules=["layers.1.mlp"])
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_module"]
+    assert "layers.1.mlp" in targets and "layers.0.mlp.fc1" in targets
+    _check_fwd_bwd(model, gm, torch.randn(5, 12))
+
+
+class _WithState(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.used = nn.Linear(6, 6)
+        self.unused = nn.Linear(6, 6)
+        self.spare = nn.Parameter(torch.randn(3))
+        self.register_buffer("scale", torch.tensor(2.0), persistent=False)
+        self.register_buffer("count", torch.zeros(()))
+
+    def forward(self, x):
+        return self.used(x) * self.scale
+
+
+def test_every_parameter_and_buffer_keeps_its_name_and_persistence():
+    model = _WithState()
+    gm = trace_module(model)
+    assert list(gm.state_dict()) == list(model.state_dict())
+    assert "scale" not in gm.state_dict() and gm.scale is model.scale
+    assert gm.spare is model.spare and gm.unused is model.unused
+    gm.load_state_dict(model.state_dict())
+    _check_fwd_bwd(model, gm, torch.randn(7, 6))
+
+
+def test_forward_hooks_move_to_the_traced_module():
+    model = Stack().eval()
+    calls = []
+    model.register_forward_hook(lambda m, args, out: out * 3)
+    model.layers[0].register_forward_pre_hook(lambda m, args: (args[0] + 1,))
+    model.layers[1].register_forward_hook(lambda m, args, out: calls.append(out.shape))
+    gm = trace_module(model)
+    x = torch.randn(4, 12)
+    torch.testing.assert_close(gm(x), model(x))
+    assert len(gm._forward_hooks) == 1 and len(gm.layers[0]._forward_pre_hooks) == 1
+    assert len(calls) == 2  # the hook of layers.1 ran for the traced module as for the original
+
+
+def test_schedlang_attributes_and_plain_attributes_of_the_root_are_kept():
+    model = MLP()
+    model._schedlang_note = "kept"
+    model.hidden_size = 12
+    gm = trace_module(model)
+    assert gm._schedlang_note == "kept" and gm.hidden_size == 12
+    assert gm._schedlang_traced_from.endswith("MLP")
+
+
+class _Decomposed(nn.Module):
+    """A module that uses its weights directly, so flattening its parent inlines it."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 8))
+        self.bias = nn.Parameter(torch.randn(8))
+
+    def forward(self, x):
+        return F.linear(x, self.weight) + self.bias
+
+
+def test_shard_records_are_carried_to_the_module_that_now_owns_the_parameters():
+    model = nn.Sequential(_Decomposed(), nn.GELU())
+    model[0]._schedlang_shards = {"weight": "w", "bias": "b", "gone": "x"}
+    gm = trace_module(model, flatten=True)
+    owner = gm.get_submodule("0")
+    assert type(owner) is nn.Module and owner.weight is model[0].weight
+    assert owner._schedlang_shards == {"weight": "w", "bias": "b"}
+    _check_fwd_bwd(model, gm, torch.randn(3, 8))
+
+
+def test_deepcopy_keeps_hooks_containers_and_unused_state():
+    model = _WithState()
+    model.register_forward_hook(lambda m, a, out: out + 1)
+    gm = trace_module(nn.Sequential(model, nn.ReLU()))
+    clone = copy.deepcopy(gm)
+    assert isinstance(clone, TracedModule)
+    assert list(clone.state_dict()) == list(gm.state_dict())
+    assert len(clone.get_submodule("0")._forward_hooks) == 1
+    assert clone.get_submodule("0.used").weight is not gm.get_submodule("0.used").weight
+    x = torch.randn(5, 6)
+    torch.testing.assert_close(clone(x), gm(x))
+
+
+class _ShapeBranches(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x):
+        heads = (*x.shape[:-1], 4, -1)        # needs the rank of x
+        y = self.proj(x).view(heads).transpose(-2, -3)
+        if y.shape[-1] > 2:                   # needs a size
+            y = y * 2
+        return y.transpose(-2, -3).reshape(x.shape)
+
+
+def test_shape_dependent_python_is_answered_by_example_inputs():
+    model = _ShapeBranches()
+    gm = trace_module(model, concrete_args={"x": torch.randn(2, 5, 16)})
+    assert "view" in gm.code and "mul" in gm.code
+    for shape in [(2, 5, 16), (3, 7, 16)]:  # the graph keeps shapes symbolic
+        _check_fwd_bwd(model, gm, torch.randn(*shape))
+
+
+def test_shape_dependent_python_without_an_example_fails_loudly():
+    with pytest.raises(TraceError, match=r"^<root>: 'getitem = getitem\(getattr_1, slice\(None, -1, None\)\)' is iterated over \(for / \* unpacking\), so its value must be "
+                                         r"known while tracing, but no example input reaches it; pass example tensors "
+                                         r"for the inputs in concrete_args") as info:
+        trace_module(_ShapeBranches())
+    assert info.value.__cause__ is None or isinstance(info.value.__cause__, Exception)
+
+
+class _DataBranch(nn.Module):
+    def forward(self, x):
+        if x.sum() > 0:
+            return x * 2
+        return x
+
+
+def test_data_dependent_control_flow_names_module_and_remedy():
+    with pytest.raises(TraceError, match=r"^inner\.1: the condition 'gt = gt\(sum_1, 0\)' depends on tensor data, which symbolic tracing "
+                                         r"cannot know; mark the module as a leaf"):
+        trace_module(nn.Sequential(nn.Linear(3, 3), _DataBranch()), concrete_args={"input": torch.randn(2, 3)},
+                     path="inner")
+
+
+class _Optional(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x, scale=None, mode="plain"):
+        y = self.lin(x)
+        if scale is not None:
+            y = y * scale
+        return y + 1 if mode == "plain" else y
+
+
+def test_specialized_arguments_are_guarded():
+    model = _Optional()
+    gm = trace_module(model, path="blk")
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(gm(x), model(x))
+    torch.testing.assert_close(gm(x, None, "plain"), model(x))
+    with pytest.raises(TraceError, match=r"^blk: the graph was traced with scale=None and cannot take scale=a tensor "
+                                         r"of shape \(3, 4\); trace the module again with concrete_args="):
+        gm(x, torch.randn(3, 4))
+    with pytest.raises(TraceError, match=r"traced with mode='plain' and cannot take mode='other'"):
+        gm(x, mode="other")
+
+
+def test_placeholder_makes_an_optional_argument_an_input():
+    model = _Optional()
+    gm = trace_module(model, concrete_args={"scale": PH})
+    x, s = torch.randn(3, 4), torch.randn(3, 4)
+    torch.testing.assert_close(gm(x, s), model(x, s))
+
+
+def _clipped(x, limit):
+    return x.clamp(max=limit) if bool((x > limit).any()) else x
+
+
+register_leaf_function(_clipped)
+
+
+class _UsesLeaf(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(5, 5)
+
+    def forward(self, x):
+        return _clipped(self.lin(x), 0.5) * 2
+
+
+def test_leaf_functions_become_one_node():
+    model = _UsesLeaf()
+    gm = trace_module(model)
+    calls = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is _clipped]
+    assert len(calls) == 1
+    _check_fwd_bwd(model, gm, torch.randn(7, 5))
+
+
+class _Twice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = _Optional()
+
+    def forward(self, x):
+        return self.inner(x, mode="plain") + self.inner(x, mode="other")
+
+
+def test_a_child_called_with_different_constants_cannot_share_a_graph():
+    with pytest.raises(TraceError, match=r"^inner: the module is called more than once with different non-tensor "
+                                         r"arguments, so one graph cannot serve every call; keep it as a leaf"):
+        trace_module(_Twice())
+    gm = trace_module(_Twice(), leaf_modules=["inner"])
+    assert not isinstance(gm.inner, fx.GraphModule)
+
+
+def test_instance_level_forward_is_refused():
+    model = nn.Linear(3, 3)
+    model.forward = lambda x: x
+    with pytest.raises(TraceError, match=r"^lin: Linear has a forward set on the instance, which FX cannot trace"):
+        trace_module(model, path="lin")
+
+
+class _Broken(nn.Module):
+    def forward(self, x):
+        raise ValueError("this module only runs eagerly")
+
+
+def test_failures_name_the_submodule_and_chain_the_cause():
+    model = nn.Sequential(nn.Linear(2, 2), _Broken())
+    with pytest.raises(TraceError, match=r"^net\.1: cannot trace _Broken: ValueError: this module only runs eagerly$") as info:
+        trace_module(model, path="net", concrete_args={"input": torch.randn(2, 2)})
+    assert isinstance(info.value.__cause__, ValueError)
+
+
+def test_the_traced_module_is_not_changed():
+    from tests.helpers.models import assert_unchanged, state_snapshot
+
+    model = Stack()
+    model.layers[0].register_forward_hook(lambda m, a, o: o)
+    before = state_snapshot(model)
+    trace_module(model)
+    trace_module(model, flatten=True)
+    assert_unchanged(model, before)
