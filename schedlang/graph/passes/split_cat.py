@@ -8,6 +8,9 @@ Before::
 After: ``y = x``. A consecutive run of pieces inside a longer list becomes one
 ``narrow`` view of ``x`` (``torch.cat([a, split[1], split[2], b])`` ->
 ``torch.cat([a, x.narrow(-1, 16, 48), b])``). The cat must be along the split's dim.
+
+Also: a forward that returns the tuple of all the pieces of a split or unbind, in order,
+returns the split's own tuple (no getitem per piece on every call).
 """
 
 from __future__ import annotations
@@ -29,6 +32,13 @@ class SplitCat(Rule):
     description = "cat of the pieces of a split, in order, along its dim -> the split's input (or a narrow view)"
 
     def _plan(self, node: fx.Node):
+        if node.op == "output":
+            value = node.args[0] if node.args else None
+            if isinstance(value, tuple) and value:
+                found = runs(value, min_length=1)
+                if len(found) == 1 and found[0].start == 0 and found[0].stop == len(value) and found[0].covers_all():
+                    return ("output", found[0].spec)
+            return None
         found = tensor_list(node, CAT_FUNCTIONS)
         if found is None:
             return None
@@ -48,6 +58,15 @@ class SplitCat(Rule):
         plan = self._plan(node)
         if plan is None:
             return False
+        if plan[0] == "output":
+            spec = plan[1]
+            pieces = list(node.args[0])
+            node.args = (spec.node,) + tuple(node.args[1:])
+            for p in pieces:
+                ctx.erase(p)
+            ctx.record(self.name, pieces, spec.node, f"returns all {len(pieces)} pieces of '{spec.node.name}' -> "
+                                                     f"returns its tuple")
+            return True
         if plan[0] == "whole":
             ctx.record(self.name, [node], plan[1].base, f"cat(split('{plan[1].base.name}')) -> '{plan[1].base.name}'")
             ctx.replace(node, plan[1].base)

@@ -167,10 +167,12 @@ def test_report_says_which_rule_fused_what():
     gm = fx.symbolic_trace(model)
     report = horizontal_fuse(gm, path="towers")
     text = str(report)
-    assert text.startswith("horizontal_fuse at 'towers': 4 rewrite(s) in 2 sweep(s)")
+    assert text.startswith("horizontal_fuse at 'towers': 5 rewrite(s) in 2 sweep(s)")
     assert "[linear_same_input] linears_0, linears_1, linears_2 -> linear: 3 x linear(5->[4]) on 'x'" in text
     assert "hfused_linear_weight_0 (12, 5) <- linears.0.weight, linears.1.weight, linears.2.weight" in text
-    assert report.counts == {"linear_same_input": 1, "layer_norm": 1, "activation": 1, "stack_unbind": 1}
+    assert report.counts == {"linear_same_input": 1, "layer_norm": 1, "activation": 1, "stack_unbind": 1,
+                             "split_cat": 1}  # the forward returns the unbind's own tuple
+    assert gm.graph.output_node().args[0].target == "unbind"
     weight = gm.hfused_linear_weight_0
     assert [src.name for _, src in fused_sources(weight)] == ["linears.0.weight", "linears.1.weight",
                                                               "linears.2.weight"]
