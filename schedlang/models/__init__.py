@@ -15,12 +15,15 @@ are recorded in its plan, checked by ``Verify`` and materialized per rank by ``b
 
 from __future__ import annotations
 
+import torch
+from torch import nn
+
 from ..errors import ScheduleTypeError
 from .bert import shard_bert
 from .gpt2 import shard_gpt2
 from .llama import shard_llama
 
-__all__ = ["shard_llama", "shard_gpt2", "shard_bert", "shard_model", "FAMILIES"]
+__all__ = ["shard_llama", "shard_gpt2", "shard_bert", "shard_model", "compile_layers", "FAMILIES"]
 
 #: class-name prefix -> schedule function
 FAMILIES = {"Llama": shard_llama, "Mistral": shard_llama, "Qwen2": shard_llama, "GPT2": shard_gpt2,
@@ -40,3 +43,32 @@ def shard_model(sch, **options):
             return fn(sch, **options)
     raise ScheduleTypeError(f"{sch.path or '<root>'}: no ready-made schedule for {name}; known families: "
                             f"{', '.join(FAMILIES)}")
+
+
+#: names of the ModuleList holding the transformer layers, per family
+LAYER_LISTS = ("layers", "h", "layer")
+
+
+def compile_layers(model: nn.Module, **compile_options) -> int:
+    """``torch.compile`` the forward of every transformer layer of a built model; returns how many.
+
+    Each layer is compiled with the syncs of its submodules inside the graph (the collectives are
+    traced, so attention or MLP plus its all-reduce is one graph); the layer's *own* hooks (the
+    sequence split in front of the first layer under sequence parallelism) stay outside, so every
+    layer sees the same shapes and one compiled graph serves them all.
+
+    Example::
+
+        model, opt = schedlang.build(sch, optimizer="adamw")
+        compile_layers(model)
+    """
+    count = 0
+    for name, module in model.named_modules():
+        if name.rpartition(".")[2] in LAYER_LISTS and isinstance(module, nn.ModuleList):
+            for layer in module:
+                layer.forward = torch.compile(layer.forward, **compile_options)
+                count += 1
+    if not count:
+        raise ScheduleTypeError(f"compile_layers: no layer list ({', '.join(LAYER_LISTS)}) found in "
+                                f"{type(model).__name__}")
+    return count
