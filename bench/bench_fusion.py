@@ -144,7 +144,12 @@ def main():
     parser.add_argument("--rows", type=int, default=8192)
     parser.add_argument("--cols", type=int, default=4096)
     args = parser.parse_args()
+    import logging
+
     import triton
+
+    logging.basicConfig(format="%(name)s: %(message)s")
+    logging.getLogger("schedlang.lowering").setLevel(logging.INFO)  # the launch choices timed
 
     torch.manual_seed(0)
     device_name = torch.cuda.get_device_name()
@@ -162,11 +167,15 @@ def main():
     residual = torch.randn(R, N, device=DEV, dtype=dtype)
 
     sources = {}
-    for approximate in ("none", "tanh"):
-        def bias_gelu(x, bias, approximate=approximate):
+    def bias_gelu_of(approximate):
+        def bias_gelu(x, bias):
             return F.gelu(x + bias, approximate=approximate)
+        return bias_gelu
 
-        def make(bias_gelu=bias_gelu, approximate=approximate):
+    for approximate in ("none", "tanh"):
+        bias_gelu = bias_gelu_of(approximate)
+
+        def make(bias_gelu=bias_gelu):
             gm = torch.fx.symbolic_trace(bias_gelu)
             return lower_subgraph(gm, "triton", "BiasGeLU", example_inputs=[x, bias])
 
@@ -195,6 +204,10 @@ def main():
         lines.append(f"| {r['pattern']} | {r['variant']} | {r['ms']:.4f} | {r['ms'] / r['floor']:.2f} | "
                      + (f"{base['eager'] / r['ms']:.2f} | {base['compile'] / r['ms']:.2f}" if base else " | ")
                      + f" | {r['first']:.2f} | {r['host']:.3f} |")
+    from schedlang.lowering.triton_backend import _TUNED
+
+    tuned = [f"- {k[0]} at {k[2]}x{k[3]}: BLOCK_R={v[0]} BLOCK_N={v[1]} num_warps={v[2]}" for k, v in _TUNED.items()]
+    log("\n".join(tuned))
     floors = sorted({(r["pattern"], r["floor"]) for r in ROWS})
     table = "\n".join(lines)
     log(table)
@@ -212,7 +225,7 @@ def main():
             "",
             "Floors (bytes that must move / copy bandwidth):",
             "",
-        ] + [f"- {p}: {f:.4f} ms" for p, f in floors]
+        ] + [f"- {p}: {f:.4f} ms" for p, f in floors] + ["", "Launch choices (timed once per kernel and shape):", ""] + tuned
         Path(args.out).write_text("\n".join(header) + "\n")
         src_path = Path(args.out).with_suffix(".kernels.py")
         src_path.write_text("\n\n".join(f"# ===== {k}\n{v}" for k, v in sources.items()))

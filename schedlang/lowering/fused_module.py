@@ -47,7 +47,9 @@ class FusedSubgraph(nn.Module):
                 value = getattr(gm, node.target, None)
                 if isinstance(value, torch.Tensor):
                     self.register_buffer(node.target, value, persistent=False)
-        self.input_names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        self.input_names = [n.name for n in placeholders]
+        self._required_inputs = sum(1 for n in placeholders if not n.args)  # the rest have defaults
         output = next(n for n in gm.graph.nodes if n.op == "output").args[0]
         outs = output if isinstance(output, (tuple, list)) else (output,)
         self.output_names = [o.name if isinstance(o, torch.fx.Node) else repr(o) for o in outs]
@@ -73,7 +75,7 @@ class FusedSubgraph(nn.Module):
         return self.graph_module.code
 
     def _check_arity(self, args):
-        if len(args) != len(self.input_names):
+        if not self._required_inputs <= len(args) <= len(self.input_names):
             from ..errors import ScheduleTypeError
 
             raise ScheduleTypeError(

@@ -160,7 +160,7 @@ class _FakeProp(torch.fx.Interpreter):
         return result
 
 
-def fake_propagate(owner: torch.nn.Module, graph: torch.fx.Graph, metas):
+def fake_propagate(owner: torch.nn.Module, graph: torch.fx.Graph, metas, device=None):
     """Shapes and dtypes of every node for inputs of the given (shape, dtype)s, computed by
     PyTorch itself on fake tensors (no memory, no kernels)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -173,7 +173,7 @@ def fake_propagate(owner: torch.nn.Module, graph: torch.fx.Graph, metas):
     fake_logger.setLevel(logging.CRITICAL)
     try:
         with mode:
-            fakes = [torch.empty(shape, dtype=dtype) for shape, dtype in metas]
+            fakes = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in metas]
             prop = _FakeProp(owner, graph)
             prop.run(*fakes)
     finally:
@@ -288,6 +288,9 @@ class _Translator:
             self.g.set_origin(node.name)
             try:
                 if node.op == "placeholder":
+                    if placeholder_index >= len(arg_metas):  # a defaulted, non-tensor argument
+                        self.env[node] = node.args[0] if node.args else None
+                        continue
                     shape, dtype = arg_metas[placeholder_index]
                     placeholder_index += 1
                     self.env[node] = self._add_input(("arg", placeholder_index - 1), node.name, shape, dtype).value
@@ -421,16 +424,18 @@ def _fetch_attr(owner, qualname: str):
     return obj
 
 
-def specialize(gm: torch.fx.GraphModule, owner: torch.nn.Module, arg_metas, name: str) -> Specialization:
+def specialize(gm: torch.fx.GraphModule, owner: torch.nn.Module, arg_metas, name: str,
+               device=None) -> Specialization:
     """Translate ``gm`` for arguments of the given ``(shape, dtype)`` pairs.
 
     ``owner`` resolves ``get_attr`` and ``call_module`` targets (the fused module, which
-    holds the subgraph's parameters under their original names). Raises
+    holds the subgraph's parameters under their original names); ``device`` is where the
+    inputs live (PyTorch checks it against the parameters' device). Raises
     :class:`~schedlang.errors.LoweringError` listing every operation it cannot lower.
     """
     arg_metas = [(tuple(shape), dtype) for shape, dtype in arg_metas]
     try:
-        metas = fake_propagate(owner, gm.graph, arg_metas)
+        metas = fake_propagate(owner, gm.graph, arg_metas, device)
     except _PropagationFailure as exc:  # PyTorch itself rejects these shapes or dtypes
         shapes = ", ".join(f"{tuple(shape)} {str(dtype).replace('torch.', '')}" for shape, dtype in arg_metas)
         raise lowering_error(name, [(exc.node, f"PyTorch rejects it for inputs of shapes {shapes}: {exc.reason}")],

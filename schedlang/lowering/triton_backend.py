@@ -433,22 +433,31 @@ class TritonFusedSubgraph(FusedSubgraph):
         state["_compiled"], state["_latest"] = {}, None
         return state
 
+    def _attr_tensors(self):
+        for q in self._attr_names:
+            t = self._fetch(q)
+            if isinstance(t, torch.Tensor):
+                yield t
+
     def _fetch(self, qualname: str):
         obj = self
         for part in qualname.split("."):
             obj = getattr(obj, part)
         return obj
 
-    def specialize(self, metas) -> CompiledSubgraph:
-        """Generate (or fetch) the kernels for inputs of the given ``(shape, dtype)`` pairs."""
+    def specialize(self, metas, device=None) -> CompiledSubgraph:
+        """Generate (or fetch) the kernels for inputs of the given ``(shape, dtype)`` pairs
+        on ``device`` (default: where the subgraph's parameters are, else the CPU)."""
+        if device is None:
+            device = next((t.device for t in self._attr_tensors()), torch.device("cpu"))
         attr_key = tuple((q, t.shape, t.dtype) for q in self._attr_names
                          for t in [self._fetch(q)] if isinstance(t, torch.Tensor)) if self._attr_names else ()
         dropout_key = tuple(self.get_submodule(t).training for t in self._dropout_modules)
         interpret = _interpreting()
-        key = (tuple((tuple(shape), dtype) for shape, dtype in metas), attr_key, dropout_key, interpret)
+        key = (tuple((tuple(shape), dtype) for shape, dtype in metas), attr_key, dropout_key, interpret, device.type)
         compiled = self._compiled.get(key)
         if compiled is None:
-            spec = specialize(self.graph_module, self, metas, self.name)
+            spec = specialize(self.graph_module, self, metas, self.name, device)
             compiled = self._compiled[key] = CompiledSubgraph(spec, interpret)
             logger.debug("%s: specialized for %s", self.name, metas)
         self.__dict__["_latest"] = compiled
@@ -474,7 +483,7 @@ class TritonFusedSubgraph(FusedSubgraph):
 
                 raise ScheduleTypeError(f"{self.name}: input {self.input_names[k]!r} is a {type(a).__name__}; "
                                         "the triton compiler takes tensors only")
-        compiled = self.specialize([(a.shape, a.dtype) for a in args])
+        compiled = self.specialize([(a.shape, a.dtype) for a in args], args[0].device if args else None)
         # kernel inputs in spec order: arguments by position, then attributes as met
         ordered = [args[inp.source[1]] if inp.source[0] == "arg" else self._fetch(inp.source[1])
                    for inp in compiled.spec.inputs]
@@ -513,7 +522,9 @@ def lower(gm: torch.fx.GraphModule, name: str, example_inputs=None) -> TritonFus
     fused = TritonFusedSubgraph(gm, name)
     metas = _example_metas(gm, example_inputs)
     if metas is not None:
-        fused.specialize(metas)  # surfaces shape-dependent errors now and makes `source` available
+        device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), None) \
+            if example_inputs is not None else None
+        fused.specialize(metas, device)  # surfaces shape-dependent errors now and makes `source` available
     return fused
 
 

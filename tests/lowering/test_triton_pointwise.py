@@ -168,10 +168,12 @@ def test_backward_saves_only_what_it_reads():
     r = torch.randn(7, 13, device=DEVICE, requires_grad=True)
     # d(x + b + r) needs no forward value at all
     add3 = lower_subgraph(torch.fx.symbolic_trace(lambda x, b, r: x + b + r), "triton", "Add3")
-    assert len(add3(x, b, r).grad_fn.saved_tensors) == 0
+    y = add3(x, b, r)
+    assert len(y.grad_fn.saved_tensors) == 0
     # gelu'(x + b) reads x and b again (recomputed), never the output
     bias_gelu = lower_subgraph(torch.fx.symbolic_trace(lambda x, b, r: F.gelu(x + b) + r), "triton", "BG")
-    saved = bias_gelu(x, b, r).grad_fn.saved_tensors
+    y = bias_gelu(x, b, r)
+    saved = y.grad_fn.saved_tensors
     assert len(saved) == 2 and saved[0] is x and saved[1] is b
 
 
@@ -211,3 +213,15 @@ def test_inputs_with_the_same_gradient_share_one_tensor():
     assert gx.data_ptr() == gr.data_ptr()  # written once
     want = torch.autograd.grad(gm(x, b, r), (x, b, r), torch.randn(7, 13, device=DEVICE))
     assert want[0].shape == gx.shape and gb.shape == want[1].shape
+
+
+def test_defaulted_non_tensor_argument():
+    from schedlang.lowering import lower_subgraph
+
+    def bias_gelu(x, bias, approximate="tanh"):  # traced: `approximate` becomes a placeholder with a default
+        return F.gelu(x + bias, approximate=approximate)
+
+    gm = torch.fx.symbolic_trace(bias_gelu)
+    x, b = torch.randn(7, 13, device=DEVICE), torch.randn(13, device=DEVICE)
+    fused = lower_subgraph(gm, "triton", "BiasGeLU", example_inputs=[x, b])
+    torch.testing.assert_close(fused(x, b), F.gelu(x + b, approximate="tanh"))
