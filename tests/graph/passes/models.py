@@ -83,7 +83,7 @@ def run_with_grads(model: nn.Module, inputs: Sequence[torch.Tensor], grad_seed: 
     out = model(*inputs)
     outs = [out] if isinstance(out, torch.Tensor) else list(out)
     gen = torch.Generator().manual_seed(grad_seed)
-    loss = sum((o * torch.randn(o.shape, generator=gen, dtype=o.dtype)).sum() for o in outs)
+    loss = sum((o * torch.randn(o.shape, generator=gen, dtype=o.dtype).to(o.device)).sum() for o in outs)
     loss.backward()
     return [o.detach() for o in outs], [x.grad for x in inputs if x.requires_grad]
 

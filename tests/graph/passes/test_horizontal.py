@@ -273,3 +273,13 @@ def test_a_ten_thousand_node_graph_is_fused_completely(one_thread):
     assert report.counts == {"linear_same_input": 715, "layer_norm": 715, "activation": 715,
                              "stack_unbind": 715, "cat_unbind": 715}
     torch.testing.assert_close(gm(x), expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+def test_seed_cases_on_the_gpu(dtype, tol):
+    for model, x in ((SplitLayerNormTanhCat(50, 64), torch.randn(64, 3200)),
+                     (ParallelBranches(n=32, d_in=256, d=64, concat=True), torch.randn(64, 256))):
+        model = randomize(model).to("cuda", dtype)
+        gm, _ = check_fusion(model, [x.to("cuda", dtype)], atol=tol, rtol=tol)
+        assert next(gm.parameters()).is_cuda
