@@ -1,0 +1,165 @@
+"""Tensor-parallel LLaMA (transformers 5.x) with ``schedlang.models.llama.shard_llama``, on 2 and 4 ranks.
+
+Each rank holds a shard of attention (heads), MLP, embedding and LM head (vocabulary); logits,
+loss and every gradient must equal the single-device model's (sharded gradients equal the
+matching slices of the reference's). The ranks are spawned once per world size; every
+scenario runs in that one launch and each test checks its own.
+"""
+
+import copy
+
+import pytest
+import torch
+
+import schedlang
+from schedlang.models.llama import shard_llama
+from tests.helpers.distributed import run_distributed
+from tests.models import tp_checks as T
+
+SEQ = 12
+
+
+def _inputs(seq=SEQ):
+    ids = torch.randint(0, T.VOCAB, (2, seq), device=T.device())
+    labels = ids.clone()
+    labels[0, :3] = -100  # ignored tokens count neither in the loss nor in its mean
+    return ids, labels
+
+
+def _model(**config):
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM(T.llama_config(**config)).to(T.device())
+
+
+def _tp_vocab_parallel_loss():
+    model = _model()
+    ids, labels = _inputs()
+    sch = schedlang.create_schedule(model)
+    shard_llama(sch)
+    built, _ = schedlang.build(sch)
+    result = T.compare(built, copy.deepcopy(model), {"input_ids": ids, "labels": labels}, logits_split=True)
+    attn = built.model.layers[0].self_attn
+    result.update(heads=(attn.num_heads, attn.num_key_value_heads, attn.num_key_value_groups),
+                  loss_function=type(built.loss_function).__name__, n_params=len(list(model.named_parameters(remove_duplicate=False))))
+    return result
+
+
+def _tied_verify_and_gather():
+    model = _model(tied=True)
+    ids, labels = _inputs()
+    sch = schedlang.create_schedule(model)
+    with schedlang.Verify(sch, example_inputs=[ids]):
+        shard_llama(sch, gather_logits=True)
+    built, _ = schedlang.build(sch)
+    result = T.compare(built, copy.deepcopy(model), {"input_ids": ids, "labels": labels}, logits_split=False)
+    result["tied"] = built.lm_head.weight is built.model.embed_tokens.weight
+    result["head_rows"] = built.lm_head.weight.shape[0]
+    return result
+
+
+def _verify_catches_wrong_axis():
+    model = _model()
+    ids, _ = _inputs()
+    sch = schedlang.create_schedule(model)
+    try:
+        with schedlang.Verify(sch, example_inputs=[ids]):
+            mlp = sch["model.layers.0.mlp"]
+            mlp["gate_proj"].shard("weight", axis=1)  # wrong: the gate must be split along its outputs
+            mlp["up_proj"].shard("weight", axis=0)
+            mlp["down_proj"].shard("weight", axis=1)
+            mlp["down_proj"].sync(mode="fwd_post", sync_op_or_fn="all_reduce")
+            mlp.sync(mode="bwd_post", sync_op_or_fn="all_reduce")
+    except schedlang.VerificationError as e:
+        return str(e)
+    return None
+
+
+def _meta_build_matches_unsharded_build():
+    from transformers import LlamaForCausalLM
+
+    with schedlang.init_empty_weights():
+        meta = LlamaForCausalLM(T.llama_config(tied=True))
+    sch = schedlang.create_schedule(meta)
+    shard_llama(sch)
+    torch.manual_seed(7)
+    sharded, _ = schedlang.build(sch, device=T.device())
+    torch.manual_seed(7)
+    full, _ = schedlang.build(schedlang.create_schedule(meta), device=T.device())
+    ids, labels = _inputs()
+    result = T.compare(sharded, full, {"input_ids": ids, "labels": labels}, logits_split=True)
+    result["bytes_ratio"] = T.param_bytes(sharded) / T.param_bytes(full)
+    result["meta_left"] = any(t.is_meta for t in list(sharded.parameters()) + list(sharded.buffers()))
+    return result
+
+
+def _tp_world4_sequence_parallel():
+    model = _model(heads=4, kv_heads=4)
+    ids, labels = _inputs(seq=16)
+    sch = schedlang.create_schedule(model)
+    shard_llama(sch, sequence_parallel=True)
+    built, _ = schedlang.build(sch)
+    return T.compare(built, copy.deepcopy(model), {"input_ids": ids, "labels": labels}, logits_split=True)
+
+
+def _world2(rank, world):
+    return T.run_scenarios({
+        "tp": _tp_vocab_parallel_loss,
+        "tied": _tied_verify_and_gather,
+        "wrong_axis": _verify_catches_wrong_axis,
+        "meta": _meta_build_matches_unsharded_build,
+    })
+
+
+def _world4(rank, world):
+    return T.run_scenarios({"sp4": _tp_world4_sequence_parallel})
+
+
+@pytest.fixture(scope="module")
+def world2():
+    return run_distributed(_world2, world_size=2, timeout=240)
+
+
+def _close(result, tol=2e-5):
+    assert result["logits"] <= tol * max(1.0, result["logits_scale"]), result
+    assert result["loss"] <= tol, result
+    assert result["grad"] <= tol, result
+
+
+def test_logits_loss_and_gradients_match_single_device(world2):
+    for r in T.value(world2, "tp"):
+        _close(r)
+        assert r["local_vocab"] == T.VOCAB // 2
+        assert r["grads_compared"] == r["n_params"]
+        assert r["heads"] == (2, 1, 2)  # 4 query heads, 2 key/value heads, over 2 ranks
+        assert r["loss_function"] == "VocabParallelCausalLMLoss"
+
+
+def test_tied_lm_head_stays_tied_and_verify_passes(world2):
+    for r in T.value(world2, "tied"):
+        _close(r)
+        assert r["tied"] is True
+        assert r["head_rows"] == T.VOCAB // 2
+
+
+def test_verify_catches_wrong_shard_axis(world2):
+    messages = T.value(world2, "wrong_axis")
+    for m in messages:
+        assert m is not None, "Verify accepted a gate projection split along its inputs"
+        assert "does not match the original model" in m
+        assert "shard at 'model.layers.0.mlp.gate_proj' (tensor_name='weight', axis=1)" in m
+
+
+def test_meta_build_holds_half_the_parameters_and_matches_unsharded_build(world2):
+    for r in T.value(world2, "meta"):
+        _close(r)
+        assert r["meta_left"] is False
+        # everything but the norms (5 x 64 of ~70k parameters) is split in two
+        assert 0.5 <= r["bytes_ratio"] < 0.51
+
+
+def test_four_ranks_with_sequence_parallelism():
+    results = run_distributed(_world4, world_size=4, timeout=240)
+    for r in T.value(results, "sp4"):
+        _close(r)
+        assert r["local_vocab"] == T.VOCAB // 4

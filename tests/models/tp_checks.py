@@ -1,0 +1,134 @@
+"""Helpers for the tensor-parallel model tests: tiny HF configs, a reference comparison, scenario runs.
+
+The multi-process tests spawn their ranks once per file; the worker runs every scenario and
+returns ``{scenario: ("ok", value) | ("error", traceback)}``, and each test asserts on its own
+entry. Everything runs on CPU ranks (gloo) here and on one GPU per rank (NCCL) when there are
+enough GPUs.
+"""
+
+from __future__ import annotations
+
+import copy
+import traceback
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from schedlang.distributed.collectives import all_gather_tensor
+
+VOCAB = 128
+HIDDEN = 64
+
+
+def device() -> torch.device:
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def llama_config(heads: int = 4, kv_heads: int = 2, tied: bool = False, layers: int = 2):
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(num_hidden_layers=layers, hidden_size=HIDDEN, num_attention_heads=heads,
+                      num_key_value_heads=kv_heads, intermediate_size=96, vocab_size=VOCAB, max_position_embeddings=64,
+                      tie_word_embeddings=tied)
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+def gpt2_config(layers: int = 2):
+    from transformers import GPT2Config
+
+    cfg = GPT2Config(n_layer=layers, n_embd=HIDDEN, n_head=4, vocab_size=VOCAB, n_positions=64, bos_token_id=0,
+                     eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+def bert_config(layers: int = 2):
+    from transformers import BertConfig
+
+    cfg = BertConfig(num_hidden_layers=layers, hidden_size=HIDDEN, num_attention_heads=4, intermediate_size=96,
+                     vocab_size=VOCAB, max_position_embeddings=64, hidden_dropout_prob=0.0,
+                     attention_probs_dropout_prob=0.0)
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+def run_scenarios(scenarios: Dict[str, Callable[[], object]]) -> Dict[str, tuple]:
+    """Run each scenario (same order on every rank); keep its value or its traceback."""
+    out = {}
+    for name, fn in scenarios.items():
+        torch.manual_seed(0)
+        try:
+            out[name] = ("ok", fn())
+        except Exception:  # reported to the test that owns the scenario
+            out[name] = ("error", traceback.format_exc())
+        if dist.is_initialized():
+            dist.barrier()
+    return out
+
+
+def value(results: List[Dict[str, tuple]], name: str):
+    """The scenario's value on every rank, or a test failure with the rank's traceback."""
+    import pytest
+
+    values = []
+    for rank, per_rank in enumerate(results):
+        status, v = per_rank[name]
+        if status != "ok":
+            pytest.fail(f"scenario {name!r} failed on rank {rank}:\n{v}")
+        values.append(v)
+    return values
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.detach().double().cpu() - b.detach().double().cpu()).abs().max())
+
+
+def compare(model: torch.nn.Module, reference: torch.nn.Module, kwargs: dict, logits_split: bool,
+            loss_fn: Optional[Callable] = None) -> dict:
+    """Run both models on ``kwargs``, backward from the loss; return max differences.
+
+    The scheduled model's logits are gathered along the vocabulary when ``logits_split``; every
+    parameter gradient is compared with the reference's gradient of the parameter of the same
+    name, cut as the module's shard record says. ``loss_fn(output, full)`` computes the loss when the
+    model's own loss is not used (``full``: for the reference's unsplit logits).
+    """
+    out = model(**kwargs)
+    ref = reference(**kwargs)
+    loss = loss_fn(out, full=False) if loss_fn else out.loss
+    ref_loss = loss_fn(ref, full=True) if loss_fn else ref.loss
+    loss.backward()
+    ref_loss.backward()
+    logits = all_gather_tensor(out.logits.contiguous(), -1) if logits_split else out.logits
+    result = {"logits": _max_diff(logits, ref.logits), "loss": _max_diff(loss, ref_loss),
+              "logits_scale": float(ref.logits.detach().abs().max()), "local_vocab": out.logits.shape[-1]}
+    ref_params = dict(reference.named_parameters(remove_duplicate=False))
+    worst, worst_name, compared = 0.0, None, 0
+    for mod_name, module in model.named_modules(remove_duplicate=False):
+        specs = getattr(module, "_schedlang_shards", {})
+        for pname, p in module.named_parameters(recurse=False):
+            full = ref_params[f"{mod_name}.{pname}" if mod_name else pname]
+            expected = specs[pname].slice_of(full.grad) if pname in specs else full.grad
+            if p.grad is None or expected is None:
+                raise AssertionError(f"{mod_name}.{pname}: gradient missing (scheduled {p.grad is not None}, "
+                                     f"reference {expected is not None})")
+            scale = max(1.0, float(expected.abs().max()))
+            d = _max_diff(p.grad, expected) / scale
+            compared += 1
+            if d > worst:
+                worst, worst_name = d, f"{mod_name}.{pname}"
+    result.update(grad=worst, grad_name=worst_name, grads_compared=compared)
+    return result
+
+
+def copies(model: torch.nn.Module):
+    """(schedule-able copy, reference copy) of a model on this rank's device."""
+    dev = device()
+    return copy.deepcopy(model).to(dev), copy.deepcopy(model).to(dev)
+
+
+def param_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
