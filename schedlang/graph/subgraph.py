@@ -176,7 +176,7 @@ def validate_subgraphs(sch, subgraphs: Any, primitive_name: str) -> Subgraphs:
             node = _resolve(gm, ref, path, where)
             if node.op in ("placeholder", "output"):
                 raise ScheduleValueError(f"{where}: subgraph {i} contains the {node.op} node '{node.name}' of "
-                                         f"'{path or '<root>'}'; only operations can be {primitive_name}d")
+                                         f"'{path or '<root>'}'; a subgraph to {primitive_name} holds operations only")
             if node.op == "get_attr" or node in nodes:
                 continue
             if node in owner_of:

@@ -1,0 +1,55 @@
+"""``Schedule.find``: a query on the traced module, never a plan step."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import schedlang
+from schedlang.errors import NotTracedError, PatternError, ScheduleTypeError
+from tests.helpers.models import MLP, Stack
+
+
+def test_find_by_regex_and_by_pattern_without_recording_a_step():
+    sch = schedlang.create_schedule(Stack())
+    sch.trace()
+    nodes = sch.find(r"fc\d")
+    assert [(p, n.target) for p, n in nodes] == [("layers.0.mlp", "fc1"), ("layers.0.mlp", "fc2"),
+                                                ("layers.1.mlp", "fc1"), ("layers.1.mlp", "fc2")]
+    sub = sch["layers.1"].find(lambda x: F.gelu(x))
+    assert [[(p, n.name) for p, n in sg] for sg in sub] == [[("mlp", "act")]]
+    assert len(sch.plan) == 1  # only the trace
+
+
+def test_slapo_tutorial_result_shape():
+    model = MLP(hidden=16, inner=16)
+    sch = schedlang.create_schedule(model)
+    sch["fc1"].decompose()
+    sch.trace(flatten=True)
+    subgraph = sch.find(lambda x, bias: F.gelu(bias + x))
+    assert [[(p, n.name) for p, n in sg] for sg in subgraph] == [[("", "add"), ("", "act")]]
+    assert sch.find(lambda x: torch.tanh(x)) == []
+
+
+def test_find_errors():
+    sch = schedlang.create_schedule(Stack())
+    with pytest.raises(NotTracedError, match=r"^<root>: find needs a traced module, but this is Stack; call "
+                                             r"sch\.trace\(\) first$"):
+        sch.find("fc1")
+    with pytest.raises(NotTracedError, match=r"^layers\.0: find needs a traced module, but this is Block; call "
+                                             r"sch\[\"layers\.0\"\]\.trace\(\) first$"):
+        sch["layers.0"].find(lambda x: F.gelu(x))
+    sch.trace()
+    with pytest.raises(PatternError, match=r"^<root>: find got an invalid regex '\(fc': "):
+        sch.find("(fc")
+    with pytest.raises(ScheduleTypeError, match=r"^<root>: find expects a regex string, a pattern function or an "
+                                                r"nn.Module, got int$"):
+        sch.find(3)
+    with pytest.raises(PatternError, match=r"^<root>: cannot trace pattern broken: ValueError: no"):
+        def broken(x):
+            raise ValueError("no")
+
+        sch.find(broken)
+    with pytest.raises(PatternError, match=r"^layers\.0: pattern <lambda> must return results of operations, but "
+                                           r"returns x directly$"):
+        sch["layers.0"].find(lambda x: x)
