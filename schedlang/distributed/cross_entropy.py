@@ -55,11 +55,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, labels, group, ignore_index, reduction):
         vocab_local = logits.shape[-1]
         start = _rank(group) * vocab_local
-        # float32 statistics whatever the logits' dtype; `shifted` is a new tensor, reused in place below
-        logits32 = logits.float()
-        global_max = _all_reduce(logits32.max(dim=-1).values, dist.ReduceOp.MAX, group)
-        shifted = logits32 - global_max.unsqueeze(-1)
-        del logits32
+        # statistics in float32 at least (float64 stays float64); `shifted` is a new tensor, reused in place below
+        wide = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
+        global_max = _all_reduce(wide.max(dim=-1).values, dist.ReduceOp.MAX, group)
+        shifted = wide - global_max.unsqueeze(-1)
+        del wide
         valid = labels != ignore_index
         in_shard = valid & (labels >= start) & (labels < start + vocab_local)
         local_target = torch.where(in_shard, labels - start, torch.zeros_like(labels))
