@@ -104,9 +104,10 @@ def _candidates(plan, spec: Specialization) -> list[tuple[int, int, int]]:
         target = 4096 if bn <= 4096 else bn
         br = max(1, min(max_r, target // bn))
         first = (br, bn, _num_warps(br * bn))
-        warps = (4, 8) if bn <= 2048 else (8, 16)
-        rest = [(r, bn, w) for r in (1, 2, 4, 8) for w in warps
-                if r <= max_r and r * bn <= 16384 and w * 32 * 2 <= max(r * bn, 256)]
+        # 2 to 16 elements per thread and tile: a whole-row backward keeps about ten tiles
+        # live (inputs, the prefetched next block, recomputed statistics), so more spills
+        rest = [(r, bn, w) for r in (1, 2, 4, 8, 16) for w in (4, 8, 16)
+                if r <= max_r and w * 64 <= max(r * bn, 256) and r * bn <= w * 512]
     else:
         bn = min(_next_pow2(N), 1024)
         br = max(1, min(max_r, 4096 // bn))
@@ -128,13 +129,19 @@ class _Kernel:
         self.plan, self.fn, self.spec, self.interpret = plan, fn, spec, interpret
         self._chosen: dict = {}  # device -> (config, grid)
 
-    def grid_and_programs(self, br: int, bn: int, device) -> tuple:
+    def grid_and_programs(self, br: int, bn: int, device, warps: int = 4) -> tuple:
         row_blocks = -(-self.spec.n_rows // br)
         col_blocks = 1 if self.plan.whole_row else -(-self.spec.n_cols // bn)
         if self.plan.persistent:
-            # enough programs to fill the GPU a few times over; each keeps one partial row
-            cap = 4 * _sm_count(device) if device.type == "cuda" else 8
-            row_blocks = min(row_blocks, max(1, cap // col_blocks))
+            # as many programs as the GPU holds at once (64 warps per multiprocessor), so
+            # that loads of many programs are in flight; but at most one program per 16
+            # rows, which keeps the partial sums (one row of n_cols per program, written
+            # and summed again) to a few percent of the traffic
+            if device.type == "cuda":
+                cap = _sm_count(device) * max(1, 64 // warps)
+            else:
+                cap = 8
+            row_blocks = min(row_blocks, max(1, cap // col_blocks), max(1, self.spec.n_rows // 16))
         return (row_blocks, col_blocks)
 
     def launch(self, build_args, device):
@@ -142,7 +149,7 @@ class _Kernel:
         chosen = self._chosen.get(device)
         if chosen is None:
             config = self._choose(build_args, device)
-            chosen = self._chosen[device] = (config, self.grid_and_programs(config[0], config[1], device))
+            chosen = self._chosen[device] = (config, self.grid_and_programs(config[0], config[1], device, config[2]))
         (br, bn, warps), grid = chosen
         args, finish = build_args(grid)
         if self.interpret:
@@ -160,7 +167,7 @@ class _Kernel:
 
     def _run(self, build_args, config, device):
         br, bn, warps = config
-        grid = self.grid_and_programs(br, bn, device)
+        grid = self.grid_and_programs(br, bn, device, warps)
         args, finish = build_args(grid)
         if self.interpret:
             import numpy as np
@@ -425,7 +432,8 @@ class TritonFusedSubgraph(FusedSubgraph):
         clone = self.__class__.__new__(self.__class__)
         memo[id(self)] = clone
         for key, value in self.__dict__.items():
-            clone.__dict__[key] = value if key == "_compiled" else copy.deepcopy(value, memo)
+            shared = key in ("_compiled", "_latest")
+            clone.__dict__[key] = value if shared else copy.deepcopy(value, memo)
         return clone
 
     def __getstate__(self):

@@ -191,12 +191,14 @@ class _Emitter:
         self.compute = TL_DTYPES[self.spec.compute_dtype]
         self.names: dict[int, str] = {}
         self.taken = {"n_rows", "n_cols", "seed", "pid", "rows", "cols", "mask", "row_mask", "col_mask", "tl",
-                      "triton", "BLOCK_R", "BLOCK_N", "row_block", "INF", "NAN", "tanh", "to_bf16", "n_cols_f", "libdevice",
+                      "next_rows", "next_row_mask", "next_mask",
+                      "triton", "BLOCK_R", "BLOCK_N", "row_block", "INF", "NAN", "tanh", "tanh_approx", "to_bf16", "n_cols_f", "libdevice",
                       "zero_index"}
         self.taken |= {f"{inp.name}_ptr" for inp in self.spec.inputs}
         self.taken |= {f"{inp.name}_row_stride" for inp in self.spec.inputs}
         self.lines: list[str] = []
         self._counters: dict[str, int] = {}
+        self.fast_tanh = not interpret and low_precision(self.spec)
 
     # ---------------------------------------------------------------- naming
     def _fresh(self, base: str) -> str:
@@ -251,22 +253,23 @@ class _Emitter:
             return self.num(v)
         return f"tl.broadcast_to({self.num(v)}, {shape})"
 
-    def offsets(self, name: str, kind: str, row_stride: str | None) -> tuple[str, str | None]:
-        """Pointer expression and mask for a tensor of the given kind."""
+    def offsets(self, name: str, kind: str, row_stride: str | None, prefix: str = "") -> tuple[str, str | None]:
+        """Pointer expression and mask for a tensor of the given kind (``prefix="next_"``:
+        for the row block a persistent program handles next)."""
         if kind == "full":
-            return f"{name}_ptr + rows * {row_stride} + cols", "mask"
+            return f"{name}_ptr + {prefix}rows * {row_stride} + cols", f"{prefix}mask"
         if kind == "row":
-            return f"{name}_ptr + rows * {row_stride}", "row_mask"
+            return f"{name}_ptr + {prefix}rows * {row_stride}", f"{prefix}row_mask"
         if kind == "col":
             return f"{name}_ptr + cols", "col_mask"
         return f"{name}_ptr + zero_index", None
 
     # ---------------------------------------------------------------- values
-    def expr(self, v: Value) -> str:
+    def expr(self, v: Value, prefix: str = "") -> str:
         op, a = v.op, v.args
         if op == "input":
             inp = self.spec.inputs[v.attr("index")]
-            ptr, mask = self.offsets(inp.name, inp.kind, f"{inp.name}_row_stride")
+            ptr, mask = self.offsets(inp.name, inp.kind, f"{inp.name}_row_stride", prefix)
             masked = f", mask={mask}, other=0" if mask else ""
             if inp.dtype == torch.bool:
                 return f"tl.load({ptr}{masked}) != 0"
@@ -275,7 +278,7 @@ class _Emitter:
         if op == "grad_output":
             out = self.spec.outputs[v.attr("index")]
             name = self.names_of_grad_output[v.id]
-            ptr, mask = self.offsets(name, _kind_of(v), f"{name}_row_stride")
+            ptr, mask = self.offsets(name, _kind_of(v), f"{name}_row_stride", prefix)
             masked = f", mask={mask}, other=0" if mask else ""
             convert = "" if out.dtype == self.spec.compute_dtype else f".to({self.compute})"
             return f"tl.load({ptr}{masked}){convert}"
@@ -292,7 +295,7 @@ class _Emitter:
         if op in _UNARY_CALLS:
             return f"{_UNARY_CALLS[op]}({self.num(a[0])})"
         if op == "tanh":
-            return f"tanh({self.num(a[0])})"
+            return f"{'tanh_approx' if self.fast_tanh else 'tanh'}({self.num(a[0])})"
         if op == "relu":
             return f"tl.maximum({self.num(a[0])}, 0.0)"
         if op in ("maximum", "minimum"):
@@ -440,13 +443,33 @@ class _Emitter:
                     self.lines.append(f"    {name}_acc = tl.zeros([1, BLOCK_N], dtype={self.compute})")
                 elif sink.role == "scalar_partial":
                     self.lines.append(f"    {name}_acc = tl.zeros([1, 1], dtype={self.compute})")
+            loads = [v for v in varying if v.op in ("input", "grad_output")]
+            computed = [v for v in varying if v.op not in ("input", "grad_output")]
+            load_names = {v.id: self._fresh(self._base_name(v)) for v in loads}
+            if loads:
+                self.lines.append("    # the first row block's tiles; each iteration then loads the next block's "
+                                  "before computing its own,")
+                self.lines.append("    # so memory latency overlaps the arithmetic and the row reductions")
+                for line in row_lines:
+                    self.lines.append("    " + line.format(start="tl.program_id(0) * BLOCK_R"))
+                for v in loads:
+                    self.lines.append(f"    {load_names[v.id]}_next = {self.expr(v)}")
             self.lines.append("    # each program walks the row blocks pid, pid + programs, ... and keeps its column "
                               "sums in registers")
             self.lines.append("    for row_block in range(tl.program_id(0), tl.cdiv(n_rows, BLOCK_R), "
                               "tl.num_programs(0)):")
             for line in row_lines:
                 self.lines.append("        " + line.format(start="row_block * BLOCK_R"))
-            self.emit_values(varying, "        ")
+            if loads:
+                self.lines.append("        next_rows = rows + tl.num_programs(0) * BLOCK_R")
+                self.lines.append("        next_row_mask = next_rows < n_rows")
+                self.lines.append("        next_mask = next_row_mask & col_mask")
+                for v in loads:
+                    self.names[v.id] = load_names[v.id]
+                    self.lines.append(f"        {load_names[v.id]} = {load_names[v.id]}_next")
+                for v in loads:
+                    self.lines.append(f"        {load_names[v.id]}_next = {self.expr(v, 'next_')}")
+            self.emit_values(computed, "        ")
             for sink in plan.sinks:
                 if sink.role in ("grad", "output"):
                     self.store(sink, "        ")
@@ -468,6 +491,14 @@ class _Emitter:
             for sink in plan.sinks:
                 self.store(sink, "    ")
         return "\n".join(head + self.lines)
+
+
+def low_precision(spec: Specialization) -> bool:
+    """Whether every floating-point tensor the subgraph reads or writes is 16-bit: then the
+    hardware tanh (relative error about 2**-11, under half a bfloat16 ulp) is accurate enough."""
+    dtypes = [i.dtype for i in spec.inputs if i.dtype.is_floating_point]
+    dtypes += [o.dtype for o in spec.outputs if o.dtype.is_floating_point]
+    return bool(dtypes) and all(d in (torch.bfloat16, torch.float16) for d in dtypes)
 
 
 def _describe(kind: str, dtype: torch.dtype, spec: Specialization) -> str:
@@ -520,6 +551,13 @@ NAN = tl.constexpr(float("nan"))
 @triton.jit
 def tanh(x):
     return libdevice.tanh(x)
+
+
+@triton.jit
+def tanh_approx(x):
+    # one MUFU instruction (max relative error about 2**-11): used when every tensor is 16-bit
+    return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
+                                     pack=1)
 
 
 @triton.jit
