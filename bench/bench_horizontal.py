@@ -196,7 +196,10 @@ def bench_parallel_linears(n=32, d_in=256, d_out=64, b=2048):
 def bench_sparse(n=1000, n_idx=512, batch=128):
     case = f"H2D sparse features N={n}"
     idx = [torch.randint(0, 1000, (n_idx,)).pin_memory() for _ in range(n)]
-    lens = [torch.randint(0, 4, (batch,)).pin_memory() for _ in range(n)]
+    lens = []
+    for _ in range(n):  # a random split of the n_idx indices among the batch's samples
+        cuts = torch.sort(torch.randint(0, n_idx + 1, (batch - 1,))).values
+        lens.append(torch.diff(cuts, prepend=torch.tensor([0]), append=torch.tensor([n_idx])).pin_memory())
     features = list(zip(idx, lens))
 
     def many():
