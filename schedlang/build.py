@@ -70,7 +70,10 @@ def _template(module: nn.Module, make_tensor: Callable, memo: Dict[int, torch.Te
     copy_ = klass.__new__(klass)
     copy_.__dict__.update(module.__dict__)
     copy_.__dict__.update(attributes)
-    copy_.__dict__["_parameters"], copy_.__dict__["_buffers"], copy_.__dict__["_modules"] = {}, {}, {}
+    # None entries (a Linear without bias) are kept: inits test `module.bias is not None`
+    copy_.__dict__["_parameters"] = {n: None for n, t in module._parameters.items() if t is None}
+    copy_.__dict__["_buffers"] = {n: None for n, t in module._buffers.items() if t is None}
+    copy_.__dict__["_modules"] = {}
     for name, t, is_param in _own_tensors(module):
         if id(t) not in memo:
             memo[id(t)] = make_tensor(module, name, t, is_param)
