@@ -1,0 +1,10 @@
+"""Graph passes on traced (FX) modules, one rule per file.
+
+* ``horizontal.py`` drives the atomic horizontal-fusion rules (``linear_same_input``,
+  ``linear_batched``, ``layer_norm``, ``activation``, ``split_cat``, ``stack_unbind``,
+  ``cat_unbind``) to a fixpoint; ``group_ops.py`` holds the batched operators they emit.
+* ``combine_sparse_features.py``: N sparse-feature inputs -> one (indices, lengths) pair.
+* ``overlap_communication.py``: collectives issued early and waited for late.
+
+Modules are imported on use, so ``import schedlang`` stays light.
+"""

@@ -42,6 +42,7 @@ def test_inputs_of_different_or_unknown_shapes_are_not_batched():
 
 
 def test_pieces_of_one_split_are_batched_without_shapes():
-    gm, report = check_fusion(randomize(BranchesOnPieces(n=4, d_in=3, d=2)), [torch.randn(9, 12)],
-                              rules=["linear_batched"])
+    # float64: a layer norm over two values is ill-conditioned, and bmm and mm round differently
+    model = randomize(BranchesOnPieces(n=4, d_in=3, d=2)).double()
+    gm, report = check_fusion(model, [torch.randn(9, 12, dtype=torch.float64)], rules=["linear_batched"])
     assert report.counts == {"linear_batched": 1} and count_calls(gm)["batched_linear"] == 1

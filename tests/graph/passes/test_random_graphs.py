@@ -120,7 +120,7 @@ class _Builder:
                 self.values.append((self.graph.call_function(operator.add, (self.use(a), self.use(b))), width))
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data())
 def test_random_graphs_keep_outputs_and_gradients(data):
     torch.manual_seed(data.draw(st.integers(0, 2**16)))
