@@ -260,8 +260,60 @@ def canonicalize(node: fx.Node, owner: nn.Module, path: str = "") -> _Canon:
                 named = _named(_OpSpec(spec.key, positional=("input",)), node.args, node.kwargs)
                 named.update(spec.modules[module_type](module, node.target))
                 return _Canon(spec.key, named, spec.commutative)
+        inner = single_op_of(module)
+        if inner is not None:  # e.g. transformers' GELUActivation traced into `gelu(input)`
+            return _substitute(canonicalize(inner, module), _placeholder_values(module, node))
         return _Canon(("module", type(module)), _generic(node.args, node.kwargs), exact=True)
     raise ValueError(f"not a call node: {node.format_node()}")
+
+
+def single_op_of(module: nn.Module) -> Optional[fx.Node]:
+    """The one call node of a parameter-free traced module that just applies one op to its
+    inputs (a wrapper such as an activation module), else None."""
+    if not isinstance(module, fx.GraphModule) or any(True for _ in module.parameters()) or \
+            any(True for _ in module.buffers()):
+        return None
+    calls = [n for n in module.graph.nodes if n.op in _CALLS]
+    others = [n for n in module.graph.nodes if n.op not in _CALLS + ("placeholder", "output")]
+    if len(calls) != 1 or others:
+        return None
+    output = next(n for n in module.graph.nodes if n.op == "output")
+    if output.args[0] is not calls[0] or calls[0].op == "call_module" and single_op_of(
+            module.get_submodule(calls[0].target)) is None and not _is_known_module(
+            module.get_submodule(calls[0].target)):
+        return None
+    return calls[0]
+
+
+def _is_known_module(module: nn.Module) -> bool:
+    return any(type(module) is t for t, _ in _BY_MODULE)
+
+
+def _placeholder_values(module: fx.GraphModule, call: fx.Node) -> Dict[fx.Node, Any]:
+    """What each placeholder of ``module``'s graph is bound to by the call node ``call``."""
+    values: Dict[fx.Node, Any] = {}
+    placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
+    for i, ph in enumerate(placeholders):
+        if i < len(call.args):
+            values[ph] = call.args[i]
+        elif ph.target in call.kwargs:
+            values[ph] = call.kwargs[ph.target]
+        elif ph.args:
+            values[ph] = ph.args[0]
+    return values
+
+
+def _substitute(canon: _Canon, values: Dict[fx.Node, Any]) -> _Canon:
+    def sub(v):
+        if isinstance(v, fx.Node):
+            return values.get(v, v)
+        if isinstance(v, (tuple, list)):
+            return type(v)(sub(x) for x in v)
+        if isinstance(v, dict):
+            return {k: sub(x) for k, x in v.items()}
+        return v
+
+    return dataclasses.replace(canon, args={k: sub(v) for k, v in canon.args.items()})
 
 
 def _generic(args, kwargs) -> Dict[str, Any]:

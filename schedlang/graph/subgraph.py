@@ -329,6 +329,11 @@ def extract_subgraph(gm: fx.GraphModule, nodes: Sequence[fx.Node], *, functional
     for node in nodes:
         if node.op == "call_module":
             module = gm.get_submodule(node.target)
+            if functionalize and isinstance(module, fx.GraphModule) and _is_stateless(module) \
+                    and not _has_hooks(module):
+                # a traced parameter-free child (an activation wrapper): its ops join the subgraph
+                env[node] = _inline(body, module, node, env, root, node.target)
+                continue
             if functionalize and _has_hooks(module):
                 raise ScheduleValueError(
                     f"{where}: cannot {primitive} '{node.name}': module '{node.target}' ({type(module).__name__}) has "
@@ -352,6 +357,54 @@ def extract_subgraph(gm: fx.GraphModule, nodes: Sequence[fx.Node], *, functional
     body.output(env[outputs[0]] if len(outputs) == 1 else tuple(env[o] for o in outputs))
     module = fx.GraphModule(root, body, class_name="Subgraph")
     return module, inputs, outputs
+
+
+def _inline(body: fx.Graph, module: fx.GraphModule, call: fx.Node, env: Dict[fx.Node, Any], root: Dict[str, Any],
+            prefix: str) -> Any:
+    """Copy the ops of ``module`` (called by ``call``) into ``body``; returns its output value."""
+    from .tracer import check_specialized_arguments
+
+    def outer(v):
+        return env[v] if isinstance(v, fx.Node) else v
+
+    values: Dict[fx.Node, Any] = {}
+    placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
+    for i, ph in enumerate(placeholders):
+        if i < len(call.args):
+            values[ph] = fx.node.map_arg(call.args[i], outer)
+        elif ph.target in call.kwargs:
+            values[ph] = fx.node.map_arg(call.kwargs[ph.target], outer)
+        else:
+            values[ph] = ph.args[0] if ph.args else None
+    for n in module.graph.nodes:
+        if n.op == "placeholder":
+            continue
+        if n.op == "output":
+            return fx.node.map_arg(n.args[0], lambda a: values[a])
+        if n.op == "call_function" and n.target is check_specialized_arguments:
+            continue  # the call site passes the traced values
+        target = f"{prefix}.{n.target}" if n.op in ("get_attr", "call_module") else n.target
+        if n.op == "get_attr":
+            root[target] = _attr(module, n.target)
+            values[n] = body.get_attr(target)
+        elif n.op == "call_module":
+            inner = module.get_submodule(n.target)
+            if isinstance(inner, fx.GraphModule) and _is_stateless(inner) and not _has_hooks(inner):
+                values[n] = _inline(body, inner, n, values, root, target)
+                continue
+            root[target] = inner
+            values[n] = body.create_node("call_module", target, fx.node.map_arg(n.args, lambda a: values[a]),
+                                         fx.node.map_arg(n.kwargs, lambda a: values[a]))
+        else:
+            values[n] = body.node_copy(n, lambda a: values[a])
+    raise ScheduleValueError(f"{prefix}: traced module has no output")  # pragma: no cover
+
+
+def _attr(module: nn.Module, target: str) -> Any:
+    obj: Any = module
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
 
 
 # ---------------------------------------------------------------------------------------------

@@ -355,7 +355,10 @@ class CallSpec:
                 spec.var_kwargs = {k: given(v) for k, v in concrete_args.items() if k not in names}
                 continue
             if p.name in concrete_args:
-                spec.values[p.name] = given(concrete_args[p.name])
+                is_input, example = given(concrete_args[p.name])
+                if is_input and example is UNKNOWN:
+                    example = _synthesize_example(module, p.name, make_example)
+                spec.values[p.name] = (is_input, example)
             elif p.default is _P.empty or p.name in main_inputs:
                 spec.values[p.name] = (True, _synthesize_example(module, p.name, make_example))
             elif p.name in _RUNTIME_FLAG_DEFAULTS and p.default is None:
@@ -374,13 +377,21 @@ EXAMPLE_BATCH, EXAMPLE_SEQUENCE = 2, 8
 
 
 def _synthesize_example(module: nn.Module, name: str, make_example) -> Any:
+    """Example for an HF model's token-level inputs: (batch, sequence) integer tensors."""
     config = getattr(module, "config", None)
-    if name == "input_ids" and config is not None and getattr(config, "vocab_size", None):
-        device = _module_device(module)
-        if device.type == "meta":
-            device = torch.device("cpu")
-        return make_example(torch.zeros(EXAMPLE_BATCH, EXAMPLE_SEQUENCE, dtype=torch.long, device=device))
-    return UNKNOWN
+    if name not in _HF_TOKEN_INPUTS or config is None or not getattr(config, "vocab_size", None):
+        return UNKNOWN
+    device = _module_device(module)
+    if device.type == "meta":
+        device = torch.device("cpu")
+    shape = (EXAMPLE_BATCH, EXAMPLE_SEQUENCE)
+    if name == "position_ids":
+        return make_example(torch.arange(EXAMPLE_SEQUENCE, device=device).expand(shape))
+    fill = 1 if name == "attention_mask" else 0
+    return make_example(torch.full(shape, fill, dtype=torch.long, device=device))
+
+
+_HF_TOKEN_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "position_ids")
 
 
 def _module_device(module: nn.Module) -> torch.device:

@@ -17,7 +17,9 @@ Only this submodule is traced ("trace by need"); the rest of the model is untouc
 
 Without ``concrete_args``, a submodule of a transformers model is traced with the
 arguments it really receives: the enclosing model runs once on fake tensors and the call
-is recorded. Shard records, sync points, hooks and checkpointed modules survive tracing.
+is recorded. The graph has no KV cache, so the enclosing model's ``config.use_cache`` is
+then set to False. Shard records, sync points, hooks and checkpointed modules survive
+tracing.
 
 Example::
 
@@ -119,12 +121,22 @@ class Trace(Primitive):
 
         module = sch.mod
         fake_mode = T._new_fake_mode()
+        ancestor = _hf_ancestor(sch, module)
         call = None
-        if concrete_args is None:
-            call = _call_in_context(sch, module, fake_mode)
+        if concrete_args is None and ancestor is not None:
+            try:
+                call = T.capture_call(ancestor[1], module, fake_mode)
+            except Exception as e:  # fall back to the signature; tracing says what is missing
+                logger.debug("%s: could not record the call inside %s: %s", sch.path, ancestor[0] or "<root>", e)
         gm = T.trace_module(module, path=sch.path, recursive=recursive, flatten=flatten, leaf_modules=leaf_modules,
                             concrete_args=concrete_args, call=call, fake_mode=fake_mode)
         sch._set_module(gm)
+        config = getattr(ancestor[1], "config", None) if ancestor is not None else None
+        if getattr(config, "use_cache", None):
+            # the traced graph has no KV cache: make the enclosing model stop passing one
+            config.use_cache = False
+            logger.info("%s: traced without a KV cache; set config.use_cache = False on %s", sch.path,
+                        ancestor[0] or "<root>")
         return None
 
     @classmethod
@@ -170,8 +182,8 @@ class Trace(Primitive):
         return out
 
 
-def _call_in_context(sch, module: nn.Module, fake_mode):
-    """The call ``module`` receives inside its nearest enclosing transformers model, if any."""
+def _hf_ancestor(sch, module: nn.Module):
+    """``(path, module)`` of the nearest transformers model strictly enclosing ``module``, or None."""
     from ..graph import tracer as T
 
     if T.is_hf_model(module) or not sch.path:
@@ -182,9 +194,5 @@ def _call_in_context(sch, module: nn.Module, fake_mode):
         ancestor_path = ".".join(parts[:k])
         ancestor = root.get_submodule(ancestor_path) if ancestor_path else root
         if T.is_hf_model(ancestor):
-            try:
-                return T.capture_call(ancestor, module, fake_mode)
-            except Exception as e:  # fall back to the signature; tracing says what is missing
-                logger.debug("%s: could not record the call inside %s: %s", sch.path, ancestor_path or "<root>", e)
-                return None
+            return ancestor_path, ancestor
     return None

@@ -1,0 +1,180 @@
+"""Tracing transformers 5.x models (tiny configs, random weights): LLaMA, GPT-2, BERT.
+
+Their old ``transformers.utils.fx`` tracer is gone; schedlang's tracer handles keyword
+arguments, the KV cache, masks and rotary embeddings itself.
+"""
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+transformers = pytest.importorskip("transformers")
+
+import schedlang  # noqa: E402
+from schedlang.errors import TraceError  # noqa: E402
+from schedlang.graph import PH  # noqa: E402
+
+VOCAB = 96
+
+
+def _llama(impl, cls_name="LlamaForCausalLM"):
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    config._attn_implementation = impl
+    return getattr(transformers, cls_name)(config).eval()
+
+
+def _gpt2(impl, cls_name="GPT2LMHeadModel"):
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                                     bos_token_id=0, eos_token_id=0)
+    config._attn_implementation = impl
+    return getattr(transformers, cls_name)(config).eval()
+
+
+def _bert(impl, cls_name="BertModel"):
+    config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=96, max_position_embeddings=64)
+    config._attn_implementation = impl
+    return getattr(transformers, cls_name)(config).eval()
+
+
+FAMILIES = {
+    # factory, where q/k/v are computed (regex), how many such calls, the first layer's path
+    "llama": (_llama, r"self_attn\.[qkv]_proj$", 6, "model.layers.0"),
+    "gpt2": (_gpt2, r"attn\.c_attn$", 2, "transformer.h.0"),
+    "bert": (_bert, r"attention\.self\.(query|key|value)$", 6, "encoder.layer.0"),
+}
+
+
+def _ids(batch=3, seq=11, seed=1):
+    return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def _main_output(out):
+    return out["logits"] if "logits" in out else out["last_hidden_state"]
+
+
+def _assert_same(model, traced, ids, **kwargs):
+    model.zero_grad(set_to_none=True)
+    traced.zero_grad(set_to_none=True)
+    if _takes_cache(model):  # both without a KV cache (the traced graphs are specialized on use_cache=False)
+        kwargs = dict(kwargs, use_cache=False)
+    ref, out = _main_output(model(ids, **kwargs)), _main_output(traced(ids, **kwargs))
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    grad = torch.randn(ref.shape, generator=torch.Generator().manual_seed(2))
+    ref.backward(grad)
+    out.backward(grad)
+    ref_grads = dict(model.named_parameters())
+    for name, p in traced.named_parameters():
+        if ref_grads[name].grad is None:
+            assert p.grad is None, name
+            continue
+        torch.testing.assert_close(p.grad, ref_grads[name].grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def _takes_cache(model):
+    return isinstance(model, (transformers.LlamaPreTrainedModel, transformers.GPT2PreTrainedModel))
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_whole_model_traces_hierarchically_and_finds_qkv(family, impl):
+    make, qkv, n_qkv, layer = FAMILIES[family]
+    model = make(impl)
+    sch = schedlang.create_schedule(model)
+    sch.trace()
+    assert isinstance(sch.mod, fx.GraphModule) and isinstance(sch[layer].mod, fx.GraphModule)
+    assert list(sch.mod.state_dict()) == list(model.state_dict())
+    found = sch.find(qkv)
+    assert len(found) == n_qkv
+    assert all(path.startswith(layer.rsplit(".", 1)[0]) for path, _ in found)
+    assert all(node.graph is sch[path].mod.graph for path, node in found)
+    _assert_same(model, sch.mod, _ids())
+
+
+@pytest.mark.parametrize("family,cls_name", [("llama", "LlamaModel"), ("gpt2", "GPT2Model"), ("bert", "BertModel")])
+def test_base_models_trace_flat(family, cls_name):
+    model = FAMILIES[family][0]("sdpa", cls_name)
+    sch = schedlang.create_schedule(model)
+    sch.trace(flatten=True)
+    assert not any(isinstance(m, fx.GraphModule) for n, m in sch.mod.named_modules() if n)
+    _assert_same(model, sch.mod, _ids(batch=2, seq=7))
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_single_layer_traces_with_the_arguments_it_really_gets(family):
+    make, qkv, n_qkv, layer = FAMILIES[family]
+    model = make("sdpa")
+    sch = schedlang.create_schedule(model)
+    sch[layer].trace()
+    assert isinstance(sch[layer].mod, fx.GraphModule) and not isinstance(sch.mod, fx.GraphModule)
+    assert len(sch[layer].find(qkv)) == n_qkv // 2  # the names are relative to the layer now
+    _assert_same(model, sch.mod, _ids())
+
+
+def test_llama_rms_norm_chain_is_found_in_every_layer_and_fused():
+    model = _llama("eager")
+    sch = schedlang.create_schedule(model)
+    with schedlang.Verify(sch, example_inputs=[_ids()]):
+        sch["model.layers.0"].trace()
+
+        def rms_norm(x, weight):
+            h = x.to(torch.float32)
+            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+            return weight * h.to(x.dtype)
+
+        found = sch["model.layers.0"].find(rms_norm)
+        assert [sg[0][0] for sg in found] == ["input_layernorm", "post_attention_layernorm"]
+        sch["model.layers.0"].fuse(found, compiler="eager", name="RMSNorm")
+    assert "RMSNorm_0" in dict(sch["model.layers.0.input_layernorm"].mod.named_children())
+
+
+def test_llama_mlp_found_with_fuzzy_module_calls():
+    model = _llama("sdpa")
+    sch = schedlang.create_schedule(model)
+    sch.trace()
+
+    def swiglu(x):
+        return schedlang.call_module("down_proj", F.silu(schedlang.call_module("gate_proj", x))
+                                     * schedlang.call_module("up_proj", x))
+
+    found = sch.find(swiglu)
+    assert [sg[0][0] for sg in found] == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    assert [n.name for _, n in found[0]] == ["gate_proj", "act_fn", "up_proj", "mul", "down_proj"]
+
+
+def test_masks_are_specialized_and_guarded_unless_made_inputs():
+    model = _llama("sdpa")
+    ids = _ids(batch=2, seq=9)
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[0, :3] = 0  # left padding
+    sch = schedlang.create_schedule(model)
+    sch.trace()
+    with pytest.raises(TraceError, match=r"^<root>: the graph was traced with attention_mask=None and cannot take "
+                                         r"attention_mask=a tensor of shape \(2, 9\)"):
+        sch.mod(ids, attention_mask=mask)
+    sch = schedlang.create_schedule(model)
+    sch.trace(concrete_args={"attention_mask": PH})
+    _assert_same(model, sch.mod, ids, attention_mask=mask)
+
+
+def test_gpt2_mask_input_gets_a_synthesized_example_for_its_rank_test():
+    # GPT-2 tests `attention_mask.ndim < 4` in Python: the mask needs an example value,
+    # which schedlang makes up for an HF model's token-level inputs
+    model = _gpt2("eager")
+    mask = torch.ones(3, 11)
+    mask[1, :4] = 0
+    for concrete in ({"attention_mask": PH}, {"attention_mask": torch.ones(2, 8)}):
+        sch = schedlang.create_schedule(model)
+        sch.trace(concrete_args=concrete)
+        _assert_same(model, sch.mod, _ids(), attention_mask=mask)
+
+
+def test_hf_plan_replays_on_a_fresh_model():
+    model = _bert("eager")
+    sch = schedlang.create_schedule(model)
+    sch.trace()
+    replayed = schedlang.replay(sch.plan.to_json(), _bert("eager"))
+    assert replayed.mod.code == sch.mod.code
+    assert replayed["encoder.layer.1.attention.self"].mod.code == sch["encoder.layer.1.attention.self"].mod.code
