@@ -6,7 +6,6 @@ import operator
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import fx, nn
 
 import schedlang

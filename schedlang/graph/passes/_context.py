@@ -11,9 +11,8 @@ from __future__ import annotations
 import copy
 import heapq
 import operator
-import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Hashable, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, Hashable, Iterable, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import fx, nn

@@ -12,14 +12,14 @@ The fusion rules stack their operands and unbind their results; chained, they le
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List
 
 import torch
 from torch import fx
 
 from ._context import RewriteContext, Rule
 from ._nodes import piece_of, split_spec
-from ._roundtrip import run_source, runs, same_dim, tensor_list
+from ._roundtrip import runs, same_dim, tensor_list
 
 __all__ = ["StackUnbind"]
 

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import copy
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import fx, nn
 
 from schedlang.graph.passes.horizontal import fused_parameter_sources, horizontal_fuse

@@ -1,7 +1,6 @@
 """The horizontal-fusion driver: seed cases end to end, grouping, report, errors, scale."""
 
 import copy
-import operator
 
 import pytest
 import torch

@@ -1,6 +1,6 @@
 import torch
 import torch.nn.functional as F
-from torch import fx, nn
+from torch import nn
 
 from .models import check_fusion, count_calls, randomize
 
