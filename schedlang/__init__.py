@@ -39,8 +39,8 @@ def __getattr__(name):
         from .graph.pattern import call_module
 
         return call_module
-    if name == "optim":
+    if name in ("optim", "sparse", "lowering", "graph"):
         import importlib
 
-        return importlib.import_module(".optim", __name__)
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'schedlang' has no attribute {name!r}")

@@ -308,6 +308,29 @@ class Schedule:
         return self._run("horizontal_fuse", rules=rules, min_group_size=min_group_size)
 
 
+    def combine_sparse_features(self, features, names=("sparse_indices", "sparse_lengths")):
+        """Make the traced forward take its sparse inputs, given as (indices_input, lengths_input)
+        name pairs, as one combined (indices, lengths) pair split on the device; returns the layout.
+
+        Example::
+
+            layout = sch.combine_sparse_features([("user_ids", "user_lengths"), ("item_ids", "item_lengths")])
+            indices, lengths = layout.combine(batch, pin_memory=True)
+        """
+        return self._run("combine_sparse_features", features=features, names=names)
+
+    def overlap_communication(self, hoist: bool = True):
+        """Issue the traced module's forward collectives asynchronously and wait just before the
+        first use, so independent computation runs meanwhile; returns a report.
+
+        Example::
+
+            sch.trace(flatten=True)
+            print(sch.overlap_communication())
+        """
+        return self._run("overlap_communication", hoist=hoist)
+
+
 def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 

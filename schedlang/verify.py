@@ -119,6 +119,33 @@ def _compare(what: str, actual: torch.Tensor, expected: torch.Tensor, rtol, atol
     return None
 
 
+def _gradient_pairs(name: str, p: torch.Tensor, names: Dict[int, str], ref_params: Dict[str, torch.Tensor]):
+    """``[(description, scheduled grad, expected grad)]`` for one scheduled parameter, or None if it has no
+    counterpart in the original model.
+
+    A parameter the plan left alone is the same object as before the replay; a shard
+    remembers its source and slice; a parameter made by horizontal fusion remembers which
+    part of it came from which original parameter.
+    """
+    if id(p) in names:
+        return [(f"gradient of parameter '{name}'", p.grad, ref_params[names[id(p)]].grad)]
+    found = shard_source(p)
+    if found is not None and id(found[0]) in names:
+        src, spec = found
+        full = ref_params[names[id(src)]].grad
+        what = (f"gradient of parameter '{name}' (shard {spec.rank}/{spec.world_size} along axis {spec.axis} of "
+                f"'{names[id(src)]}')")
+        return [(what, p.grad, None if full is None else spec.slice_of(full))]
+    from .graph.passes.horizontal import fused_sources
+
+    pieces = fused_sources(p)
+    if pieces and all(id(src) in names for src, _ in pieces):
+        return [(f"gradient of parameter '{name}' (the part that is '{names[id(src)]}')",
+                 None if p.grad is None else part.take(p.grad), ref_params[names[id(src)]].grad)
+                for src, part in pieces]
+    return None
+
+
 class Verify:
     """Context manager that checks the primitives applied inside it (forward and backward).
 
@@ -275,31 +302,22 @@ class Verify:
             return
         ref_params = dict(reference.named_parameters())
         for name, p in scheduled.named_parameters():
-            if id(p) in names:
-                source_name, expected_grad = names[id(p)], ref_params[names[id(p)]].grad
-                what = f"gradient of parameter '{name}'"
-            else:
-                found = shard_source(p)
-                if found is None or id(found[0]) not in names:
-                    report.not_compared.append(name)
+            pairs = _gradient_pairs(name, p, names, ref_params)
+            if pairs is None:
+                report.not_compared.append(name)
+                continue
+            for what, got, expected in pairs:
+                report.compared.append(what)
+                if got is None and expected is None:
                     continue
-                src, spec = found
-                source_name = names[id(src)]
-                full = ref_params[source_name].grad
-                expected_grad = None if full is None else spec.slice_of(full)
-                what = (f"gradient of parameter '{name}' (shard {spec.rank}/{spec.world_size} along axis {spec.axis} "
-                        f"of '{source_name}')")
-            report.compared.append(what)
-            if p.grad is None and expected_grad is None:
-                continue
-            if p.grad is None or expected_grad is None:
-                present = "has no gradient" if p.grad is None else "has a gradient"
-                other = "the original's has one" if p.grad is None else "the original's has none"
-                report.mismatches.append(f"{what}: {present} but {other}")
-                continue
-            msg = _compare(what, p.grad, expected_grad, self.rtol, self.atol)
-            if msg:
-                report.mismatches.append(msg)
+                if got is None or expected is None:
+                    present = "has no gradient" if got is None else "has a gradient"
+                    other = "the original's has one" if got is None else "the original's has none"
+                    report.mismatches.append(f"{what}: {present} but {other}")
+                    continue
+                msg = _compare(what, got, expected, self.rtol, self.atol)
+                if msg:
+                    report.mismatches.append(msg)
 
     def _finish(self, report: VerifyReport, group) -> None:
         self.report = report

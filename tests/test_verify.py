@@ -127,3 +127,23 @@ def test_verify_on_cuda_catches_backward_only_bug():
     with pytest.raises(schedlang.VerificationError, match="input\\[0\\] gradient"):
         with schedlang.Verify(sch, example_inputs=[x]):
             sch["act"].replace(BrokenGELU())
+
+
+class ParallelBranches(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(6, 5)
+        self.b = nn.Linear(6, 5)
+
+    def forward(self, x):
+        return torch.tanh(self.a(x)) + torch.tanh(self.b(x))
+
+
+def test_verify_compares_horizontally_fused_parameters_part_by_part():
+    sch = schedlang.create_schedule(ParallelBranches())
+    with schedlang.Verify(sch, example_inputs=[torch.randn(4, 6)]) as v:
+        sch.trace(flatten=True)
+        sch.horizontal_fuse()
+    assert v.report.passed and not v.report.not_compared
+    assert any("(the part that is 'a.weight')" in c for c in v.report.compared)
+    assert any("(the part that is 'b.bias')" in c for c in v.report.compared)
