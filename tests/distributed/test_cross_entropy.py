@@ -125,14 +125,17 @@ def test_errors():
 
 # --------------------------------------------------------------------------- two ranks
 def _two_ranks(rank, world):
+    from tests.models.tp_checks import device
+
+    dev = device()  # NCCL needs the rank's GPU
     out = {}
     for tokens, vocab, dtype in [(37, 122, torch.float32), (1000, 64, torch.float32), (50, 256, torch.bfloat16)]:
-        logits, labels = _problem(tokens, vocab, dtype, ignore_every=4, seed=tokens)
+        logits, labels = (t.to(dev) for t in _problem(tokens, vocab, dtype, ignore_every=4, seed=tokens))
         local = logits[:, rank * vocab // world:(rank + 1) * vocab // world].clone().requires_grad_(True)
         for reduction in ("mean", "sum", "none"):
             loss = vocab_parallel_cross_entropy(local, labels, reduction=reduction)
             ref, full = _reference(logits, labels, reduction)
-            cot = torch.randn(ref.shape, generator=torch.Generator().manual_seed(2))
+            cot = torch.randn(ref.shape, generator=torch.Generator().manual_seed(2)).to(dev)
             local.grad = None
             (loss * cot).sum().backward()
             (ref * cot).sum().backward()
@@ -141,7 +144,7 @@ def _two_ranks(rank, world):
                 float((loss.float() - ref).abs().max()), float((local.grad.float() - expected_grad).abs().max()),
                 local.grad.dtype == dtype)
     # the HF wrapper with split logits: (batch, seq, vocab / world)
-    logits, labels = _problem(3 * 10, 90, torch.float32, seed=3)
+    logits, labels = (t.to(dev) for t in _problem(3 * 10, 90, torch.float32, seed=3))
     local = logits.view(3, 10, 90)[..., rank * 45:(rank + 1) * 45]
     from transformers.loss.loss_utils import ForCausalLMLoss
 
