@@ -174,7 +174,8 @@ _SPECS: List[_OpSpec] = [
 ]
 if hasattr(F, "rms_norm") and hasattr(nn, "RMSNorm"):
     _SPECS.append(_OpSpec("rms_norm", _fns(F.rms_norm), (),
-                          {nn.RMSNorm: _both(_params("weight"), _attrs(normalized_shape="normalized_shape", eps="eps"))},
+                          {nn.RMSNorm: _both(_params("weight"),
+                                             _attrs(normalized_shape="normalized_shape", eps="eps"))},
                           positional=("input", "normalized_shape", "weight", "eps"),
                           defaults={"weight": None, "eps": None}))
 

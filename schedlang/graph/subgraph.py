@@ -348,9 +348,9 @@ def extract_subgraph(gm: fx.GraphModule, nodes: Sequence[fx.Node], *, functional
                 continue
             if functionalize and not _is_stateless(module):
                 raise ScheduleValueError(
-                    f"{where}: cannot {primitive} '{node.name}': module '{node.target}' ({type(module).__name__}) holds "
-                    "parameters that cannot be passed in as inputs; trace with flatten=True so its operations are in "
-                    "the graph, or leave it out of the subgraph")
+                    f"{where}: cannot {primitive} '{node.name}': module '{node.target}' "
+                    f"({type(module).__name__}) holds parameters that cannot be passed in as inputs; trace with "
+                    "flatten=True so its operations are in the graph, or leave it out of the subgraph")
             root[node.target] = module
         env[node] = body.node_copy(node, lambda a: env[a])
     outputs = _outputs_of(nodes)

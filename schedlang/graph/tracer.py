@@ -260,8 +260,9 @@ class ModuleAttributes:
 class TracedModule(fx.GraphModule):
     """The ``fx.GraphModule`` that ``trace`` produces.
 
-    Unlike a plain ``GraphModule``, a deep copy keeps everything that is not in the graph:
-    forward hooks, sync-op children, unused parameters, shard records, container types.
+    Unlike a plain ``GraphModule``, a deep copy or a pickle (``torch.save``) keeps
+    everything that is not in the graph: forward hooks, sync-op children, unused
+    parameters, shard records, container types; and unpickling does not trace again.
     """
 
     def __deepcopy__(self, memo):
@@ -274,6 +275,58 @@ class TracedModule(fx.GraphModule):
         res.__class__.__name__ = type(self).__name__
         res.graph = graph  # sets the owning module and regenerates the code
         return res
+
+    def __reduce__(self):
+        state = {k: v for k, v in self.__dict__.items() if k not in ("_graph", "_code", "_lineno_map")}
+        return (_rebuild_traced_module, (type(self).__name__, state, _graph_to_data(self.graph)))
+
+
+class _NodeRef:
+    """A reference to a node by name, in a pickled graph."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+
+def _graph_to_data(graph: fx.Graph) -> Dict[str, Any]:
+    def ref(n):
+        return _NodeRef(n.name)
+
+    nodes = [(n.op, n.name, n.target, fx.node.map_arg(n.args, ref), fx.node.map_arg(n.kwargs, ref))
+             for n in graph.nodes]
+    return {"nodes": nodes, "codegen": graph._codegen}
+
+
+def _graph_from_data(data: Dict[str, Any]) -> fx.Graph:
+    graph = fx.Graph()
+    graph._codegen = data["codegen"]
+    by_name: Dict[str, fx.Node] = {}
+
+    def resolve(value):
+        if isinstance(value, _NodeRef):
+            return by_name[value.name]
+        if isinstance(value, tuple) and hasattr(value, "_fields"):
+            return type(value)(*[resolve(v) for v in value])
+        if isinstance(value, (list, tuple)):
+            return type(value)(resolve(v) for v in value)
+        if isinstance(value, dict):
+            return {k: resolve(v) for k, v in value.items()}
+        if isinstance(value, slice):
+            return slice(resolve(value.start), resolve(value.stop), resolve(value.step))
+        return value
+
+    for op, name, target, args, kwargs in data["nodes"]:
+        node = graph.create_node(op, target, resolve(args), resolve(kwargs), name=name)
+        by_name[name] = node
+    return graph
+
+
+def _rebuild_traced_module(class_name: str, state: Dict[str, Any], graph_data: Dict[str, Any]) -> "TracedModule":
+    res = TracedModule.__new__(TracedModule)
+    res.__dict__.update(state)
+    res.__class__.__name__ = class_name
+    res.graph = _graph_from_data(graph_data)
+    return res
 
 
 # ---------------------------------------------------------------------------------------------

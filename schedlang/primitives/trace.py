@@ -37,7 +37,7 @@ from typing import Any, Dict
 import torch
 from torch import nn
 
-from ..errors import PlanSerializationError, ScheduleKeyError, ScheduleTypeError, ScheduleValueError
+from ..errors import ScheduleKeyError, ScheduleTypeError, ScheduleValueError
 from .base import Primitive, encode_value, register_primitive
 
 __all__ = ["Trace", "TRACERS"]
@@ -72,7 +72,7 @@ class Trace(Primitive):
 
     @classmethod
     def validate(cls, sch, recursive=True, flatten=False, leaf_modules=None, tracer="fx", concrete_args=None):
-        from ..graph.tracer import PH, forward_parameters
+        from ..graph.tracer import forward_parameters
 
         where = sch.path or "<root>"
         for arg, value in (("recursive", recursive), ("flatten", flatten)):

@@ -4,8 +4,6 @@ import json
 
 import pytest
 import torch
-import torch.fx as fx
-import torch.nn.functional as F
 from torch import nn
 
 import schedlang

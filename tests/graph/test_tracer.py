@@ -150,6 +150,27 @@ def test_deepcopy_keeps_hooks_containers_and_unused_state():
     torch.testing.assert_close(clone(x), gm(x))
 
 
+def test_pickling_keeps_hooks_and_unused_state_without_tracing_again():
+    import io
+
+    model = _WithState()
+    model.register_forward_hook(_add_one)
+    gm = trace_module(nn.Sequential(model, nn.ReLU()))
+    buffer = io.BytesIO()
+    torch.save(gm, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert isinstance(loaded, TracedModule) and loaded.code == gm.code
+    assert list(loaded.state_dict()) == list(gm.state_dict())
+    assert len(loaded.get_submodule("0")._forward_hooks) == 1
+    x = torch.randn(5, 6)
+    torch.testing.assert_close(loaded(x), gm(x))
+
+
+def _add_one(module, args, out):
+    return out + 1
+
+
 class _ShapeBranches(nn.Module):
     def __init__(self):
         super().__init__()
@@ -172,11 +193,11 @@ def test_shape_dependent_python_is_answered_by_example_inputs():
 
 
 def test_shape_dependent_python_without_an_example_fails_loudly():
-    with pytest.raises(TraceError, match=r"^<root>: 'getitem = getitem\(getattr_1, slice\(None, -1, None\)\)' is iterated over \(for / \* unpacking\), so its value must be "
-                                         r"known while tracing, but no example input reaches it; pass example tensors "
-                                         r"for the inputs in concrete_args") as info:
+    with pytest.raises(TraceError, match=r"^<root>: 'getitem = getitem\(getattr_1, slice\(None, -1, None\)\)' is "
+                                         r"iterated over \(for / \* unpacking\), so its value must be known while "
+                                         r"tracing, but no example input reaches it; pass example tensors for the "
+                                         r"inputs in concrete_args"):
         trace_module(_ShapeBranches())
-    assert info.value.__cause__ is None or isinstance(info.value.__cause__, Exception)
 
 
 class _DataBranch(nn.Module):
@@ -187,8 +208,8 @@ class _DataBranch(nn.Module):
 
 
 def test_data_dependent_control_flow_names_module_and_remedy():
-    with pytest.raises(TraceError, match=r"^inner\.1: the condition 'gt = gt\(sum_1, 0\)' depends on tensor data, which symbolic tracing "
-                                         r"cannot know; mark the module as a leaf"):
+    with pytest.raises(TraceError, match=r"^inner\.1: the condition 'gt = gt\(sum_1, 0\)' depends on tensor data, "
+                                         r"which symbolic tracing cannot know; mark the module as a leaf"):
         trace_module(nn.Sequential(nn.Linear(3, 3), _DataBranch()), concrete_args={"input": torch.randn(2, 3)},
                      path="inner")
 
@@ -280,7 +301,8 @@ class _Broken(nn.Module):
 
 def test_failures_name_the_submodule_and_chain_the_cause():
     model = nn.Sequential(nn.Linear(2, 2), _Broken())
-    with pytest.raises(TraceError, match=r"^net\.1: cannot trace _Broken: ValueError: this module only runs eagerly$") as info:
+    with pytest.raises(TraceError, match=r"^net\.1: cannot trace _Broken: ValueError: this module only runs "
+                                         r"eagerly$") as info:
         trace_module(model, path="net", concrete_args={"input": torch.randn(2, 2)})
     assert isinstance(info.value.__cause__, ValueError)
 

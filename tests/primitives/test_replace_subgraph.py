@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
@@ -122,7 +121,8 @@ def test_replace_errors():
     sch.trace()
     found = sch.find(_qkv_pattern)
     with pytest.raises(ScheduleValueError, match=r"^<root>: Linear\(input: torch.Tensor\) -> torch.Tensor cannot be "
-                                                 r"called with the 2 input\(s\) of the subgraph\(s\) \(permute, transpose\): "
+                                                 r"called with the 2 input\(s\) of the subgraph\(s\) "
+                                                 r"\(permute, transpose\): "
                                                  r"too many positional arguments$"):
         sch.replace(nn.Linear(4, 4), target_ops=[("", "matmul")])
     with pytest.raises(ScheduleValueError, match=r"^<root>: replace of subgraph 0 would create a cycle: 'q_proj' "

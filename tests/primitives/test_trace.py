@@ -6,7 +6,7 @@ import torch.fx as fx
 from torch import nn
 
 import schedlang
-from schedlang.errors import ScheduleKeyError, ScheduleTypeError, ScheduleValueError, TraceError
+from schedlang.errors import ScheduleKeyError, ScheduleTypeError, ScheduleValueError
 from schedlang.graph import PH
 from tests.helpers.models import MLP, Stack, assert_unchanged, state_snapshot
 
