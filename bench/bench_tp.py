@@ -17,9 +17,15 @@ Variants:
   the meta device and materialized per rank by ``schedlang.build``, fused AdamW; the forward is
   called with ``use_cache=False`` (no KV cache in a training step).
 * ``schedlang-compile``: the same, every decoder layer's forward compiled
-  (``schedlang.models.compile_layers``; the schedule's collectives are traced into the layer graphs).
-* ``schedlang-compile-model``: the same, ``torch.compile`` of the whole model.
-* ``schedlang-sp-compile`` / ``schedlang-sp-eager``: with sequence parallelism.
+  (``schedlang.models.compile_layers``), the collectives running eagerly between compiled pieces;
+  ``-compile-traced``: the collectives traced into the layer graphs; ``-compile-model``:
+  ``torch.compile`` of the whole model.
+* ``-sp``: with sequence parallelism; ``-norm``: ``shard_llama(grad_sync="norm")`` (each block's
+  input gradient all-reduced at the norm output instead of by a keyword pre-hook on the block).
+
+Correctness is checked in the same run: every variant starts from the same weights and batch as
+the eager run of its family, so the rank's gradient norm after the first step and the loss after
+the last one must agree with it (column ``check``).
 
 ``--tiny`` runs a 2-layer model on CPU ranks (gloo) to check the script itself.
 """
@@ -84,7 +90,7 @@ def make_dtensor(cfg, device, world, compile_model):
     return model, fwd, opt
 
 
-def make_schedlang(cfg, device, sequence_parallel, compile_mode):
+def make_schedlang(cfg, device, sequence_parallel, compile_mode, grad_sync="block"):
     import schedlang
     from schedlang.models.llama import shard_llama
     from transformers import LlamaForCausalLM
@@ -92,28 +98,51 @@ def make_schedlang(cfg, device, sequence_parallel, compile_mode):
     with schedlang.init_empty_weights():
         meta = LlamaForCausalLM(cfg)
     sch = schedlang.create_schedule(meta)
-    shard_llama(sch, sequence_parallel=sequence_parallel)
+    shard_llama(sch, sequence_parallel=sequence_parallel, grad_sync=grad_sync)
     torch.manual_seed(0)
     fused = device.type == "cuda"
     model, opt = schedlang.build(sch, device=device, optimizer=torch.optim.AdamW, lr=1e-4,
                                  **({"fused": True} if fused else {"foreach": True}))
     fwd = model
-    if compile_mode == "layers":
+    if compile_mode in ("layers", "layers-traced"):
         from schedlang.models import compile_layers
 
-        compile_layers(model)
+        compile_layers(model, trace_collectives=compile_mode == "layers-traced")
     elif compile_mode == "model":
         fwd = torch.compile(model)
     return model, fwd, opt
 
 
+def parse_variant(name):
+    """schedlang[-sp][-norm]-(eager | compile | compile-traced | compile-model), or dtensor-(eager | compile)."""
+    parts = name.split("-")
+    if parts[0] == "dtensor":
+        if parts[1:] not in (["eager"], ["compile"]):
+            raise ValueError(f"unknown variant {name!r}")
+        return {"kind": "dtensor", "compile": parts[1] == "compile"}
+    if parts[0] != "schedlang":
+        raise ValueError(f"unknown variant {name!r}")
+    rest = parts[1:]
+    sp = "sp" in rest
+    grad_sync = "norm" if "norm" in rest else "block"
+    rest = [p for p in rest if p not in ("sp", "norm")]
+    modes = {("eager",): None, ("compile",): "layers", ("compile", "traced"): "layers-traced",
+             ("compile", "model"): "model"}
+    if tuple(rest) not in modes:
+        raise ValueError(f"unknown variant {name!r}")
+    return {"kind": "schedlang", "sp": sp, "grad_sync": grad_sync, "compile_mode": modes[tuple(rest)]}
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def run_variant(name, cfg, device, world, args):
-    if name.startswith("dtensor"):
-        model, fwd, opt = make_dtensor(cfg, device, world, name.endswith("compile"))
+    spec = parse_variant(name)
+    if spec["kind"] == "dtensor":
+        model, fwd, opt = make_dtensor(cfg, device, world, spec["compile"])
     else:
-        sp = "-sp-" in name
-        compile_mode = "model" if name.endswith("compile-model") else ("layers" if name.endswith("compile") else None)
-        model, fwd, opt = make_schedlang(cfg, device, sp, compile_mode)
+        model, fwd, opt = make_schedlang(cfg, device, spec["sp"], spec["compile_mode"], spec["grad_sync"])
     nparams_full = _full_param_count(cfg)
     batch, seq = args.batch, args.seq
     gen = torch.Generator(device=device).manual_seed(1)
@@ -121,12 +150,16 @@ def run_variant(name, cfg, device, world, args):
     amp = torch.autocast(device.type, dtype=torch.bfloat16)
     # the reference step lets HF build a KV cache (config.use_cache); a training step needs none, and with
     # per-layer compilation its per-layer state would recompile every layer
-    extra = {} if name.startswith("dtensor") else {"use_cache": False}
+    extra = {} if spec["kind"] == "dtensor" else {"use_cache": False}
+    params = [p for p in model.parameters() if p.requires_grad]
+    check = {}
 
-    def step():
+    def step(record=False):
         with amp:
             out = fwd(input_ids=ids, labels=ids, **extra)
         out.loss.backward()
+        if record:  # this rank's gradients after the first backward: the same layout in every schedlang variant
+            check["grad_norm"] = float(torch.stack([_local(p.grad).float().pow(2).sum() for p in params]).sum().sqrt())
         opt.step()
         opt.zero_grad(set_to_none=True)
         return out.loss
@@ -134,8 +167,9 @@ def run_variant(name, cfg, device, world, args):
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     t0 = time.time()
-    for _ in range(args.warmup):
-        loss = step()
+    losses = []
+    for i in range(args.warmup):
+        losses.append(float(step(record=i == 0).detach()))
     _sync(device)
     warm = time.time() - t0
     if world > 1:
@@ -159,9 +193,26 @@ def run_variant(name, cfg, device, world, args):
     flops = 6 * nparams_full * tokens + 12 * cfg.num_hidden_layers * cfg.hidden_size * seq * tokens
     mfu = flops / (ms / 1e3) / (PEAK_BF16 * world)
     result = {"variant": name, "ms": ms, "mfu": mfu, "warm_s": warm, "loss": float(loss.detach()), "mem_gib": mem,
-              "tok_per_s": tokens / (ms / 1e3)}
-    del model, fwd, opt, loss
+              "tok_per_s": tokens / (ms / 1e3), "first_losses": losses, "grad_norm": check["grad_norm"]}
+    del model, fwd, opt, loss, params
     return result
+
+
+def correctness(results):
+    """Each variant against the eager run of its family (same initial weights, same batch): the rank's
+    gradient norm after the first step, and the loss after all steps (the batch is repeated, so a correct
+    model memorizes it)."""
+    ok = {r["variant"]: r for r in results if "error" not in r}
+    out = {}
+    for name, r in ok.items():
+        ref = ok.get("dtensor-eager" if name.startswith("dtensor") else "schedlang-eager")
+        if ref is None or ref is r:
+            out[name] = "reference" if ref is r else "-"
+            continue
+        gn = abs(r["grad_norm"] - ref["grad_norm"]) / ref["grad_norm"]
+        final_ok = abs(r["loss"] - ref["loss"]) <= 0.1 + 0.25 * ref["loss"]
+        out[name] = f"{'ok' if gn <= 0.05 and final_ok else 'MISMATCH'} (grad norm {gn * 100:.1f}%)"
+    return out
 
 
 def _full_param_count(cfg) -> int:
@@ -242,14 +293,19 @@ def main():
             dist.barrier()
     if rank == 0:
         ok = {r["variant"]: r for r in results if "error" not in r}
+        checks = correctness(results)
         print(f"\nTP={world}  {_versions()}")
-        print(f"{'variant':28s} {'step ms':>9s} {'MFU/GPU':>8s} {'vs DTensor eager':>17s} {'vs DTensor compile':>19s}")
+        print(f"{'variant':34s} {'step ms':>8s} {'MFU/GPU':>8s} {'vs DT eager':>12s} {'vs DT compile':>14s}  "
+              f"{'final loss':>10s}  check vs eager")
         for r in results:
             if "error" in r:
-                print(f"{r['variant']:28s} {'failed':>9s}")
+                print(f"{r['variant']:34s} {'failed':>8s}")
                 continue
             ratios = [f"{ok[b]['ms'] / r['ms']:.2f}x" if b in ok else "-" for b in ("dtensor-eager", "dtensor-compile")]
-            print(f"{r['variant']:28s} {r['ms']:9.1f} {r['mfu'] * 100:7.1f}% {ratios[0]:>17s} {ratios[1]:>19s}")
+            print(f"{r['variant']:34s} {r['ms']:8.1f} {r['mfu'] * 100:7.1f}% {ratios[0]:>12s} {ratios[1]:>14s}  "
+                  f"{r['loss']:10.4f}  {checks[r['variant']]}")
+        for r in results:
+            r["check"] = checks.get(r["variant"])
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"world": world, "versions": _versions(), "args": vars(args), "results": results,

@@ -31,12 +31,12 @@ from typing import Type
 
 from torch import nn
 
-from .collectives import scatter_forward
+from .collectives import reduce_backward, scatter_forward
 from .groups import world_size as _world_size
 from .shard_rules.norm import is_sequence_parallel_norm, make_sequence_parallel_norm
 
-__all__ = ["SplitSequence", "split_sequence", "sequence_parallel_norms", "make_sequence_parallel_norm",
-           "is_sequence_parallel_norm", "SEQUENCE_AXIS"]
+__all__ = ["SplitSequence", "AllReduceGradient", "split_sequence", "sequence_parallel_norms",
+           "make_sequence_parallel_norm", "is_sequence_parallel_norm", "SEQUENCE_AXIS"]
 
 #: HF activations are (batch, seq, hidden)
 SEQUENCE_AXIS = 1
@@ -65,6 +65,31 @@ class SplitSequence:
 
     def __repr__(self) -> str:
         return f"SplitSequence(axis={self.axis}, world_size={_world_size(self.group)})"
+
+
+class AllReduceGradient:
+    """A sync function: identity in forward, all-reduce of the gradient in backward.
+
+    Megatron's operator at the entry of a tensor-parallel region, applied to a module's *output*
+    (``mode="fwd_post"``): the same as ``sync(mode="bwd_post", sync_op_or_fn="all_reduce")`` on the
+    module that consumes it, for consumers that are called with keyword arguments only.
+
+    Example::
+
+        sch["layers.0.input_layernorm"].sync(mode="fwd_post", sync_op_or_fn=AllReduceGradient())
+    """
+
+    def __init__(self, group=None):
+        self.group = group
+
+    def __call__(self, x):
+        return reduce_backward(x, self.group)
+
+    def __deepcopy__(self, memo):  # process groups cannot be copied
+        return AllReduceGradient(self.group)
+
+    def __repr__(self) -> str:
+        return f"AllReduceGradient(world_size={_world_size(self.group)})"
 
 
 def split_sequence(sch, axis: int = SEQUENCE_AXIS) -> None:

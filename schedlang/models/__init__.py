@@ -49,23 +49,31 @@ def shard_model(sch, **options):
 LAYER_LISTS = ("layers", "h", "layer")
 
 
-def compile_layers(model: nn.Module, **compile_options) -> int:
+def compile_layers(model: nn.Module, trace_collectives: bool = False, **compile_options) -> int:
     """``torch.compile`` the forward of every transformer layer of a built model; returns how many.
 
-    Each layer is compiled with the syncs of its submodules inside the graph (the collectives are
-    traced, so attention or MLP plus its all-reduce is one graph); the layer's *own* hooks (the
-    sequence split in front of the first layer under sequence parallelism) stay outside, so every
-    layer sees the same shapes and one compiled graph serves them all.
+    The layer's *own* hooks (the sequence split in front of the first layer under sequence
+    parallelism) stay outside, so every layer sees the same shapes and one compiled graph serves
+    them all. With ``trace_collectives=False`` (default) the schedule's collectives (sync points
+    and sequence-parallel norms) run eagerly between compiled pieces, exactly as without
+    compilation; with ``True`` they are traced into the layer graphs as functional collectives.
 
     Example::
 
         model, opt = schedlang.build(sch, optimizer="adamw")
         compile_layers(model)
     """
+    from ..distributed.sequence_parallel import is_sequence_parallel_norm
+    from ..distributed.sync_ops import SyncOp
+
     count = 0
     for name, module in model.named_modules():
         if name.rpartition(".")[2] in LAYER_LISTS and isinstance(module, nn.ModuleList):
             for layer in module:
+                if not trace_collectives:
+                    for sub in layer.modules():
+                        if isinstance(sub, SyncOp) or is_sequence_parallel_norm(sub):
+                            sub.forward = torch.compiler.disable(sub.forward)
                 layer.forward = torch.compile(layer.forward, **compile_options)
                 count += 1
     if not count:

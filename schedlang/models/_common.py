@@ -50,10 +50,12 @@ def shard_row(sch) -> None:
     sch.shard("weight", axis=0 if _is_conv1d(module) else 1)
 
 
-def shard_linear_pair(layer, block, columns: List[str], row: str, sequence_parallel: bool, norm: str) -> None:
+def shard_linear_pair(layer, block, columns: List[str], row: str, sequence_parallel: bool, norm: str,
+                      grad_sync_at_norm: bool = False) -> None:
     """Megatron pair: ``columns`` column parallel, ``row`` row parallel, and the syncs around them.
 
-    Tensor parallel: all-reduce the row's output, all-reduce the block input's gradient.
+    Tensor parallel: all-reduce the row's output, all-reduce the block input's gradient (on the
+    block's input, or with ``grad_sync_at_norm`` on the output of the norm that feeds it).
     Sequence parallel: all-gather the norm's output along the sequence before the block, and
     reduce-scatter the row's output along the sequence.
     """
@@ -66,7 +68,12 @@ def shard_linear_pair(layer, block, columns: List[str], row: str, sequence_paral
         block[row].sync(mode="fwd_post", sync_op_or_fn="reduce_scatter", axis=SEQUENCE_AXIS)
     else:
         block[row].sync(mode="fwd_post", sync_op_or_fn="all_reduce")
-        block.sync(mode="bwd_post", sync_op_or_fn="all_reduce")
+        if grad_sync_at_norm:
+            from ..distributed.sequence_parallel import AllReduceGradient
+
+            layer[norm].sync(mode="fwd_post", sync_op_or_fn=AllReduceGradient(layer.group))
+        else:
+            block.sync(mode="bwd_post", sync_op_or_fn="all_reduce")
 
 
 def shard_vocab_embedding(emb) -> None:

@@ -34,13 +34,14 @@ Example::
 
 from __future__ import annotations
 
-from ..errors import ScheduleTypeError
+from ..errors import ScheduleTypeError, ScheduleValueError
 from ._common import base_and_prefix, finish_lm_head, shard_linear_pair, shard_vocab_embedding, split_sequence_at
 
 __all__ = ["shard_llama"]
 
 
-def shard_llama(sch, sequence_parallel: bool = False, gather_logits: bool = False, shard_embeddings: bool = True):
+def shard_llama(sch, sequence_parallel: bool = False, gather_logits: bool = False, shard_embeddings: bool = True,
+                grad_sync: str = "block"):
     """Write the tensor-parallel steps for a HF LLaMA model into ``sch``; returns ``sch``.
 
     Arguments:
@@ -50,12 +51,19 @@ def shard_llama(sch, sequence_parallel: bool = False, gather_logits: bool = Fals
             own loss, and what ``Verify`` compares); by default they stay split and the model's
             ``loss_function`` becomes the vocabulary-parallel one.
         shard_embeddings: split ``embed_tokens`` along the vocabulary (a tied LM head always is).
+        grad_sync: where the gradient entering each attention and MLP block is all-reduced (tensor
+            parallel only): ``"block"`` on the block's input (``sync(mode="bwd_post")``; HF calls the
+            attention with keyword arguments, so this is a keyword pre-hook), or ``"norm"`` on the
+            output of the norm in front of it (``AllReduceGradient``, a plain forward hook). Same
+            arithmetic; ``"norm"`` keeps keyword pre-hooks out of ``torch.compile``'d layers.
 
     Example::
 
         with schedlang.Verify(sch, example_inputs=[ids]):
             shard_llama(sch, gather_logits=True)
     """
+    if grad_sync not in ("block", "norm"):
+        raise ScheduleValueError(f"shard_llama: invalid grad_sync {grad_sync!r}: valid are 'block', 'norm'")
     base, prefix = base_and_prefix(sch, "layers", "LLaMA")
     layers = base["layers"]
     first = None
@@ -65,10 +73,11 @@ def shard_llama(sch, sequence_parallel: bool = False, gather_logits: bool = Fals
         if not all(n in attn.child for n in ("q_proj", "k_proj", "v_proj", "o_proj")):
             raise ScheduleTypeError(f"{attn.path}: expected q_proj, k_proj, v_proj and o_proj in a LLaMA attention, "
                                     f"found {', '.join(attn.child) or 'no submodules'}")
+        at_norm = grad_sync == "norm"
         shard_linear_pair(layer, attn, ["q_proj", "k_proj", "v_proj"], "o_proj", sequence_parallel,
-                          norm="input_layernorm")
+                          norm="input_layernorm", grad_sync_at_norm=at_norm)
         shard_linear_pair(layer, mlp, ["gate_proj", "up_proj"], "down_proj", sequence_parallel,
-                          norm="post_attention_layernorm")
+                          norm="post_attention_layernorm", grad_sync_at_norm=at_norm)
     if shard_embeddings or _lm_head_tied(sch, base):
         shard_vocab_embedding(base["embed_tokens"])
     if sequence_parallel:

@@ -102,12 +102,35 @@ def _tp_world4_sequence_parallel():
     return T.compare(built, copy.deepcopy(model), {"input_ids": ids, "labels": labels}, logits_split=True)
 
 
+def _grad_sync_at_norm_and_compiled_layers():
+    from schedlang.models import compile_layers
+
+    out = {}
+    for name, grad_sync, trace in [("norm", "norm", None), ("compiled", "block", False),
+                                   ("compiled_traced", "block", True)]:
+        model = _model()
+        ids, labels = _inputs()
+        sch = schedlang.create_schedule(model)
+        if name == "norm":
+            with schedlang.Verify(sch, example_inputs=[ids]):
+                shard_llama(sch, grad_sync=grad_sync, gather_logits=True)
+            sch = schedlang.create_schedule(model)
+        shard_llama(sch, grad_sync=grad_sync)
+        built, _ = schedlang.build(sch)
+        if trace is not None:
+            assert compile_layers(built, trace_collectives=trace, backend="aot_eager") == 2
+        out[name] = T.compare(built, copy.deepcopy(model), {"input_ids": ids, "labels": labels, "use_cache": False},
+                              logits_split=True)
+    return out
+
+
 def _world2(rank, world):
     return T.run_scenarios({
         "tp": _tp_vocab_parallel_loss,
         "tied": _tied_verify_and_gather,
         "wrong_axis": _verify_catches_wrong_axis,
         "meta": _meta_build_matches_unsharded_build,
+        "variants": _grad_sync_at_norm_and_compiled_layers,
     })
 
 
@@ -163,3 +186,25 @@ def test_four_ranks_with_sequence_parallelism():
     for r in T.value(results, "sp4"):
         _close(r)
         assert r["local_vocab"] == T.VOCAB // 4
+
+
+def test_gradient_sync_at_the_norm_and_compiled_layers_match_single_device(world2):
+    for per_rank in T.value(world2, "variants"):
+        for name, r in per_rank.items():
+            assert r["loss"] <= 2e-5 and r["grad"] <= 2e-5, (name, r)
+
+
+def test_shard_llama_rejects_an_unknown_grad_sync():
+    sch = schedlang.create_schedule(_model())
+    with pytest.raises(schedlang.ScheduleValueError,
+                       match=r"shard_llama: invalid grad_sync 'input': valid are 'block', 'norm'"):
+        shard_llama(sch, grad_sync="input")
+    assert len(sch.plan) == 0
+
+
+def test_compile_layers_needs_a_layer_list():
+    from schedlang.models import compile_layers
+
+    with pytest.raises(schedlang.ScheduleTypeError,
+                       match=r"compile_layers: no layer list \(layers, h, layer\) found in Linear"):
+        compile_layers(torch.nn.Linear(2, 2))
