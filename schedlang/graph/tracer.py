@@ -168,6 +168,13 @@ def _default_leaf_functions() -> List[Callable]:
     masking = sys.modules.get("transformers.masking_utils")
     if masking is not None:
         fns += [getattr(masking, n) for n in _HF_MASK_FUNCTIONS if callable(getattr(masking, n, None))]
+    # the registered attention kernels decide `is_causal` from `mask is None` at run time (HF
+    # drops an all-ones mask), so they must run as one call, also when a traced graph that
+    # calls them by name is traced again
+    interface = getattr(sys.modules.get("transformers.modeling_utils"), "AttentionInterface", None)
+    mapping = getattr(interface, "_global_mapping", None)
+    if isinstance(mapping, dict):
+        fns += [fn for fn in mapping.values() if callable(fn)]
     return fns
 
 
@@ -952,6 +959,8 @@ class SchedlangTracer(fx.Tracer):
 
         node_args = tuple(snapshot(a) for a in args)
         node_kwargs = {k: snapshot(v) for k, v in kwargs.items()}
+        if isinstance(example, torch.Tensor):
+            node_kwargs.update(_keep_mask_flags(fn, args, kwargs))
         if example is not UNKNOWN and not _holds_tensor(example):
             # a mask builder that returns None for these shapes: later `mask is None` tests must see None
             self.specializations.append(f"{getattr(fn, '__name__', fn)}(...) = {example!r}")
@@ -1086,6 +1095,27 @@ def _shape_only_syncs():
         sync_op.forward = original
 
 
+_MASK_SKIP_FLAGS = ("allow_is_causal_skip", "allow_is_bidirectional_skip")
+
+
+def _keep_mask_flags(fn: Callable, args: Tuple, kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """Keyword arguments that stop an HF mask builder from returning None at run time.
+
+    On fake tensors HF always builds the mask; on real ones it returns None for an all-ones
+    padding mask. The attention kernels that are leaf functions handle both, but eager
+    attention is traced through and was specialized on a tensor mask, so for it the mask
+    must always be built.
+    """
+    config = kwargs.get("config", args[0] if args else None)
+    if getattr(config, "_attn_implementation", None) != "eager":
+        return {}
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return {}
+    return {flag: False for flag in _MASK_SKIP_FLAGS if flag in params and flag not in kwargs}
+
+
 def _is_fake(t: torch.Tensor) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
 
@@ -1196,6 +1226,9 @@ def _restore_missing_state(original: nn.Module, gm: nn.Module) -> None:
         parent = _submodule_or_none(gm, parent_path)
         if parent is None or name in parent._modules:
             continue
+        if isinstance(module, fx.GraphModule) and not any(True for _ in module.parameters()) and \
+                not any(True for _ in module.buffers()):
+            continue  # traced code of a stateless child now inlined: nothing left to keep
         parent.add_module(name, module)  # not used by the graph, but still part of the model
     for path, module in original.named_modules(remove_duplicate=False):
         target = _submodule_or_none(gm, path)

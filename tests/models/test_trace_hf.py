@@ -178,3 +178,29 @@ def test_hf_plan_replays_on_a_fresh_model():
     replayed = schedlang.replay(sch.plan.to_json(), _bert("eager"))
     assert replayed.mod.code == sch.mod.code
     assert replayed["encoder.layer.1.attention.self"].mod.code == sch["encoder.layer.1.attention.self"].mod.code
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_bert_padding_mask_input_with_and_without_padding(impl):
+    # HF drops an all-ones mask at run time; the traced graph must still attend correctly
+    model = _bert(impl)
+    sch = schedlang.create_schedule(model)
+    sch.trace(concrete_args={"attention_mask": PH})
+    ids = _ids(batch=3, seq=10)
+    padded = torch.ones(3, 10, dtype=torch.long)
+    padded[2, 6:] = 0
+    for mask in (torch.ones(3, 10, dtype=torch.long), padded):
+        _assert_same(model, sch.mod, ids, attention_mask=mask)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_retracing_a_traced_model_flat_keeps_attention_causal(family):
+    # the second trace goes through generated code, where the attention kernel and the mask
+    # builder are called by name: they must stay single calls (is_causal is decided at run time)
+    model = FAMILIES[family][0]("sdpa")
+    sch = schedlang.create_schedule(model)
+    sch.trace()
+    sch.trace(flatten=True)
+    assert not any(isinstance(m, fx.GraphModule) for n, m in sch.mod.named_modules() if n)
+    assert "scaled_dot_product_attention(" not in sch.mod.code  # still inside the sdpa leaf
+    _assert_same(model, sch.mod, _ids())
