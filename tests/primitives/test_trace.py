@@ -152,3 +152,28 @@ def test_retracing_a_traced_module_flattens_it():
     assert not any(isinstance(m, fx.GraphModule) for n, m in sch.mod.named_modules() if n)
     x = torch.randn(4, 12)
     torch.testing.assert_close(sch.mod(x), model(x))
+
+
+class _SwishMLP(nn.Module):
+    """A drop-in replacement for the tests' MLP."""
+
+    def __init__(self, mlp):
+        super().__init__()
+        self.fc1, self.fc2 = mlp.fc1, mlp.fc2
+
+    def forward(self, x):
+        h = self.fc1(x)
+        return self.fc2(h * torch.sigmoid(h))
+
+
+def test_replaced_modules_are_traced_as_they_are_now():
+    model = Stack().eval()
+    sch = schedlang.create_schedule(model)
+    sch["layers.0.mlp"].replace(_SwishMLP(sch["layers.0.mlp"].mod))
+    sch.trace()
+    assert "sigmoid" in sch["layers.0.mlp"].mod.code
+    assert [[n.name for _, n in sg] for sg in sch.find(lambda h: h * torch.sigmoid(h))] == [["sigmoid", "mul"]]
+    x = torch.randn(3, 12)
+    expected = model.head(model.layers[1](x + model.layers[0].drop(
+        model.layers[0].mlp.fc2(torch.nn.functional.silu(model.layers[0].mlp.fc1(model.layers[0].norm(x)))))))
+    torch.testing.assert_close(sch.mod(x), expected)
