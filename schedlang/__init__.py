@@ -26,7 +26,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Schedule", "create_schedule", "Plan", "Step", "replay", "list_primitives", "build", "Verify",
-    "init_empty_weights", "call_module", "distributed", "env", "primitives",
+    "init_empty_weights", "call_module", "PH", "distributed", "env", "primitives",
     "SchedlangError", "ScheduleKeyError", "ScheduleValueError", "ScheduleTypeError", "ShardError", "SyncError",
     "PlanError", "PlanSerializationError", "TraceError", "NotTracedError", "PatternError", "LoweringError",
     "VerificationError", "DistributedError", "__version__",
@@ -39,6 +39,10 @@ def __getattr__(name):
         from .graph.pattern import call_module
 
         return call_module
+    if name == "PH":
+        from .graph.tracer import PH
+
+        return PH
     if name in ("optim", "sparse", "lowering", "graph"):
         import importlib
 

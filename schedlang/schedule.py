@@ -275,6 +275,11 @@ class Schedule:
               concrete_args: Optional[Dict[str, Any]] = None):
         """Trace this submodule into an FX graph (hierarchy kept unless ``flatten``).
 
+        ``leaf_modules`` lists module types or qualified names to keep as calls. A tensor in
+        ``concrete_args`` is an example input (its shape guides Python control flow); any other
+        value is fixed in the graph; ``schedlang.graph.PH`` keeps an argument an input.
+        Failures raise :class:`schedlang.TraceError` naming the submodule and the cause.
+
         Example::
 
             sch["mlp"].trace(flatten=True)
