@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..errors import ScheduleTypeError
+from ..errors import ScheduleTypeError, ScheduleValueError
 from .bert import shard_bert
 from .gpt2 import shard_gpt2
 from .llama import shard_llama
@@ -54,9 +54,11 @@ def compile_layers(model: nn.Module, trace_collectives: bool = False, **compile_
 
     The layer's *own* hooks (the sequence split in front of the first layer under sequence
     parallelism) stay outside, so every layer sees the same shapes and one compiled graph serves
-    them all. With ``trace_collectives=False`` (default) the schedule's collectives (sync points
-    and sequence-parallel norms) run eagerly between compiled pieces, exactly as without
-    compilation; with ``True`` they are traced into the layer graphs as functional collectives.
+    them all. With ``trace_collectives=False`` (default) the schedule's collectives (sync points,
+    and the gradient sums of sequence-parallel norms) run eagerly between compiled pieces, exactly
+    as without compilation. With ``True`` they are traced into the layer graphs as functional
+    collectives; this needs torch >= 2.13: on torch 2.11 the traced graphs lose the backward
+    all-reduce (gradients measured wrong on 2 H200s), so it is refused there.
 
     Example::
 
@@ -64,19 +66,31 @@ def compile_layers(model: nn.Module, trace_collectives: bool = False, **compile_
         compile_layers(model)
     """
     from ..distributed.sequence_parallel import is_sequence_parallel_norm
+    from ..distributed.shard_rules.norm import EAGER_COLLECTIVES_ATTR
     from ..distributed.sync_ops import SyncOp
 
+    if trace_collectives and _torch_version() < (2, 13):
+        raise ScheduleValueError(
+            f"compile_layers: trace_collectives=True needs torch >= 2.13 (this is {torch.__version__}): older "
+            "compilers lose the backward all-reduce of traced collectives and the gradients are wrong; keep the "
+            "default trace_collectives=False")
     count = 0
     for name, module in model.named_modules():
         if name.rpartition(".")[2] in LAYER_LISTS and isinstance(module, nn.ModuleList):
             for layer in module:
                 if not trace_collectives:
                     for sub in layer.modules():
-                        if isinstance(sub, SyncOp) or is_sequence_parallel_norm(sub):
+                        if isinstance(sub, SyncOp):
                             sub.forward = torch.compiler.disable(sub.forward)
+                        elif is_sequence_parallel_norm(sub):
+                            sub.__dict__[EAGER_COLLECTIVES_ATTR] = True  # the norm's arithmetic stays compiled
                 layer.forward = torch.compile(layer.forward, **compile_options)
                 count += 1
     if not count:
         raise ScheduleTypeError(f"compile_layers: no layer list ({', '.join(LAYER_LISTS)}) found in "
                                 f"{type(model).__name__}")
     return count
+
+
+def _torch_version():
+    return tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])

@@ -50,26 +50,33 @@ class _GroupRef:
         return "world" if self.group is None else repr(self.group)
 
 
-def _group(module: nn.Module):
-    return module.__dict__[_GROUP_ATTR].group
+#: set on a norm by ``schedlang.models.compile_layers(trace_collectives=False)``: the gradient sum runs eagerly
+EAGER_COLLECTIVES_ATTR = "_schedlang_eager_collectives"
+_eager_reduce_backward = torch.compiler.disable(reduce_backward)
+
+
+def _summed(module: nn.Module, tensor):
+    """``tensor`` passed through an identity whose backward sums the gradient over the norm's group."""
+    if tensor is None:
+        return None
+    group = module.__dict__[_GROUP_ATTR].group
+    if module.__dict__.get(EAGER_COLLECTIVES_ATTR, False):
+        return _eager_reduce_backward(tensor, group)
+    return reduce_backward(tensor, group)
 
 
 def _layer_norm_forward(self, input: torch.Tensor) -> torch.Tensor:
-    group = _group(self)
-    weight = None if self.weight is None else reduce_backward(self.weight, group)
-    bias = None if self.bias is None else reduce_backward(self.bias, group)
-    return F.layer_norm(input, self.normalized_shape, weight, bias, self.eps)
+    return F.layer_norm(input, self.normalized_shape, _summed(self, self.weight), _summed(self, self.bias), self.eps)
 
 
 def _torch_rms_norm_forward(self, input: torch.Tensor) -> torch.Tensor:
-    weight = None if self.weight is None else reduce_backward(self.weight, _group(self))
-    return F.rms_norm(input, self.normalized_shape, weight, self.eps)
+    return F.rms_norm(input, self.normalized_shape, _summed(self, self.weight), self.eps)
 
 
 def _llama_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     # LlamaRMSNorm's arithmetic (float32 statistics, weight applied in the input dtype), with the weight's
     # gradient summed over the sequence-parallel group
-    weight = reduce_backward(self.weight, _group(self))
+    weight = _summed(self, self.weight)
     input_dtype = hidden_states.dtype
     hidden_states = hidden_states.to(torch.float32)
     variance = hidden_states.pow(2).mean(-1, keepdim=True)
