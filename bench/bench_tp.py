@@ -52,8 +52,9 @@ def llama_config(tiny: bool):
     from transformers import LlamaConfig
 
     if tiny:
-        cfg = LlamaConfig(num_hidden_layers=int(os.environ.get("TINY_LAYERS", 2)), hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
-                          vocab_size=256, intermediate_size=160, max_position_embeddings=64)
+        layers = int(os.environ.get("TINY_LAYERS", 2))
+        cfg = LlamaConfig(num_hidden_layers=layers, hidden_size=64, num_attention_heads=4,
+                          num_key_value_heads=4, vocab_size=256, intermediate_size=160, max_position_embeddings=64)
     else:
         cfg = LlamaConfig(num_hidden_layers=22, hidden_size=2048, num_attention_heads=16, num_key_value_heads=16,
                           vocab_size=32000, intermediate_size=5632, max_position_embeddings=2048)

@@ -34,11 +34,13 @@ Example::
 
 from __future__ import annotations
 
-from ._common import SEQUENCE_AXIS, base_and_prefix, finish_lm_head, shard_column, shard_row, shard_vocab_embedding
+from ._common import (SEQUENCE_AXIS, base_and_prefix, finish_lm_head, model_schedule, shard_column, shard_row,
+                      shard_vocab_embedding)
 
 __all__ = ["shard_bert"]
 
 
+@model_schedule
 def shard_bert(sch, sequence_parallel: bool = False, gather_logits: bool = False):
     """Write the tensor-parallel steps for a HF BERT model into ``sch``; returns ``sch``.
 

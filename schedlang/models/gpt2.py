@@ -32,11 +32,13 @@ Example::
 from __future__ import annotations
 
 from ..errors import ScheduleTypeError
-from ._common import base_and_prefix, finish_lm_head, shard_linear_pair, shard_vocab_embedding, split_sequence_at
+from ._common import (base_and_prefix, finish_lm_head, model_schedule, shard_linear_pair, shard_vocab_embedding,
+                      split_sequence_at)
 
 __all__ = ["shard_gpt2"]
 
 
+@model_schedule
 def shard_gpt2(sch, sequence_parallel: bool = False, gather_logits: bool = False):
     """Write the tensor-parallel steps for a HF GPT-2 model into ``sch``; returns ``sch``.
 

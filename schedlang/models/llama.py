@@ -35,11 +35,13 @@ Example::
 from __future__ import annotations
 
 from ..errors import ScheduleTypeError, ScheduleValueError
-from ._common import base_and_prefix, finish_lm_head, shard_linear_pair, shard_vocab_embedding, split_sequence_at
+from ._common import (base_and_prefix, finish_lm_head, model_schedule, shard_linear_pair, shard_vocab_embedding,
+                      split_sequence_at)
 
 __all__ = ["shard_llama"]
 
 
+@model_schedule
 def shard_llama(sch, sequence_parallel: bool = False, gather_logits: bool = False, shard_embeddings: bool = True,
                 grad_sync: str = "block"):
     """Write the tensor-parallel steps for a HF LLaMA model into ``sch``; returns ``sch``.

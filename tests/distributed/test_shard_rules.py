@@ -183,9 +183,9 @@ def test_gpt2_head_wise_layout_is_derived_again_when_a_plan_is_replayed():
 def test_gpt2_attention_errors():
     attn = _gpt2_attention()
     with pytest.raises(schedlang.ShardError,
-                       match=r"c_attn: cannot shard 'weight' along axis 1 over 3 ranks: each of q, k and v in the fused "
-                             r"projection has 4 heads of size 16 and every rank must hold whole heads; valid world "
-                             r"sizes: 1, 2, 4"):
+                       match=r"c_attn: cannot shard 'weight' along axis 1 over 3 ranks: each of q, k and v in the "
+                             r"fused projection has 4 heads of size 16 and every rank must hold whole heads; valid "
+                             r"world sizes: 1, 2, 4"):
         sharded(attn, lambda s: s["c_attn"].shard("weight", axis=1), 3, 0)
     with pytest.raises(schedlang.ShardError,
                        match=r"c_proj: cannot shard 'weight' along axis 0 over 8 ranks: the input of the output "
@@ -218,8 +218,8 @@ def test_llama_attention_follows_its_projections():
 
 def test_llama_attention_errors():
     with pytest.raises(schedlang.ShardError,
-                       match=r"^k_proj: cannot shard 'weight' along axis 0 over 4 ranks: the key projection has 2 heads "
-                             r"of size 16 and every rank must hold whole heads; valid world sizes: 1, 2$"):
+                       match=r"^k_proj: cannot shard 'weight' along axis 0 over 4 ranks: the key projection has 2 "
+                             r"heads of size 16 and every rank must hold whole heads; valid world sizes: 1, 2$"):
         sharded(_llama_attention(), lambda s: s["k_proj"].shard("weight", axis=0), 4, 0)
     with pytest.raises(schedlang.ShardError,
                        match=r"^o_proj: cannot shard 'weight' along axis 1 over 8 ranks: the input of the output "

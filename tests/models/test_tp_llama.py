@@ -42,7 +42,8 @@ def _tp_vocab_parallel_loss():
     result = T.compare(built, copy.deepcopy(model), {"input_ids": ids, "labels": labels}, logits_split=True)
     attn = built.model.layers[0].self_attn
     result.update(heads=(attn.num_heads, attn.num_key_value_heads, attn.num_key_value_groups),
-                  loss_function=type(built.loss_function).__name__, n_params=len(list(model.named_parameters(remove_duplicate=False))))
+                  loss_function=type(built.loss_function).__name__,
+                  n_params=len(list(model.named_parameters(remove_duplicate=False))))
     return result
 
 
@@ -230,3 +231,44 @@ def test_traced_collectives_are_refused_before_torch_2_13():
                            match=r"compile_layers: trace_collectives=True needs torch >= 2.13 \(this is .*\): older "
                                  r"compilers lose the backward all-reduce of traced collectives"):
             models.compile_layers(_model(), trace_collectives=True)
+
+
+def test_model_schedule_errors():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from schedlang.models import shard_gpt2, shard_model
+
+    with pytest.raises(schedlang.ScheduleTypeError,
+                       match=r"<root>: Sequential does not look like a LLaMA model: no 'layers' ModuleList found "
+                             r"within 4 levels"):
+        shard_llama(schedlang.create_schedule(torch.nn.Sequential(torch.nn.Linear(2, 2))))
+    with pytest.raises(schedlang.ScheduleTypeError,
+                       match=r"<root>: no ready-made schedule for Sequential; known families: Llama, Mistral, Qwen2, "
+                             r"GPT2, Bert"):
+        shard_model(schedlang.create_schedule(torch.nn.Sequential()))
+    sch = schedlang.create_schedule(_model())
+    sch["model.layers.0.self_attn"].replace(torch.nn.Identity())
+    with pytest.raises(schedlang.ScheduleTypeError,
+                       match=r"model.layers.0.self_attn: expected q_proj, k_proj, v_proj and o_proj in a LLaMA "
+                             r"attention, found no submodules"):
+        shard_llama(sch)
+    sch = schedlang.create_schedule(_model())
+    sch["model.layers.1.mlp.up_proj"].replace(torch.nn.Identity())
+    with pytest.raises(schedlang.ScheduleTypeError,
+                       match=r"model.layers.1.mlp.up_proj: expected an nn.Linear or Conv1D, found Identity"):
+        shard_llama(sch)
+    # layer 0 was sharded before layer 1 failed: all of it is undone
+    assert len(sch.plan) == 1 and sch.plan[0].primitive == "replace"
+    assert not getattr(sch["model.layers.0.self_attn.q_proj"].mod, "_schedlang_shards", {})
+    assert not any("_schedlang_sync" in n for n, _ in sch.mod.named_modules())
+    assert "shards" not in sch["model.layers.0.self_attn.q_proj"].metadata
+    sch = schedlang.create_schedule(_model())
+    sch["model.layers.0.mlp.down_proj"].replace(torch.nn.Identity())
+    with pytest.raises(schedlang.ScheduleTypeError,
+                       match=r"model.layers.0.mlp.down_proj: expected an nn.Linear or Conv1D, found Identity"):
+        shard_llama(sch)
+    cross = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=8, bos_token_id=0,
+                                       eos_token_id=0, add_cross_attention=True))
+    with pytest.raises(schedlang.ScheduleTypeError,
+                       match=r"transformer.h.0: GPT-2 blocks with cross-attention are not supported by shard_gpt2"):
+        shard_gpt2(schedlang.create_schedule(cross))
