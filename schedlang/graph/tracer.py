@@ -560,6 +560,19 @@ def _proxy_len(self):
 
 
 _ORIGINAL_PROXY_LEN = fx.Proxy.__len__
+_ORIGINAL_PROXY_GETATTR = fx.Proxy.__getattr__
+
+
+def _proxy_getattr(self, name):
+    # a proxy answers every attribute, so duck-typing probes in user code (``hasattr(x, "jax")``,
+    # ``hasattr(x, "numpy")`` in framework-detection helpers) would take the wrong branch; a proxy
+    # whose example is a tensor has exactly the tensor's attributes
+    tracer = self.__dict__.get("tracer")
+    if isinstance(tracer, SchedlangTracer):
+        example = tracer.metas.get(self.node, UNKNOWN)
+        if isinstance(example, torch.Tensor) and not hasattr(example, name):
+            raise AttributeError(f"'{type(example).__name__}' object has no attribute '{name}'")
+    return _ORIGINAL_PROXY_GETATTR(self, name)
 
 
 @contextlib.contextmanager
@@ -570,6 +583,7 @@ def _tracing_patches(root: nn.Module):
             patches = _Patches()
             patches.refresh_leaf_ids()
             patches.patch_attr(fx.Proxy, "__len__", _proxy_len)
+            patches.patch_attr(fx.Proxy, "__getattr__", _proxy_getattr)
             modeling_utils = sys.modules.get("transformers.modeling_utils")
             interface = getattr(modeling_utils, "AttentionInterface", None)
             if interface is not None:

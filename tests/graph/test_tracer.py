@@ -3,6 +3,8 @@
 import copy
 
 import pytest
+
+import schedlang
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
@@ -316,3 +318,24 @@ def test_the_traced_module_is_not_changed():
     trace_module(model)
     trace_module(model, flatten=True)
     assert_unchanged(model, before)
+
+
+def test_duck_typing_probes_see_a_tensor_not_a_proxy():
+    """Framework-detection helpers (e.g. with JAX installed) probe ``hasattr(x, "jax")``."""
+
+    class Probing(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            if hasattr(x, "jax") or hasattr(x, "not_a_tensor_attribute"):
+                x = x.jax()
+            return self.lin(x)
+
+    model = Probing()
+    sch = schedlang.create_schedule(model)
+    sch.trace(concrete_args={"x": torch.randn(3, 4)})  # a tensor here is an example input
+    assert "jax" not in sch.mod.code
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(sch.mod(x), model(x))
