@@ -17,7 +17,7 @@ def test_demo_single_process_prints_tree_plan_verification_and_table(capsys):
 
 
 def test_demo_world_size_two_shows_tensor_parallelism(capsys):
-    assert cli.main(["demo", "--world-size", "2", "--layers", "1", "--hidden", "32", "--batch", "2", "--seq", "8",
+    assert cli.main(["demo", "--world-size", "2", "--device", "cpu", "--layers", "1", "--hidden", "32", "--batch", "2", "--seq", "8",
                      "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     assert "2 ranks (gloo)" in out and "Verify passed" in out

@@ -28,28 +28,39 @@ class ForkedRNG:
         self._states: Dict[str, torch.Tensor] = {}
         self._saved: list = []
 
-    def _device_key(self) -> str:
-        return f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+    @staticmethod
+    def _device_keys():
+        # fork every generator the module might draw from: the CPU one, and the current GPU's once
+        # CUDA is in use (a module on the CPU of a GPU machine draws from the CPU generator)
+        keys = ["cpu"]
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            keys.append(f"cuda:{torch.cuda.current_device()}")
+        return keys
 
-    def _get_default(self, key: str) -> torch.Tensor:
-        return torch.cuda.get_rng_state() if key.startswith("cuda") else torch.get_rng_state()
+    @staticmethod
+    def _get_default(key: str) -> torch.Tensor:
+        return torch.cuda.get_rng_state(key) if key.startswith("cuda") else torch.get_rng_state()
 
-    def _set_default(self, key: str, state: torch.Tensor) -> None:
-        (torch.cuda.set_rng_state if key.startswith("cuda") else torch.set_rng_state)(state)
+    @staticmethod
+    def _set_default(key: str, state: torch.Tensor) -> None:
+        if key.startswith("cuda"):
+            torch.cuda.set_rng_state(state, key)
+        else:
+            torch.set_rng_state(state)
 
     def enter(self) -> None:
-        key = self._device_key()
-        default = self._get_default(key)
-        self._saved.append((key, default))
-        if key not in self._states:
-            gen = torch.Generator(device=key).manual_seed(self.seed)
-            self._states[key] = gen.get_state()
-        self._set_default(key, self._states[key])
+        saved = []
+        for key in self._device_keys():
+            saved.append((key, self._get_default(key)))
+            if key not in self._states:
+                self._states[key] = torch.Generator(device=key).manual_seed(self.seed).get_state()
+            self._set_default(key, self._states[key])
+        self._saved.append(saved)
 
     def exit(self) -> None:
-        key, default = self._saved.pop()
-        self._states[key] = self._get_default(key)
-        self._set_default(key, default)
+        for key, default in self._saved.pop():
+            self._states[key] = self._get_default(key)
+            self._set_default(key, default)
 
 
 class ForkRngPreHook:

@@ -39,3 +39,16 @@ def test_fork_rng_twice_rejected():
     sch["a"].fork_rng()
     with pytest.raises(schedlang.ScheduleValueError, match=r"a: fork_rng was already applied here"):
         sch["a"].fork_rng()
+
+
+@pytest.mark.gpu
+def test_fork_rng_on_cuda_and_on_cpu_of_a_gpu_machine():
+    for device in ("cuda", "cpu"):
+        x = torch.ones(1000, device=device)
+        torch.manual_seed(1)
+        plain_a, _ = Drop()(x)
+        sch = schedlang.create_schedule(Drop())
+        sch["a"].fork_rng()
+        torch.manual_seed(1)
+        forked_a, forked_b = sch.mod(x)
+        assert torch.equal(forked_b, plain_a) and not torch.equal(forked_a, plain_a), device

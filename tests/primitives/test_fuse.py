@@ -15,6 +15,20 @@ from tests.helpers.models import MLP
 COMPILERS = ["eager", "triton", "inductor"]
 
 
+@pytest.fixture(autouse=True)
+def _triton_on_the_gpu_when_there_is_one(request):
+    """Generated Triton kernels run on CUDA tensors, or on CPU tensors under the interpreter (no GPU)."""
+    params = getattr(request.node, "callspec", None)
+    if not (params and params.params.get("compiler") == "triton" and torch.cuda.is_available()):
+        yield
+        return
+    torch.set_default_device("cuda")
+    try:
+        yield
+    finally:
+        torch.set_default_device("cpu")
+
+
 def _bias_gelu(x, bias):
     return F.gelu(x + bias)
 
@@ -23,7 +37,7 @@ def _fwd_bwd(module, x, grad_seed=3):
     module.zero_grad(set_to_none=True)
     x = x.clone().requires_grad_(True)
     out = module(x)
-    out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(grad_seed)))
+    out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(grad_seed), device="cpu").to(out.device))
     grads = {n: p.grad.clone() for n, p in module.named_parameters()}
     return out.detach(), x.grad, grads
 
@@ -217,6 +231,9 @@ def test_a_module_with_a_sync_point_cannot_be_fused_away():
 
 
 def _tp_fused_mlp(rank, world):
+    import os
+
+    os.environ["TRITON_INTERPRET"] = "1"  # CPU tensors on gloo: interpret the generated kernels
     torch.manual_seed(0)  # same model on every rank
     model = MLP(hidden=10, inner=14)
     x = torch.randn(3, 5, 10)
