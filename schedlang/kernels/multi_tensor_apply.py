@@ -101,19 +101,20 @@ class ChunkTables:
         width = len(rows[0]) if n else 0
         if width > NUMEL_COLUMN:
             raise ValueError(f"a tensor row holds at most {NUMEL_COLUMN} integers, got {width}")
-        table = torch.zeros((n, ROW_WIDTH), dtype=torch.int64)
+        # built on the host whatever torch's default device is, then copied over once
+        table = torch.zeros((n, ROW_WIDTH), dtype=torch.int64, device="cpu")
         if n:
-            table[:, :width] = torch.tensor(rows, dtype=torch.int64)
-            table[:, NUMEL_COLUMN] = torch.tensor(numels, dtype=torch.int64)
+            table[:, :width] = torch.tensor(rows, dtype=torch.int64, device="cpu")
+            table[:, NUMEL_COLUMN] = torch.tensor(numels, dtype=torch.int64, device="cpu")
         self.aligned = all(addr % VECTOR_BYTES == 0 for r in rows for addr in r[:width] if addr)
         self.tensor_table = _to_device(table, device)
         # the chunk map depends on the sizes only: new addresses (re-allocated gradients) keep it
         chunk_key = (chunk_size, device, tuple(numels))
         if chunk_key != self.chunk_key:
             counts = (table[:, NUMEL_COLUMN] + chunk_size - 1) // chunk_size
-            tensor_index = torch.repeat_interleave(torch.arange(n, dtype=torch.int64), counts)
+            tensor_index = torch.repeat_interleave(torch.arange(n, dtype=torch.int64, device="cpu"), counts)
             first_chunk = torch.cumsum(counts, 0) - counts
-            chunk_index = torch.arange(tensor_index.numel(), dtype=torch.int64) - first_chunk[tensor_index]
+            chunk_index = torch.arange(tensor_index.numel(), dtype=torch.int64, device="cpu") - first_chunk[tensor_index]
             chunk_map = torch.stack([tensor_index, chunk_index], dim=1).to(torch.int32)
             self.chunk_map = _to_device(chunk_map, device)
             self.chunk_key = chunk_key

@@ -233,7 +233,10 @@ def test_a_module_with_a_sync_point_cannot_be_fused_away():
 def _tp_fused_mlp(rank, world):
     import os
 
-    os.environ["TRITON_INTERPRET"] = "1"  # CPU tensors on gloo: interpret the generated kernels
+    if torch.cuda.is_available():
+        torch.set_default_device("cuda")  # gloo moves CUDA tensors through the host
+    else:
+        os.environ["TRITON_INTERPRET"] = "1"
     torch.manual_seed(0)  # same model on every rank
     model = MLP(hidden=10, inner=14)
     x = torch.randn(3, 5, 10)
