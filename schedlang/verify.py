@@ -220,7 +220,7 @@ class Verify:
             total = None
             for _, t in out:
                 if t.is_floating_point() and t.requires_grad:
-                    cot = torch.randn(t.shape, generator=gen, dtype=torch.float32).to(device=t.device, dtype=t.dtype)
+                    cot = torch.randn(t.shape, generator=gen, dtype=torch.float32, device="cpu").to(t.device, t.dtype)
                     term = (t * cot).sum()
                     total = term if total is None else total + term
             if total is not None:
