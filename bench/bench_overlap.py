@@ -29,7 +29,8 @@ Timing: warm-up, ``dist.barrier()``, then the median of ``--reps`` calls each ti
 events (on CPU ranks: ``time.perf_counter``). Every rank runs the same fixed number of calls
 (``triton.testing.do_bench`` picks its repetition count from a first measurement, which may
 differ between ranks and would then deadlock the collectives). Rank 0's figures are reported,
-with rank 1's (a)/(b) ratio beside them.
+with rank 1's (a)/(b) ratio beside them; the table keeps the best round, the lines under it
+every round's median (their spread is the noise to read the table against).
 
 Numerics: (a) and (b) must give bitwise equal outputs (the same kernels in another order), and
 both must match the unsharded model within bf16 tolerance.
@@ -180,14 +181,15 @@ def run_case(side_layers: int, args, device, dtype, cuda: bool, rank: int, world
             "collective": schedule_collective,
             "bare_all_reduce": bare_all_reduce,
         }
-        times = {}
+        times, rounds = {}, {}
         # interleave the variants over several rounds, keep the best median of each: drifts in clock or
         # in the other rank's progress then touch every variant alike
         for _ in range(args.rounds):
             for name, fn in fns.items():
                 t = median_ms(fn, args.reps, args.warmup, cuda)
                 times[name] = min(times.get(name, float("inf")), t)
-    return {"side_layers": side_layers, "times": times, "check": check,
+                rounds.setdefault(name, []).append(t)
+    return {"side_layers": side_layers, "times": times, "rounds": rounds, "check": check,
             "between": [r.between for r in report.records]}
 
 
@@ -253,7 +255,8 @@ def main():
         for r in results:
             c = r["check"]
             print(f"side {r['side_layers']}: nodes between start and wait {r['between']}, eager==(a) "
-                  f"{c['eager_equals_a']}")
+                  f"{c['eager_equals_a']}; median of each round (ms): " +
+                  ", ".join(f"{k} " + "/".join(f"{v:.3f}" for v in vs) for k, vs in r["rounds"].items()))
         ok = all(all(r["check"]["a_equals_b"] for r in g) for g in gathered)
         tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
         ok_ref = all(all(r["check"]["rel_err_vs_unsharded"] < tol for r in g) for g in gathered)
