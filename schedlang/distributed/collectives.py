@@ -12,7 +12,6 @@ function                    forward                 backward
 ``gather_forward(axis)``    all-gather along axis   keep this rank's slice
 ``scatter_forward(axis)``   keep this rank's slice  all-gather along axis
 ``reduce_scatter_forward``  reduce-scatter          all-gather
-``gather_backward(axis)``   identity                all-gather ... (rarely used)
 ==========================  ======================  ===========================
 
 ``reduce_forward`` after a row-parallel linear and ``reduce_backward`` before a
@@ -35,8 +34,6 @@ __all__ = [
     "gather_forward",
     "scatter_forward",
     "reduce_scatter_forward",
-    "gather_backward",
-    "reduce_scatter_backward",
     "all_gather_tensor",
     "reduce_scatter_tensor",
     "local_slice",
@@ -145,28 +142,6 @@ class _ReduceScatterForward(torch.autograd.Function):
         return all_gather_tensor(grad, ctx.axis, ctx.group), None, None
 
 
-class _GatherBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, axis, group):
-        ctx.axis, ctx.group = axis, group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather_tensor(grad, ctx.axis, ctx.group), None, None
-
-
-class _ReduceScatterBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, axis, group):
-        ctx.axis, ctx.group = axis, group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return reduce_scatter_tensor(grad, ctx.axis, ctx.group), None, None
-
-
 def reduce_forward(x: torch.Tensor, group=None) -> torch.Tensor:
     """All-reduce (sum) in forward; identity in backward."""
     return x if _world_size(group) == 1 else _ReduceForward.apply(x, group)
@@ -190,13 +165,3 @@ def scatter_forward(x: torch.Tensor, axis: int, group=None) -> torch.Tensor:
 def reduce_scatter_forward(x: torch.Tensor, axis: int, group=None) -> torch.Tensor:
     """Reduce-scatter along ``axis`` in forward; all-gather the gradient in backward."""
     return x if _world_size(group) == 1 else _ReduceScatterForward.apply(x, axis, group)
-
-
-def gather_backward(x: torch.Tensor, axis: int, group=None) -> torch.Tensor:
-    """Identity in forward; all-gather the gradient along ``axis`` in backward."""
-    return x if _world_size(group) == 1 else _GatherBackward.apply(x, axis, group)
-
-
-def reduce_scatter_backward(x: torch.Tensor, axis: int, group=None) -> torch.Tensor:
-    """Identity in forward; reduce-scatter the gradient along ``axis`` in backward."""
-    return x if _world_size(group) == 1 else _ReduceScatterBackward.apply(x, axis, group)

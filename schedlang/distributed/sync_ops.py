@@ -13,7 +13,10 @@ Modes (what the op is applied to):
   keyword argument), in forward;
 * ``fwd_post`` - the module's output (first element of a tuple output), in forward;
 * ``bwd_post`` - the gradient of the module's first tensor input, i.e. after the module's
-  backward (the op runs on the input in forward as an identity whose backward is the collective).
+  backward. ``all_reduce`` is an identity in forward; ``all_gather`` of the gradient along
+  ``axis`` keeps this rank's slice of the input in forward, and ``reduce_scatter`` of the
+  gradient gathers the input in forward (each forward is the adjoint of its backward, so
+  shapes stay consistent).
 """
 
 from __future__ import annotations
@@ -52,9 +55,12 @@ class SyncOp(nn.Module):
         if self.mode == "bwd_post":
             if self.op == "all_reduce":
                 return C.reduce_backward(x, self.group)
+            # a collective on the gradient that changes its shape needs the adjoint change in forward:
+            # gathering the gradient means the forward keeps this rank's slice, reduce-scattering it
+            # means the forward gathers
             if self.op == "all_gather":
-                return C.gather_backward(x, self.axis, self.group)
-            return C.reduce_scatter_backward(x, self.axis, self.group)
+                return C.scatter_forward(x, self.axis, self.group)
+            return C.gather_forward(x, self.axis, self.group, grad_is_replicated=False)
         if self.op == "all_reduce":
             return C.reduce_forward(x, self.group)
         if self.op == "all_gather":

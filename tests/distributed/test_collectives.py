@@ -57,3 +57,51 @@ def test_collectives_are_identity_without_distributed():
         assert fn(x) is x
     for fn in (C.gather_forward, C.scatter_forward, C.reduce_scatter_forward):
         assert fn(x, 0) is x
+
+
+def _every_sync_mode_and_op(rank, world):
+    """Schedule.sync on an identity-like module, each (mode, op): values and input gradients."""
+    import schedlang
+
+    class Scale(torch.nn.Module):
+        def forward(self, x):
+            return x * 2.0
+
+    g = torch.Generator().manual_seed(3)
+    full = torch.randn(4 * world, 3, generator=g)          # identical on every rank
+    mine = full.chunk(world)[rank]
+    results = {}
+    cases = [("fwd_pre", "all_reduce", {}), ("fwd_post", "all_reduce", {}), ("bwd_post", "all_reduce", {}),
+             ("fwd_post", "all_gather", {"axis": 0}), ("fwd_pre", "reduce_scatter", {"axis": 0}),
+             ("bwd_post", "all_gather", {"axis": 0}), ("bwd_post", "reduce_scatter", {"axis": 0})]
+    for mode, op, kw in cases:
+        sch = schedlang.create_schedule(Scale())
+        sch.sync(mode, op, **kw)
+        x_in = mine if (op, mode) in (("all_gather", "fwd_post"), ("reduce_scatter", "bwd_post")) else full
+        x = (x_in * (rank + 1)).requires_grad_(True)
+        y = sch.mod(x)
+        y.backward(torch.ones_like(y))
+        results[(mode, op)] = (tuple(y.shape), y.detach(), x.grad)
+    s = sum(range(1, world + 1))
+    # all_reduce: forward sums (fwd_pre / fwd_post), backward sums the gradient (bwd_post)
+    torch.testing.assert_close(results[("fwd_pre", "all_reduce")][1], 2 * full * s)
+    torch.testing.assert_close(results[("fwd_post", "all_reduce")][1], 2 * full * s)
+    torch.testing.assert_close(results[("bwd_post", "all_reduce")][2], torch.full_like(full, 2.0 * world))
+    # gathering the output in forward: every rank sees all slices
+    assert results[("fwd_post", "all_gather")][0] == tuple(full.shape)
+    # reduce-scatter of the input: this rank's slice of the sum
+    torch.testing.assert_close(results[("fwd_pre", "reduce_scatter")][1], 2 * mine * s)
+    # backward all-gather: forward keeps this rank's slice; the input gradient has the input's shape
+    shape, y, grad = results[("bwd_post", "all_gather")]
+    assert shape == tuple(mine.shape) and grad.shape == full.shape
+    torch.testing.assert_close(y, 2 * mine * (rank + 1))
+    torch.testing.assert_close(grad, torch.full_like(full, 2.0))
+    # backward reduce-scatter: forward gathers; the gradient summed over ranks, this rank's slice
+    shape, y, grad = results[("bwd_post", "reduce_scatter")]
+    assert shape == tuple(full.shape) and grad.shape == mine.shape
+    torch.testing.assert_close(grad, torch.full_like(mine, 2.0 * world))
+    return True
+
+
+def test_every_sync_mode_and_op_on_two_ranks():
+    assert run_distributed(_every_sync_mode_and_op, world_size=2, timeout=120) == [True, True]
