@@ -53,6 +53,10 @@ class Plan:
     def append(self, step: Step) -> None:
         self._steps.append(step)
 
+    def _truncate(self, length: int) -> None:
+        """Drop the steps from ``length`` on (used to undo a failed atomic block)."""
+        del self._steps[length:]
+
     def __len__(self) -> int:
         return len(self._steps)
 

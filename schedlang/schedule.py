@@ -12,6 +12,7 @@ call is recorded as a :class:`~schedlang.plan.Step` of ``sch.plan``.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import re
@@ -188,6 +189,31 @@ class Schedule:
         parent_path, _, name = self._path.rpartition(".")
         parent = _get_submodule(self._state.module, parent_path)
         setattr(parent, name, new_module) if name in parent._modules else parent.add_module(name, new_module)
+
+    @contextlib.contextmanager
+    def atomic(self) -> Iterator["Schedule"]:
+        """Apply several primitives all-or-nothing: if the block raises, every step recorded in it is
+        undone (modules, plan and metadata as they were) and the exception propagates.
+
+        Example::
+
+            with sch.atomic():
+                for i in range(n_layers):
+                    shard_layer(sch[f"layers.{i}"])   # a failure at layer 7 leaves layers 0-6 unsharded too
+        """
+        state = self._state
+        snapshot = _TreeSnapshot(state)
+        steps = len(state.plan)
+        metadata = {path: {k: (type(v)(v) if isinstance(v, (dict, list)) else v) for k, v in entry.items()}
+                    for path, entry in state.metadata.items()}
+        try:
+            yield self
+        except BaseException:
+            snapshot.restore()
+            state.plan._truncate(steps)
+            state.metadata.clear()
+            state.metadata.update(metadata)
+            raise
 
     # ------------------------------------------------------------------ running primitives
     def _run(self, _primitive: str, /, **kwargs: Any) -> Any:

@@ -63,7 +63,7 @@ def test_single_process_group_properties():
 
 def test_schedule_methods_match_registered_primitives():
     methods = {n for n, v in vars(Schedule).items() if callable(v) and not n.startswith("_")
-               and n not in ("named_schedules",)}
+               and n not in ("named_schedules", "atomic")}
     assert methods == set(schedlang.list_primitives())
 
 
@@ -82,3 +82,24 @@ def test_failed_primitive_leaves_the_tree_unchanged(monkeypatch):
     assert sch["fc1"].mod.weight is weight
     assert not hasattr(sch["fc1"].mod, "_schedlang_shards")
     assert len(sch.plan) == 0
+
+
+def test_atomic_block_undoes_every_step_on_failure():
+    model = Stack()
+    sch = schedlang.create_schedule(model)
+    sch["head"].decompose()
+    with pytest.raises(schedlang.ShardError, match="valid axes are 0, 1"):
+        with sch.atomic():
+            sch["layers.0.mlp.fc1"].shard("weight", axis=0)
+            sch["layers.0.mlp.fc1"].sync("bwd_post", "all_reduce")
+            sch["layers.1"].checkpoint()
+            sch["layers.1.mlp.fc1"].shard("weight", axis=4)
+    assert len(sch.plan) == 1 and sch.plan[0].primitive == "decompose"
+    fc1 = sch["layers.0.mlp.fc1"].mod
+    assert fc1.weight.shape == (20, 12) and not hasattr(fc1, "_schedlang_shards")
+    assert not fc1._forward_pre_hooks and not list(fc1.children())
+    assert "forward" not in sch["layers.1"].mod.__dict__
+    assert "shards" not in sch["layers.0.mlp.fc1"].metadata
+    with sch.atomic():
+        sch["layers.0.mlp.fc1"].shard("weight", axis=0)
+    assert len(sch.plan) == 2

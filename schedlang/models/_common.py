@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from typing import List, Tuple
 
@@ -13,25 +12,10 @@ from ..errors import ScheduleTypeError
 SEQUENCE_AXIS = 1
 
 
-@contextlib.contextmanager
 def all_or_nothing(sch):
     """Undo every step recorded inside the block if one of them fails, so that a model schedule that
     stops halfway (a head count that does not divide, say) leaves the schedule as it found it."""
-    from ..schedule import _TreeSnapshot
-
-    state = sch.root._state
-    snapshot = _TreeSnapshot(state)
-    steps = len(state.plan)
-    metadata = {path: {k: (type(v)(v) if isinstance(v, (dict, list)) else v) for k, v in entry.items()}
-                for path, entry in state.metadata.items()}
-    try:
-        yield
-    except BaseException:
-        snapshot.restore()
-        del state.plan._steps[steps:]
-        state.metadata.clear()
-        state.metadata.update(metadata)
-        raise
+    return sch.root.atomic()
 
 
 def model_schedule(fn):
