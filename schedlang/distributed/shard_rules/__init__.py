@@ -38,6 +38,20 @@ class ShardRule:
     def after_shard(cls, module: nn.Module, tensor_name: str, axis: int, world_size: int, rank: int) -> None:
         """Update the module after ``tensor_name`` was replaced by its shard."""
 
+    @classmethod
+    def check_child_shard(cls, path: str, module: nn.Module, child_name: str, child: nn.Module, tensor_name: str,
+                          axis: int, world_size: int) -> int:
+        """Called on the rule of a *parent* before its child's tensor is sharded (an attention module
+        whose head count depends on its projections, say). Raise ShardError to refuse; return the
+        number of equal blocks the tensor holds along ``axis`` (GPT-2's fused q|k|v: 3), which are
+        then split block-wise so that every rank gets its part of each block."""
+        return 1
+
+    @classmethod
+    def after_child_shard(cls, module: nn.Module, child_name: str, child: nn.Module, tensor_name: str, axis: int,
+                          world_size: int, rank: int) -> None:
+        """Update the parent after a child's tensor was sharded (e.g. its local head count)."""
+
 
 def register_shard_rule(rule: Type[ShardRule]) -> Type[ShardRule]:
     for t in rule.module_types:
