@@ -14,6 +14,13 @@ Launch sizes come from a heuristic; on CUDA, for grids of at least 2**20 element
 handful of (BLOCK_R, BLOCK_N, num_warps) choices is timed once per kernel and shape and
 the fastest is kept (``SCHEDLANG_AUTOTUNE=0`` turns that off).
 
+Per-call host work is kept small, since for a fused pointwise op it can exceed the GPU time:
+a call looks up its specialization by the shapes, dtypes and devices of its inputs (one
+dict lookup), passes contiguous tensors to the kernels as they are, reduces the column
+partial sums of all bias-like gradients with one sum, and on CUDA launches the binary that
+Triton's JIT returned for the first call with the same specialization directly
+(``SCHEDLANG_DIRECT_LAUNCH=0`` goes through the JIT at every call).
+
 Example::
 
     fused = lower_subgraph(gm, "triton", "BiasGeLU", example_inputs=[x, b])
@@ -26,6 +33,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import logging
+import operator
 import os
 import sys
 import tempfile
@@ -52,6 +60,11 @@ _KERNEL_DIR = None
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _host_mode(tensors) -> tuple:
+    """What a call off CUDA depends on besides shapes and dtypes."""
+    return (_interpreting(),) + tuple(t.device.type for t in tensors)
 
 
 def load_source(source: str, stem: str):
@@ -123,11 +136,25 @@ def _candidates(plan, spec: Specialization) -> list[tuple[int, int, int]]:
 
 
 class _Kernel:
-    """One generated kernel with its launch logic."""
+    """One generated kernel with its launch logic.
+
+    On CUDA the first launch for a given argument specialization goes through Triton's JIT
+    (``fn[grid](...)``), which compiles or fetches the binary and returns it; later launches
+    with the same specialization call that binary's launcher directly. That skips the JIT's
+    per-call work (binding the arguments to the signature, hashing the specialization,
+    reading options and launch hooks), which costs more host time than the kernels of a
+    fused pointwise op take on the GPU. The key of a binary holds everything the JIT
+    specializes on: each tensor's dtype and 16-byte alignment, the integer arguments
+    (sizes and strides; for the dropout seed whether it is 1 or a multiple of 16), the
+    launch constants and the current device.
+    """
 
     def __init__(self, plan, fn, spec: Specialization, interpret: bool):
         self.plan, self.fn, self.spec, self.interpret = plan, fn, spec, interpret
         self._chosen: dict = {}  # device -> (config, grid)
+        self._binaries: dict = {}  # specialization key -> compiled kernel
+        # False when the JIT does not return a launchable binary (or SCHEDLANG_DIRECT_LAUNCH=0)
+        self._direct = not interpret and os.environ.get("SCHEDLANG_DIRECT_LAUNCH", "1") != "0"
 
     def grid_and_programs(self, br: int, bn: int, device, warps: int = 4) -> tuple:
         row_blocks = -(-self.spec.n_rows // br)
@@ -144,19 +171,62 @@ class _Kernel:
             row_blocks = min(row_blocks, max(1, cap // col_blocks), max(1, self.spec.n_rows // 16))
         return (row_blocks, col_blocks)
 
-    def launch(self, build_args, device):
-        """``build_args(grid)`` returns (positional args, post-processing callback)."""
+    def chosen(self, build_args, device) -> tuple:
+        """``((BLOCK_R, BLOCK_N, num_warps), grid)`` for ``device``; the first call picks
+        them (timing candidates with ``build_args(grid) -> (args, finish)`` where tuned)."""
         chosen = self._chosen.get(device)
         if chosen is None:
             config = self._choose(build_args, device)
             chosen = self._chosen[device] = (config, self.grid_and_programs(config[0], config[1], device, config[2]))
-        (br, bn, warps), grid = chosen
+        return chosen
+
+    def launch(self, build_args, device):
+        """``build_args(grid)`` returns (positional args, post-processing callback)."""
+        config, grid = self.chosen(build_args, device)
         args, finish = build_args(grid)
+        self.call(grid, args, config)
+        return finish()
+
+    def call(self, grid, args: list, config: tuple):
+        """Launch on ``grid`` with the kernel's positional ``args`` (without the constants)."""
+        br, bn, warps = config
         if self.interpret:
             self._launch_interpreted(grid, args, br, bn, warps)
-        else:
-            self.fn[grid](*args, BLOCK_R=br, BLOCK_N=bn, num_warps=warps)
-        return finish()
+            return
+        if self._direct and _launch_hooks_idle(self.fn):
+            device = _current_device()
+            key = self._binary_key(device, args, config)
+            binary = self._binaries.get(key)
+            if binary is not None:
+                # what the JIT does once it has the binary (no launch hooks are installed)
+                try:
+                    binary.run(grid[0], grid[1], 1, _current_stream(device), binary.function,
+                               binary.packed_metadata, None, None, None, *args, br, bn)
+                    return
+                except Exception as exc:  # a launcher of another form: launch through the JIT from now on
+                    logger.debug("direct launch of %s failed (%s); launching through the JIT",
+                                 self.plan.kernel_name, exc)
+                    self._direct = False
+            binary = self.fn[grid](*args, BLOCK_R=br, BLOCK_N=bn, num_warps=warps)
+            if all(hasattr(binary, a) for a in ("run", "function", "packed_metadata")):
+                self._binaries[key] = binary
+            else:  # another Triton: always launch through the JIT
+                self._direct = False
+            return
+        self.fn[grid](*args, BLOCK_R=br, BLOCK_N=bn, num_warps=warps)
+
+    def _binary_key(self, device: int, args: list, config: tuple) -> tuple:
+        key = [device, config]
+        for a in args:
+            if type(a) is int:
+                key.append(a)
+            else:
+                key.append(a.dtype)
+                key.append(a.data_ptr() % 16 == 0)
+        if self.plan.uses_seed:  # the seed changes at every call: keep what the JIT specializes on
+            seed = key[-1]
+            key[-1] = (seed == 1, seed % 16 == 0, seed < 2 ** 31)
+        return tuple(key)
 
     def _launch_interpreted(self, grid, args, br, bn, warps):
         import numpy as np
@@ -170,11 +240,7 @@ class _Kernel:
         grid = self.grid_and_programs(br, bn, device, warps)
         args, finish = build_args(grid)
         if self.interpret:
-            import numpy as np
-
-            # padded lanes may divide 0 by 0 in numpy; they are masked out of every result
-            with np.errstate(all="ignore"):
-                self.fn[grid](*args, BLOCK_R=br, BLOCK_N=bn, num_warps=warps)
+            self._launch_interpreted(grid, args, br, bn, warps)
         else:
             self.fn[grid](*args, BLOCK_R=br, BLOCK_N=bn, num_warps=warps)
         return finish()
@@ -204,6 +270,36 @@ class _Kernel:
         return choice
 
 
+_RUNTIME_KNOBS = None
+
+
+def _launch_hooks_idle(fn) -> bool:
+    """True when nothing observes launches (profilers install launch hooks), so a binary's
+    launcher may be called without them."""
+    global _RUNTIME_KNOBS
+    if getattr(fn, "pre_run_hooks", None):
+        return False
+    if _RUNTIME_KNOBS is None:
+        try:
+            from triton import knobs
+
+            _RUNTIME_KNOBS = knobs.runtime
+        except ImportError:  # no knobs module: no direct launches
+            return False
+    for hook in (_RUNTIME_KNOBS.launch_enter_hook, _RUNTIME_KNOBS.launch_exit_hook):
+        if hook is not None and getattr(hook, "calls", True):
+            return False
+    return True
+
+
+def _current_device() -> int:
+    return torch.cuda.current_device()
+
+
+def _current_stream(device: int) -> int:
+    return torch._C._cuda_getCurrentRawStream(device)
+
+
 def _prepare(inp_kind: str, expand: bool, t: torch.Tensor, spec: Specialization, index64: bool) -> torch.Tensor:
     """A 2-D (rows, n_cols) / 1-D view of ``t`` that the kernels can index."""
     R, N = spec.n_rows, spec.n_cols
@@ -227,6 +323,70 @@ def _kind(v) -> str:
         (v.rows, v.cols)]
 
 
+def _read(kind: str, expand: bool, spec: Specialization) -> tuple:
+    """(kind, expand, row stride of the tensor when it is contiguous or None when the kernel
+    takes no row stride): a contiguous tensor is passed as it is (the kernel only sees its
+    address), with the row stride its (rows, n_cols) view would have."""
+    stride = spec.n_cols if kind == "full" else 1 if kind == "row" else None
+    return kind, expand, stride
+
+
+def _append_reads(args: list, reads, tensors, spec: Specialization, index64: bool):
+    """Append each tensor ``tensors[slot]`` of ``reads = [(slot, kind, expand, stride)]``
+    (and its row stride) to ``args``; only non-contiguous or broadcast ones are reshaped."""
+    for slot, kind, expand, stride in reads:
+        t = tensors[slot]
+        if expand or not t.is_contiguous():
+            t = _prepare(kind, expand, t, spec, index64)
+            if stride is not None:
+                stride = t.stride(0)
+        args.append(t)
+        if stride is not None:
+            args.append(stride)
+
+
+class _BackwardLaunch:
+    """What one backward kernel reads and writes, resolved once per (inputs needing a
+    gradient, outputs receiving one)."""
+
+    def __init__(self, compiled: "CompiledSubgraph", plan, needs: tuple, saved_positions: list):
+        spec = compiled.spec
+        self.plan = plan
+        slot = {k: j for j, k in enumerate(saved_positions)}
+        position = {id(inp): k for k, inp in enumerate(spec.inputs)}
+        self.reads = [(slot[position[id(inp)]],) + _read(inp.kind, inp.expand, spec) for inp in plan.inputs]
+        self.grad_reads = [(gv.attr("index"),) + _read(_kind(gv), False, spec) for _, gv, _ in plan.grad_outputs]
+        R, N = spec.n_rows, spec.n_cols
+        # (role, buffer shape or None when it depends on the grid, buffer dtype, input position,
+        #  input shape, input dtype, whether the input was broadcast)
+        self.sinks = []
+        for sink in plan.sinks:
+            inp = spec.inputs[sink.index]
+            shape = tuple(inp.shape)
+            if sink.role == "grad":
+                buffer = ((R, N) if sink.kind == "full" else (R,)) if inp.expand else shape
+            else:
+                buffer = None
+            self.sinks.append((sink.role, buffer, sink.dtype, sink.index, shape, inp.dtype, inp.expand))
+        # column partials of several inputs with the same dtypes (a LayerNorm's weight and
+        # bias, the bias before it) share one (inputs, programs, n_cols) buffer, reduced by
+        # one sum and cast once: two small launches instead of two per input
+        groups: dict = {}
+        for j, (role, _, dtype, _, _, inp_dtype, _) in enumerate(self.sinks):
+            if role == "col_partial":
+                groups.setdefault((dtype, inp_dtype), []).append(j)
+        self.col_groups = [(members, dtype, inp_dtype) for (dtype, inp_dtype), members in groups.items()
+                           if len(members) > 1]
+        grouped = {j for members, _, _ in self.col_groups for j in members}
+        self.sinks = [("grouped",) + sink[1:] if j in grouped else sink for j, sink in enumerate(self.sinks)]
+        self.aliases = list(plan.grad_aliases.items())
+        given = {s.index for s in plan.sinks} | set(plan.grad_aliases)
+        self.zeros = [(k, tuple(inp.shape), inp.dtype) for k, (inp, need) in enumerate(zip(spec.inputs, needs))
+                      if need and k not in given and inp.dtype.is_floating_point]
+        self.sizes = [R, N]
+        self.kernel = compiled._kernel(plan)
+
+
 class CompiledSubgraph:
     """The kernels of one specialization (one set of input shapes and dtypes)."""
 
@@ -242,8 +402,14 @@ class CompiledSubgraph:
         self._kernels: dict = {}
         self.uses_dropout = bool(spec.dropout_ps)
         position = {id(inp): k for k, inp in enumerate(spec.inputs)}
-        self._forward_reads = [(position[id(inp)], inp.kind, inp.expand) for inp in self.forward_plan.inputs]
+        self._forward_reads = [(position[id(inp)],) + _read(inp.kind, inp.expand, spec)
+                               for inp in self.forward_plan.inputs]
+        self._outputs = [(tuple(o.shape), o.dtype) for o in spec.outputs]
+        self._sizes = [spec.n_rows, spec.n_cols]
+        self._empty = spec.n_rows * spec.n_cols == 0
+        self.bool_outputs = [k for k, o in enumerate(spec.outputs) if o.dtype == torch.bool]
         self._saved: dict = {}
+        self._backward_launches: dict = {}
 
     # ---------------------------------------------------------------- source
     @property
@@ -282,98 +448,117 @@ class CompiledSubgraph:
 
     # ---------------------------------------------------------------- forward
     def forward(self, tensors, seed: int):
-        spec, plan = self.spec, self.forward_plan
         device = tensors[0].device if tensors else torch.device("cpu")
-        outs = [torch.empty(o.shape, dtype=o.dtype, device=device) for o in spec.outputs]
-        if spec.n_rows * spec.n_cols == 0:
+        outs = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in self._outputs]
+        if self._empty:
             return outs
+        kernel = self._kernels.get(id(self.forward_plan)) or self._kernel(self.forward_plan)
+        chosen = kernel._chosen.get(device)
+        if chosen is None:
+            chosen = kernel.chosen(lambda grid: (self._forward_args(tensors, outs, seed), lambda: outs), device)
+        config, grid = chosen
+        kernel.call(grid, self._forward_args(tensors, outs, seed), config)
+        return outs
 
-        def build(grid):
-            args = []
-            for k, kind, expand in self._forward_reads:
-                t = _prepare(kind, expand, tensors[k], spec, self.index64)
-                args.append(t)
-                if kind == "full" or kind == "row":
-                    args.append(t.stride(0))
-            args.extend(outs)
-            args.extend([spec.n_rows, spec.n_cols])
-            if plan.uses_seed:
-                args.append(seed)
-            return args, lambda: outs
-
-        return self._kernel(plan).launch(build, device)
+    def _forward_args(self, tensors, outs, seed: int) -> list:
+        args = []
+        _append_reads(args, self._forward_reads, tensors, self.spec, self.index64)
+        args += outs
+        args += self._sizes
+        if self.forward_plan.uses_seed:
+            args.append(seed)
+        return args
 
     # ---------------------------------------------------------------- backward
-    def backward(self, saved: dict, grad_outputs, needs: tuple, seed: int):
-        """Gradients of every input (None where not needed). ``saved`` maps input
-        positions to tensors; ``grad_outputs`` may hold None (no gradient)."""
-        spec = self.spec
+    def backward(self, saved, grad_outputs, needs: tuple, seed: int):
+        """Gradients of every input (None where not needed). ``saved`` holds the inputs at
+        ``saved_input_indices(needs)``; ``grad_outputs`` may hold None (no gradient)."""
         present = tuple(g is not None for g in grad_outputs)
-        grads = [None] * len(spec.inputs)
-        if not any(present) or not any(needs):
-            return grads
-        plan = self.backward_plan_for(needs, present)
+        launch = self._backward_launches.get((needs, present))
+        if launch is None:
+            if not any(present) or not any(needs):
+                return [None] * len(self.spec.inputs)
+            plan = self.backward_plan_for(needs, present)
+            if self._empty or not plan.sinks:
+                launch = None
+            else:
+                launch = self._backward_launches[(needs, present)] = _BackwardLaunch(
+                    self, plan, needs, self.saved_input_indices(needs))
         device = next(g for g in grad_outputs if g is not None).device
-        if spec.n_rows * spec.n_cols == 0 or not plan.sinks:
-            for k, (inp, need) in enumerate(zip(spec.inputs, needs)):
-                if need:
-                    grads[k] = torch.zeros(inp.shape, dtype=inp.dtype, device=device)
-            return grads
-        position = {id(inp): k for k, inp in enumerate(spec.inputs)}
-        R, N = spec.n_rows, spec.n_cols
+        if launch is None:  # nothing to compute: zeros
+            return [torch.zeros(inp.shape, dtype=inp.dtype, device=device) if need else None
+                    for inp, need in zip(self.spec.inputs, needs)]
+        kernel = launch.kernel
+        chosen = kernel._chosen.get(device)
+        if chosen is None:
+            def build(grid):
+                buffers = self._backward_buffers(launch, grid, device)
+                args = self._backward_args(launch, saved, grad_outputs, buffers[0], seed)
+                return args, lambda: self._backward_finish(launch, buffers, device)
 
-        def build(grid):
-            args = []
-            for inp in plan.inputs:
-                t = _prepare(inp.kind, inp.expand, saved[position[id(inp)]], spec, self.index64)
-                args.append(t)
-                if inp.kind in ("full", "row"):
-                    args.append(t.stride(0))
-            for out, gv, _ in plan.grad_outputs:
-                kind = _kind(gv)
-                g = _prepare(kind, False, grad_outputs[gv.attr("index")], spec, self.index64)
-                args.append(g)
-                if kind in ("full", "row"):
-                    args.append(g.stride(0))
-            buffers = []
-            programs = grid[0] * grid[1]
-            for sink in plan.sinks:
-                if sink.role == "grad":
-                    shape = (R, N) if sink.kind == "full" else (R,)
-                    buf = torch.empty(shape, dtype=sink.dtype, device=device)
-                elif sink.role == "col_partial":
-                    buf = torch.empty((grid[0], N), dtype=sink.dtype, device=device)
-                else:
-                    buf = torch.empty((programs,), dtype=sink.dtype, device=device)
-                buffers.append(buf)
-                args.append(buf)
-            args.extend([R, N])
-            if plan.uses_seed:
-                args.append(seed)
+            chosen = kernel.chosen(build, device)
+        config, grid = chosen
+        buffers = self._backward_buffers(launch, grid, device)
+        kernel.call(grid, self._backward_args(launch, saved, grad_outputs, buffers[0], seed), config)
+        return self._backward_finish(launch, buffers, device)
 
-            def finish():
-                for sink, buf in zip(plan.sinks, buffers):
-                    inp = spec.inputs[sink.index]
-                    if sink.role == "grad":
-                        if inp.expand:  # sum over the dimensions the input was broadcast along
-                            grad = buf.view(spec.full_shape).sum_to_size(inp.shape).to(inp.dtype)
-                        else:
-                            grad = buf.view(inp.shape)
-                    elif sink.role == "col_partial":
-                        grad = buf.sum(0).to(inp.dtype).view(inp.shape)
-                    else:
-                        grad = buf.sum().to(inp.dtype).view(inp.shape)
-                    grads[sink.index] = grad
-                for k, other in plan.grad_aliases.items():
-                    grads[k] = grads[other]
-                return grads
+    def _backward_buffers(self, launch: _BackwardLaunch, grid, device) -> tuple:
+        """(one buffer per sink, in sink order; the shared buffer of each column group)."""
+        buffers = []
+        for role, shape, dtype, _, inp_shape, _, _ in launch.sinks:
+            if role == "col_partial":  # one row of column sums per program
+                buffers.append(torch.empty((grid[0],) + inp_shape, dtype=dtype, device=device))
+            elif role == "scalar_partial":
+                buffers.append(torch.empty((grid[0] * grid[1],), dtype=dtype, device=device))
+            elif role == "grad":
+                buffers.append(torch.empty(shape, dtype=dtype, device=device))
+            else:  # grouped: filled below
+                buffers.append(None)
+        shared = []
+        for members, dtype, _ in launch.col_groups:
+            group = torch.empty((len(members), grid[0], self.spec.n_cols), dtype=dtype, device=device)
+            shared.append(group)
+            for j, part in zip(members, group.unbind(0)):
+                buffers[j] = part
+        return buffers, shared
 
-            return args, finish
+    def _backward_args(self, launch: _BackwardLaunch, saved, grad_outputs, sink_buffers, seed: int) -> list:
+        args = []
+        _append_reads(args, launch.reads, saved, self.spec, self.index64)
+        _append_reads(args, launch.grad_reads, grad_outputs, self.spec, self.index64)
+        args += sink_buffers
+        args += launch.sizes
+        if launch.plan.uses_seed:
+            args.append(seed)
+        return args
 
-        self._kernel(plan).launch(build, device)
-        for k, (inp, need) in enumerate(zip(spec.inputs, needs)):
-            if need and grads[k] is None and inp.dtype.is_floating_point:
-                grads[k] = torch.zeros(inp.shape, dtype=inp.dtype, device=device)
+    def _backward_finish(self, launch: _BackwardLaunch, buffers, device) -> list:
+        buffers, shared = buffers
+        grads = [None] * len(self.spec.inputs)
+        for (role, _, dtype, index, inp_shape, inp_dtype, expand), buf in zip(launch.sinks, buffers):
+            if role == "grouped":
+                continue
+            if role == "grad":
+                if expand:  # sum over the dimensions the input was broadcast along
+                    buf = buf.view(self.spec.full_shape).sum_to_size(inp_shape)
+            elif role == "col_partial":  # the buffer is (programs, *input shape)
+                buf = buf.sum(0)
+            else:
+                buf = buf.sum()
+                if inp_shape != ():
+                    buf = buf.view(inp_shape)
+            grads[index] = buf if dtype == inp_dtype else buf.to(inp_dtype)
+        for (members, dtype, inp_dtype), group in zip(launch.col_groups, shared):
+            total = group.sum(1)  # (inputs, n_cols)
+            if dtype != inp_dtype:
+                total = total.to(inp_dtype)
+            for j, grad in zip(members, total.unbind(0)):
+                _, _, _, index, inp_shape, _, _ = launch.sinks[j]
+                grads[index] = grad if len(inp_shape) == 1 else grad.view(inp_shape)
+        for k, other in launch.aliases:
+            grads[k] = grads[other]
+        for k, shape, dtype in launch.zeros:
+            grads[k] = torch.zeros(shape, dtype=dtype, device=device)
         return grads
 
 
@@ -383,21 +568,17 @@ class _FusedFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, compiled: CompiledSubgraph, seed: int, *tensors):
         outs = compiled.forward(tensors, seed)
-        needs = tuple(ctx.needs_input_grad[2:])
-        saved_positions = compiled.saved_input_indices(needs)
+        needs = ctx.needs_input_grad[2:]
         ctx.compiled, ctx.seed, ctx.needs = compiled, seed, needs
-        ctx.saved_positions = saved_positions
-        ctx.save_for_backward(*[tensors[k] for k in saved_positions])
+        ctx.save_for_backward(*[tensors[k] for k in compiled.saved_input_indices(needs)])
         ctx.set_materialize_grads(False)
-        non_diff = [o for o, spec in zip(outs, compiled.spec.outputs) if spec.dtype == torch.bool]
-        if non_diff:
-            ctx.mark_non_differentiable(*non_diff)
+        if compiled.bool_outputs:
+            ctx.mark_non_differentiable(*[outs[k] for k in compiled.bool_outputs])
         return tuple(outs)
 
     @staticmethod
     def backward(ctx, *grad_outputs):
-        saved = dict(zip(ctx.saved_positions, ctx.saved_tensors))
-        grads = ctx.compiled.backward(saved, grad_outputs, ctx.needs, ctx.seed)
+        grads = ctx.compiled.backward(ctx.saved_tensors, grad_outputs, ctx.needs, ctx.seed)
         return (None, None, *grads)
 
 
@@ -433,12 +614,15 @@ class TritonFusedSubgraph(FusedSubgraph):
         memo[id(self)] = clone
         for key, value in self.__dict__.items():
             shared = key in ("_compiled", "_latest")
+            if key == "_calls":  # rebuilt at the next call
+                continue
             clone.__dict__[key] = value if shared else copy.deepcopy(value, memo)
         return clone
 
     def __getstate__(self):
         state = dict(self.__dict__)
         state["_compiled"], state["_latest"] = {}, None
+        state.pop("_calls", None)
         return state
 
     def _attr_tensors(self):
@@ -484,6 +668,55 @@ class TritonFusedSubgraph(FusedSubgraph):
         return [key[0] for key in self._compiled]
 
     def forward(self, *args):
+        calls, attr_getters, dropout_getters = self.__dict__.get("_calls") or self._call_state()
+        inputs = args + tuple([get(self) for get in attr_getters]) if attr_getters else args
+        # the call key: what the specialization and the device checks depend on
+        try:
+            key = [(t.shape, t.dtype, t.get_device()) for t in inputs]
+        except AttributeError:  # not a tensor: the checks below raise
+            hit = key = None
+        else:
+            if dropout_getters:
+                key += [get(self).training for get in dropout_getters]
+            key.append(len(args))
+            key = tuple(key)
+            hit = calls.get(key)
+            # off CUDA (device index -1) the entry also depends on the device types and on
+            # whether the kernels are interpreted (TRITON_INTERPRET may change between calls)
+            if hit is not None and hit[2] is not None and hit[2] != _host_mode(inputs):
+                hit = None
+        if hit is None:
+            compiled, order = self._first_call(args)
+            pick = None
+            if key is not None and order is not None:
+                pick = operator.itemgetter(*order) if len(order) > 1 else (
+                    lambda seq, k=(order or [None])[0]: () if k is None else (seq[k],))
+                on_cuda = all(t.get_device() >= 0 for t in inputs)
+                calls[key] = (compiled, pick, None if on_cuda else _host_mode(inputs))
+        else:
+            compiled, pick, _ = hit
+            self.__dict__["_latest"] = compiled
+        # kernel inputs in spec order: arguments by position, then attributes as met
+        ordered = pick(inputs) if pick is not None else self._ordered(compiled, args)
+        seed = int(torch.randint(0, 2 ** 31 - 1, ()).item()) if compiled.uses_dropout else 0
+        if torch.is_grad_enabled() and any(t.requires_grad for t in ordered):
+            outs = _FusedFunction.apply(compiled, seed, *ordered)
+        else:
+            outs = compiled.forward(ordered, seed)
+        return outs[0] if compiled.spec.single_output else tuple(outs)
+
+    def _call_state(self) -> tuple:
+        """(call cache, attribute getters, dropout module getters); the call cache maps the
+        shapes, dtypes and devices of the inputs and attributes (and the dropout modes) to
+        the specialization and a getter of its kernel inputs from ``args + attributes``."""
+        state = ({}, [operator.attrgetter(q) for q in self._attr_names],
+                 [operator.attrgetter(t) for t in self._dropout_modules])
+        self.__dict__["_calls"] = state
+        return state
+
+    def _first_call(self, args) -> tuple:
+        """Checks and specialization for a new call key: (compiled, positions of the kernel
+        inputs in ``args + attributes``, or None when they cannot be cached)."""
         self._check_arity(args)
         for k, a in enumerate(args):
             if not isinstance(a, torch.Tensor):
@@ -492,16 +725,20 @@ class TritonFusedSubgraph(FusedSubgraph):
                 raise ScheduleTypeError(f"{self.name}: input {self.input_names[k]!r} is a {type(a).__name__}; "
                                         "the triton compiler takes tensors only")
         compiled = self.specialize([(a.shape, a.dtype) for a in args], args[0].device if args else None)
-        # kernel inputs in spec order: arguments by position, then attributes as met
-        ordered = [args[inp.source[1]] if inp.source[0] == "arg" else self._fetch(inp.source[1])
-                   for inp in compiled.spec.inputs]
-        self._check_devices(ordered, compiled.interpret)
-        seed = int(torch.randint(0, 2 ** 31 - 1, ()).item()) if compiled.uses_dropout else 0
-        if torch.is_grad_enabled() and any(t.requires_grad for t in ordered):
-            outs = _FusedFunction.apply(compiled, seed, *ordered)
-        else:
-            outs = compiled.forward(ordered, seed)
-        return outs[0] if compiled.spec.single_output else tuple(outs)
+        self._check_devices(self._ordered(compiled, args), compiled.interpret)
+        order = []
+        for inp in compiled.spec.inputs:
+            if inp.source[0] == "arg":
+                order.append(inp.source[1])
+            elif inp.source[1] in self._attr_names:
+                order.append(len(args) + self._attr_names.index(inp.source[1]))
+            else:
+                return compiled, None
+        return compiled, order
+
+    def _ordered(self, compiled: CompiledSubgraph, args) -> list:
+        return [args[inp.source[1]] if inp.source[0] == "arg" else self._fetch(inp.source[1])
+                for inp in compiled.spec.inputs]
 
     def _check_devices(self, tensors, interpret: bool):
         first = tensors[0].device if tensors else None
