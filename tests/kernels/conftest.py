@@ -1,16 +1,11 @@
 """Kernel tests run on the GPU when there is one (compiled Triton), else on CPU under the interpreter."""
 
 import pytest
-import torch
+
+from tests.helpers.devices import on_gpu_when_available
 
 
 @pytest.fixture(autouse=True)
 def _kernel_device():
-    if not torch.cuda.is_available():
+    with on_gpu_when_available():
         yield
-        return
-    torch.set_default_device("cuda")
-    try:
-        yield
-    finally:
-        torch.set_default_device("cpu")

@@ -10,6 +10,7 @@ from torch import nn
 import schedlang
 from schedlang.distributed.launch import run_distributed
 from schedlang.errors import LoweringError, NotTracedError, ScheduleValueError
+from tests.helpers.devices import on_gpu_when_available
 from tests.helpers.models import MLP
 
 COMPILERS = ["eager", "triton", "inductor"]
@@ -19,14 +20,11 @@ COMPILERS = ["eager", "triton", "inductor"]
 def _triton_on_the_gpu_when_there_is_one(request):
     """Generated Triton kernels run on CUDA tensors, or on CPU tensors under the interpreter (no GPU)."""
     params = getattr(request.node, "callspec", None)
-    if not (params and params.params.get("compiler") == "triton" and torch.cuda.is_available()):
+    if params and params.params.get("compiler") == "triton":
+        with on_gpu_when_available():
+            yield
+    else:
         yield
-        return
-    torch.set_default_device("cuda")
-    try:
-        yield
-    finally:
-        torch.set_default_device("cpu")
 
 
 def _bias_gelu(x, bias):
