@@ -100,15 +100,9 @@ def world2():
     return run_distributed(_world2, world_size=2, timeout=240)
 
 
-def _close(result, tol=2e-5):
-    assert result["logits"] <= tol * max(1.0, result["logits_scale"]), result
-    assert result["loss"] <= tol, result
-    assert result["grad"] <= tol, result
-
-
 def test_logits_loss_and_gradients_match_single_device(world2):
     for r in T.value(world2, "tp"):
-        _close(r)
+        T.assert_matches(r)
         assert r["local_vocab"] == T.VOCAB // 2
         assert r["grads_compared"] == r["n_params"]
         assert (r["split_size"], r["num_heads"], r["c_attn_groups"]) == (T.HIDDEN // 2, 2, 3)
@@ -117,7 +111,7 @@ def test_logits_loss_and_gradients_match_single_device(world2):
 
 def test_verify_passes_with_gathered_logits(world2):
     for r in T.value(world2, "verify"):
-        _close(r)
+        T.assert_matches(r)
 
 
 def test_verify_catches_wrong_shard_axis(world2):
@@ -129,7 +123,7 @@ def test_verify_catches_wrong_shard_axis(world2):
 
 def test_meta_build_holds_half_of_the_split_parameters(world2):
     for r in T.value(world2, "meta"):
-        _close(r)
+        T.assert_matches(r)
         sharded, full, replicated = r["bytes"]
         assert sharded == (full - replicated) // 2 + replicated
         assert sharded / full < 0.53

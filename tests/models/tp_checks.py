@@ -132,3 +132,10 @@ def copies(model: torch.nn.Module):
 
 def param_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def assert_matches(result: dict, tol: float = 2e-5) -> None:
+    """Logits, loss and gradients of a :func:`compare` result within ``tol`` of the single-device model."""
+    assert result["logits"] <= tol * max(1.0, result["logits_scale"]), result
+    assert result["loss"] <= tol, result
+    assert result["grad"] <= tol, result
