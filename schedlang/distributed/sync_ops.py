@@ -30,7 +30,8 @@ from torch import nn
 from . import collectives as C
 from .groups import world_size
 
-__all__ = ["SyncOp", "SyncHook", "SYNC_MODES", "SYNC_OPS", "sync_children", "attach_sync", "bias_after_inner_syncs"]
+__all__ = ["SyncOp", "SyncHook", "SYNC_MODES", "SYNC_OPS", "sync_children", "attach_sync", "bias_after_inner_syncs",
+           "run_post_syncs_before_bias"]
 
 SYNC_MODES = ("fwd_pre", "fwd_post", "bwd_post")
 SYNC_OPS = ("all_reduce", "all_gather", "reduce_scatter")
@@ -159,3 +160,19 @@ def bias_after_inner_syncs(module: nn.Module, bias: torch.Tensor) -> torch.Tenso
         if isinstance(sync, SyncOp) and sync.op == "reduce_scatter":
             return C.reduce_backward(bias, sync.group)
     return bias
+
+
+def run_post_syncs_before_bias(module: nn.Module) -> None:
+    """Make ``module`` run its forward-post syncs itself, before adding its bias.
+
+    Used by shard rules when a module becomes row parallel: its output is a partial sum, so
+    the bias must be added once, after the all-reduce. Syncs registered earlier as forward
+    hooks move into ``_schedlang_inner_post_syncs``; later ones go there directly
+    (:func:`attach_sync`). The module's forward must honour that list.
+    """
+    inner = list(getattr(module, "_schedlang_inner_post_syncs", ()))
+    for key, hook in list(module._forward_hooks.items()):
+        if isinstance(hook, SyncHook) and hook.mode == "fwd_post":
+            inner.append(hook.child_name)
+            del module._forward_hooks[key]
+    module._schedlang_inner_post_syncs = inner

@@ -29,7 +29,7 @@ import torch
 
 from ...errors import ShardError
 from ..sharding import remember_unsharded
-from ..sync_ops import SyncHook, bias_after_inner_syncs
+from ..sync_ops import bias_after_inner_syncs, run_post_syncs_before_bias
 from . import ShardRule, register_shard_rule
 
 __all__ = ["Conv1DShardRule", "row_parallel_conv1d_class"]
@@ -85,11 +85,5 @@ class Conv1DShardRule(ShardRule):
         if axis != 0:
             return
         module.__class__ = row_parallel_conv1d_class(type(module))
-        inner = list(getattr(module, "_schedlang_inner_post_syncs", ()))
-        # forward-post syncs registered before the shard must also run before the bias
-        for key, hook in list(module._forward_hooks.items()):
-            if isinstance(hook, SyncHook) and hook.mode == "fwd_post":
-                inner.append(hook.child_name)
-                del module._forward_hooks[key]
-        module._schedlang_inner_post_syncs = inner
+        run_post_syncs_before_bias(module)
 

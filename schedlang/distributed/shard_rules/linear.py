@@ -13,7 +13,7 @@ from __future__ import annotations
 from torch import nn
 
 from ...errors import ShardError
-from ..sync_ops import SyncHook
+from ..sync_ops import run_post_syncs_before_bias
 from . import ShardRule, register_shard_rule
 
 
@@ -51,10 +51,4 @@ class LinearShardRule(ShardRule):
             from ...primitives.decompose import LinearWithSeparateBias
 
             module.__class__ = LinearWithSeparateBias
-            inner = list(getattr(module, "_schedlang_inner_post_syncs", ()))
-            # forward-post syncs registered before the shard must also run before the bias
-            for key, hook in list(module._forward_hooks.items()):
-                if isinstance(hook, SyncHook) and hook.mode == "fwd_post":
-                    inner.append(hook.child_name)
-                    del module._forward_hooks[key]
-            module._schedlang_inner_post_syncs = inner
+            run_post_syncs_before_bias(module)
