@@ -242,8 +242,67 @@ def _show_progress(n: int) -> bool:
     return n > 200 and sys.stderr.isatty()
 
 
+def _model_device(model: nn.Module) -> torch.device:
+    for t in list(model.parameters()) + list(model.buffers()):
+        return t.device
+    return torch.device("cpu")
+
+
+def _parallelize(root, model: nn.Module, pipeline: Optional[Dict[str, Any]]) -> nn.Module:
+    """Tensor-parallel DTensors, pipeline stages and data parallelism, in that order (see :func:`build`)."""
+    from .distributed import mesh as meshes
+    from .distributed.data_parallel import apply_data_parallel, data_parallel_steps
+    from .distributed.groups import SingleRankGroup, is_distributed
+
+    mesh = root.mesh
+    device = _model_device(model)
+    cuts = [s.path for s in root.plan if s.primitive == "cut_pipeline_stage"]
+    if pipeline is not None and not cuts:
+        raise ScheduleValueError("build: pipeline= was given but the plan cuts no pipeline stage; mark the "
+                                 "boundaries with sch[path].cut_pipeline_stage()")
+    if cuts and pipeline is None:
+        raise ScheduleValueError(f"build: the plan cuts pipeline stages after {', '.join(cuts)}; pass "
+                                 "pipeline={'schedule': '1F1B', 'n_microbatches': N, 'loss_fn': fn} to run them")
+    # DTensors need a live process group (tests that only pretend to be a rank have none)
+    if root.world_size > 1 and is_distributed() and any(s.primitive == "shard" for s in root.plan):
+        tp_mesh = meshes.tensor_parallel_mesh(mesh) if mesh is not None else meshes.mesh_from_group(
+            root.group, device.type)
+        from .distributed.dtensor_params import distribute_parameters
+
+        distribute_parameters(model, tp_mesh)
+    dp_steps = data_parallel_steps(root.plan)
+    dp_mesh = meshes.data_parallel_mesh(mesh)
+    if dp_steps and dp_mesh is None:
+        if is_distributed() and not isinstance(root.group, SingleRankGroup):
+            raise ScheduleValueError("build: the plan has data-parallel steps but the schedule has no mesh with a "
+                                     "data-parallel dimension")
+        logger.info("single process: the plan's fully_shard / replicate steps have nothing to shard over; skipped")
+        dp_steps = []
+    if cuts:
+        from .distributed.pipeline import build_pipeline
+
+        pp = meshes.pipeline_mesh(mesh) if mesh is not None else None
+        if pp is None:
+            import torch.distributed as dist
+
+            if not is_distributed():
+                raise ScheduleValueError("build: pipeline stages need torch.distributed (one rank per stage group); "
+                                         "run under torchrun")
+            pp = dist.group.WORLD
+
+        def prepare_stage(stage: nn.Module) -> None:
+            if dp_steps:
+                apply_data_parallel(stage, dp_steps, dp_mesh, device, missing_ok=True)
+
+        return build_pipeline(model, cuts, pp, pipeline, device, prepare_stage)
+    if dp_steps:
+        apply_data_parallel(model, dp_steps, dp_mesh, device)
+    return model
+
+
 def build(sch, init_weights: Union[None, bool, Callable[[nn.Module], None]] = None, optimizer: Any = None,
           device: Union[None, str, torch.device] = None, dtype: Optional[torch.dtype] = None,
+          pipeline: Optional[Dict[str, Any]] = None,
           **optimizer_kwargs: Any) -> Tuple[nn.Module, Optional[torch.optim.Optimizer]]:
     """Materialize the schedule's model; returns ``(model, optimizer)``.
 
@@ -256,7 +315,21 @@ def build(sch, init_weights: Union[None, bool, Callable[[nn.Module], None]] = No
         optimizer: None, a name (``"adamw"``, ``"adam"``, ``"sgd"``: schedlang's fused Triton
             optimizers) or an optimizer class such as ``torch.optim.AdamW``.
         device, dtype: where and in which dtype the model ends up.
+        pipeline: with ``cut_pipeline_stage`` steps in the plan, how to run the stages on the mesh's
+            ``pp`` dimension: ``{"schedule": "1F1B" | "GPipe" | "Interleaved1F1B" | "ZeroBubble",
+            "n_microbatches": N, "loss_fn": fn(output, target)}``; the model returned is then a
+            :class:`~schedlang.distributed.pipeline.PipelinedModel` holding this rank's stages, trained
+            with ``model.step(inputs, target=..., losses=[])``.
         **optimizer_kwargs: passed to the optimizer (``lr=...``).
+
+    The layers of a parallel model, in the order they are put on:
+
+    1. tensor parallelism: with a ``tp`` dimension (or group) of more than one rank, every parameter
+       becomes a DTensor on it (see :mod:`schedlang.distributed.dtensor_params`);
+    2. pipeline stages (``cut_pipeline_stage`` + ``pipeline=``), each rank keeping its own stages;
+    3. data parallelism (``fully_shard`` / ``replicate`` steps) on the data dimensions, inner modules
+       first, within each stage;
+    4. the optimizer, over this rank's parameters.
 
     Example::
 
@@ -284,6 +357,7 @@ def build(sch, init_weights: Union[None, bool, Callable[[nn.Module], None]] = No
 
     for module in model.modules():
         apply_annotations(module)
+    model = _parallelize(root, model, pipeline)
     opt = None
     if optimizer is not None:
         params = [p for p in model.parameters() if p.requires_grad]

@@ -120,8 +120,10 @@ class Plan:
         return cls(steps)
 
 
-def replay(json_or_plan: Union[str, Dict[str, Any], Plan], model: "nn.Module", group=None) -> "Schedule":
+def replay(json_or_plan: Union[str, Dict[str, Any], Plan], model: "nn.Module", group=None, mesh=None) -> "Schedule":
     """Apply a plan to a fresh instance of the model it was made for; returns the new schedule.
+
+    ``group`` / ``mesh`` are as in :func:`schedlang.create_schedule`.
 
     Example::
 
@@ -132,7 +134,7 @@ def replay(json_or_plan: Union[str, Dict[str, Any], Plan], model: "nn.Module", g
     from .schedule import create_schedule
 
     plan = json_or_plan if isinstance(json_or_plan, Plan) else Plan.from_json(json_or_plan)
-    sch = create_schedule(model, group=group)
+    sch = create_schedule(model, group=group, mesh=mesh)
     apply_steps(sch, plan)
     return sch
 

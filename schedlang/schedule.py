@@ -36,10 +36,11 @@ _INTERNAL_CHILD = re.compile(r"^_schedlang_")
 class _RootState:
     """What all views of one schedule share."""
 
-    def __init__(self, module: nn.Module, original: nn.Module, group):
+    def __init__(self, module: nn.Module, original: nn.Module, group, mesh=None):
         self.module = module
         self.original = original
         self.group = group
+        self.mesh = mesh
         self.plan = Plan()
         self.metadata: Dict[str, Dict[str, Any]] = {}
 
@@ -161,6 +162,11 @@ class Schedule:
     def group(self):
         """The torch.distributed process group this schedule shards and syncs over (None: the world)."""
         return self._state.group
+
+    @property
+    def mesh(self):
+        """The ``DeviceMesh`` given to :func:`create_schedule` (None when made with a group or alone)."""
+        return self._state.mesh
 
     @property
     def world_size(self) -> int:
@@ -296,6 +302,29 @@ class Schedule:
         add can be fused with what follows."""
         return self._run("decompose")
 
+    # ------------------------------------------------------------------ data parallelism
+    def fully_shard(self, reshard_after_forward: Optional[Union[bool, int]] = None, mp_policy=None,
+                    offload: bool = False):
+        """FSDP2 on the mesh's data-parallel dimension for this module's parameters, carried out by
+        :func:`schedlang.build` (see :mod:`schedlang.primitives.fully_shard` for the options).
+
+        Example::
+
+            for i in range(n_layers): sch[f"model.layers.{i}"].fully_shard()
+            sch.fully_shard()
+        """
+        return self._run("fully_shard", reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
+                         offload=offload)
+
+    def replicate(self, mp_policy=None):
+        """DDP on the mesh's ``dp`` dimension (gradients all-reduced), carried out by :func:`schedlang.build`.
+
+        Example::
+
+            sch.replicate()
+        """
+        return self._run("replicate", mp_policy=mp_policy)
+
     # ------------------------------------------------------------------ graph primitives
     def trace(self, recursive: bool = True, flatten: bool = False, leaf_modules=None, tracer: str = "fx",
               concrete_args: Optional[Dict[str, Any]] = None):
@@ -374,18 +403,33 @@ def _get_submodule(root: nn.Module, path: str) -> nn.Module:
     return module
 
 
-def create_schedule(model: nn.Module, group=None) -> Schedule:
+def create_schedule(model: nn.Module, group=None, mesh=None) -> Schedule:
     """Wrap ``model`` in a root :class:`Schedule`.
 
     ``group`` is the torch.distributed process group to shard and sync over (default: the
-    world, when torch.distributed is initialized). The schedule works on a deep copy of
-    ``model``; the model you pass is never changed.
+    world, when torch.distributed is initialized): a 1-D tensor-parallel mesh. ``mesh`` is a
+    ``DeviceMesh`` whose dimensions are named from ``pp``, ``dp`` (or ``dp_replicate`` and
+    ``dp_shard`` for HSDP) and ``tp`` (see :mod:`schedlang.distributed.mesh`): ``shard`` and
+    ``sync`` act on its ``tp`` dimension (on this rank alone when it has none), ``fully_shard``
+    and ``replicate`` on its data dimensions, ``cut_pipeline_stage`` on ``pp``. Give one or the
+    other. The schedule works on a deep copy of ``model``; the model you pass is never changed.
 
     Example::
 
         sch = schedlang.create_schedule(model)
         print(sch["layers.0"].mod)
+
+        mesh = schedlang.distributed.mesh.make_mesh(dp=2, tp=2)   # under torchrun, 4 ranks
+        sch = schedlang.create_schedule(model, mesh=mesh)
     """
     if not isinstance(model, nn.Module):
         raise ScheduleTypeError(f"create_schedule expects a torch.nn.Module, got {type(model).__name__}")
-    return Schedule(_RootState(copy.deepcopy(model), model, group))
+    if mesh is not None:
+        from .distributed.mesh import check_mesh, tp_group
+
+        if group is not None:
+            raise ScheduleTypeError("create_schedule: give either group= (a 1-D tensor-parallel process group) or "
+                                    "mesh= (a DeviceMesh with named pp/dp/tp dimensions), not both")
+        check_mesh(mesh)
+        group = tp_group(mesh)
+    return Schedule(_RootState(copy.deepcopy(model), model, group, mesh))

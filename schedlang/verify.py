@@ -263,7 +263,7 @@ class Verify:
         keep_alive = list(base.parameters())  # shard sources are weakly referenced
         from .schedule import Schedule, _RootState
 
-        replayed = Schedule(_RootState(base, reference, group))
+        replayed = Schedule(_RootState(base, reference, group, state.mesh))
         apply_steps(replayed, Plan(self.sch.plan.steps))
         scheduled = replayed._state.module
         reference.eval()

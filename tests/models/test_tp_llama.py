@@ -10,6 +10,7 @@ import copy
 
 import pytest
 import torch
+from torch.distributed.tensor import Shard
 
 import schedlang
 from schedlang.models import _torch_version
@@ -56,7 +57,8 @@ def _tied_verify_and_gather():
     built, _ = schedlang.build(sch)
     result = T.compare(built, copy.deepcopy(model), {"input_ids": ids, "labels": labels}, logits_split=False)
     result["tied"] = built.lm_head.weight is built.model.embed_tokens.weight
-    result["head_rows"] = built.lm_head.weight.shape[0]
+    result["head_rows"] = built.lm_head.weight.to_local().shape[0]
+    result["head_placements"] = [str(p) for p in built.lm_head.weight.placements]
     return result
 
 
@@ -165,6 +167,7 @@ def test_tied_lm_head_stays_tied_and_verify_passes(world2):
         T.assert_matches(r)
         assert r["tied"] is True
         assert r["head_rows"] == T.VOCAB // 2
+        assert r["head_placements"] == [str(Shard(0))]
 
 
 def test_verify_catches_wrong_shard_axis(world2):

@@ -15,6 +15,8 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from torch.distributed.tensor import DTensor
+
 from schedlang.distributed.collectives import all_gather_tensor
 
 VOCAB = 128
@@ -111,12 +113,17 @@ def compare(model: torch.nn.Module, reference: torch.nn.Module, kwargs: dict, lo
         specs = getattr(module, "_schedlang_shards", {})
         for pname, p in module.named_parameters(recurse=False):
             full = ref_params[f"{mod_name}.{pname}" if mod_name else pname]
-            expected = specs[pname].slice_of(full.grad) if pname in specs else full.grad
-            if p.grad is None or expected is None:
+            grad = p.grad
+            if isinstance(grad, DTensor):
+                # the DTensor's placement says where the shard belongs: compare the whole gradient
+                grad, expected = grad.full_tensor(), full.grad
+            else:
+                expected = specs[pname].slice_of(full.grad) if pname in specs else full.grad
+            if grad is None or expected is None:
                 raise AssertionError(f"{mod_name}.{pname}: gradient missing (scheduled {p.grad is not None}, "
                                      f"reference {expected is not None})")
             scale = max(1.0, float(expected.abs().max()))
-            d = _max_diff(p.grad, expected) / scale
+            d = _max_diff(grad, expected) / scale
             compared += 1
             if d > worst:
                 worst, worst_name = d, f"{mod_name}.{pname}"
@@ -131,7 +138,12 @@ def copies(model: torch.nn.Module):
 
 
 def param_bytes(model: torch.nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    """Bytes of parameters this rank holds (a DTensor's local shard)."""
+    return sum(_local(p).numel() * p.element_size() for p in model.parameters())
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def assert_matches(result: dict, tol: float = 2e-5) -> None:

@@ -1,0 +1,187 @@
+"""Data parallelism on the mesh's data dimensions: FSDP2 (``fully_shard``) and DDP (``replicate``).
+
+The ``fully_shard`` and ``replicate`` primitives only record what to do; ``build`` calls
+:func:`apply_data_parallel` on the materialized model, after tensor-parallel parameters became
+DTensors on the ``tp`` dimension (FSDP2 then shards them further along ``dp``, a 2-D layout) and,
+with pipelining, on each stage that this rank holds. Inner modules are wrapped before outer
+ones, as FSDP2 requires, whatever order the schedule named them in.
+
+Mixed precision is FSDP2's ``MixedPrecisionPolicy``. A step's ``mp_policy`` is kept in the plan
+as plain data: ``None`` (the default: bf16 parameters and fp32 gradient reduction on a GPU,
+full fp32 on the CPU), ``"bf16"``, ``"fp32"`` or a dict of the policy's fields with dtype names.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Dict, Iterable, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from ..errors import ScheduleTypeError, ScheduleValueError
+
+__all__ = ["normalize_mp_policy", "make_mp_policy", "apply_data_parallel", "DATA_PARALLEL_PRIMITIVES"]
+
+logger = logging.getLogger("schedlang.distributed.data_parallel")
+
+DATA_PARALLEL_PRIMITIVES = ("fully_shard", "replicate")
+_POLICY_FIELDS = ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "float": "float32", "half": "float16"}
+
+
+def _dtype_name(value, where: str) -> Optional[str]:
+    if value is None:
+        return None
+    if isinstance(value, torch.dtype):
+        for name, dtype in _DTYPES.items():
+            if dtype == value:
+                return name
+    elif isinstance(value, str):
+        name = _ALIASES.get(value, value)
+        if name in _DTYPES:
+            return name
+    raise ScheduleValueError(f"{where}: {value!r} is not a supported dtype; valid: "
+                             f"{', '.join(list(_DTYPES) + list(_ALIASES))} or None")
+
+
+def normalize_mp_policy(policy: Any, where: str) -> Any:
+    """The plan's form of a mixed-precision policy: None, or a dict of dtype names (see the module docstring)."""
+    if policy is None:
+        return None
+    if isinstance(policy, str):
+        name = _ALIASES.get(policy, policy)
+        if name == "bfloat16":
+            return {"param_dtype": "bfloat16", "reduce_dtype": "float32", "output_dtype": None,
+                    "cast_forward_inputs": True}
+        if name == "float32":
+            return {"param_dtype": None, "reduce_dtype": None, "output_dtype": None, "cast_forward_inputs": True}
+        raise ScheduleValueError(f"{where}: mp_policy {policy!r} is not known: valid names are 'bf16' (bf16 "
+                                 "parameters, fp32 reduction) and 'fp32', or a MixedPrecisionPolicy")
+    try:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        MixedPrecisionPolicy = ()
+    if MixedPrecisionPolicy and isinstance(policy, MixedPrecisionPolicy):
+        policy = {f: getattr(policy, f) for f in _POLICY_FIELDS}
+    if not isinstance(policy, dict):
+        raise ScheduleTypeError(f"{where}: mp_policy must be None, 'bf16', 'fp32', a dict or a "
+                                f"torch.distributed.fsdp.MixedPrecisionPolicy, got {type(policy).__name__}")
+    unknown = sorted(set(policy) - set(_POLICY_FIELDS))
+    if unknown:
+        raise ScheduleValueError(f"{where}: unknown mp_policy field(s) {', '.join(unknown)}: valid fields are "
+                                 f"{', '.join(_POLICY_FIELDS)}")
+    out = {f: _dtype_name(policy.get(f), f"{where}, mp_policy['{f}']") for f in _POLICY_FIELDS[:3]}
+    cast = policy.get("cast_forward_inputs", True)
+    if not isinstance(cast, bool):
+        raise ScheduleTypeError(f"{where}: mp_policy['cast_forward_inputs'] must be a bool, got {cast!r}")
+    out["cast_forward_inputs"] = cast
+    return out
+
+
+def make_mp_policy(spec: Optional[Dict[str, Any]], device: torch.device):
+    """FSDP2's MixedPrecisionPolicy for the plan's form ``spec`` on ``device``."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if spec is None:
+        spec = normalize_mp_policy("bf16" if device.type == "cuda" else "fp32", "mp_policy")
+    return MixedPrecisionPolicy(param_dtype=_DTYPES.get(spec["param_dtype"]),
+                                reduce_dtype=_DTYPES.get(spec["reduce_dtype"]),
+                                output_dtype=_DTYPES.get(spec["output_dtype"]),
+                                cast_forward_inputs=spec["cast_forward_inputs"])
+
+
+def _submodule(root: nn.Module, path: str) -> Optional[nn.Module]:
+    module = root
+    for part in path.split(".") if path else ():
+        module = module._modules.get(part) if module is not None else None
+        if module is None:
+            return None
+    return module
+
+
+def apply_data_parallel(model: nn.Module, steps: Iterable[Tuple[str, str, Dict[str, Any]]], dp_mesh,
+                        device: torch.device, missing_ok: bool = False) -> List[str]:
+    """Apply the recorded ``fully_shard`` / ``replicate`` steps (``(primitive, path, args)``) to ``model``.
+
+    Deepest modules first. ``missing_ok``: skip paths ``model`` does not hold (a pipeline stage holds
+    only part of the model). Returns the paths wrapped, in the order they were wrapped.
+    """
+    ordered = sorted(steps, key=lambda s: (-(s[1].count(".") + 1 if s[1] else 0), s[1]))
+    done = []
+    for primitive, path, args in ordered:
+        module = _submodule(model, path)
+        if module is None:
+            if missing_ok:
+                continue
+            raise ScheduleValueError(f"{path or '<root>'}: {primitive} was recorded for a module the built model does "
+                                     "not hold")
+        if not any(True for _ in module.parameters()):
+            logger.info("%s: no parameters here (this pipeline stage holds none of them); %s skipped",
+                        path or "<root>", primitive)
+            continue
+        policy = make_mp_policy(args.get("mp_policy"), device)
+        if primitive == "fully_shard":
+            from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+            options = {"mesh": dp_mesh, "mp_policy": policy,
+                       "offload_policy": CPUOffloadPolicy() if args.get("offload") else OffloadPolicy()}
+            if args.get("reshard_after_forward") is not None:
+                options["reshard_after_forward"] = args["reshard_after_forward"]
+            fully_shard(module, **options)
+        else:
+            _replicate(module, dp_mesh, policy)
+        logger.info("%s: %s on %s", path or "<root>", primitive, dp_mesh)
+        done.append(path)
+    return done
+
+
+def _replicate(module: nn.Module, dp_mesh, policy) -> None:
+    """DDP through torch's composable ``replicate`` (parameter names unchanged, so checkpoints still match)."""
+    try:
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+    except ImportError:  # older torch: the DDP-based composable API (no mixed-precision policy)
+        from torch.distributed._composable import replicate as _ddp_replicate
+
+        if dp_mesh.ndim != 1:
+            raise ScheduleValueError("replicate on a 2-D data mesh needs torch >= 2.9")
+        _ddp_replicate(module, process_group=dp_mesh.get_group())
+        return
+    replicate(module, mesh=dp_mesh, mp_policy=policy)
+
+
+def check_data_parallel_call(sch, primitive: str) -> None:
+    """Call-time checks shared by ``fully_shard`` and ``replicate`` (raise, change nothing)."""
+    from .groups import is_distributed
+    from .mesh import data_parallel_mesh
+
+    where = sch.path or "<root>"
+    mesh = sch.mesh
+    if mesh is None and is_distributed():
+        raise ScheduleValueError(
+            f"{where}: {primitive} runs on the mesh's data-parallel dimension, and this schedule has no mesh (its "
+            "group is for tensor parallelism); create it with create_schedule(model, "
+            "mesh=schedlang.distributed.mesh.make_mesh(dp=N, ...))")
+    if mesh is not None and data_parallel_mesh(mesh) is None:
+        raise ScheduleValueError(
+            f"{where}: {primitive} needs a data-parallel mesh dimension; this mesh has {mesh.mesh_dim_names}: add "
+            "'dp' (or 'dp_replicate' and 'dp_shard' for HSDP)")
+    if primitive == "replicate" and mesh is not None and "dp" not in mesh.mesh_dim_names:
+        raise ScheduleValueError(f"{where}: replicate (DDP) runs on a 'dp' mesh dimension; this mesh has "
+                                 f"{mesh.mesh_dim_names} (HSDP meshes take fully_shard)")
+    if not any(True for _ in sch.mod.parameters()):
+        raise ScheduleValueError(f"{where}: {type(sch.mod).__name__} holds no parameters; {primitive} a module "
+                                 "that does (a decoder layer, or the root)")
+    other = "replicate" if primitive == "fully_shard" else "fully_shard"
+    for step in sch.plan:
+        if step.primitive == other:
+            raise ScheduleValueError(f"{where}: the schedule already has {other} (at '{step.path or '<root>'}'); a "
+                                     "model uses one kind of data parallelism, fully_shard (FSDP2) or replicate (DDP)")
+        if step.primitive == primitive and step.path == sch.path:
+            raise ScheduleValueError(f"{where}: {primitive} was already applied here")
+
+
+def data_parallel_steps(plan) -> List[Tuple[str, str, Dict[str, Any]]]:
+    """``(primitive, path, args)`` of the plan's data-parallel steps."""
+    return [(s.primitive, s.path, s.args) for s in plan if s.primitive in DATA_PARALLEL_PRIMITIVES]

@@ -1,0 +1,168 @@
+"""Device meshes: how a schedule's ranks are laid out for pipeline, data and tensor parallelism.
+
+A schedule made with ``create_schedule(model, mesh=mesh)`` reads the mesh's dimensions by name:
+
+=================  ==========================================================================
+dimension          used by
+=================  ==========================================================================
+``"tp"``           ``shard`` / ``sync`` (tensor and sequence parallelism); sharded parameters
+                   become DTensors on this dimension at build
+``"dp"``           ``fully_shard`` (FSDP2) and ``replicate`` (DDP)
+``"dp_replicate"``  with ``"dp_shard"``: hybrid sharded data parallelism (HSDP): parameters are
+``"dp_shard"``     sharded within ``dp_shard`` and replicated across ``dp_replicate``
+``"pp"``           pipeline stages cut by ``cut_pipeline_stage``
+=================  ==========================================================================
+
+Any subset of the names, in any order; a dimension may have size 1. ``group=`` (a process group)
+is still accepted by ``create_schedule`` and means a 1-D tensor-parallel mesh.
+
+Example::
+
+    mesh = schedlang.distributed.mesh.make_mesh(dp=2, tp=2)     # 4 ranks under torchrun
+    sch = schedlang.create_schedule(model, mesh=mesh)
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+from ..errors import ScheduleTypeError, ScheduleValueError
+from .groups import SINGLE_RANK, is_distributed
+
+__all__ = ["MESH_DIMS", "DATA_DIMS", "make_mesh", "check_mesh", "tp_group", "dim_size", "data_parallel_mesh",
+           "pipeline_mesh", "tensor_parallel_mesh", "mesh_from_group", "describe_mesh"]
+
+logger = logging.getLogger("schedlang.distributed.mesh")
+
+#: every dimension name a schedule understands, outermost first (the order make_mesh uses)
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "dp", "tp")
+#: the names of data-parallel dimensions
+DATA_DIMS = ("dp_replicate", "dp_shard", "dp")
+
+
+def _default_device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def make_mesh(pp: int = 1, dp: int = 1, tp: int = 1, dp_replicate: int = 1, device_type: Optional[str] = None):
+    """A ``DeviceMesh`` over the world with dimensions ``("pp", "dp", "tp")`` (sizes may be 1).
+
+    With ``dp_replicate > 1`` the data dimension is split in two for HSDP: ``("pp", "dp_replicate",
+    "dp_shard", "tp")``, where ``dp`` is the shard size. torch.distributed must be initialized and
+    the product of the sizes must be the world size.
+
+    Example::
+
+        mesh = make_mesh(dp=2, tp=2)   # under torchrun --nproc_per_node=4
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    sizes = {"pp": pp, "dp": dp, "tp": tp, "dp_replicate": dp_replicate}
+    for name, size in sizes.items():
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ScheduleValueError(f"make_mesh: {name} must be a positive int, got {size!r}")
+    if not is_distributed():
+        raise ScheduleValueError("make_mesh needs torch.distributed to be initialized (run under torchrun, or with "
+                                 "schedlang.distributed.launch.run_distributed)")
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    total = pp * dp * tp * dp_replicate
+    if total != world:
+        raise ScheduleValueError(
+            f"make_mesh: pp={pp} x dp_replicate={dp_replicate} x dp={dp} x tp={tp} = {total} ranks, but the world has "
+            f"{world}; choose sizes whose product is {world}")
+    if dp_replicate > 1:
+        shape, names = (pp, dp_replicate, dp, tp), ("pp", "dp_replicate", "dp_shard", "tp")
+    else:
+        shape, names = (pp, dp, tp), ("pp", "dp", "tp")
+    return init_device_mesh(device_type or _default_device_type(), shape, mesh_dim_names=names)
+
+
+def check_mesh(mesh, where: str = "create_schedule") -> None:
+    """Raise ScheduleTypeError / ScheduleValueError if ``mesh`` is not a DeviceMesh with known, distinct names."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not isinstance(mesh, DeviceMesh):
+        raise ScheduleTypeError(f"{where}: mesh must be a torch.distributed.device_mesh.DeviceMesh, got "
+                                f"{type(mesh).__name__}")
+    names = mesh.mesh_dim_names
+    if not names:
+        raise ScheduleValueError(f"{where}: the mesh's dimensions have no names; name them from {', '.join(MESH_DIMS)} "
+                                 "(init_device_mesh(..., mesh_dim_names=('dp', 'tp')))")
+    unknown = [n for n in names if n not in MESH_DIMS]
+    if unknown:
+        raise ScheduleValueError(f"{where}: unknown mesh dimension name(s) {', '.join(map(repr, unknown))}: valid names "
+                                 f"are {', '.join(MESH_DIMS)}")
+    if len(set(names)) != len(names):
+        raise ScheduleValueError(f"{where}: mesh dimension names repeat: {names}")
+    has_dp = "dp" in names
+    hybrid = [n for n in ("dp_replicate", "dp_shard") if n in names]
+    if has_dp and hybrid:
+        raise ScheduleValueError(f"{where}: a mesh has either 'dp' or the HSDP pair 'dp_replicate' + 'dp_shard', "
+                                 f"not both (got {names})")
+    if len(hybrid) == 1:
+        raise ScheduleValueError(f"{where}: '{hybrid[0]}' needs its partner: HSDP meshes have both 'dp_replicate' "
+                                 f"and 'dp_shard' (got {names})")
+
+
+def dim_size(mesh, name: str) -> int:
+    """Size of the dimension ``name`` (1 when the mesh has no such dimension, or no mesh is given)."""
+    if mesh is None or name not in (mesh.mesh_dim_names or ()):
+        return 1
+    return mesh.size(mesh.mesh_dim_names.index(name))
+
+
+def tensor_parallel_mesh(mesh):
+    """The 1-D ``tp`` submesh, or None when the mesh has no ``tp`` dimension."""
+    return mesh["tp"] if mesh is not None and "tp" in mesh.mesh_dim_names else None
+
+
+def tp_group(mesh):
+    """The process group ``shard`` / ``sync`` use: the ``tp`` dimension's, or SINGLE_RANK without one."""
+    sub = tensor_parallel_mesh(mesh)
+    return SINGLE_RANK if sub is None else sub.get_group()
+
+
+def data_parallel_mesh(mesh):
+    """The submesh data parallelism runs on: ``dp`` (1-D) or ``(dp_replicate, dp_shard)`` (2-D, HSDP); None if none."""
+    if mesh is None:
+        return None
+    names = mesh.mesh_dim_names
+    if "dp" in names:
+        return mesh["dp"]
+    if "dp_replicate" in names:
+        return mesh["dp_replicate", "dp_shard"]
+    return None
+
+
+def pipeline_mesh(mesh):
+    """The 1-D ``pp`` submesh, or None."""
+    return mesh["pp"] if mesh is not None and "pp" in mesh.mesh_dim_names else None
+
+
+def mesh_from_group(group, device_type: Optional[str] = None):
+    """A 1-D ``tp`` DeviceMesh over the ranks of ``group`` (None: the world)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if group is None:
+        group = dist.distributed_c10d._get_default_group()
+    return DeviceMesh.from_group(group, device_type or _device_type_of(group), mesh_dim_names=("tp",))
+
+
+def _device_type_of(group) -> str:
+    import torch.distributed as dist
+
+    return "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+
+
+def describe_mesh(mesh) -> str:
+    """``"pp=1 x dp=2 x tp=2 (cpu)"``."""
+    if mesh is None:
+        return "no mesh"
+    dims: Sequence[Tuple[str, int]] = [(n, mesh.size(i)) for i, n in enumerate(mesh.mesh_dim_names)]
+    return " x ".join(f"{n}={s}" for n, s in dims) + f" ({mesh.device_type})"
