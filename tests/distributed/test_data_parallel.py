@@ -31,16 +31,23 @@ def _config():
     return cfg
 
 
+def _device() -> torch.device:
+    # gloo ranks here; one GPU per rank (NCCL) on a machine with enough GPUs
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _model():
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
-    return LlamaForCausalLM(_config())
+    return LlamaForCausalLM(_config()).to(_device())
 
 
 def _batches():
     g = torch.Generator().manual_seed(7)
-    return [torch.randint(0, 128, (BATCH, SEQ + 1), generator=g) for _ in range(STEPS)]
+    return [torch.randint(0, 128, (BATCH, SEQ + 1), generator=g).to(_device()) for _ in range(STEPS)]
 
 
 def _train(model, optimizer, batches, rows=slice(None)):
@@ -72,16 +79,17 @@ def _layout(dp, tp, kind, dp_replicate=1):
     """Train under one layout; returns (global losses, full parameters)."""
     from schedlang.models import shard_model
 
-    mesh = make_mesh(dp=dp, tp=tp, dp_replicate=dp_replicate, device_type="cpu")
+    mesh = make_mesh(dp=dp, tp=tp, dp_replicate=dp_replicate, device_type=_device().type)
     sch = schedlang.create_schedule(_model(), mesh=mesh)
+    policy = "fp32"  # the comparison is in fp32 (the GPU default would be bf16 parameters)
     if tp > 1:
         shard_model(sch, gather_logits=True)
     if kind == "fsdp":
         for i in range(2):
-            sch[f"model.layers.{i}"].fully_shard()
-        sch.fully_shard()
+            sch[f"model.layers.{i}"].fully_shard(mp_policy=policy)
+        sch.fully_shard(mp_policy=policy)
     elif kind == "ddp":
-        sch.replicate()
+        sch.replicate(mp_policy=policy)
     model, opt = schedlang.build(sch, optimizer=torch.optim.AdamW, lr=LR)
     data_ranks = dp * dp_replicate
     data_rank = dist.get_rank() // tp  # the mesh is (pp, dp, tp) with tp innermost
