@@ -76,10 +76,18 @@ def _reference():
 
 
 def _layout(dp, tp, kind, dp_replicate=1):
-    """Train under one layout; returns (global losses, full parameters)."""
+    """Train under one layout; returns (global losses, full parameters). ``dp_replicate=0``: a ("tp", "dp")
+    mesh, tensor parallelism outermost (dimensions may come in any order)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
     from schedlang.models import shard_model
 
-    mesh = make_mesh(dp=dp, tp=tp, dp_replicate=dp_replicate, device_type=_device().type)
+    tp_outer = dp_replicate == 0
+    if tp_outer:
+        dp_replicate = 1
+        mesh = init_device_mesh(_device().type, (tp, dp), mesh_dim_names=("tp", "dp"))
+    else:
+        mesh = make_mesh(dp=dp, tp=tp, dp_replicate=dp_replicate, device_type=_device().type)
     sch = schedlang.create_schedule(_model(), mesh=mesh)
     policy = "fp32"  # the comparison is in fp32 (the GPU default would be bf16 parameters)
     if tp > 1:
@@ -92,7 +100,7 @@ def _layout(dp, tp, kind, dp_replicate=1):
         sch.replicate(mp_policy=policy)
     model, opt = schedlang.build(sch, optimizer=torch.optim.AdamW, lr=LR)
     data_ranks = dp * dp_replicate
-    data_rank = dist.get_rank() // tp  # the mesh is (pp, dp, tp) with tp innermost
+    data_rank = dist.get_rank() % dp if tp_outer else dist.get_rank() // tp
     per = BATCH // data_ranks
     losses = _train(model, opt, _batches(), rows=slice(data_rank * per, (data_rank + 1) * per))
     global_losses = []
@@ -135,7 +143,8 @@ def world2():
 @pytest.fixture(scope="module")
 def world4():
     return run_distributed(_worker, world_size=4, args=({"fsdp_tp": (2, 2, "fsdp", 1), "ddp_tp": (2, 2, "ddp", 1),
-                                                          "hsdp": (2, 1, "fsdp", 2)},), timeout=300)
+                                                          "hsdp": (2, 1, "fsdp", 2),
+                                                          "tp_outer": (2, 2, "fsdp", 0)},), timeout=300)
 
 
 def test_fsdp2_on_two_ranks_trains_like_one_process(world2):
@@ -166,6 +175,10 @@ def test_fsdp2_over_tensor_parallelism_on_a_2d_mesh(world4):
 
 def test_ddp_over_tensor_parallelism_on_a_2d_mesh(world4):
     _check(world4, "ddp_tp")
+
+
+def test_mesh_dimensions_in_any_order(world4):
+    _check(world4, "tp_outer")
 
 
 def test_hybrid_sharded_data_parallel(world4):
