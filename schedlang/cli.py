@@ -5,6 +5,7 @@ it prints the module tree, the schedule's plan, the verification result and a ta
 comparing the eager model with the scheduled one. ``--world-size N`` spawns N local
 ranks (gloo on CPU, NCCL on GPUs) and shows tensor parallelism.
 
+``schedlang train ...`` is the trainer (:mod:`schedlang.train`; ``schedlang train --help``).
 ``schedlang bench [NAME ...]`` runs the GPU benchmarks in ``bench/`` (from a source
 checkout) and ``schedlang primitives`` lists the schedule primitives.
 """
@@ -191,8 +192,15 @@ def cmd_primitives(ns: argparse.Namespace) -> int:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["train"]:  # the trainer parses its own flags (`schedlang train --help`)
+        from .train import main as train_main
+
+        return train_main(argv[1:], prog="schedlang train")
     parser = argparse.ArgumentParser(prog="schedlang", description="A schedule language for optimizing PyTorch models")
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("train", help="train a LLaMA / GPT-2 model on a pp x dp x tp layout (see schedlang train --help)",
+                   add_help=False)
     demo = sub.add_parser("demo", help="schedule, verify and time the built-in small transformer")
     demo.add_argument("--world-size", type=int, default=1, help="local ranks for tensor parallelism (default 1)")
     demo.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when present, else cpu")
