@@ -588,10 +588,10 @@ class _Run:
             pieces = 1
             if DTensor and isinstance(g, DTensor):
                 for dim, placement in enumerate(g.placements):
-                    if placement.is_shard():
-                        pieces *= g.device_mesh.size(dim)
-                    elif placement.is_partial():  # pragma: no cover - gradients are reduced by now
+                    if placement.is_partial():  # pragma: no cover - gradients are reduced by now
                         raise TrainError(f"gradient of shape {tuple(g.shape)} is still a partial sum")
+                    if not placement.is_replicate():  # Shard, and FSDP2's strided shards of TP shards
+                        pieces *= g.device_mesh.size(dim)
                 g = g.to_local()
             total += g.detach().float().pow(2).sum() * (pieces / per_stage)
         if self.world > 1:
