@@ -492,15 +492,14 @@ class _Run:
         self.sch = sch
         if ns.compile:
             for module in self._modules():
-                compile_layers(module)
+                if any(isinstance(m, torch.nn.ModuleList) for m in module.modules()):  # a stage may hold no layer
+                    compile_layers(module)
         logger.info("rank %d: built %s (%d parameters) as %s", self.rank, type(self.model).__name__, self.n_params,
                     self.layout())
 
     def _modules(self) -> List[torch.nn.Module]:
-        stages = getattr(self.model, "stages", None)
-        if self.pipelined and stages is not None:
-            return [getattr(s, "submod", s) for s in stages]
-        return [self.model]
+        stages = getattr(self.model, "stage_modules", None)  # a pipeline: the stages this rank holds
+        return list(stages) if stages is not None else [self.model]
 
     def _optimizer(self):
         ns = self.ns
@@ -795,6 +794,9 @@ def _torchrun_main(ns: argparse.Namespace, world: int) -> int:
             pass
 
 
+_OWN_ERRORS = ("TrainError", "CheckpointError", "ScheduleValueError", "ScheduleTypeError", "ShardError")
+
+
 def _failure_summary(error: DistributedError) -> str:
     """One line per failed rank (its exception), from the launcher's tracebacks."""
     text = str(error)
@@ -805,7 +807,11 @@ def _failure_summary(error: DistributedError) -> str:
             continue
         last = [l for l in body.strip().splitlines() if l.strip()]
         if last:
-            lines.append(f"rank {head}: {last[-1].strip()}")
+            message = last[-1].strip()
+            kind, sep, rest = message.partition(": ")
+            if sep and kind.rsplit(".", 1)[-1] in _OWN_ERRORS:  # our own errors read as their message
+                message = rest
+            lines.append(f"rank {head}: {message}")
     if not lines:
         return text.splitlines()[-1] if text else "distributed run failed"
     # the same error on every rank reads once
@@ -829,10 +835,17 @@ def main(argv: Optional[Sequence[str]] = None, prog: Optional[str] = None) -> in
         cfg = model_config(ns.model, ns.config)
         validate_model(ns, model_dims(ns.model, cfg))
         TokenBatches(ns.data, model_dims(ns.model, cfg).vocab, ns.seed, ns.global_batch, ns.seq)
-        if ns.resume and latest_checkpoint(ns.checkpoint_dir) is None:
-            _fail(f"--resume: no complete checkpoint in {ns.checkpoint_dir}")
+        if ns.resume:
+            saved = latest_checkpoint(ns.checkpoint_dir)
+            if saved is None:
+                _fail(f"--resume: no complete checkpoint in {ns.checkpoint_dir}")
+            at = int(saved.name[len(_CKPT_PREFIX):])
+            if at >= (ns.stop_after or ns.steps):
+                _fail(f"--resume: the latest checkpoint ({saved}) is at step {at}; nothing is left to run up to step "
+                      f"{ns.stop_after or ns.steps} (raise --steps)")
     except SchedlangError as e:
-        print(f"schedlang train: error: {e}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank finds it: say it once
+            print(f"schedlang train: error: {e}", file=sys.stderr)
         return 2
     try:
         if env_world is not None and env_world > 1:
