@@ -13,7 +13,8 @@ checkpoint, trace, find, fuse ...), check it with ``Verify`` and ``build`` it::
 
 from . import distributed, env, primitives
 from .build import build
-from .errors import (DistributedError, LoweringError, NotTracedError, PatternError, PlanError,
+from .checkpoint import export_hf, load_checkpoint, save_checkpoint
+from .errors import (CheckpointError, DistributedError, LoweringError, NotTracedError, PatternError, PlanError,
                      PlanSerializationError, ScheduleKeyError, ScheduleTypeError, ScheduleValueError,
                      SchedlangError, ShardError, SyncError, TraceError, VerificationError)
 from .init import init_empty_weights
@@ -29,7 +30,8 @@ __all__ = [
     "init_empty_weights", "call_module", "PH", "distributed", "env", "primitives",
     "SchedlangError", "ScheduleKeyError", "ScheduleValueError", "ScheduleTypeError", "ShardError", "SyncError",
     "PlanError", "PlanSerializationError", "TraceError", "NotTracedError", "PatternError", "LoweringError",
-    "VerificationError", "DistributedError", "__version__",
+    "VerificationError", "DistributedError", "CheckpointError", "save_checkpoint", "load_checkpoint", "export_hf",
+    "__version__",
 ]
 
 

@@ -27,6 +27,7 @@ __all__ = [
     "LoweringError",
     "VerificationError",
     "DistributedError",
+    "CheckpointError",
 ]
 
 
@@ -87,3 +88,7 @@ class VerificationError(SchedlangError, AssertionError):
 
 class DistributedError(SchedlangError, RuntimeError):
     """A distributed run failed or timed out on some rank."""
+
+
+class CheckpointError(SchedlangError, ValueError):
+    """A checkpoint is missing or does not fit the model (names, shapes), or an export cannot be written."""

@@ -1,0 +1,498 @@
+"""Distributed checkpoints that load under another layout, and HuggingFace export.
+
+One spawned run on two gloo ranks trains a tiny LLaMA under tensor parallelism and under FSDP2,
+saves both, loads each into the *other* layout and trains on; the steps after the load must be the
+steps a single process takes without ever saving. The same run saves a pipeline-like model (each
+rank holding different names), a tensor-parallel GPT-2 (fused q|k|v, block-wise shards) and exports
+the tensor-parallel LLaMA to a HuggingFace directory; the test process then loads those into plain
+single-process models and compares.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import schedlang
+from schedlang.distributed.launch import run_distributed
+from tests.helpers.models import MLP
+
+LR = 1e-2
+BATCH, SEQ, VOCAB = 4, 10, 256
+
+
+def _llama_config(tie=False):
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                      intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=128,
+                      tie_word_embeddings=tie)
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+def _llama(seed=0, tie=False):
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(_llama_config(tie))
+
+
+def _batches(n=4):
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g) for _ in range(n)]
+
+
+def _train(model, opt, batches, rows=slice(None)):
+    losses = []
+    for tokens in batches:
+        tokens = tokens[rows]
+        loss = model(input_ids=tokens[:, :-1], labels=tokens[:, 1:], use_cache=False).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach().clone())
+    return losses
+
+
+def _full(t):
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _full_params(model):
+    return {n: _full(p).detach().clone() for n, p in model.named_parameters()}
+
+
+def _full_optim(model, opt):
+    """exp_avg / exp_avg_sq / step per parameter name, unsharded."""
+    names = {p: n for n, p in model.named_parameters()}
+    return {names[p]: {k: _full(v).detach().clone() for k, v in st.items()} for p, st in opt.state.items()}
+
+
+def _probe():
+    return torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(3))
+
+
+# ---------------------------------------------------------------------------------------------- the spawned run
+def _layout_model(kind, seed):
+    """A tiny LLaMA built by schedlang under ``kind`` ("tp" or "fsdp") on the two ranks."""
+    from schedlang.distributed.mesh import make_mesh
+    from schedlang.models import shard_model
+
+    mesh = make_mesh(tp=2, device_type="cpu") if kind == "tp" else make_mesh(dp=2, device_type="cpu")
+    sch = schedlang.create_schedule(_llama(seed), mesh=mesh)
+    if kind == "tp":
+        shard_model(sch, gather_logits=True)
+    else:
+        for i in range(2):
+            sch[f"model.layers.{i}"].fully_shard(mp_policy="fp32")
+        sch.fully_shard(mp_policy="fp32")
+    return schedlang.build(sch, optimizer=torch.optim.AdamW, lr=LR)
+
+
+def _global_losses(losses, kind):
+    import torch.distributed as dist
+
+    if kind == "tp":  # both ranks saw the whole batch
+        return [float(x) for x in losses]
+    out = []
+    for loss in losses:  # each rank saw half the rows: the mean over ranks is the whole batch's loss
+        loss = loss.clone()
+        dist.all_reduce(loss)
+        out.append(float(loss) / 2)
+    return out
+
+
+class _Stage(nn.Module):
+    """What a pipeline rank holds: some of MLP's modules under their original names."""
+
+    def __init__(self, names):
+        super().__init__()
+        torch.manual_seed(5)
+        full = MLP(hidden=6, inner=10)
+        for name in names:
+            setattr(self, name, getattr(full, name))
+
+
+class _FakePipeline(nn.Module):
+    def __init__(self, names):
+        super().__init__()
+        self.stage_modules = nn.ModuleList([_Stage(names)])
+
+
+def _gpt2_config():
+    from transformers import GPT2Config
+
+    return GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=64, n_positions=32, attn_implementation="eager",
+                      bos_token_id=0, eos_token_id=0)
+
+
+def _spawned(rank, world, root):
+    import torch.distributed as dist
+
+    from schedlang.models import shard_model
+
+    batches = _batches()
+    rows = slice(rank * BATCH // 2, (rank + 1) * BATCH // 2)
+    out = {}
+    # -- save under TP and under FSDP2 after two steps
+    for kind in ("tp", "fsdp"):
+        model, opt = _layout_model(kind, seed=0)
+        losses = _train(model, opt, batches[:2], rows if kind == "fsdp" else slice(None))
+        out[f"{kind}_first"] = _global_losses(losses, kind)
+        schedlang.save_checkpoint(os.path.join(root, kind), model, opt, step=2, extra={"layout": kind})
+        out[f"{kind}_saved_params"] = _full_params(model)  # gathering is collective: every rank takes part
+        out[f"{kind}_saved_optim"] = _full_optim(model, opt)
+    # -- load each into the other layout (other initial weights) and continue
+    for kind, source in (("fsdp", "tp"), ("tp", "fsdp")):
+        model, opt = _layout_model(kind, seed=1)
+        info = schedlang.load_checkpoint(os.path.join(root, source), model, opt)
+        losses = _train(model, opt, batches[2:], rows if kind == "fsdp" else slice(None))
+        out[f"{kind}_from_{source}"] = {"info": info, "losses": _global_losses(losses, kind),
+                                        "params": _full_params(model)}
+        if kind == "tp":  # export the tensor-parallel model as it is now
+            schedlang.export_hf(model, os.path.join(root, "hf_tp"))
+            with torch.no_grad():
+                out["tp_logits"] = model(input_ids=_probe(), use_cache=False).logits
+    # -- a pipeline: rank 0 holds fc1, rank 1 holds act and fc2
+    model = _FakePipeline(["fc1"] if rank == 0 else ["act", "fc2"])
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    schedlang.save_checkpoint(os.path.join(root, "pp"), model, opt, step=1)
+    out["pp"] = {n: p.detach().clone() for n, p in model.stage_modules[0].named_parameters()}
+    out["pp_optim"] = _full_optim(model.stage_modules[0], opt)
+    # -- GPT-2 under TP: c_attn is sharded block-wise (q, k, v each split over the ranks)
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    sch = schedlang.create_schedule(GPT2LMHeadModel(_gpt2_config()),
+                                    mesh=init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)))
+    shard_model(sch, gather_logits=True)
+    model, opt = schedlang.build(sch, optimizer=torch.optim.AdamW, lr=LR)
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(2))
+    model(input_ids=tokens, labels=tokens).loss.backward()
+    opt.step()
+    placement = type(model.transformer.h[0].attn.c_attn.weight.placements[0]).__name__
+    schedlang.save_checkpoint(os.path.join(root, "gpt2_tp"), model, opt, step=1)
+    out["gpt2"] = {"placement": placement, "params": _full_params(model), "optim": _full_optim(model, opt)}
+    dist.barrier()
+    # tensors sent through the result queue would be shared memory of a process about to exit: a file instead
+    torch.save(out, os.path.join(root, f"rank{rank}.pt"))
+    return os.path.join(root, f"rank{rank}.pt")
+
+
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("ckpt"))
+    files = run_distributed(_spawned, world_size=2, args=(root,), timeout=240)
+    return root, [torch.load(f, weights_only=True) for f in files]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """One process trains four steps on the whole batch, never saving."""
+    model = _llama(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    batches = _batches()
+    first = _train(model, opt, batches[:2])
+    saved_params, saved_optim = _full_params(model), _full_optim(model, opt)
+    rest = _train(model, opt, batches[2:])
+    return {"losses": [float(x) for x in first + rest], "saved_params": saved_params,
+            "saved_optim": saved_optim, "params": _full_params(model), "model": model}
+
+
+def _close(a, b, tol=1e-5):
+    torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+
+
+def _params_near(got, want, steps):
+    """Parameters after ``steps`` AdamW steps under another layout match those of one process.
+
+    Adam divides by the gradient's root mean square, so a near-zero gradient summed in another order
+    can move its weight by a visible fraction of a step: the bound is 1% of the farthest Adam can move
+    a weight (lr x steps). Wrong or stale state moves weights by whole steps.
+    """
+    assert got.keys() == want.keys()
+    worst = max(float((got[k] - want[k]).abs().max()) for k in want)
+    assert worst < 0.01 * LR * steps, worst
+
+
+def _close_dicts(got, want, tol=1e-5):
+    assert got.keys() == want.keys()
+    for key in want:
+        if isinstance(want[key], dict):
+            _close_dicts(got[key], want[key], tol)
+        else:
+            _close(got[key].float(), want[key].float(), tol)
+
+
+# ---------------------------------------------------------------------------------------------- one process
+def _mlp_train(model, opt, steps, start=0):
+    losses = []
+    for i in range(start, start + steps):
+        x = torch.randn(5, 7, generator=torch.Generator().manual_seed(i))
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+    return losses
+
+
+@pytest.mark.parametrize("optimizer", ["AdamW", "FusedAdamW"])
+def test_one_process_round_trip_resumes_exactly(tmp_path, optimizer):
+    import schedlang.optim
+
+    make = getattr(torch.optim, optimizer, None) or getattr(schedlang.optim, optimizer)
+    torch.manual_seed(0)
+    model = MLP(hidden=7, inner=13)
+    opt = make(model.parameters(), lr=LR, weight_decay=0.1)
+    _mlp_train(model, opt, 2)
+    schedlang.save_checkpoint(tmp_path / "c", model, opt, step=2, extra={"sched": {"last_epoch": 2}})
+    expected = _mlp_train(model, opt, 2, start=2)
+
+    torch.manual_seed(1)
+    model2 = MLP(hidden=7, inner=13)
+    opt2 = make(model2.parameters(), lr=0.5)  # hyperparameters come from the checkpoint too
+    info = schedlang.load_checkpoint(tmp_path / "c", model2, opt2)
+    assert info == {"step": 2, "extra": {"sched": {"last_epoch": 2}}}
+    assert opt2.param_groups[0]["lr"] == LR and opt2.param_groups[0]["weight_decay"] == 0.1
+    got = _mlp_train(model2, opt2, 2, start=2)
+    assert [float(x) for x in got] == [float(x) for x in expected]
+    for p, q in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_saving_before_the_first_step_changes_nothing(tmp_path):
+    torch.manual_seed(0)
+    model, fresh = MLP(hidden=7, inner=13), MLP(hidden=7, inner=13)
+    fresh.load_state_dict(model.state_dict())
+    opt, fresh_opt = torch.optim.AdamW(model.parameters(), lr=LR), torch.optim.AdamW(fresh.parameters(), lr=LR)
+    schedlang.save_checkpoint(tmp_path / "c", model, opt)
+    assert not opt.state  # torch created state to save; it is dropped again
+    expected = _mlp_train(fresh, fresh_opt, 2)
+    assert [float(x) for x in _mlp_train(model, opt, 2)] == [float(x) for x in expected]
+    torch.manual_seed(3)
+    other = MLP(hidden=7, inner=13)
+    other_opt = torch.optim.AdamW(other.parameters(), lr=LR)
+    assert schedlang.load_checkpoint(tmp_path / "c", other, other_opt) == {"step": None, "extra": None}
+    assert [float(x) for x in _mlp_train(other, other_opt, 2)] == [float(x) for x in expected]
+
+
+def test_torch_adamw_state_loads_into_fused_adamw_with_its_lr_tensor(tmp_path):
+    from schedlang.optim import FusedAdamW
+
+    torch.manual_seed(0)
+    model = MLP(hidden=7, inner=13)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    _mlp_train(model, opt, 2)
+    schedlang.save_checkpoint(tmp_path / "c", model, opt, step=2)
+    expected = _full_optim(model, opt)
+    model2 = MLP(hidden=7, inner=13)
+    lr = torch.tensor(0.5)
+    opt2 = FusedAdamW(model2.parameters(), lr=lr)
+    schedlang.load_checkpoint(tmp_path / "c", model2, opt2)
+    assert opt2.param_groups[0]["lr"] is lr  # the same tensor, holding the saved value
+    assert float(lr) == pytest.approx(LR)
+    got = _full_optim(model2, opt2)
+    for name in expected:
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(got[name][key], expected[name][key])
+        assert float(got[name]["step"]) == float(expected[name]["step"])
+
+
+# ---------------------------------------------------------------------------------------------- across layouts
+def test_layouts_train_like_one_process_before_saving(spawned, reference):
+    _, results = spawned
+    for r in results:
+        _close(torch.tensor(r["tp_first"]), torch.tensor(reference["losses"][:2]))
+        _close(torch.tensor(r["fsdp_first"]), torch.tensor(reference["losses"][:2]))
+    _params_near(results[0]["tp_saved_params"], reference["saved_params"], steps=2)
+    _params_near(results[0]["fsdp_saved_params"], reference["saved_params"], steps=2)
+
+
+@pytest.mark.parametrize("kind,source", [("fsdp", "tp"), ("tp", "fsdp")])
+def test_checkpoint_of_one_layout_resumes_under_another(spawned, reference, kind, source):
+    _, results = spawned
+    for r in results:
+        entry = r[f"{kind}_from_{source}"]
+        assert entry["info"] == {"step": 2, "extra": {"layout": source}}
+        _close(torch.tensor(entry["losses"]), torch.tensor(reference["losses"][2:]))
+    _params_near(results[0][f"{kind}_from_{source}"]["params"], reference["params"], steps=4)
+
+
+def test_tensor_parallel_checkpoint_loads_in_one_process(spawned, reference):
+    root, results = spawned
+    model = _llama(seed=1)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    assert schedlang.load_checkpoint(os.path.join(root, "tp"), model, opt)["step"] == 2
+    # exactly what the ranks held (gathered), and what one process reaches in the same two steps
+    for name, p in model.named_parameters():
+        assert torch.equal(p, results[0]["tp_saved_params"][name]), name
+    got = _full_optim(model, opt)
+    for name, state in results[0]["tp_saved_optim"].items():
+        for key, value in state.items():
+            assert torch.equal(got[name][key].float(), value.float()), (name, key)
+    _close_dicts(got, reference["saved_optim"])
+    losses = _train(model, opt, _batches()[2:])
+    _close(torch.tensor([float(x) for x in losses]), torch.tensor(reference["losses"][2:]))
+
+
+def test_pipeline_checkpoint_loads_in_one_process(spawned):
+    root, results = spawned
+    model = MLP(hidden=6, inner=10)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    assert schedlang.load_checkpoint(os.path.join(root, "pp"), model, opt)["step"] == 1
+    saved = {**results[0]["pp"], **results[1]["pp"]}
+    assert sorted(saved) == sorted(n for n, _ in model.named_parameters())
+    for name, p in model.named_parameters():
+        assert torch.equal(p, saved[name])
+    got = _full_optim(model, opt)
+    for name, state in {**results[0]["pp_optim"], **results[1]["pp_optim"]}.items():
+        assert torch.equal(got[name]["exp_avg"], state["exp_avg"])
+        assert torch.equal(got[name]["exp_avg_sq"], state["exp_avg_sq"])
+
+
+def test_blockwise_sharded_qkv_loads_in_one_process(spawned):
+    from transformers import GPT2LMHeadModel
+
+    root, results = spawned
+    saved = results[0]["gpt2"]
+    assert saved["placement"] == "_StridedShard"
+    torch.manual_seed(1)
+    model = GPT2LMHeadModel(_gpt2_config())
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    schedlang.load_checkpoint(os.path.join(root, "gpt2_tp"), model, opt)
+    for name, p in model.named_parameters():
+        assert torch.equal(p, saved["params"][name]), name
+    got = _full_optim(model, opt)
+    for name, state in saved["optim"].items():
+        assert torch.equal(got[name]["exp_avg"], state["exp_avg"]), name
+
+
+# ---------------------------------------------------------------------------------------------- HF export
+def test_export_from_tensor_parallel_loads_with_from_pretrained(spawned):
+    from transformers import AutoModelForCausalLM
+
+    root, results = spawned
+    hf = AutoModelForCausalLM.from_pretrained(os.path.join(root, "hf_tp"))
+    assert type(hf).__name__ == "LlamaForCausalLM"
+    with torch.no_grad():
+        logits = hf(input_ids=_probe(), use_cache=False).logits
+    _close(logits, results[0]["tp_logits"], tol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_export_from_one_process_with_tied_embeddings(tmp_path, dtype):
+    from safetensors import safe_open
+    from transformers import LlamaForCausalLM
+
+    model = _llama(seed=2, tie=True).to(dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    _train(model, opt, _batches(1))
+    schedlang.export_hf(model, tmp_path / "hf")
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+        assert f.get_tensor("model.embed_tokens.weight").dtype == dtype
+    assert "lm_head.weight" not in keys and "model.embed_tokens.weight" in keys
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["tie_word_embeddings"] is True
+    hf = LlamaForCausalLM.from_pretrained(tmp_path / "hf", dtype=dtype)
+    assert hf.lm_head.weight is hf.model.embed_tokens.weight
+    for name, p in model.named_parameters():
+        assert torch.equal(hf.get_parameter(name), p), name
+    # .to(bfloat16) also rounds the rotary inv_freq buffer, which from_pretrained computes in fp32
+    tol = 0 if dtype == torch.float32 else 2e-2
+    with torch.no_grad():
+        torch.testing.assert_close(hf(input_ids=_probe()).logits, model(input_ids=_probe()).logits,
+                                   rtol=tol, atol=tol)
+
+
+def test_export_unties_embeddings_that_training_untied(tmp_path):
+    from transformers import LlamaForCausalLM
+
+    model = _llama(seed=2, tie=False)  # separate tensors, but the exported config will claim a tie
+    config = _llama_config(tie=True)
+    schedlang.export_hf(model, tmp_path / "hf", config=config)
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["tie_word_embeddings"] is False
+    assert config.tie_word_embeddings is True  # the caller's config is not changed
+    hf = LlamaForCausalLM.from_pretrained(tmp_path / "hf")
+    with torch.no_grad():
+        torch.testing.assert_close(hf(input_ids=_probe()).logits, model(input_ids=_probe()).logits)
+
+
+# ---------------------------------------------------------------------------------------------- errors
+def _saved_mlp(path, **kw):
+    torch.manual_seed(0)
+    model = MLP(**kw)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    schedlang.save_checkpoint(path, model, opt, step=1)  # no step taken: the state is saved as zeros
+    return model
+
+
+def test_missing_checkpoint_is_named(tmp_path):
+    with pytest.raises(schedlang.CheckpointError, match=r"no checkpoint directory at '.*nowhere'"):
+        schedlang.load_checkpoint(tmp_path / "nowhere", MLP())
+    (tmp_path / "half").mkdir()
+    with pytest.raises(schedlang.CheckpointError, match=r"'.*half' is not a complete checkpoint: its \.metadata "
+                                                        r"file is missing"):
+        schedlang.load_checkpoint(tmp_path / "half", MLP())
+
+
+def test_names_of_unexpected_and_missing_tensors(tmp_path):
+    from tests.helpers.models import Block
+
+    _saved_mlp(tmp_path / "mlp", hidden=12, inner=20)
+    with pytest.raises(schedlang.CheckpointError) as e:
+        schedlang.load_checkpoint(tmp_path / "mlp", Block(hidden=12, inner=20))
+    msg = str(e.value)
+    assert "does not fit the model" in msg
+    assert "4 tensor(s) in the checkpoint are not in the model: 'fc1.bias', 'fc1.weight', 'fc2.bias', 'fc2.weight'" in msg
+    assert ("6 model tensor(s) of the model are missing from the checkpoint: 'mlp.fc1.bias', 'mlp.fc1.weight', "
+            "'mlp.fc2.bias', 'mlp.fc2.weight', 'norm.bias', 'norm.weight'") in msg
+    assert isinstance(e.value, ValueError)
+
+
+def test_shape_mismatch_names_tensor_and_shapes_and_loads_nothing(tmp_path):
+    _saved_mlp(tmp_path / "c", hidden=12, inner=20)
+    torch.manual_seed(1)
+    model = MLP(hidden=12, inner=24)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    with pytest.raises(schedlang.CheckpointError) as e:
+        schedlang.load_checkpoint(tmp_path / "c", model, opt)
+    msg = str(e.value)
+    assert "shape mismatch for model 'fc1.weight': checkpoint (20, 12), model (24, 12)" in msg
+    assert "shape mismatch for optimizer state 'state.fc1.weight.exp_avg': checkpoint (20, 12), model (24, 12)" in msg
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # fc2.bias fits, yet untouched
+    assert not opt.state
+
+
+def test_checkpoint_without_optimizer_state(tmp_path):
+    model = MLP()
+    schedlang.save_checkpoint(tmp_path / "c", model)
+    assert schedlang.load_checkpoint(tmp_path / "c", MLP()) == {"step": None, "extra": None}
+    with pytest.raises(schedlang.CheckpointError, match="holds no optimizer state .saved without an optimizer.; "
+                                                        "pass optimizer=None to load the model only"):
+        schedlang.load_checkpoint(tmp_path / "c", model, torch.optim.AdamW(model.parameters()))
+
+
+def test_extra_must_be_plain_values(tmp_path):
+    import pathlib
+
+    with pytest.raises(schedlang.CheckpointError, match=r"extra must hold plain Python values .*PosixPath"):
+        schedlang.save_checkpoint(tmp_path / "c", MLP(), extra={"where": pathlib.PosixPath("/tmp")})
+
+
+def test_export_without_config(tmp_path):
+    with pytest.raises(schedlang.CheckpointError, match=r"export_hf: MLP has no \.config; pass config= "):
+        schedlang.export_hf(MLP(), tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
