@@ -201,6 +201,8 @@ _TINY = {
                   intermediate_size=128, vocab_size=256, max_position_embeddings=128),
     "gpt2": dict(n_embd=64, n_layer=4, n_head=4, n_inner=128, vocab_size=256, n_positions=128),
 }
+#: pretraining runs without dropout (GPT-2's configs default to 0.1); layouts then compute the same thing
+_NO_DROPOUT = {"gpt2": dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0), "llama": {}}
 _1B = {
     # LLaMA-1.1B (TinyLlama's depth and width, with full multi-head attention)
     "llama": dict(hidden_size=2048, num_hidden_layers=22, num_attention_heads=16, num_key_value_heads=16,
@@ -227,7 +229,7 @@ def model_config(model: str, config: str):
         _fail(f"unknown --model {model!r}: valid models are {', '.join(MODELS)}")
     klass = _config_class(model)
     if config in ("tiny", "1b"):
-        cfg = klass(**(_TINY if config == "tiny" else _1B)[model])
+        cfg = klass(**(_TINY if config == "tiny" else _1B)[model], **_NO_DROPOUT[model])
         if config == "1b" and model == "gpt2":
             logger.info("--model gpt2 --config 1b is GPT-2 medium (355M parameters)")
     else:
