@@ -127,13 +127,19 @@ def _options(**kw):
     return StateDictOptions(**kw)
 
 
-def _model_state(model: nn.Module) -> Dict[str, Any]:
-    """The union of the stage modules' sharded state dicts (DTensors stay DTensors)."""
+def _model_state(model: nn.Module, stage_keys: Optional[list] = None) -> Dict[str, Any]:
+    """The union of the stage modules' sharded state dicts (DTensors stay DTensors).
+
+    ``stage_keys``, if given, receives each stage module's names.
+    """
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     out: Dict[str, Any] = {}
     for stage in _stages(model):
-        for key, value in get_model_state_dict(stage).items():
+        own = get_model_state_dict(stage)
+        if stage_keys is not None:
+            stage_keys.append(list(own))
+        for key, value in own.items():
             if key in out and out[key] is not value:
                 logger.warning("two stage modules on rank %d hold %r; the first one's is used", _rank(), key)
                 continue
@@ -259,9 +265,9 @@ def _restore_strided(state: Dict[str, Any], originals: Dict[str, Any]) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ meta record
-def _meta_blob(step, extra) -> bytes:
+def _meta_blob(step, extra, optimizer) -> bytes:
     record = {"format": FORMAT_VERSION, "step": step, "extra": extra, "world_size": _world(),
-              "torch": str(torch.__version__)}
+              "torch": str(torch.__version__), "optimizer": type(optimizer).__name__ if optimizer is not None else None}
     buf = io.BytesIO()
     torch.save(record, buf)
     blob = buf.getvalue()
@@ -315,7 +321,7 @@ def save_checkpoint(path, model: nn.Module, optimizer: Optional[torch.optim.Opti
 
     started = time.perf_counter()
     path = os.fspath(path)
-    blob = _meta_blob(step, extra)
+    blob = _meta_blob(step, extra, optimizer)
     problem = None
     if os.path.exists(path) and not os.path.isdir(path):
         problem = f"save_checkpoint: {path!r} exists and is not a directory"
@@ -390,17 +396,23 @@ def _check_tensors(kind: str, state: Dict[str, Any], md, prefix: str, path: str)
     return problems
 
 
-def _optim_template(optim_state: Dict[str, Any], md) -> Tuple[Dict[str, Any], List[str]]:
+def _optim_template(optim_state: Dict[str, Any], md) -> Tuple[Dict[str, Any], List[str], set]:
     """What to read for the optimizer: its tensors, and the hyperparameters the checkpoint has.
 
     A hyperparameter the checkpoint lacks (another optimizer class saved it) keeps its value; one
     stored as a number in one and a tensor in the other is read in the checkpoint's kind.
     """
     read, skipped = {}, []
+    # a parameter without any state in the checkpoint had no gradient when it was saved: it gets none here
+    # either (torch created some for every parameter to build this template)
+    head = f"{_OPTIM}.{_STATE}"
+    saved = {k[len(head):].rpartition(".")[0] for k in md.state_dict_metadata if k.startswith(head)}
+    stateless = {k[len(_STATE):].rpartition(".")[0] for k in optim_state if k.startswith(_STATE)} - saved
     for key, value in optim_state.items():
         full = f"{_OPTIM}.{key}"
         if key.startswith(_STATE):
-            read[key] = value
+            if key[len(_STATE):].rpartition(".")[0] not in stateless:
+                read[key] = value
             continue
         entry = md.state_dict_metadata.get(full)
         if entry is None:
@@ -413,7 +425,7 @@ def _optim_template(optim_state: Dict[str, Any], md) -> Tuple[Dict[str, Any], Li
             read[key] = None  # bytes in the checkpoint: DCP puts the value in
         else:
             read[key] = value
-    return read, skipped
+    return read, skipped, stateless
 
 
 def _merge_hyperparameters(optimizer, before: List[dict]) -> None:
@@ -459,11 +471,13 @@ def load_checkpoint(path, model: nn.Module, optimizer: Optional[torch.optim.Opti
     ckpt_keys = set(md.state_dict_metadata)
     ckpt_model = {k[len(_MODEL) + 1:] for k in ckpt_keys if k.startswith(_MODEL + ".")}
     has_optim = any(k.startswith(_OPTIM + ".") for k in ckpt_keys)
+    meta = _load_meta(path, ckpt_keys, optimizer)
 
-    model_state = _model_state(model)
+    stage_keys: List[List[str]] = []
+    model_state = _model_state(model, stage_keys)
     problems = _check_tensors("model", model_state, md, _MODEL + ".", path)
     was_empty = _optimizer_is_empty(optimizer)
-    view, optim_read, skipped, optim_state = None, {}, [], {}
+    view, optim_read, skipped, optim_state, stateless = None, {}, [], {}, set()
     try:
         if optimizer is not None:
             if not has_optim:
@@ -472,7 +486,7 @@ def load_checkpoint(path, model: nn.Module, optimizer: Optional[torch.optim.Opti
             else:
                 view = _OptimView(model)
                 optim_state = view.fetch(optimizer)
-                optim_read, skipped = _optim_template(optim_state, md)
+                optim_read, skipped, stateless = _optim_template(optim_state, md)
                 problems += _check_tensors("optimizer state", {k: v for k, v in optim_read.items()
                                                                if k.startswith(_STATE)}, md, _OPTIM + ".", path)
         # names in the checkpoint that no rank's model holds (each pipeline rank holds some)
@@ -494,34 +508,63 @@ def load_checkpoint(path, model: nn.Module, optimizer: Optional[torch.optim.Opti
         logger.info("the checkpoint has no value for %d optimizer hyperparameter(s) (%s); they keep their values",
                     len(skipped), _names(skipped))
     model_read, model_strided = _dcp_ready({k: v for k, v in model_state.items() if f"{_MODEL}.{k}" in ckpt_keys})
-    state: Dict[str, Any] = {_MODEL: model_read, _META: b""}
+    state: Dict[str, Any] = {_MODEL: model_read}
     optim_strided = {}
     if view is not None:
         optim_read, optim_strided = _dcp_ready(optim_read)
         state[_OPTIM] = optim_read
-    if _META not in ckpt_keys:
-        del state[_META]
     _dcp_call(dcp.load, state, path)
 
     _restore_strided(state[_MODEL], model_strided)
     merged = dict(model_state)
     merged.update(state[_MODEL])
-    # DCP already wrote into the tensors the state dicts share with the parameters; set_* covers the
-    # layouts where they are copies (and keeps tied tensors tied)
-    for stage in _stages(model):
-        own = stage.state_dict()
-        set_model_state_dict(stage, {k: v for k, v in merged.items() if k in own},
-                             options=_options(strict=False))
+    # DCP wrote into the tensors that the state dicts share with the parameters; set_model_state_dict
+    # covers layouts whose state dicts hold copies
+    for stage, keys in zip(_stages(model), stage_keys):
+        set_model_state_dict(stage, {k: merged[k] for k in keys}, options=_options(strict=False))
     if view is not None:
         _restore_strided(state[_OPTIM], optim_strided)
         optim_state.update(state[_OPTIM])
         before = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         view.store(optimizer, optim_state)
         _merge_hyperparameters(optimizer, before)
-    meta = _read_meta(state.get(_META))
+        _drop_state(model, optimizer, stateless)
     logger.info("loaded checkpoint %s (%d model tensors, step %s) in %.2f s", path, len(model_read),
                 meta.get("step"), time.perf_counter() - started)
     return {"step": meta.get("step"), "extra": meta.get("extra")}
+
+
+def _load_meta(path: str, ckpt_keys, optimizer) -> dict:
+    """The ``schedlang`` record (step, extra, format), read before anything else."""
+    import torch.distributed.checkpoint as dcp
+
+    if _META not in ckpt_keys:
+        _agree(f"load_checkpoint: {path!r} was not written by save_checkpoint (it has no {_META!r} record)")
+    state = {_META: b""}
+    _dcp_call(dcp.load, state, path)
+    meta = _read_meta(state[_META])
+    problem = None
+    if meta.get("format", 0) > FORMAT_VERSION:
+        problem = (f"load_checkpoint: {path!r} has format {meta.get('format')}, newer than this schedlang reads "
+                   f"({FORMAT_VERSION}); upgrade schedlang")
+    _agree(problem)
+    saved, now = meta.get("optimizer"), type(optimizer).__name__ if optimizer is not None else None
+    if saved and now and saved.removeprefix("Fused") != now.removeprefix("Fused"):
+        logger.warning("load_checkpoint: the optimizer state was saved from %s and is loaded into %s", saved, now)
+    return meta
+
+
+def _drop_state(model: nn.Module, optimizer, names) -> None:
+    """Forget the state of parameters that had none when saved (they had no gradient yet)."""
+    if not names:
+        return
+    by_name = {n: p for stage in _stages(model) for n, p in stage.named_parameters()}
+    for name in names:
+        p = by_name.get(name)
+        if p is not None:
+            optimizer.state.pop(p, None)
+    for key in ("_schedlang_plans", "_schedlang_chunk_tables"):
+        optimizer.__dict__.pop(key, None)
 
 
 # ------------------------------------------------------------------------------------------------ export

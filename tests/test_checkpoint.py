@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from torch import nn
 
 import schedlang
 from schedlang.distributed.launch import run_distributed
-from tests.helpers.models import MLP
+from tests.helpers.models import MLP, Stack
 
 LR = 1e-2
 BATCH, SEQ, VOCAB = 4, 10, 256
@@ -110,20 +111,37 @@ def _global_losses(losses, kind):
 
 
 class _Stage(nn.Module):
-    """What a pipeline rank holds: some of MLP's modules under their original names."""
+    """A pipeline stage module: some of ``Stack``'s submodules, under their original names."""
 
-    def __init__(self, names):
+    def __init__(self, full, names):
         super().__init__()
-        torch.manual_seed(5)
-        full = MLP(hidden=6, inner=10)
         for name in names:
-            setattr(self, name, getattr(full, name))
+            if name.startswith("layers."):
+                if not hasattr(self, "layers"):
+                    self.layers = nn.ModuleDict()
+                self.layers[name.split(".")[1]] = full.get_submodule(name)
+            else:
+                setattr(self, name, full.get_submodule(name))
 
 
 class _FakePipeline(nn.Module):
-    def __init__(self, names):
+    """What a pipeline rank holds: ``stage_modules``, one or more stages of ``Stack``."""
+
+    def __init__(self, stages, seed):
         super().__init__()
-        self.stage_modules = nn.ModuleList([_Stage(names)])
+        torch.manual_seed(seed)
+        full = Stack(hidden=6, inner=10, layers=2)
+        self.stage_modules = nn.ModuleList(_Stage(full, names) for names in stages)
+
+
+def _stage_params(model):
+    return {n: p for stage in model.stage_modules for n, p in stage.named_parameters()}
+
+
+def _stage_state(model, opt):
+    names = {p: n for n, p in _stage_params(model).items()}
+    return {"params": {n: p.detach().clone() for n, p in _stage_params(model).items()},
+            "optim": {names[p]: {k: v.clone() for k, v in st.items()} for p, st in opt.state.items()}}
 
 
 def _gpt2_config():
@@ -156,20 +174,25 @@ def _spawned(rank, world, root):
         losses = _train(model, opt, batches[2:], rows if kind == "fsdp" else slice(None))
         out[f"{kind}_from_{source}"] = {"info": info, "losses": _global_losses(losses, kind),
                                         "params": _full_params(model)}
-        if kind == "tp":  # export the tensor-parallel model as it is now
-            schedlang.export_hf(model, os.path.join(root, "hf_tp"))
-            with torch.no_grad():
-                out["tp_logits"] = model(input_ids=_probe(), use_cache=False).logits
-    # -- a pipeline: rank 0 holds fc1, rank 1 holds act and fc2
-    model = _FakePipeline(["fc1"] if rank == 0 else ["act", "fc2"])
+        # export as it is now (every rank runs the whole probe batch: the logits are the model's)
+        schedlang.export_hf(model, os.path.join(root, f"hf_{kind}"))
+        with torch.no_grad():
+            out[f"{kind}_logits"] = model(input_ids=_probe(), use_cache=False).logits
+    # -- pipelines: rank 0 holds two stages (layers.0 and the head), rank 1 one (layers.1)
+    model = _FakePipeline([["layers.0"], ["head"]] if rank == 0 else [["layers.1"]], seed=5)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     for p in model.parameters():
         p.grad = torch.randn_like(p)
     opt.step()
     schedlang.save_checkpoint(os.path.join(root, "pp"), model, opt, step=1)
-    out["pp"] = {n: p.detach().clone() for n, p in model.stage_modules[0].named_parameters()}
-    out["pp_optim"] = _full_optim(model.stage_modules[0], opt)
-    # -- GPT-2 under TP: c_attn is sharded block-wise (q, k, v each split over the ranks)
+    schedlang.export_hf(model, os.path.join(root, "hf_pp"), config={"model_type": "stack"})
+    out["pp_saved"] = _stage_state(model, opt)
+    # ... and back under other stages: rank 0 holds layers.1 and the head in one stage, rank 1 layers.0
+    model = _FakePipeline([["layers.1", "head"]] if rank == 0 else [["layers.0"]], seed=6)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    schedlang.load_checkpoint(os.path.join(root, "pp"), model, opt)
+    out["pp_loaded"] = _stage_state(model, opt)
+    # -- GPT-2 under TP with FusedAdamW: c_attn is sharded block-wise (q, k, v each split over the ranks)
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import GPT2LMHeadModel
 
@@ -177,7 +200,8 @@ def _spawned(rank, world, root):
     sch = schedlang.create_schedule(GPT2LMHeadModel(_gpt2_config()),
                                     mesh=init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)))
     shard_model(sch, gather_logits=True)
-    model, opt = schedlang.build(sch, optimizer=torch.optim.AdamW, lr=LR)
+    model, opt = schedlang.build(sch, optimizer="adamw", lr=LR)  # schedlang's FusedAdamW
+    assert type(opt).__name__ == "FusedAdamW"
     tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(2))
     model(input_ids=tokens, labels=tokens).loss.backward()
     opt.step()
@@ -288,6 +312,25 @@ def test_saving_before_the_first_step_changes_nothing(tmp_path):
     assert [float(x) for x in _mlp_train(other, other_opt, 2)] == [float(x) for x in expected]
 
 
+def test_parameters_without_state_stay_without(tmp_path):
+    class WithUnused(MLP):
+        def __init__(self):
+            super().__init__(hidden=7, inner=13)
+            self.unused = nn.Linear(3, 3)  # never gets a gradient: AdamW keeps no state for it
+
+    torch.manual_seed(0)
+    model = WithUnused()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    _mlp_train(model, opt, 2)
+    schedlang.save_checkpoint(tmp_path / "c", model, opt, step=2)
+    expected = _mlp_train(model, opt, 2, start=2)
+    model2 = WithUnused()
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=LR)
+    schedlang.load_checkpoint(tmp_path / "c", model2, opt2)
+    assert model2.unused.weight not in opt2.state and len(opt2.state) == 4
+    assert [float(x) for x in _mlp_train(model2, opt2, 2, start=2)] == [float(x) for x in expected]
+
+
 def test_torch_adamw_state_loads_into_fused_adamw_with_its_lr_tensor(tmp_path):
     from schedlang.optim import FusedAdamW
 
@@ -347,19 +390,36 @@ def test_tensor_parallel_checkpoint_loads_in_one_process(spawned, reference):
     _close(torch.tensor([float(x) for x in losses]), torch.tensor(reference["losses"][2:]))
 
 
-def test_pipeline_checkpoint_loads_in_one_process(spawned):
+def _union(results, key):
+    out = {"params": {}, "optim": {}}
+    for r in results:
+        for part in out:
+            out[part].update(r[key][part])
+    return out
+
+
+def test_pipeline_checkpoint_loads_in_one_process_and_under_other_stages(spawned):
+    from safetensors.torch import load_file
+
     root, results = spawned
-    model = MLP(hidden=6, inner=10)
+    saved = _union(results, "pp_saved")
+    torch.manual_seed(9)
+    model = Stack(hidden=6, inner=10, layers=2)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     assert schedlang.load_checkpoint(os.path.join(root, "pp"), model, opt)["step"] == 1
-    saved = {**results[0]["pp"], **results[1]["pp"]}
-    assert sorted(saved) == sorted(n for n, _ in model.named_parameters())
+    assert sorted(saved["params"]) == sorted(n for n, _ in model.named_parameters())
     for name, p in model.named_parameters():
-        assert torch.equal(p, saved[name])
+        assert torch.equal(p, saved["params"][name]), name
     got = _full_optim(model, opt)
-    for name, state in {**results[0]["pp_optim"], **results[1]["pp_optim"]}.items():
-        assert torch.equal(got[name]["exp_avg"], state["exp_avg"])
-        assert torch.equal(got[name]["exp_avg_sq"], state["exp_avg_sq"])
+    for name, state in saved["optim"].items():
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(got[name][key], state[key]), (name, key)
+    loaded = _union(results, "pp_loaded")  # other stages on the ranks
+    for part in ("params", "optim"):
+        _close_dicts(loaded[part], saved[part], tol=0)
+    exported = load_file(os.path.join(root, "hf_pp", "model.safetensors"))
+    _close_dicts(exported, saved["params"], tol=0)  # rank 1's stage reached rank 0
+    assert json.loads(open(os.path.join(root, "hf_pp", "config.json")).read())["model_type"] == "stack"
 
 
 def test_blockwise_sharded_qkv_loads_in_one_process(spawned):
@@ -379,16 +439,61 @@ def test_blockwise_sharded_qkv_loads_in_one_process(spawned):
         assert torch.equal(got[name]["exp_avg"], state["exp_avg"]), name
 
 
+def _spawned_2d(rank, world, root):
+    """FSDP2 over tensor parallelism (2 x 2 ranks), tied embeddings: save, export, load back."""
+    from schedlang.distributed.mesh import make_mesh
+    from schedlang.models import shard_model
+
+    def build(seed):
+        sch = schedlang.create_schedule(_llama(seed, tie=True), mesh=make_mesh(dp=2, tp=2, device_type="cpu"))
+        shard_model(sch, gather_logits=True)
+        for i in range(2):
+            sch[f"model.layers.{i}"].fully_shard(mp_policy="fp32")
+        sch.fully_shard(mp_policy="fp32")
+        return schedlang.build(sch, optimizer=torch.optim.AdamW, lr=LR)
+
+    model, opt = build(0)
+    dp_rank = rank // 2  # make_mesh puts tp innermost
+    _train(model, opt, _batches()[:2], rows=slice(dp_rank * BATCH // 2, (dp_rank + 1) * BATCH // 2))
+    schedlang.save_checkpoint(os.path.join(root, "c"), model, opt, step=2)
+    schedlang.export_hf(model, os.path.join(root, "hf"))
+    saved = {"params": _full_params(model), "optim": _full_optim(model, opt),
+             "placements": [type(x).__name__ for x in model.model.layers[0].mlp.up_proj.weight.placements]}
+    model, opt = build(1)
+    schedlang.load_checkpoint(os.path.join(root, "c"), model, opt)
+    saved["reloaded"] = {"params": _full_params(model), "optim": _full_optim(model, opt)}
+    torch.save(saved, os.path.join(root, f"rank{rank}.pt"))
+    return os.path.join(root, f"rank{rank}.pt")
+
+
+def test_fsdp2_over_tensor_parallel_checkpoint_and_export(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    files = run_distributed(_spawned_2d, world_size=4, args=(str(tmp_path),), timeout=240)
+    saved = torch.load(files[0], weights_only=True)
+    assert saved["placements"] == ["_StridedShard", "Shard"]  # dp shards the tp shard again
+    _close_dicts(saved["reloaded"]["params"], saved["params"], tol=0)
+    _close_dicts(saved["reloaded"]["optim"], saved["optim"], tol=0)
+    model = _llama(seed=3, tie=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    schedlang.load_checkpoint(tmp_path / "c", model, opt)
+    _close_dicts(_full_params(model), saved["params"], tol=0)
+    _close_dicts(_full_optim(model, opt), saved["optim"], tol=0)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    _close_dicts(_full_params(hf), saved["params"], tol=0)
+
+
 # ---------------------------------------------------------------------------------------------- HF export
-def test_export_from_tensor_parallel_loads_with_from_pretrained(spawned):
+@pytest.mark.parametrize("kind", ["tp", "fsdp"])
+def test_export_from_sharded_layouts_loads_with_from_pretrained(spawned, kind):
     from transformers import AutoModelForCausalLM
 
     root, results = spawned
-    hf = AutoModelForCausalLM.from_pretrained(os.path.join(root, "hf_tp"))
+    hf = AutoModelForCausalLM.from_pretrained(os.path.join(root, f"hf_{kind}"))
     assert type(hf).__name__ == "LlamaForCausalLM"
     with torch.no_grad():
         logits = hf(input_ids=_probe(), use_cache=False).logits
-    _close(logits, results[0]["tp_logits"], tol=1e-4)
+    _close(logits, results[0][f"{kind}_logits"])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -483,6 +588,17 @@ def test_checkpoint_without_optimizer_state(tmp_path):
     with pytest.raises(schedlang.CheckpointError, match="holds no optimizer state .saved without an optimizer.; "
                                                         "pass optimizer=None to load the model only"):
         schedlang.load_checkpoint(tmp_path / "c", model, torch.optim.AdamW(model.parameters()))
+
+
+def test_directory_not_written_by_save_checkpoint(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP's note that it runs in one process
+        dcp.save({"fc1.weight": torch.zeros(2, 2)}, checkpoint_id=str(tmp_path / "c"), no_dist=True)
+    with pytest.raises(schedlang.CheckpointError, match=r"'.*c' was not written by save_checkpoint \(it has no "
+                                                        r"'schedlang' record\)"):
+        schedlang.load_checkpoint(tmp_path / "c", MLP())
 
 
 def test_extra_must_be_plain_values(tmp_path):
