@@ -41,7 +41,7 @@ from torch import nn
 
 from .errors import CheckpointError
 
-__all__ = ["save_checkpoint", "load_checkpoint", "export_hf"]
+__all__ = ["save_checkpoint", "load_checkpoint", "export_hf", "full_tensor"]
 
 logger = logging.getLogger("schedlang.checkpoint")
 
@@ -152,7 +152,7 @@ class _OptimView:
 
     ``get_optimizer_state_dict`` names each parameter by its path in the module it is given; for a
     pipeline with several stage modules on one rank that module is a ``ModuleList`` of them, whose
-    paths start with the stage index. ``strip``/``restore`` map between the two namings.
+    paths start with the stage index; ``fetch`` drops it and ``store`` puts it back.
     """
 
     def __init__(self, model: nn.Module):
@@ -222,12 +222,36 @@ def _strided(t) -> bool:
     return type(t.placements[0]).__name__ == "_StridedShard"
 
 
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The unsharded value of ``t`` (a DTensor or a plain tensor); collective over a DTensor's mesh.
+
+    Block-wise shards on a 1-D mesh (a fused q|k|v weight: rank r holds part r of every block) are
+    gathered here, because DTensor's own ``full_tensor`` cannot reassemble them on every torch
+    version this runs on (2.11 refuses that placement).
+
+    Example::
+
+        w = full_tensor(model.transformer.h[0].attn.c_attn.weight)   # same on every rank
+    """
+    if not _strided(t):
+        return t.full_tensor() if _is_dtensor(t) else t
+    import torch.distributed as dist
+
+    mesh, placement = t.device_mesh, t.placements[0]
+    dim, blocks = placement.dim, placement.split_factor
+    local = t.to_local().contiguous()
+    parts = [torch.empty_like(local) for _ in range(mesh.size())]
+    dist.all_gather(parts, local, group=mesh.get_group())
+    pieces = [part.chunk(blocks, dim) for part in parts]  # pieces[r][b]: part r of block b
+    return torch.cat([pieces[r][b] for b in range(blocks) for r in range(len(parts))], dim)
+
+
 def _to_contiguous_shards(t):
     """``t`` (strided, see :func:`_strided`) re-laid as ``Shard(axis)``: one chunk per rank."""
     from torch.distributed.tensor import DTensor, Shard
 
     mesh, dim = t.device_mesh, t.placements[0].dim
-    full = t.full_tensor()
+    full = full_tensor(t)
     local = full.chunk(mesh.size(), dim)[mesh.get_local_rank()].clone()
     return DTensor.from_local(local, mesh, [Shard(dim)], run_check=False, shape=full.shape, stride=full.stride())
 
@@ -595,7 +619,7 @@ def _full_state_on_rank0(model: nn.Module) -> Dict[str, torch.Tensor]:
     for key in names:  # the same order on every rank holding the same stage (same module structure)
         value = local[key]
         if _is_dtensor(value):
-            value = value.full_tensor()  # every rank of the tensor's mesh takes part
+            value = full_tensor(value)  # every rank of the tensor's mesh takes part
         if owner[key] == me:
             kept[key] = value.detach().to("cpu", copy=True) if value.device.type != "cpu" else value.detach()
     if any(r != 0 for r in owner.values()):
@@ -623,6 +647,69 @@ def _tied_pairs(model: nn.Module, config) -> Dict[str, str]:
         except Exception:
             tied = None
     return dict(tied) if isinstance(tied, dict) else {}
+
+
+def _hf_class(model: nn.Module, config):
+    """The transformers class ``from_pretrained`` will build: the model's own, else the causal LM of ``config``."""
+    model = getattr(model, "_orig_mod", model)
+    try:
+        from transformers import AutoModelForCausalLM, PreTrainedModel
+    except ImportError:
+        return None
+    if isinstance(model, PreTrainedModel):
+        return type(model)
+    try:
+        return AutoModelForCausalLM._model_mapping[type(config)]
+    except Exception:
+        return None
+
+
+def _check_against_hf(model: nn.Module, config, state: Dict[str, torch.Tensor], tie) -> Optional[str]:
+    """Compare the names and shapes to export with those the HF class expects (built on the meta device).
+
+    A name HF expects but does not find would be initialized at random by ``from_pretrained``: refuse
+    that (a schedule that renamed parameters, e.g. a replaced module, needs its names mapped back).
+    """
+    if isinstance(config, dict):
+        return None
+    cls = _hf_class(model, config)
+    if cls is None:
+        return None
+    try:
+        with torch.device("meta"):
+            reference = cls(copy.deepcopy(config))
+    except Exception as e:  # a config the class cannot take: nothing to compare with
+        logger.debug("export_hf: cannot build %s on the meta device (%s); names not checked", cls.__name__, e)
+        return None
+    expected = {k: tuple(v.shape) for k, v in reference.state_dict().items()}
+    if tie:
+        for target in _tied_pairs(reference, config):
+            expected.pop(target, None)
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    shapes = [f"{k!r}: model {tuple(state[k].shape)}, {cls.__name__} {expected[k]}" for k in expected
+              if k in state and tuple(state[k].shape) != expected[k]]
+    if unexpected:
+        logger.warning("export_hf: %s has no tensor named %s; from_pretrained will ignore them", cls.__name__,
+                       _names(unexpected))
+    if not missing and not shapes:
+        return None
+    lines = []
+    if missing:
+        lines.append(f"{len(missing)} tensor(s) that {cls.__name__} expects are not in the model: {_names(missing)}")
+    if shapes:
+        lines.append("shape mismatch for " + "; ".join(shapes[:_NAMES_SHOWN]))
+    return f"export_hf: the model does not fit {cls.__name__}; nothing written:\n  " + "\n  ".join(lines)
+
+
+def _hf_class_name(model: nn.Module) -> Optional[str]:
+    """The transformers class of ``model`` (for ``architectures``), seen through a torch.compile wrapper."""
+    model = getattr(model, "_orig_mod", model)
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return None
+    return type(model).__name__ if isinstance(model, PreTrainedModel) else None
 
 
 def _write_config(config, directory: str, dtype, tie: Optional[bool], architecture: Optional[str]) -> None:
@@ -676,6 +763,7 @@ def export_hf(model: nn.Module, dir, config=None, dtype: Optional[torch.dtype] =
     _agree(problem)
 
     state = _full_state_on_rank0(model)
+    problem = None
     if _rank() == 0:
         from safetensors.torch import save_file
 
@@ -696,10 +784,13 @@ def export_hf(model: nn.Module, dir, config=None, dtype: Optional[torch.dtype] =
                 tie = False
         if dtype is not None:
             state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+        problem = _check_against_hf(model, config, state, tie if tie is not None else cfg_tie)
+        if problem is not None:
+            state = {}
         # safetensors refuses tensors sharing memory and wants them contiguous
         seen, out = set(), {}
         for key, value in state.items():
-            ptr = (value.untyped_storage().data_ptr(), value.storage_offset()) if value.numel() else None
+            ptr = value.untyped_storage().data_ptr() if value.numel() else None
             if ptr is not None and ptr in seen:
                 value = value.clone()
             elif ptr is not None:
@@ -707,13 +798,11 @@ def export_hf(model: nn.Module, dir, config=None, dtype: Optional[torch.dtype] =
             out[key] = value.contiguous()
         floats = [v.dtype for v in out.values() if v.is_floating_point()]
         weight_dtype = max(set(floats), key=floats.count) if floats else None
-        os.makedirs(directory, exist_ok=True)
-        save_file(out, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
-        arch = type(model).__name__ if hasattr(model, "_tied_weights_keys") or hasattr(model, "config") else None
-        _write_config(config, directory, weight_dtype, tie, arch if arch and not hasattr(model, "stage_modules")
-                      else None)
-        logger.info("exported %d tensors to %s in %.2f s", len(out), directory, time.perf_counter() - started)
-    dist = _dist()
-    if dist is not None and dist.get_world_size() > 1:
-        dist.barrier()  # the files exist for every rank once it returns
+        if problem is None:
+            os.makedirs(directory, exist_ok=True)
+            save_file(out, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+            _write_config(config, directory, weight_dtype, tie, _hf_class_name(model))
+            logger.info("exported %d tensors to %s in %.2f s", len(out), directory, time.perf_counter() - started)
+    # every rank returns once the files exist, or raises rank 0's error
+    _agree(problem if _rank() == 0 else None)
     return directory

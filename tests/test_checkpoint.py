@@ -61,9 +61,9 @@ def _train(model, opt, batches, rows=slice(None)):
 
 
 def _full(t):
-    from torch.distributed.tensor import DTensor
+    from schedlang.checkpoint import full_tensor
 
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    return full_tensor(t)
 
 
 def _full_params(model):
@@ -202,12 +202,15 @@ def _spawned(rank, world, root):
     shard_model(sch, gather_logits=True)
     model, opt = schedlang.build(sch, optimizer="adamw", lr=LR)  # schedlang's FusedAdamW
     assert type(opt).__name__ == "FusedAdamW"
+    torch.manual_seed(0)
+    original = GPT2LMHeadModel(_gpt2_config()).transformer.h[0].attn.c_attn.weight
+    gathered_right = torch.equal(_full(model.transformer.h[0].attn.c_attn.weight), original)
     tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(2))
     model(input_ids=tokens, labels=tokens).loss.backward()
     opt.step()
     placement = type(model.transformer.h[0].attn.c_attn.weight.placements[0]).__name__
     schedlang.save_checkpoint(os.path.join(root, "gpt2_tp"), model, opt, step=1)
-    out["gpt2"] = {"placement": placement, "params": _full_params(model), "optim": _full_optim(model, opt)}
+    out["gpt2"] = {"placement": placement, "gathered_right": gathered_right, "params": _full_params(model), "optim": _full_optim(model, opt)}
     dist.barrier()
     # tensors sent through the result queue would be shared memory of a process about to exit: a file instead
     torch.save(out, os.path.join(root, f"rank{rank}.pt"))
@@ -428,6 +431,7 @@ def test_blockwise_sharded_qkv_loads_in_one_process(spawned):
     root, results = spawned
     saved = results[0]["gpt2"]
     assert saved["placement"] == "_StridedShard"
+    assert saved["gathered_right"]  # the gathered q|k|v weight is the unsharded model's
     torch.manual_seed(1)
     model = GPT2LMHeadModel(_gpt2_config())
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
@@ -612,3 +616,18 @@ def test_export_without_config(tmp_path):
     with pytest.raises(schedlang.CheckpointError, match=r"export_hf: MLP has no \.config; pass config= "):
         schedlang.export_hf(MLP(), tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
+
+
+def test_export_refuses_names_the_hf_class_does_not_have(tmp_path):
+    model = _llama(seed=2)
+    model.model.layers[1].mlp.up_proj.weight = nn.Parameter(torch.zeros(128, 60))
+    with pytest.raises(schedlang.CheckpointError) as e:
+        schedlang.export_hf(MLP(), tmp_path / "a", config=_llama_config())
+    assert str(e.value).startswith("export_hf: the model does not fit LlamaForCausalLM; nothing written:\n  "
+                                   "21 tensor(s) that LlamaForCausalLM expects are not in the model: "
+                                   "'lm_head.weight', 'model.embed_tokens.weight', ")
+    with pytest.raises(schedlang.CheckpointError, match=r"shape mismatch for 'model.layers.1.mlp.up_proj.weight': "
+                                                        r"model \(128, 60\), LlamaForCausalLM \(128, 64\)"):
+        schedlang.export_hf(model, tmp_path / "b")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
