@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 DEFAULT_VARIANTS = "dtensor-eager,dtensor-compile,schedlang-eager,schedlang-compile,schedlang-sp-compile"
-PEAK_BF16 = 790e12  # H200 dense bf16, as in the reference script
+PEAK_BF16 = 989e12  # dense bf16 per GPU (H100/H200 SXM), as in the reference scripts
 
 
 def llama_config(tiny: bool):
