@@ -14,8 +14,8 @@ checkpoint, trace, find, fuse ...), check it with ``Verify`` and ``build`` it::
 from . import distributed, env, primitives
 from .build import build
 from .checkpoint import export_hf, load_checkpoint, save_checkpoint
-from .errors import (CheckpointError, DistributedError, LoweringError, NotTracedError, PatternError, PlanError,
-                     PlanSerializationError, ScheduleKeyError, ScheduleTypeError, ScheduleValueError,
+from .errors import (CheckpointError, DistributedError, LoweringError, NotTracedError, PatternError, PipelineError,
+                     PlanError, PlanSerializationError, ScheduleKeyError, ScheduleTypeError, ScheduleValueError,
                      SchedlangError, ShardError, SyncError, TraceError, VerificationError)
 from .init import init_empty_weights
 from .plan import Plan, Step, replay
@@ -30,7 +30,8 @@ __all__ = [
     "init_empty_weights", "call_module", "PH", "distributed", "env", "primitives",
     "SchedlangError", "ScheduleKeyError", "ScheduleValueError", "ScheduleTypeError", "ShardError", "SyncError",
     "PlanError", "PlanSerializationError", "TraceError", "NotTracedError", "PatternError", "LoweringError",
-    "VerificationError", "DistributedError", "CheckpointError", "save_checkpoint", "load_checkpoint", "export_hf",
+    "VerificationError", "DistributedError", "CheckpointError", "PipelineError", "save_checkpoint", "load_checkpoint",
+    "export_hf",
     "__version__",
 ]
 

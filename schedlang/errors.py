@@ -28,6 +28,7 @@ __all__ = [
     "VerificationError",
     "DistributedError",
     "CheckpointError",
+    "PipelineError",
 ]
 
 
@@ -92,3 +93,7 @@ class DistributedError(SchedlangError, RuntimeError):
 
 class CheckpointError(SchedlangError, ValueError):
     """A checkpoint is missing or does not fit the model (names, shapes), or an export cannot be written."""
+
+
+class PipelineError(SchedlangError, ValueError):
+    """A model cannot be split into pipeline stages as asked, or the stages cannot be run as configured."""

@@ -325,6 +325,18 @@ class Schedule:
         """
         return self._run("replicate", mp_policy=mp_policy)
 
+    # ------------------------------------------------------------------ pipeline parallelism
+    def cut_pipeline_stage(self):
+        """End a pipeline stage after this module; ``n`` cuts make ``n + 1`` stages, split and run on
+        the mesh's ``pp`` dimension by ``schedlang.build(sch, pipeline={...})`` (see
+        :mod:`schedlang.primitives.cut_pipeline_stage`).
+
+        Example::
+
+            sch["model.layers.1"].cut_pipeline_stage()   # stage 0: embeddings, layers 0-1; stage 1: the rest
+        """
+        return self._run("cut_pipeline_stage")
+
     # ------------------------------------------------------------------ graph primitives
     def trace(self, recursive: bool = True, flatten: bool = False, leaf_modules=None, tracer: str = "fx",
               concrete_args: Optional[Dict[str, Any]] = None):
