@@ -1,0 +1,301 @@
+"""
+From one GPU to a 2-D mesh
+==========================
+
+One model, trained under four layouts of ranks, written as schedules of the same unchanged
+HuggingFace LLaMA:
+
+* one process (the reference);
+* data parallelism with FSDP2: every parameter split over the ``dp`` ranks (``fully_shard``);
+* tensor parallelism, Megatron style, over the ``tp`` ranks (``schedlang.models.shard_model``);
+* both at once on a 2-D mesh, ``dp=2 x tp=2``.
+
+Every layout trains on the same global batch from the same weights, so their losses agree
+step by step. A distributed checkpoint saved under one layout then loads under another
+(``schedlang.save_checkpoint`` / ``load_checkpoint``): each rank reads the pieces its own
+shards cover, weights and AdamW state alike, and training goes on as if nothing had changed.
+
+Run it as a plain script on CPU: it starts two gloo ranks (one process, ``dp=2``, ``tp=2``),
+then four (``dp=2 x tp=2``)::
+
+    python tutorials/06_scale_out.py
+
+or on GPUs (NCCL), where the 1-D layouts use all the ranks and the 2-D one needs 4 of them::
+
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 torchrun --nproc_per_node=4 tutorials/06_scale_out.py
+"""
+
+# %%
+# Setup
+# -----
+# Every rank runs the same code. The model is tiny (two decoder layers) so that the whole
+# tutorial runs on a laptop CPU; nothing below depends on its size. The global batch is fixed
+# (8 sequences of 16 tokens, the same on every rank); a data-parallel rank trains on its rows of
+# it, and the ranks of a tensor-parallel group share theirs. The labels are the ids shifted by
+# one, made once on the host. Everything runs in float32 here, so the layouts agree to
+# rounding; for real training ``fully_shard`` computes in bf16 with fp32 gradient reduction
+# (its default on a GPU).
+
+import os
+import shutil
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import schedlang
+from schedlang.distributed.cross_entropy import vocab_parallel_cross_entropy
+from schedlang.distributed.mesh import describe_mesh, make_mesh
+from schedlang.models import shard_model
+
+ROWS, SEQ, STEPS, LR = 8, 16, 3, 3e-3
+SHOWN = ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight",
+         "model.layers.0.input_layernorm.weight")
+
+
+def tiny_config():
+    config = LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
+                         intermediate_size=128, vocab_size=256, max_position_embeddings=64)
+    config._attn_implementation = "sdpa"
+    return config
+
+
+def device_of_rank():
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def say(*args):
+    if dist.get_rank() == 0:
+        print(*args, flush=True)
+
+
+def tiny_llama(device):
+    """The unsharded model, the same weights on every rank and in every layout (seed 0)."""
+    torch.manual_seed(0)
+    return LlamaForCausalLM(tiny_config()).to(device)
+
+
+def global_batch(device):
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, tiny_config().vocab_size, (ROWS, SEQ), generator=gen)
+    labels = torch.roll(ids, -1, dims=1)
+    labels[:, -1] = -100  # the last position has no next token
+    return ids.to(device), labels.to(device)
+
+
+def mean_over_ranks(value):
+    """Each data-parallel rank holds the mean loss of its rows; the global loss is their mean (the ranks of a
+    tensor-parallel group hold the same value, so the mean over all ranks is the same thing)."""
+    value = value.detach().float().clone()
+    dist.all_reduce(value)
+    return (value / dist.get_world_size()).item()
+
+
+# %%
+# The loss
+# --------
+# Under tensor parallelism the LM head is split along the vocabulary, and so are the logits:
+# each rank holds ``vocab / tp`` columns. The vocabulary-parallel cross entropy takes the loss
+# of the split logits directly (three all-reduces of one value per token instead of an
+# all-gather of all the logits). Other layouts have whole logits and take the usual loss.
+def loss_of(model, ids, labels, tp_group=None):
+    logits = model(input_ids=ids, use_cache=False).logits
+    if logits.shape[-1] != tiny_config().vocab_size:
+        return vocab_parallel_cross_entropy(logits.flatten(0, 1), labels.flatten(), group=tp_group)
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+
+
+def train(model, opt, ids, labels, steps, tp_group=None):
+    losses = []
+    for _ in range(steps):
+        loss = loss_of(model, ids, labels, tp_group)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(mean_over_ranks(loss))
+    return losses
+
+
+def show_parameters(model, title):
+    """What each parameter looks like on this rank: a DTensor's placements say where its pieces are."""
+    from torch.distributed.tensor import DTensor
+
+    say(f"  parameters ({title}), on rank 0:")
+    for name, p in model.named_parameters():
+        if name not in SHOWN:
+            continue
+        if isinstance(p, DTensor):
+            dims = ", ".join(p.device_mesh.mesh_dim_names)
+            say(f"    {name:40s} {str(tuple(p.shape)):10s} DTensor over ({dims}) {list(p.placements)}, "
+                f"local {tuple(p.to_local().shape)}")
+        else:
+            say(f"    {name:40s} {str(tuple(p.shape)):10s} plain tensor")
+
+
+def report(title, losses, reference):
+    diff = max(abs(a - b) for a, b in zip(losses, reference))
+    say(f"{title:34s} losses {', '.join(f'{x:.5f}' for x in losses)}   (max difference to one process {diff:.1e})")
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference[:len(losses)]), rtol=1e-4, atol=1e-4)
+
+
+# %%
+# Layouts as schedules
+# --------------------
+# A layout is a device mesh and a few schedule lines. ``make_mesh`` names the dimensions; the
+# product of their sizes is the number of ranks. ``shard_model`` writes the tensor-parallel
+# ``shard`` / ``sync`` steps for the model's family (they act on the ``tp`` dimension);
+# ``fully_shard`` records FSDP2 on the ``dp`` dimension, on each decoder layer and then on the
+# root, which keeps what is left (embeddings, final norm, LM head). ``schedlang.build`` puts
+# them on in order: tensor-parallel parameters become DTensors on ``tp``, then FSDP2 splits
+# every parameter again along ``dp``. With ``empty=True`` the model is made on the meta device
+# and ``build`` allocates each rank's shards only, uninitialized (``init_weights=False``): the
+# way to start a big model that is about to be filled from a checkpoint.
+def build_layout(device, dp, tp, empty=False):
+    mesh = make_mesh(dp=dp, tp=tp, device_type=device.type)
+    if empty:
+        with schedlang.init_empty_weights():
+            model = LlamaForCausalLM(tiny_config())
+    else:
+        model = tiny_llama(device)
+    sch = schedlang.create_schedule(model, mesh=mesh)
+    if tp > 1:
+        shard_model(sch)
+    if dp > 1:
+        for i in range(tiny_config().num_hidden_layers):
+            sch[f"model.layers.{i}"].fully_shard(mp_policy="fp32")
+        sch.fully_shard(mp_policy="fp32")
+    model, opt = schedlang.build(sch, optimizer=torch.optim.AdamW, lr=LR, device=device,
+                                 **({"init_weights": False} if empty else {}))
+    return model, opt, mesh
+
+
+def rows_of(mesh, ids, labels):
+    """This rank's rows of the global batch: its part along ``dp``, shared along ``tp``."""
+    dp = mesh["dp"].size()
+    d = mesh.get_local_rank("dp")
+    n = ids.shape[0] // dp
+    return ids[d * n:(d + 1) * n], labels[d * n:(d + 1) * n]
+
+
+def run_layout(device, dp, tp, ids, labels, steps):
+    model, opt, mesh = build_layout(device, dp, tp)
+    tp_group = mesh["tp"].get_group()
+    losses = train(model, opt, *rows_of(mesh, ids, labels), steps, tp_group)
+    return model, opt, mesh, losses
+
+
+def one_process_reference(device, ids, labels, steps):
+    """Every rank trains the whole model on the whole batch by itself: the losses all layouts must match."""
+    model = tiny_llama(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for _ in range(steps):
+        loss = loss_of(model, ids, labels)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+def resume(device, dp, tp, ids, labels, checkpoint, reference, title):
+    """A fresh, empty model under another layout, filled from the checkpoint; one more step."""
+    model, opt, mesh = build_layout(device, dp, tp, empty=True)
+    info = schedlang.load_checkpoint(checkpoint, model, opt)
+    loss = train(model, opt, *rows_of(mesh, ids, labels), 1, mesh["tp"].get_group())[0]
+    say(f"{title}: loaded step {info['step']} under {describe_mesh(mesh)}; step {info['step'] + 1} loss {loss:.5f} "
+        f"(one process: {reference[info['step']]:.5f})")
+    torch.testing.assert_close(loss, reference[info["step"]], rtol=1e-4, atol=1e-4)
+    return model
+
+
+# %%
+# One process, FSDP2, tensor parallelism
+# ----------------------------------------
+# The reference trains ``STEPS + 1`` steps alone. FSDP2 over all the ranks and tensor
+# parallelism over all the ranks each train ``STEPS`` steps; their global losses match the
+# reference's. The FSDP2 run then saves a checkpoint (weights and AdamW state, each rank its
+# own shards), which a tensor-parallel model, built empty, loads and trains one step further:
+# its loss is the reference's next one.
+def one_dimensional(rank, world, checkpoint):
+    device = device_of_rank()
+    ids, labels = global_batch(device)
+    reference = one_process_reference(device, ids, labels, STEPS + 1)
+    say(f"{world} ranks; global batch {ROWS} x {SEQ}\n")
+    say(f"{'one process':34s} losses {', '.join(f'{x:.5f}' for x in reference[:STEPS])}, then {reference[STEPS]:.5f}")
+
+    model, opt, mesh, losses = run_layout(device, world, 1, ids, labels, STEPS)
+    report(f"FSDP2 ({describe_mesh(mesh)})", losses, reference)
+    show_parameters(model, "FSDP2: each rank holds 1/dp of the rows of every tensor")
+    schedlang.save_checkpoint(checkpoint, model, opt, step=STEPS)
+    say(f"  saved a checkpoint of step {STEPS} under FSDP2")
+
+    model, opt, mesh, losses = run_layout(device, 1, world, ids, labels, STEPS)
+    report(f"TP ({describe_mesh(mesh)})", losses, reference)
+    show_parameters(model, "TP: heads, MLP columns and vocabulary split; norms replicated")
+
+    resume(device, 1, world, ids, labels, checkpoint, reference, "\nFSDP2 checkpoint -> TP")
+
+
+# %%
+# A 2-D mesh
+# ----------
+# On four ranks, ``dp=2 x tp=2``: two tensor-parallel groups of two ranks, each group training
+# on half of the batch, every parameter split along ``tp`` by the schedule and along ``dp`` by
+# FSDP2. A tensor-parallel shard that FSDP2 splits again is a DTensor with two placements, one
+# per mesh dimension. The checkpoint saved under FSDP2 on two ranks loads here as well.
+def two_dimensional(rank, world, checkpoint):
+    device = device_of_rank()
+    ids, labels = global_batch(device)
+    reference = one_process_reference(device, ids, labels, STEPS + 1)
+    say(f"\n{world} ranks")
+    model, opt, mesh, losses = run_layout(device, 2, world // 2, ids, labels, STEPS)
+    report(f"2-D ({describe_mesh(mesh)})", losses, reference)
+    show_parameters(model, "2-D: split along tp by the schedule, then along dp by FSDP2")
+    resume(device, 2, world // 2, ids, labels, checkpoint, reference, "FSDP2 checkpoint -> 2-D")
+
+
+# %%
+# Launching
+# ---------
+# Under ``torchrun`` (``RANK`` is set) every process joins the group and runs both parts (the
+# 2-D one with 4 ranks or more, an even number). As a plain script, two local gloo ranks run the
+# first part, then four run the second; the checkpoint directory outlives the first group.
+def _torchrun():
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    where = [tempfile.mkdtemp(prefix="schedlang-06-") if rank == 0 else None]
+    dist.broadcast_object_list(where)
+    checkpoint = os.path.join(where[0], "step")
+    try:
+        one_dimensional(rank, world, checkpoint)
+        if world >= 4 and world % 2 == 0:
+            two_dimensional(rank, world, checkpoint)
+        else:
+            say(f"\n(the 2-D mesh needs 4 ranks or more; this run has {world})")
+        dist.barrier()
+    finally:
+        if rank == 0:
+            shutil.rmtree(where[0], ignore_errors=True)
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    if "RANK" in os.environ:
+        _torchrun()
+    else:
+        from schedlang.distributed.launch import run_distributed
+
+        with tempfile.TemporaryDirectory(prefix="schedlang-06-") as tmp:
+            checkpoint = os.path.join(tmp, "step")
+            run_distributed(one_dimensional, world_size=2, args=(checkpoint,), backend="gloo", timeout=180)
+            run_distributed(two_dimensional, world_size=4, args=(checkpoint,), backend="gloo", timeout=180)
