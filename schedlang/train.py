@@ -199,7 +199,8 @@ def _device_type(ns) -> str:
 _TINY = {
     "llama": dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
                   intermediate_size=128, vocab_size=256, max_position_embeddings=128),
-    "gpt2": dict(n_embd=64, n_layer=4, n_head=4, n_inner=128, vocab_size=256, n_positions=128),
+    "gpt2": dict(n_embd=64, n_layer=4, n_head=4, n_inner=128, vocab_size=256, n_positions=128, bos_token_id=255,
+                 eos_token_id=255),
 }
 #: pretraining runs without dropout (GPT-2's configs default to 0.1); layouts then compute the same thing
 _NO_DROPOUT = {"gpt2": dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0), "llama": {}}
@@ -296,6 +297,14 @@ def _model_class(model: str):
     from transformers import GPT2LMHeadModel
 
     return GPT2LMHeadModel
+
+
+def _tied_names(model) -> Dict[str, str]:
+    """``{name: first name}`` for every name of a parameter the model holds under several names (tied weights)."""
+    names: Dict[int, List[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return {n: group[0] for group in names.values() if len(group) > 1 for n in group}
 
 
 def _layers_path(model: str) -> str:
@@ -460,6 +469,7 @@ class _Run:
         with schedlang.init_empty_weights():
             model = _model_class(ns.model)(self.cfg)
         self.flops_params = _flops_params(model)
+        tied = _tied_names(model)
         self.n_params = sum(p.numel() for p in model.parameters())
         sch = schedlang.create_schedule(model, mesh=self.mesh) if self.mesh is not None else \
             schedlang.create_schedule(model)
@@ -492,6 +502,7 @@ class _Run:
         self.model, self.optimizer = schedlang.build(sch, optimizer=opt_cls, device=self.device, pipeline=pipeline,
                                                      **opt_kw)
         self.sch = sch
+        self.grad_weight = self._tied_weights(tied) if self.pipelined and tied else {}
         if ns.compile:
             for module in self._modules():
                 if any(isinstance(m, torch.nn.ModuleList) for m in module.modules()):  # a stage may hold no layer
@@ -502,6 +513,21 @@ class _Run:
     def _modules(self) -> List[torch.nn.Module]:
         stages = getattr(self.model, "stage_modules", None)  # a pipeline: the stages this rank holds
         return list(stages) if stages is not None else [self.model]
+
+    def _tied_weights(self, tied: Dict[str, str]) -> Dict[int, float]:
+        """A tied weight used by stages on several pp ranks has a copy on each (with the same summed gradient):
+        per copy, the share that counts it once in the gradient norm."""
+        import torch.distributed as dist
+
+        mine: Dict[int, str] = {}
+        for module in self._modules():
+            for name, p in module.named_parameters(remove_duplicate=False):
+                if name in tied:
+                    mine[id(p)] = tied[name]
+        everyone: List[Any] = [None] * self.world
+        dist.all_gather_object(everyone, (self.pp_rank, sorted(set(mine.values()))))
+        holders = {g: len({pp for pp, groups in everyone if g in groups}) for g in set(mine.values())}
+        return {pid: 1.0 / holders[g] for pid, g in mine.items()}
 
     def _optimizer(self):
         ns = self.ns
@@ -573,7 +599,13 @@ class _Run:
         return float(buf)
 
     def _params(self) -> List[torch.nn.Parameter]:
-        return [p for m in self._modules() for p in m.parameters() if p.requires_grad]
+        seen, out = set(), []
+        for m in self._modules():  # two stages of one rank may share a tied weight: once
+            for p in m.parameters():
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    out.append(p)
+        return out
 
     def _clip(self) -> float:
         """Global gradient norm over every rank's shards (each distinct element counted once); clips to --grad-clip."""
@@ -586,7 +618,7 @@ class _Run:
         total = torch.zeros((), device=self.device, dtype=torch.float32)
         for p in params:
             g = p.grad
-            pieces = 1
+            pieces = self.grad_weight.get(id(p), 1.0)
             if DTensor and isinstance(g, DTensor):
                 for dim, placement in enumerate(g.placements):
                     if placement.is_partial():  # pragma: no cover - gradients are reduced by now
