@@ -39,6 +39,7 @@ import json
 import logging
 import math
 import os
+import re
 import sys
 import time
 import traceback
@@ -839,11 +840,14 @@ def _failure_summary(error: DistributedError) -> str:
         head, _, body = block.partition(" failed:\n")
         if not body:
             continue
-        last = [l for l in body.strip().splitlines() if l.strip()]
+        body_lines = [l for l in body.rstrip().splitlines() if l.strip()]
+        # the exception starts at the last unindented "SomeError: ..." line; its message may span lines
+        starts = [i for i, l in enumerate(body_lines) if re.match(r"[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b", l)]
+        last = [" ".join(l.strip() for l in body_lines[starts[-1]:])] if starts else body_lines[-1:]
         if last:
             message = last[-1].strip()
             kind, sep, rest = message.partition(": ")
-            if sep and kind.rsplit(".", 1)[-1] in _OWN_ERRORS:  # our own errors read as their message
+            if sep and (kind.startswith("schedlang.") or kind in _OWN_ERRORS):  # our own errors read as their message
                 message = rest
             lines.append(f"rank {head}: {message}")
     if not lines:
