@@ -21,15 +21,6 @@ import torch
 from schedlang import cli
 from schedlang import train as trainer
 
-try:
-    import schedlang.distributed.pipeline  # noqa: F401
-
-    HAS_PIPELINE = True
-except ImportError:
-    HAS_PIPELINE = False
-needs_pipeline = pytest.mark.xfail(not HAS_PIPELINE, strict=True,
-                                   reason="pipeline stages (build(pipeline=...)) are not in schedlang yet")
-
 STEPS = 4
 COMMON = ["--model", "llama", "--config", "tiny", "--steps", str(STEPS), "--global-batch", "4", "--seq", "32",
           "--lr", "3e-3", "--device", "cpu", "--dtype", "fp32", "--seed", "5"]
@@ -82,7 +73,7 @@ def test_single_process_metrics(reference):
 @pytest.mark.parametrize("layout", [
     pytest.param(["--nproc", "2", "--dp", "2"], id="dp2"),
     pytest.param(["--nproc", "2", "--tp", "2"], id="tp2"),
-    pytest.param(["--nproc", "2", "--pp", "2"], id="pp2", marks=needs_pipeline),
+    pytest.param(["--nproc", "2", "--pp", "2"], id="pp2"),
     pytest.param(["--nproc", "4", "--dp", "2", "--tp", "2"], id="dp2-tp2"),
 ])
 def test_layouts_give_the_losses_of_one_process(layout, reference, work):
@@ -212,7 +203,6 @@ def test_gpt2_with_sequence_parallelism_trains_like_one_process(work):
     _assert_same_losses(_run(work, "gpt2-sp", *gpt2, "--nproc", "2", "--tp", "2", "--sp"), _run(work, "gpt2", *gpt2))
 
 
-@needs_pipeline
 def test_interleaved_pipeline_with_a_tied_weight_trains_like_one_process(work):
     # GPT-2's LM head is its token embedding: stages 0 and 3 (on pp ranks 0 and 1) both hold it
     gpt2 = ["--model", "gpt2"]
