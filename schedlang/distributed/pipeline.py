@@ -13,8 +13,10 @@ as a ``call_module`` leaf: for cuts after ``model.layers.1`` and ``model.layers.
 ``rotary_emb``, every decoder layer, ``norm`` and ``lm_head`` stay calls of the original module
 objects. The graph is then partitioned in execution order: stage ``k`` holds everything after the
 ``k``-th cut node up to and including the ``(k+1)``-th. ``torch.distributed.pipelining.pipeline``
-(``torch.export``) was the alternative; it re-creates modules and flattens names, which would
-break the contract below, and it fails on the data-dependent mask code of transformers 5.x.
+(``torch.export``) was the alternative; it turns the model into exported graph modules, which
+do not keep the original module objects with their forward hooks (tensor-parallel local views,
+sync ops) and instance-level forwards (activation checkpointing), so the contract below could
+not hold.
 
 Why this keeps tensor and data parallelism working: a stage module is an ``fx.GraphModule``
 whose submodules are the *original* module objects at their *original* paths (intermediate
@@ -33,9 +35,12 @@ What crosses a stage boundary
 ``i`` and used in stage ``j > i + 1`` (the rotary ``(cos, sin)`` pair, the mask, position ids)
 is relayed by the stages in between. Tuples are sent element by element and rebuilt. Values that
 carry no gradient are sent as float tensors and converted back in the receiving stage: integer
-tensors (position ids; exact up to 2**53), boolean masks, Python numbers (0-d tensors), and
-``None`` (an empty tensor): the HF mask builders return ``None`` at run time when SDPA can use
-``is_causal``, so the mask is "a tensor or None" and crosses as such. Such values are wired to
+tensors (position ids; exact up to 2**53), boolean masks, ``None`` (an empty tensor: the HF
+mask builders return ``None`` at run time when SDPA can use ``is_causal``, so the mask is "a
+tensor or None" and crosses as such) and Python numbers. An int (GPT-2 sends its output shape)
+travels in the *shape* of an empty tensor, because torch's stages infer shapes before the first
+step by sending zero-filled tensors, so a size sent as data would read 0 there; a float travels
+as data (a float that decides a shape would break that inference). Such values are wired to
 the stage output with zero gradients, because torch 2.11's stages expect a gradient for every
 received tensor and torch 2.13's for every output that requires one; both then agree. Non-tensor
 values that are not graph values (``None`` arguments, Python constants) are already folded into
@@ -67,6 +72,18 @@ its stage module (the same object when both stages are on one rank), the copies 
 add their gradients (point-to-point over the pp group, summed in rank order, so every copy gets
 the same total and takes the same optimizer step). FSDP on a tied weight held by two stages of
 one rank is not supported.
+
+Limits
+------
+* The ZeroBubble schedule with ``fully_shard`` is refused: measured on torch 2.13 (gloo) its
+  later steps drift from one process, while ZeroBubble alone or with ``replicate``, and the
+  other schedules with ``fully_shard``, agree.
+* The enclosing modules that are traced through run as code of the stage modules: their own
+  forward hooks do not run, and ``fully_shard`` / ``replicate`` on them is refused.
+* Every rank builds the whole model before keeping its stages; the other stages' tensors are
+  freed only when nothing else (the schedule) refers to the full model.
+* For a model that is not a transformers model, pass ``example_inputs`` (in ``options``) so that
+  what crosses each cut is known at build; otherwise it is checked when the stages run.
 
 Example::
 
@@ -101,7 +118,7 @@ logger = logging.getLogger("schedlang.distributed.pipeline")
 #: the schedules ``options["schedule"]`` accepts; the second group holds several stages per rank
 SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B", "ZeroBubble")
 _MULTI_STAGE = ("Interleaved1F1B", "ZeroBubble")
-_OPTION_KEYS = ("schedule", "n_microbatches", "loss_fn")
+_OPTION_KEYS = ("schedule", "n_microbatches", "loss_fn", "example_inputs")
 
 
 # ------------------------------------------------------------------------------------------------ run-time helpers
@@ -146,13 +163,14 @@ def _send_number(value, device: torch.device, where: str):
     zero-filled tensors of the right shapes, so a size sent as data would read 0 there."""
     if isinstance(value, torch.Tensor) and value.dim() == 0:
         value = value.item()
-    if isinstance(value, (bool, int)) or (isinstance(value, numbers.Integral)):
+    if isinstance(value, numbers.Integral):
         n = int(value)
         out = torch.empty((0, abs(n), int(n < 0)), dtype=torch.float32, device=device)
     elif isinstance(value, numbers.Real):
         out = torch.tensor(float(value), dtype=torch.float64, device=device)
     else:
-        raise PipelineError(f"{where} is {_kind_of(value)} at run time, but was traced as a Python number; move the cut")
+        raise PipelineError(f"{where} is {_kind_of(value)} at run time, but was traced as a Python number; move the "
+                            "cut")
     return out.requires_grad_(True) if torch.is_grad_enabled() else out
 
 
@@ -292,7 +310,8 @@ def _trace(model: nn.Module, cut_paths: Sequence[str]) -> fx.GraphModule:
 _UNKNOWN = object()
 
 
-def _examples(gm: fx.GraphModule, model: nn.Module) -> Dict[fx.Node, Any]:
+def _examples(gm: fx.GraphModule, model: nn.Module, example_inputs: Optional[Sequence[Any]] = None
+              ) -> Dict[fx.Node, Any]:
     """Example value (fake tensors) of every node, ``_UNKNOWN`` where it cannot be computed.
 
     Leaf modules run their class forward on fake inputs (their children's hooks run; sync ops only
@@ -316,11 +335,18 @@ def _examples(gm: fx.GraphModule, model: nn.Module) -> Dict[fx.Node, Any]:
     device = next((t.device for t in model.parameters()), torch.device("cpu"))
     if device.type == "meta":
         device = torch.device("cpu")
+    given = {}
+    if example_inputs is not None:
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        given = {n: fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t
+                 for n, t in zip(placeholders, example_inputs)}
     with _local_tensors(model), T._shape_only_syncs(), fake_mode, torch.enable_grad():
         for node in gm.graph.nodes:
             value = _UNKNOWN
             try:
-                if node.op == "placeholder":
+                if node in given:
+                    value = given[node]
+                elif node.op == "placeholder":
                     if is_hf and node.target in ("input_ids",):
                         value = torch.zeros(T.EXAMPLE_BATCH, T.EXAMPLE_SEQUENCE, dtype=torch.long, device=device)
                 elif node.op == "get_attr":
@@ -432,9 +458,9 @@ def _model_output(gm: fx.GraphModule, values) -> fx.Node:
     return value
 
 
-def _partition(model: nn.Module, cut_paths: Sequence[str]) -> _Split:
+def _partition(model: nn.Module, cut_paths: Sequence[str], example_inputs=None) -> _Split:
     gm = _trace(model, cut_paths)
-    values = _examples(gm, model)
+    values = _examples(gm, model, example_inputs)
     graph = gm.graph
     out_node = next(n for n in graph.nodes if n.op == "output")
     result = _model_output(gm, values)
@@ -729,12 +755,14 @@ def _check_cut_paths(model: nn.Module, cut_paths: Sequence[str]) -> List[str]:
     return list(cut_paths)
 
 
-def split_model(model: nn.Module, cut_paths: Sequence[str],
-                device: Optional[torch.device] = None) -> List[fx.GraphModule]:
+def split_model(model: nn.Module, cut_paths: Sequence[str], device: Optional[torch.device] = None,
+                example_inputs: Optional[Sequence[Any]] = None) -> List[fx.GraphModule]:
     """All stage modules of ``model`` cut after ``cut_paths`` (see the module docstring), in order.
 
     Stage 0 takes the model's inputs; stage ``k`` takes the tensors stage ``k - 1`` returns (a
-    tuple); the last returns the output tensor. Running them in a chain computes the model:
+    tuple); the last returns the output tensor. ``example_inputs`` (only their shapes and dtypes
+    count) tell what crosses the cuts of a model that is not a transformers model; without them
+    that is checked when the stages run. Running the stages in a chain computes the model::
 
         stages = split_model(model, ["model.layers.1"])
         logits = stages[1](*stages[0](input_ids))
@@ -742,7 +770,7 @@ def split_model(model: nn.Module, cut_paths: Sequence[str],
     cut_paths = _check_cut_paths(model, cut_paths)
     if device is None:
         device = next((t.device for t in model.parameters()), torch.device("cpu"))
-    split = _partition(model, cut_paths)
+    split = _partition(model, cut_paths, example_inputs)
     stages = [_stage_module(split, model, s, device) for s in range(split.n_stages)]
     _attach_unused_state(stages, model, _enclosing_paths(cut_paths))
     return stages
@@ -768,7 +796,11 @@ def _check_options(options: Any) -> Dict[str, Any]:
     if not callable(loss_fn):
         raise PipelineError(f"pipeline option 'loss_fn' must be a callable fn(output, target) -> scalar loss, got "
                             f"{loss_fn!r}")
-    return {"schedule": schedule, "n_microbatches": n, "loss_fn": loss_fn}
+    examples = options.get("example_inputs")
+    if examples is not None and (isinstance(examples, torch.Tensor) or not isinstance(examples, (tuple, list))):
+        raise PipelineError(f"pipeline option 'example_inputs' must be a tuple of example model inputs, got "
+                            f"{type(examples).__name__}")
+    return {"schedule": schedule, "n_microbatches": n, "loss_fn": loss_fn, "example_inputs": examples}
 
 
 def _check_layout(n_stages: int, pp_size: int, opts: Dict[str, Any], cut_paths: Sequence[str]) -> int:
@@ -954,7 +986,8 @@ class PipelinedModel(nn.Module):
         if losses is not None and not isinstance(losses, list):
             raise PipelineError(f"losses must be a list (the last stage appends one loss per microbatch), got "
                                 f"{type(losses).__name__}")
-        args = inputs if self.is_first else ()
+        # torch 2.11 checks every microbatch against the first one's strides: hand it contiguous inputs
+        args = tuple(x.contiguous() if isinstance(x, torch.Tensor) else x for x in inputs) if self.is_first else ()
         out = self.schedule.step(*args, target=target if self.is_last else None,
                                  losses=losses if self.is_last else None)
         self._finish_gradients()
@@ -1013,23 +1046,41 @@ def _schedule(name: str, stages: List[Any], n: int, loss_fn: Callable):
     return pp.ScheduleInterleavedZeroBubble(stages, n, loss_fn=loss, scale_grads=False)
 
 
-def _check_data_parallel_targets(stage: nn.Module, enclosing: Sequence[str]) -> None:
-    """The traced-through enclosing modules are never called, so hooks put on them never run."""
+def _data_parallel_wrapped(module: nn.Module) -> bool:
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # pragma: no cover
-        FSDPModule = ()
+        return False
+    if isinstance(module, FSDPModule):
+        return True
+    try:  # the composable replicate (DDP) keeps its state in a registry
+        from torch.distributed._composable_state import _get_module_state
+    except ImportError:  # pragma: no cover
+        return False
+    return _get_module_state(module) is not None
+
+
+def _check_prepared_stage(stage: nn.Module, index: int, enclosing: Sequence[str], schedule: str) -> None:
+    """What ``prepare_stage`` did must still work in a stage."""
     for path in enclosing:
         try:
             module = stage.get_submodule(path)
         except AttributeError:
             continue
-        wrapped = (FSDPModule and isinstance(module, FSDPModule)) or "replicate" in str(type(module)) or \
-            bool(module._forward_pre_hooks) or bool(module._forward_hooks)
-        if wrapped:
+        if _data_parallel_wrapped(module):
             raise PipelineError(f"{path}: this module encloses a pipeline cut, so its forward is split across stages "
-                                "and never called as a whole; data parallelism (fully_shard / replicate) and hooks "
-                                "on it would never run: apply them to its layers and to the root instead")
+                                "and never called as a whole; data parallelism (fully_shard / replicate) on it would "
+                                "never gather or reduce anything: apply it to its layers and to the root instead")
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover
+        FSDPModule = ()
+    if schedule == "ZeroBubble" and FSDPModule and any(isinstance(m, FSDPModule) for m in stage.modules()):
+        # measured (torch 2.13, gloo): the losses of later steps drift from one process, while
+        # ZeroBubble alone, ZeroBubble with replicate, and Interleaved1F1B with fully_shard agree
+        raise PipelineError(f"stage {index}: the ZeroBubble schedule computes weight gradients apart from input "
+                            "gradients, which FSDP2 (fully_shard) does not reduce correctly here; use Interleaved1F1B "
+                            "with fully_shard, or replicate with ZeroBubble")
 
 
 def build_pipeline(model: nn.Module, cut_paths: Sequence[str], pp_group_or_mesh, options: dict,
@@ -1041,7 +1092,8 @@ def build_pipeline(model: nn.Module, cut_paths: Sequence[str], pp_group_or_mesh,
     order); ``n`` cuts make ``n + 1`` stages, spread over the ``P`` ranks of ``pp_group_or_mesh``
     (a 1-D ``DeviceMesh`` or a ``ProcessGroup``; None: the world) in loops: stage ``s`` on rank
     ``s % P``. ``options``: ``{"schedule": "1F1B" | "GPipe" | "Interleaved1F1B" | "ZeroBubble",
-    "n_microbatches": N, "loss_fn": fn(output, target) -> scalar}``. ``device``: where the model
+    "n_microbatches": N, "loss_fn": fn(output, target) -> scalar}``, optionally ``"example_inputs"``
+    (a tuple like the model's inputs, for models other than transformers). ``device``: where the model
     and its stages live. ``prepare_stage(stage_module)`` runs on each local stage module after
     the split and before its ``PipelineStage`` is made (data parallelism goes here).
 
@@ -1062,7 +1114,7 @@ def build_pipeline(model: nn.Module, cut_paths: Sequence[str], pp_group_or_mesh,
     n_stages = len(cut_paths) + 1
     _check_layout(n_stages, pp_size, opts, cut_paths)
     device = torch.device(device)
-    split = _partition(model, cut_paths)
+    split = _partition(model, cut_paths, opts["example_inputs"])
     order = [n.target for n in split.cut_nodes]
     all_stages = [_stage_module(split, model, s, device) for s in range(n_stages)]
     enclosing = _enclosing_paths(cut_paths)
@@ -1090,7 +1142,7 @@ def build_pipeline(model: nn.Module, cut_paths: Sequence[str], pp_group_or_mesh,
         module = all_stages[s]
         if prepare_stage is not None:
             prepare_stage(module)
-            _check_data_parallel_targets(module, enclosing)
+            _check_prepared_stage(module, s, enclosing, opts["schedule"])
         modules.append(module)
         stages.append(PipelineStage(module, s, n_stages, device, group=group))
     schedule = _schedule(opts["schedule"], stages, opts["n_microbatches"], opts["loss_fn"])

@@ -254,7 +254,7 @@ def test_split_stages_chain_to_the_model_and_keep_names_and_tensors():
         assert isinstance(stage.model.layers, nn.ModuleList)
     assert seen == set(originals)
     assert list(stages[1].model.layers._modules) == ["1", "2"]
-    assert stages[1].model.layers[0] if False else next(iter(stages[1].model.layers)) is model.model.layers[1]
+    assert list(stages[1].model.layers) == [model.model.layers[1], model.model.layers[2]]
 
 
 class _Twice(nn.Module):
@@ -269,14 +269,37 @@ class _Twice(nn.Module):
         return self.b(torch.relu(self.a(self.a(x)))) * self.scale
 
 
-class _DictBlock(nn.Module):
+class _ReturnsDict(nn.Module):
     def __init__(self):
         super().__init__()
-        self.a = nn.Linear(6, 6)
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x):
+        return {"h": self.lin(x)}
+
+
+class _DictFlow(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = _ReturnsDict()
         self.b = nn.Linear(6, 6)
 
     def forward(self, x):
-        return self.b(self.a(x) + x)
+        return self.b(self.a(x)["h"])
+
+
+def test_a_value_that_is_not_a_tensor_cannot_cross_a_cut():
+    with pytest.raises(schedlang.PipelineError,
+                       match=r"^the value 'a' \(computed by module 'a'\), used after the cut after 'a', is a dict; "
+                             r"only tensors, tuples or lists of tensors, None and Python numbers can cross a pipeline "
+                             r"stage boundary: move the cut$"):
+        split_model(_DictFlow(), ["a"], example_inputs=(torch.randn(2, 6),))
+    stages = split_model(_DictFlow(), ["a"])  # no example: found when the stage runs
+    with pytest.raises(schedlang.PipelineError,
+                       match=r"^the value 'a' \(computed by module 'a'\), sent after 'a', is a dict at run time, but "
+                             r"was traced as a floating-point tensor; pipeline stages can only send tensors across a "
+                             r"cut: move the cut$"):
+        stages[0](torch.randn(2, 6))
 
 
 def test_split_a_plain_model_keeps_unused_and_root_tensors():
@@ -315,7 +338,8 @@ def test_cut_after_the_output_leaves_an_empty_stage():
     ({"n_microbatches": 0, "loss_fn": _loss_fn}, r"^pipeline option 'n_microbatches' must be a positive int, got 0$"),
     ({"n_microbatches": 2, "loss_fn": None}, r"^pipeline option 'loss_fn' must be a callable"),
     ({"n_microbatches": 2, "loss_fn": _loss_fn, "chunks": 2},
-     r"^unknown pipeline option\(s\) 'chunks': valid options are 'schedule', 'n_microbatches', 'loss_fn'$"),
+     r"^unknown pipeline option\(s\) 'chunks': valid options are 'schedule', 'n_microbatches', 'loss_fn', "
+     r"'example_inputs'$"),
 ])
 def test_option_errors(options, message):
     with pytest.raises(schedlang.PipelineError, match=message):
