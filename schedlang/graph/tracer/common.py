@@ -1,0 +1,130 @@
+"""Values shared by the tracer's pieces: the unknown-example marker, literal checks and small graph helpers."""
+
+from __future__ import annotations
+
+import inspect
+import operator
+from typing import Any, Iterable, List
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+_P = inspect.Parameter
+_LITERALS = (type(None), bool, int, float, str)
+
+
+class _Unknown:
+    """Example value that could not be computed."""
+
+    def __repr__(self) -> str:
+        return "<unknown>"
+
+
+UNKNOWN = _Unknown()
+
+
+class _NeedsExample(Exception):
+    """Raised internally when an example value is needed but unknown."""
+
+
+def _module_device(module: nn.Module) -> torch.device:
+    for t in module.parameters():
+        return t.device
+    for t in module.buffers():
+        return t.device
+    return torch.device("cpu")
+
+
+def forward_parameters(module: nn.Module) -> List[inspect.Parameter]:
+    """Parameters of ``type(module).forward`` (decorators unwrapped), without ``self``."""
+    fn = inspect.unwrap(type(module).forward)
+    params = list(inspect.signature(fn).parameters.values())
+    return params[1:]
+
+
+def _holds_tensor(value: Any) -> bool:
+    return any(isinstance(v, (torch.Tensor, fx.Proxy)) for v in _leaves(value))
+
+
+def _leaves(value: Any) -> Iterable[Any]:
+    if isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _leaves(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _leaves(v)
+    elif isinstance(value, slice):
+        yield from _leaves((value.start, value.stop, value.step))
+    else:
+        yield value
+
+
+def _constant_key(v: Any):
+    if isinstance(v, _LITERALS):
+        return (type(v).__name__, v)
+    if isinstance(v, (tuple, list)):
+        return (type(v).__name__, tuple(_constant_key(x) for x in v))
+    if isinstance(v, (torch.dtype, torch.device)):
+        return ("torch", str(v))
+    return ("object", id(v))
+
+
+def _literal_default(value: Any) -> bool:
+    if isinstance(value, _LITERALS):
+        return not isinstance(value, float) or value == value  # NaN has no repr that round-trips
+    if isinstance(value, tuple):
+        return all(_literal_default(v) for v in value)
+    return False
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
+def _describe_node(node: fx.Node) -> str:
+    target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+    args = ", ".join(str(a) for a in node.args)
+    return f"{node.name} = {target}({args})" if node.op != "placeholder" else node.name
+
+
+def _reserve_name(graph: fx.Graph, name: str) -> None:
+    namespace = getattr(graph, "_graph_namespace", None)
+    if namespace is not None and hasattr(namespace, "create_name"):
+        namespace.create_name(name, None)
+
+
+def _guard_value(value: Any) -> Any:
+    return value if _literal_default(value) else "<object>"
+
+
+def _describe(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    first = text[0] if text else ""
+    return f"{type(e).__name__}: {first}" if first else type(e).__name__
+
+
+_PURE_FUNCTIONS = {getattr, operator.getitem, len, *[getattr(operator, n) for n in (
+    "add", "sub", "mul", "truediv", "floordiv", "mod", "neg", "pos", "eq", "ne", "lt", "le", "gt", "ge", "not_",
+    "and_", "or_", "xor", "is_", "is_not", "contains")]}
+_PURE_METHODS = {"size", "dim", "numel", "stride", "is_contiguous", "__getitem__"}
+
+
+def _eliminate_dead_queries(graph: fx.Graph) -> None:
+    """Drop the shape queries that only served Python control flow (``bool(q_len > 1)``)."""
+    for node in reversed(list(graph.nodes)):
+        if node.users:
+            continue
+        if (node.op == "call_function" and node.target in _PURE_FUNCTIONS) or \
+                (node.op == "call_method" and node.target in _PURE_METHODS) or node.op == "get_attr":
+            graph.erase_node(node)
+
+
+def _new_fake_mode():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+

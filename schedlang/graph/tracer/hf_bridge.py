@@ -1,0 +1,144 @@
+"""What tracing a transformers model needs: mask builders and attention kernels as leaves, mask flags,
+synthesized token inputs and the recorded call of a submodule."""
+
+from __future__ import annotations
+
+import collections
+import inspect
+import sys
+from typing import Any, Callable, Dict, List, Tuple
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from ...errors import TraceError
+from .common import _P, UNKNOWN, _module_device, _new_fake_mode, forward_parameters
+from .examples import _shape_only_syncs
+
+# HF mask builders: they branch on tensor data and build masks with vmap; one node each.
+_HF_MASK_FUNCTIONS = (
+    "create_causal_mask",
+    "create_sliding_window_causal_mask",
+    "create_bidirectional_mask",
+    "create_bidirectional_sliding_window_mask",
+    "create_chunked_causal_mask",
+    "create_masks_for_generate",
+)
+
+
+def _default_leaf_functions() -> List[Callable]:
+    fns = []
+    masking = sys.modules.get("transformers.masking_utils")
+    if masking is not None:
+        fns += [getattr(masking, n) for n in _HF_MASK_FUNCTIONS if callable(getattr(masking, n, None))]
+    # the registered attention kernels decide `is_causal` from `mask is None` at run time (HF
+    # drops an all-ones mask), so they must run as one call, also when a traced graph that
+    # calls them by name is traced again
+    interface = getattr(sys.modules.get("transformers.modeling_utils"), "AttentionInterface", None)
+    mapping = getattr(interface, "_global_mapping", None)
+    if isinstance(mapping, dict):
+        fns += [fn for fn in mapping.values() if callable(fn)]
+    return fns
+
+
+# flags HF models read from the config when they are None: trace without a KV cache
+_RUNTIME_FLAG_DEFAULTS = {"use_cache": False, "output_attentions": False, "output_hidden_states": False}
+
+# shape of the example input synthesized for an HF model: batch 2 and sequence 8 take the
+# general branches (no broadcasting over batch 1, no single-token decoding path)
+EXAMPLE_BATCH, EXAMPLE_SEQUENCE = 2, 8
+
+
+def _synthesize_example(module: nn.Module, name: str, make_example) -> Any:
+    """Example for an HF model's token-level inputs: (batch, sequence) integer tensors."""
+    config = getattr(module, "config", None)
+    if name not in _HF_TOKEN_INPUTS or config is None or not getattr(config, "vocab_size", None):
+        return UNKNOWN
+    device = _module_device(module)
+    if device.type == "meta":
+        device = torch.device("cpu")
+    shape = (EXAMPLE_BATCH, EXAMPLE_SEQUENCE)
+    if name == "position_ids":
+        return make_example(torch.arange(EXAMPLE_SEQUENCE, device=device).expand(shape))
+    fill = 1 if name == "attention_mask" else 0
+    return make_example(torch.full(shape, fill, dtype=torch.long, device=device))
+
+
+_HF_TOKEN_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "position_ids")
+
+
+_MASK_SKIP_FLAGS = ("allow_is_causal_skip", "allow_is_bidirectional_skip")
+
+
+def _keep_mask_flags(fn: Callable, args: Tuple, kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """Keyword arguments that stop an HF mask builder from returning None at run time.
+
+    On fake tensors HF always builds the mask; on real ones it returns None for an all-ones
+    padding mask. The attention kernels that are leaf functions handle both, but eager
+    attention is traced through and was specialized on a tensor mask, so for it the mask
+    must always be built.
+    """
+    config = kwargs.get("config", args[0] if args else None)
+    if getattr(config, "_attn_implementation", None) != "eager":
+        return {}
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return {}
+    return {flag: False for flag in _MASK_SKIP_FLAGS if flag in params and flag not in kwargs}
+
+
+class _Captured(Exception):
+    pass
+
+
+def is_hf_model(module: nn.Module) -> bool:
+    """Whether ``module`` looks like a transformers ``PreTrainedModel`` taking ``input_ids``."""
+    config = getattr(module, "config", None)
+    return (getattr(module, "main_input_name", None) == "input_ids" and config is not None
+            and getattr(config, "vocab_size", None) is not None and not isinstance(module, fx.GraphModule))
+
+
+def capture_call(container: nn.Module, target: nn.Module, fake_mode=None) -> Tuple[Tuple, Dict[str, Any]]:
+    """Run the HF model ``container`` once on a synthesized fake ``input_ids`` and return the
+    ``(args, kwargs)`` its submodule ``target`` is first called with (tensors are fake).
+
+    Every forward hook is switched off during the run (no collectives are issued). Raises
+    :class:`TraceError` if ``target`` is not reached.
+    """
+    fake_mode = fake_mode or _new_fake_mode()
+    captured: Dict[str, Any] = {}
+
+    def grab(mod, args, kwargs):
+        captured["call"] = (args, kwargs)
+        raise _Captured()
+
+    saved = []
+    for m in container.modules():
+        saved.append((m, m._forward_hooks, m._forward_pre_hooks))
+        m._forward_hooks, m._forward_pre_hooks = collections.OrderedDict(), collections.OrderedDict()
+    handle = target.register_forward_pre_hook(grab, with_kwargs=True, prepend=True)
+    params = {p.name for p in forward_parameters(container)}
+    has_varkw = any(p.kind is _P.VAR_KEYWORD for p in forward_parameters(container))
+    kwargs: Dict[str, Any] = {}
+    if "use_cache" in params or has_varkw:
+        kwargs["use_cache"] = False
+    try:
+        device = _module_device(container)
+        if device.type == "meta":
+            device = torch.device("cpu")
+        with _shape_only_syncs(), fake_mode, torch.no_grad():
+            ids = torch.zeros(EXAMPLE_BATCH, EXAMPLE_SEQUENCE, dtype=torch.long, device=device)
+            container(input_ids=ids, **kwargs)
+    except _Captured:
+        pass
+    finally:
+        handle.remove()
+        for m, fwd, pre in saved:
+            m._forward_hooks, m._forward_pre_hooks = fwd, pre
+    if "call" not in captured:
+        raise TraceError(f"{type(target).__name__} was not called when running {type(container).__name__}")
+    return captured["call"]
+
+
