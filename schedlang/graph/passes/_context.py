@@ -306,7 +306,8 @@ def _prefixes(targets: Iterable[str]) -> Set[str]:
 class Rule:
     """One atomic horizontal rule (one small rewrite step), applied to every group it finds.
 
-    A fusion rule implements :meth:`collect` (step one of grouping: candidates by key) and
+    A fusion rule implements :meth:`operands` and :meth:`group_of` (step one of grouping: a node's
+    candidate key) and
     :meth:`rewrite` (one group into one op). ``needs_independence`` says whether members of
     a group may depend on each other (the driver then splits groups by reachability).
     A simplification rule (``kind = "simplify"``) implements :meth:`matches` and
@@ -319,6 +320,21 @@ class Rule:
     needs_independence: bool = True
 
     def collect(self, ctx: RewriteContext) -> Dict[Hashable, List[fx.Node]]:
+        """Candidates by key: every node for which :meth:`group_of` gives a key."""
+        groups: Dict[Hashable, List[fx.Node]] = {}
+        for node in ctx.graph.nodes:
+            operands = self.operands(ctx, node)
+            key = None if operands is None else self.group_of(ctx, *operands)
+            if key is not None:
+                groups.setdefault(key, []).append(node)
+        return groups
+
+    def operands(self, ctx: RewriteContext, node: fx.Node) -> Optional[tuple]:
+        """The operands of ``node`` when it is an op this rule fuses, else None."""
+        raise NotImplementedError
+
+    def group_of(self, ctx: RewriteContext, *operands) -> Optional[Hashable]:
+        """The key of the group a node with these operands may join, or None when it joins none."""
         raise NotImplementedError
 
     def matches(self, ctx: RewriteContext) -> List[Any]:
@@ -327,3 +343,23 @@ class Rule:
     def rewrite(self, ctx: RewriteContext, key: Hashable, members: Any) -> bool:
         """Rewrite one group (or match); return False if it turned out not to apply."""
         raise NotImplementedError
+
+
+class SimplifyRule(Rule):
+    """A simplification rule that plans one node at a time: :meth:`plan` says whether (and how)
+    a node is rewritten, :meth:`apply` rewrites it following that plan."""
+
+    kind = "simplify"
+
+    def plan(self, node: fx.Node) -> Any:
+        raise NotImplementedError
+
+    def apply(self, ctx: RewriteContext, node: fx.Node, plan: Any) -> bool:
+        raise NotImplementedError
+
+    def matches(self, ctx: RewriteContext) -> List[fx.Node]:
+        return [n for n in ctx.graph.nodes if self.plan(n) is not None]
+
+    def rewrite(self, ctx: RewriteContext, key, node: fx.Node) -> bool:
+        plan = self.plan(node)
+        return False if plan is None else self.apply(ctx, node, plan)

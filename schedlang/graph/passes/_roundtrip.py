@@ -9,7 +9,16 @@ import torch
 from torch import fx
 
 from ._context import RewriteContext
-from ._nodes import Piece, SplitSpec, arg, is_call, num_pieces, piece_of, tensor_shape
+from ._nodes import (
+    Piece,
+    SplitSpec,
+    arg,
+    is_call,
+    num_pieces,
+    piece_of,
+    split_spec,
+    tensor_shape,
+)
 
 __all__ = ["Run", "runs", "same_dim", "tensor_list", "CAT_FUNCTIONS", "run_source"]
 
@@ -80,12 +89,31 @@ def tensor_list(node: fx.Node, functions) -> Optional[tuple]:
     return tensors, dim
 
 
+def listed_pieces(node: fx.Node, functions) -> Optional[tuple]:
+    """``(tensors, dim, whole)`` of a cat/stack call whose tensors are a list, or the whole
+    result of one split / unbind (``whole`` is then its split spec, else None); None otherwise."""
+    found = tensor_list(node, functions)
+    if found is None:
+        return None
+    tensors, dim = found
+    if isinstance(tensors, fx.Node):
+        whole = split_spec(tensors)
+        return None if whole is None else (tensors, dim, whole)
+    return (tensors, dim, None) if isinstance(tensors, (list, tuple)) else None
+
+
+def unbind_run_source(ctx: RewriteContext, run: Run) -> fx.Node:
+    """The grouped tensor an unbind run's pieces came from, narrowed to the run when it is part of it."""
+    spec = run.spec
+    return spec.base if run.covers_all() else ctx.method("narrow", spec.base, spec.dim, run.first, run.count)
+
+
 def run_source(ctx: RewriteContext, run: Run) -> Optional[fx.Node]:
     """A node equal to the concatenation of the run's pieces along the split dim (splits only)."""
     spec = run.spec
     if run.covers_all():
         return spec.base
-    first, last = run.pieces[0], run.pieces[-1]
+    first = run.pieces[0]
     if first.offset is None or any(p.size is None for p in run.pieces):
         return None
     length = sum(p.size for p in run.pieces)

@@ -18,7 +18,7 @@ Two shapes of group:
 from __future__ import annotations
 
 import operator
-from typing import Dict, Hashable, List, Optional, Tuple
+from typing import Hashable, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -80,19 +80,12 @@ class ActivationGroup(Rule):
     description = "one pointwise activation over a group (pieces of a split, or same-shape tensors) -> one op"
     needs_independence = True
 
-    def collect(self, ctx: RewriteContext) -> Dict[Hashable, List[fx.Node]]:
-        groups: Dict[Hashable, List[fx.Node]] = {}
-        for node in ctx.graph.nodes:
-            found = activation_of(ctx, node)
-            if found is None:
-                continue
-            x, signature = found
-            piece = piece_of(x)
-            key = ("split", piece.spec.node) if piece is not None else group_key(ctx, x)
-            if key[0] == "node":
-                continue
-            groups.setdefault((key, signature), []).append(node)
-        return groups
+    operands = staticmethod(activation_of)
+
+    def group_of(self, ctx: RewriteContext, x: fx.Node, signature: Tuple) -> Optional[Hashable]:
+        piece = piece_of(x)
+        key = ("split", piece.spec.node) if piece is not None else group_key(ctx, x)
+        return None if key[0] == "node" else (key, signature)
 
     def rewrite(self, ctx: RewriteContext, key: Hashable, members: List[fx.Node]) -> bool:
         found = [activation_of(ctx, m) for m in members]

@@ -11,14 +11,11 @@ consecutive pieces inside a longer list becomes a ``narrow`` first.
 
 from __future__ import annotations
 
-from typing import List
-
 from torch import fx
 
 from . import group_ops
-from ._context import RewriteContext, Rule
-from ._nodes import split_spec
-from ._roundtrip import CAT_FUNCTIONS, runs, tensor_list
+from ._context import RewriteContext, SimplifyRule
+from ._roundtrip import CAT_FUNCTIONS, listed_pieces, runs, unbind_run_source
 
 __all__ = ["CatUnbind"]
 
@@ -34,31 +31,21 @@ def merge(ctx: RewriteContext, grouped: fx.Node, group_dim: int, dim: int) -> fx
     return ctx.call(group_ops.merge_group_dim, grouped, group_dim, dim)
 
 
-class CatUnbind(Rule):
+class CatUnbind(SimplifyRule):
     name = "cat_unbind"
-    kind = "simplify"
     description = "cat of the pieces of an unbind -> movedim + flatten of its input"
 
-    def _plan(self, node: fx.Node):
-        found = tensor_list(node, CAT_FUNCTIONS)
+    def plan(self, node: fx.Node):
+        found = listed_pieces(node, CAT_FUNCTIONS)
         if found is None:
             return None
-        tensors, dim = found
-        spec = split_spec(tensors) if isinstance(tensors, fx.Node) else None
-        if spec is not None:
-            return ("whole", spec, dim) if spec.kind == "unbind" else None
-        if not isinstance(tensors, (list, tuple)):
-            return None
+        tensors, dim, whole = found
+        if whole is not None:
+            return ("whole", whole, dim) if whole.kind == "unbind" else None
         usable = [r for r in runs(tensors) if r.spec.kind == "unbind"]
         return ("runs", tensors, dim, usable) if usable else None
 
-    def matches(self, ctx: RewriteContext) -> List[fx.Node]:
-        return [n for n in ctx.graph.nodes if self._plan(n) is not None]
-
-    def rewrite(self, ctx: RewriteContext, key, node: fx.Node) -> bool:
-        plan = self._plan(node)
-        if plan is None:
-            return False
+    def apply(self, ctx: RewriteContext, node: fx.Node, plan) -> bool:
         with ctx.graph.inserting_before(node):
             if plan[0] == "whole":
                 spec, dim = plan[1], plan[2]
@@ -68,10 +55,7 @@ class CatUnbind(Rule):
                 _, tensors, dim, usable = plan
                 items = list(tensors)
                 for run in reversed(usable):
-                    spec = run.spec
-                    source = spec.base if run.covers_all() else ctx.method("narrow", spec.base, spec.dim, run.first,
-                                                                           run.count)
-                    items[run.start:run.stop] = [merge(ctx, source, spec.dim, dim)]
+                    items[run.start:run.stop] = [merge(ctx, unbind_run_source(ctx, run), run.spec.dim, dim)]
                 result = items[0] if len(items) == 1 else ctx.call(node.target, items, dim)
                 n_in = str(len(tensors))
         ctx.record(self.name, [node], result, f"cat of {n_in} unbind pieces -> flatten of the grouped tensor")

@@ -43,7 +43,14 @@ import torch
 from torch import fx
 
 from ...errors import ScheduleTypeError, ScheduleValueError
-from ._context import FUSED_SOURCES, FusedParameter, FusionRecord, ParamSource, RewriteContext, Rule
+from ._context import (
+    FUSED_SOURCES,
+    FusedParameter,
+    FusionRecord,
+    ParamSource,
+    RewriteContext,
+    Rule,
+)
 from ._grouping import Reachability, SweepGuard, independent_sets
 from .activation import ActivationGroup
 from .cat_unbind import CatUnbind

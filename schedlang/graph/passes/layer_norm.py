@@ -20,13 +20,22 @@ eps, which affine parameters exist, their dtype/device.
 
 from __future__ import annotations
 
-from typing import Dict, Hashable, List, Optional, Tuple
+from typing import Hashable, List, Optional, Tuple
 
 import torch.nn.functional as F
 from torch import fx, nn
 
 from . import group_ops
-from ._build import TensorRef, attr_ref, fuse_tensors, group_key, module_ref, stack, stack_dim_for, unstack
+from ._build import (
+    TensorRef,
+    attr_ref,
+    fuse_tensors,
+    group_key,
+    module_ref,
+    stack,
+    stack_dim_for,
+    unstack,
+)
 from ._context import RewriteContext, Rule
 from ._nodes import arg, is_call, module_of, plain_module
 
@@ -77,18 +86,13 @@ class LayerNormGroup(Rule):
     description = "layer norms over pieces of one split / same-shape inputs -> one layer norm on a (B, N, D) view"
     needs_independence = True
 
-    def collect(self, ctx: RewriteContext) -> Dict[Hashable, List[fx.Node]]:
-        groups: Dict[Hashable, List[fx.Node]] = {}
-        for node in ctx.graph.nodes:
-            ops = layer_norm_operands(ctx, node)
-            if ops is None:
-                continue
-            x, shape, eps, weight, bias = ops
-            key = group_key(ctx, x, shape[-1] if len(shape) == 1 else None)
-            if key[0] == "node":
-                continue
-            groups.setdefault((key, shape, eps, _param_signature(weight), _param_signature(bias)), []).append(node)
-        return groups
+    operands = staticmethod(layer_norm_operands)
+
+    def group_of(self, ctx: RewriteContext, x, shape, eps, weight, bias) -> Optional[Hashable]:
+        key = group_key(ctx, x, shape[-1] if len(shape) == 1 else None)
+        if key[0] == "node":
+            return None
+        return (key, shape, eps, _param_signature(weight), _param_signature(bias))
 
     def rewrite(self, ctx: RewriteContext, key: Hashable, members: List[fx.Node]) -> bool:
         operands = [layer_norm_operands(ctx, m) for m in members]

@@ -18,7 +18,7 @@ dtype/device, bias. Members that depend on each other (``l1(l0(x))``) are never 
 
 from __future__ import annotations
 
-from typing import Dict, Hashable, List
+from typing import Hashable, List, Optional
 
 from torch import fx
 
@@ -35,18 +35,12 @@ class LinearBatched(Rule):
     description = "same-shape linears on different inputs -> one batched matmul (baddbmm)"
     needs_independence = True
 
-    def collect(self, ctx: RewriteContext) -> Dict[Hashable, List[fx.Node]]:
-        groups: Dict[Hashable, List[fx.Node]] = {}
-        for node in ctx.graph.nodes:
-            ops = linear_operands(ctx, node)
-            if ops is None:
-                continue
-            x, weight, bias = ops
-            key = group_key(ctx, x, weight.value.shape[1])
-            if key[0] == "node":
-                continue  # shape unknown: cannot prove the operands stack
-            groups.setdefault((key, weight.value.shape[0]) + linear_signature(weight, bias), []).append(node)
-        return groups
+    operands = staticmethod(linear_operands)
+
+    def group_of(self, ctx: RewriteContext, x, weight, bias) -> Optional[Hashable]:
+        key = group_key(ctx, x, weight.value.shape[1])
+        # with the shape unknown, nothing proves that the operands stack
+        return None if key[0] == "node" else (key, weight.value.shape[0]) + linear_signature(weight, bias)
 
     def rewrite(self, ctx: RewriteContext, key: Hashable, members: List[fx.Node]) -> bool:
         operands = [linear_operands(ctx, m) for m in members]

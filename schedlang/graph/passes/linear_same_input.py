@@ -19,7 +19,7 @@ cannot depend on each other, so no reachability check is needed.
 from __future__ import annotations
 
 import operator
-from typing import Dict, Hashable, List, Optional, Tuple
+from typing import Hashable, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -68,14 +68,10 @@ class LinearSameInput(Rule):
     description = "linears sharing an input -> one GEMM on concatenated weights + split"
     needs_independence = False
 
-    def collect(self, ctx: RewriteContext) -> Dict[Hashable, List[fx.Node]]:
-        groups: Dict[Hashable, List[fx.Node]] = {}
-        for node in ctx.graph.nodes:
-            ops = linear_operands(ctx, node)
-            if ops is not None:
-                x, weight, bias = ops
-                groups.setdefault((x,) + linear_signature(weight, bias), []).append(node)
-        return groups
+    operands = staticmethod(linear_operands)
+
+    def group_of(self, ctx: RewriteContext, x, weight, bias) -> Optional[Hashable]:
+        return (x,) + linear_signature(weight, bias)
 
     def rewrite(self, ctx: RewriteContext, key: Hashable, members: List[fx.Node]) -> bool:
         operands = [linear_operands(ctx, m) for m in members]

@@ -15,23 +15,19 @@ returns the split's own tuple (no getitem per piece on every call).
 
 from __future__ import annotations
 
-from typing import List
-
 from torch import fx
 
-from ._context import RewriteContext, Rule
-from ._nodes import split_spec
-from ._roundtrip import CAT_FUNCTIONS, run_source, runs, same_dim, tensor_list
+from ._context import RewriteContext, SimplifyRule
+from ._roundtrip import CAT_FUNCTIONS, listed_pieces, run_source, runs, same_dim
 
 __all__ = ["SplitCat"]
 
 
-class SplitCat(Rule):
+class SplitCat(SimplifyRule):
     name = "split_cat"
-    kind = "simplify"
     description = "cat of the pieces of a split, in order, along its dim -> the split's input (or a narrow view)"
 
-    def _plan(self, node: fx.Node):
+    def plan(self, node: fx.Node):
         if node.op == "output":
             value = node.args[0] if node.args else None
             if isinstance(value, tuple) and value:
@@ -39,25 +35,16 @@ class SplitCat(Rule):
                 if len(found) == 1 and found[0].start == 0 and found[0].stop == len(value) and found[0].covers_all():
                     return ("output", found[0].spec)
             return None
-        found = tensor_list(node, CAT_FUNCTIONS)
+        found = listed_pieces(node, CAT_FUNCTIONS)
         if found is None:
             return None
-        tensors, dim = found
-        spec = split_spec(tensors) if isinstance(tensors, fx.Node) else None
+        tensors, dim, spec = found
         if spec is not None:
             return ("whole", spec) if spec.kind == "split" and same_dim(spec.dim, dim, spec.base) else None
-        if not isinstance(tensors, (list, tuple)):
-            return None
         usable = [r for r in runs(tensors) if r.spec.kind == "split" and same_dim(r.spec.dim, dim, r.spec.base)]
         return ("runs", tensors, dim, usable) if usable else None
 
-    def matches(self, ctx: RewriteContext) -> List[fx.Node]:
-        return [n for n in ctx.graph.nodes if self._plan(n) is not None]
-
-    def rewrite(self, ctx: RewriteContext, key, node: fx.Node) -> bool:
-        plan = self._plan(node)
-        if plan is None:
-            return False
+    def apply(self, ctx: RewriteContext, node: fx.Node, plan) -> bool:
         if plan[0] == "output":
             spec = plan[1]
             pieces = list(node.args[0])

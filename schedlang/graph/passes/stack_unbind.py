@@ -12,24 +12,21 @@ The fusion rules stack their operands and unbind their results; chained, they le
 
 from __future__ import annotations
 
-from typing import List
-
 import torch
 from torch import fx
 
-from ._context import RewriteContext, Rule
-from ._nodes import piece_of, split_spec
-from ._roundtrip import runs, same_dim, tensor_list
+from ._context import RewriteContext, SimplifyRule
+from ._nodes import piece_of
+from ._roundtrip import listed_pieces, runs, same_dim, tensor_list, unbind_run_source
 
 __all__ = ["StackUnbind"]
 
 
-class StackUnbind(Rule):
+class StackUnbind(SimplifyRule):
     name = "stack_unbind"
-    kind = "simplify"
     description = "stack of unbind pieces / equal split pieces -> a view; unbind of a stack -> its inputs"
 
-    def _plan(self, node: fx.Node):
+    def plan(self, node: fx.Node):
         piece = piece_of(node)
         if piece is not None and piece.spec.kind == "unbind":
             found = tensor_list(piece.spec.base, (torch.stack,))
@@ -37,15 +34,12 @@ class StackUnbind(Rule):
                     same_dim(found[1], piece.spec.dim, piece.spec.base) and piece.index < len(found[0]):
                 return ("unstack", found[0][piece.index])
             return None
-        found = tensor_list(node, (torch.stack,))
+        found = listed_pieces(node, (torch.stack,))
         if found is None:
             return None
-        tensors, dim = found
-        spec = split_spec(tensors) if isinstance(tensors, fx.Node) else None
-        if spec is not None:
-            return ("whole", spec, dim) if spec.kind == "unbind" else None
-        if not isinstance(tensors, (list, tuple)):
-            return None
+        tensors, dim, whole = found
+        if whole is not None:
+            return ("whole", whole, dim) if whole.kind == "unbind" else None
         found_runs = runs(tensors)
         if len(found_runs) != 1 or found_runs[0].start != 0 or found_runs[0].stop != len(tensors):
             return None
@@ -57,13 +51,7 @@ class StackUnbind(Rule):
                 return None
         return ("run", run, dim)
 
-    def matches(self, ctx: RewriteContext) -> List[fx.Node]:
-        return [n for n in ctx.graph.nodes if self._plan(n) is not None]
-
-    def rewrite(self, ctx: RewriteContext, key, node: fx.Node) -> bool:
-        plan = self._plan(node)
-        if plan is None:
-            return False
+    def apply(self, ctx: RewriteContext, node: fx.Node, plan) -> bool:
         if plan[0] == "unstack":
             ctx.record(self.name, [node], plan[1], f"unbind(stack(...))[i] -> '{plan[1].name}'")
             ctx.replace(node, plan[1])
@@ -76,9 +64,7 @@ class StackUnbind(Rule):
                 run, dim = plan[1], plan[2]
                 spec = run.spec
                 if spec.kind == "unbind":
-                    source = spec.base if run.covers_all() else ctx.method("narrow", spec.base, spec.dim, run.first,
-                                                                           run.count)
-                    result = self._move(ctx, source, spec.dim, dim)
+                    result = self._move(ctx, unbind_run_source(ctx, run), spec.dim, dim)
                 else:
                     size = next(p.size for p in run.pieces if p.size is not None)
                     whole = run.covers_all()
