@@ -44,6 +44,7 @@ import triton.language as tl
 
 from schedlang.kernels.multi_tensor_adam_reference import multi_tensor_adam_reference
 from schedlang.kernels.multi_tensor_apply import ROW_WIDTH, ChunkTables, is_dense, use_triton
+from schedlang.kernels.multi_tensor_chunks import chunk_extent, chunk_pointer, learning_rate, program_chunk
 
 __all__ = ["multi_tensor_adam", "AdamLauncher", "reference", "DEFAULT_CONFIG", "INTERPRETER_CONFIG"]
 
@@ -129,43 +130,22 @@ def _multi_tensor_adam_kernel(
     HAS_WEIGHT_DECAY: tl.constexpr, ALIGNED: tl.constexpr,
     CHUNK: tl.constexpr, BLOCK: tl.constexpr, ROW: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    t = tl.load(chunk_map + 2 * pid).to(tl.int64)
-    chunk = tl.load(chunk_map + 2 * pid + 1).to(tl.int64)
-    row = tensor_table + t * ROW
-    p_ptr = tl.load(row + 0).to(tl.pointer_type(PARAM_DTYPE))
-    g_ptr = tl.load(row + 1).to(tl.pointer_type(GRAD_DTYPE))
-    m_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
-    v_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
-    vmax_ptr = tl.load(row + 4).to(tl.pointer_type(tl.float32))
+    row, chunk, numel = program_chunk(tensor_table, chunk_map, ROW)
+    start, size, full = chunk_extent(chunk, numel, CHUNK, BLOCK)
+    p_ptr = chunk_pointer(row, 0, PARAM_DTYPE, ALIGNED, start)
+    g_ptr = chunk_pointer(row, 1, GRAD_DTYPE, ALIGNED, start)
+    m_ptr = chunk_pointer(row, 2, tl.float32, ALIGNED, start)
+    v_ptr = chunk_pointer(row, 3, tl.float32, ALIGNED, start)
+    vmax_ptr = chunk_pointer(row, 4, tl.float32, ALIGNED, start)
     step_ptr = tl.load(row + 5).to(tl.pointer_type(tl.float32))
-    numel = tl.load(row + ROW - 1)
-    if ALIGNED:
-        # every address is a multiple of 16 bytes (checked on the host): 16-byte accesses
-        p_ptr = tl.multiple_of(p_ptr, 16)
-        g_ptr = tl.multiple_of(g_ptr, 16)
-        m_ptr = tl.multiple_of(m_ptr, 16)
-        v_ptr = tl.multiple_of(v_ptr, 16)
-        vmax_ptr = tl.multiple_of(vmax_ptr, 16)
 
-    if LR_ON_DEVICE:
-        lr = tl.load(lr_ptr).to(tl.float32)
-    else:
-        lr = lr_value
+    lr = learning_rate(lr_ptr, lr_value, LR_ON_DEVICE)
     step = tl.load(step_ptr)
     bias_correction1 = _one_minus_pow(log_beta1, step)
     bias_correction2 = _one_minus_pow(log_beta2, step)
     step_size = lr / bias_correction1
     inv_sqrt_bc2 = 1.0 / tl.sqrt(bias_correction2)
 
-    start = chunk * CHUNK
-    p_ptr += start
-    g_ptr += start
-    m_ptr += start
-    v_ptr += start
-    vmax_ptr += start
-    size = tl.minimum(numel - start, CHUNK)
-    full = size // BLOCK * BLOCK
     # full blocks: no mask, so the accesses stay vectorized
     for i in range(0, full, BLOCK):
         offs = i + tl.arange(0, BLOCK)

@@ -28,6 +28,7 @@ import triton.language as tl
 
 from schedlang.kernels.multi_tensor_adam import DEFAULT_CONFIG, INTERPRETER_CONFIG, _store_rounded
 from schedlang.kernels.multi_tensor_apply import ROW_WIDTH, ChunkTables, is_dense, use_triton
+from schedlang.kernels.multi_tensor_chunks import chunk_extent, chunk_pointer, learning_rate, program_chunk
 from schedlang.kernels.multi_tensor_sgd_reference import multi_tensor_sgd_reference
 
 __all__ = ["multi_tensor_sgd", "SGDLauncher", "reference"]
@@ -71,30 +72,13 @@ def _multi_tensor_sgd_kernel(
     HAS_WEIGHT_DECAY: tl.constexpr, ALIGNED: tl.constexpr,
     CHUNK: tl.constexpr, BLOCK: tl.constexpr, ROW: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    t = tl.load(chunk_map + 2 * pid).to(tl.int64)
-    chunk = tl.load(chunk_map + 2 * pid + 1).to(tl.int64)
-    row = tensor_table + t * ROW
-    p_ptr = tl.load(row + 0).to(tl.pointer_type(PARAM_DTYPE))
-    g_ptr = tl.load(row + 1).to(tl.pointer_type(GRAD_DTYPE))
-    b_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
+    row, chunk, numel = program_chunk(tensor_table, chunk_map, ROW)
+    start, size, full = chunk_extent(chunk, numel, CHUNK, BLOCK)
+    p_ptr = chunk_pointer(row, 0, PARAM_DTYPE, ALIGNED, start)
+    g_ptr = chunk_pointer(row, 1, GRAD_DTYPE, ALIGNED, start)
+    b_ptr = chunk_pointer(row, 2, tl.float32, ALIGNED, start)
     fresh = tl.load(row + 3) != 0
-    numel = tl.load(row + ROW - 1)
-    if ALIGNED:
-        p_ptr = tl.multiple_of(p_ptr, 16)
-        g_ptr = tl.multiple_of(g_ptr, 16)
-        b_ptr = tl.multiple_of(b_ptr, 16)
-    if LR_ON_DEVICE:
-        lr = tl.load(lr_ptr).to(tl.float32)
-    else:
-        lr = lr_value
-
-    start = chunk * CHUNK
-    p_ptr += start
-    g_ptr += start
-    b_ptr += start
-    size = tl.minimum(numel - start, CHUNK)
-    full = size // BLOCK * BLOCK
+    lr = learning_rate(lr_ptr, lr_value, LR_ON_DEVICE)
     for i in range(0, full, BLOCK):
         offs = i + tl.arange(0, BLOCK)
         _sgd_block(p_ptr, g_ptr, b_ptr, offs, None, fresh, lr, momentum, dampening, weight_decay,
