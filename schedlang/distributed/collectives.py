@@ -120,26 +120,24 @@ class _GatherForward(torch.autograd.Function):
         return reduce_scatter_tensor(grad, ctx.axis, ctx.group), None, None, None
 
 
-class _ScatterForward(torch.autograd.Function):
-    @staticmethod
+def _along_axis(name: str, forward_op, backward_op) -> type:
+    """An autograd function ``f(x, axis, group)`` that runs ``forward_op`` forward and
+    ``backward_op`` on the gradient, both along ``axis`` over ``group``."""
+
     def forward(ctx, x, axis, group):
         ctx.axis, ctx.group = axis, group
-        return local_slice(x, axis, group)
+        return forward_op(x, axis, group)
 
-    @staticmethod
     def backward(ctx, grad):
-        return all_gather_tensor(grad, ctx.axis, ctx.group), None, None
+        return backward_op(grad, ctx.axis, ctx.group), None, None
+
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(forward), "backward": staticmethod(backward)})
 
 
-class _ReduceScatterForward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, axis, group):
-        ctx.axis, ctx.group = axis, group
-        return reduce_scatter_tensor(x, axis, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather_tensor(grad, ctx.axis, ctx.group), None, None
+# each rank keeps its slice; the gradient slices are gathered back
+_ScatterForward = _along_axis("_ScatterForward", local_slice, all_gather_tensor)
+# partial sums reduced and scattered; the gradient slices are gathered back
+_ReduceScatterForward = _along_axis("_ReduceScatterForward", reduce_scatter_tensor, all_gather_tensor)
 
 
 def reduce_forward(x: torch.Tensor, group=None) -> torch.Tensor:
