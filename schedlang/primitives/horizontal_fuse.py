@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from torch import fx
 
-from ..errors import NotTracedError, ScheduleTypeError, ScheduleValueError
+from ..errors import NotTracedError, ScheduleValueError
 from .base import Primitive, register_primitive
 
 __all__ = ["HorizontalFuse"]
@@ -39,18 +39,12 @@ class HorizontalFuse(Primitive):
 
     @classmethod
     def validate(cls, sch, rules=None, min_group_size=2):
-        from ..graph.passes.horizontal import RULES
+        from ..graph.passes.horizontal import resolve_rules
 
         where = sch.path or "<root>"
         require_traced(sch, "horizontal_fuse")
         if rules is not None:
-            if isinstance(rules, str) or not isinstance(rules, (list, tuple)):
-                raise ScheduleTypeError(f"{where}: horizontal_fuse rules must be None or a list of rule names, got "
-                                        f"{rules!r}; valid rules are {', '.join(RULES)}")
-            for r in rules:
-                if r not in RULES:
-                    raise ScheduleValueError(f"{where}: unknown horizontal fusion rule {r!r}: valid rules are "
-                                             f"{', '.join(RULES)}")
+            resolve_rules(rules, where)
             rules = list(rules)
         if type(min_group_size) is not int or min_group_size < 2:
             raise ScheduleValueError(f"{where}: horizontal_fuse min_group_size must be an int >= 2, got "

@@ -116,12 +116,12 @@ def _names(names: Sequence[str], limit: int = 4) -> str:
     return f"{', '.join(names[:limit - 1])}, ..., {names[-1]} ({len(names)})"
 
 
-def resolve_rules(rules: Optional[Sequence[str]], where: str = "horizontal_fuse") -> List[str]:
-    """Rule names to apply, in sweep order; raise a clear error for unknown ones."""
+def resolve_rules(rules: Optional[Sequence[str]], where: str = "<root>") -> List[str]:
+    """Rule names to apply, in sweep order; raise a clear error (at path ``where``) for unknown ones."""
     if rules is None:
         return list(RULES)
     if isinstance(rules, str) or not isinstance(rules, (list, tuple)):
-        raise ScheduleTypeError(f"{where}: rules must be None or a list of rule names, got {rules!r}; "
+        raise ScheduleTypeError(f"{where}: horizontal_fuse rules must be None or a list of rule names, got {rules!r}; "
                                 f"valid rules are {', '.join(RULES)}")
     for r in rules:
         if r not in RULES:
@@ -144,7 +144,7 @@ def horizontal_fuse(gm: fx.GraphModule, rules: Optional[Sequence[str]] = None, m
         gm = torch.fx.symbolic_trace(model)
         print(horizontal_fuse(gm, rules=["layer_norm", "activation", "stack_unbind", "cat_unbind"]))
     """
-    names = resolve_rules(rules)
+    names = resolve_rules(rules, path or "<root>")
     if type(min_group_size) is not int or min_group_size < 2:
         raise ScheduleValueError(f"{path or '<root>'}: min_group_size must be an int >= 2, got {min_group_size!r}")
     ctx = RewriteContext(gm, min_group_size)

@@ -179,10 +179,10 @@ def test_report_says_which_rule_fused_what():
 
 @pytest.mark.parametrize("rules,error,message", [
     (["layer_norm", "fuse_everything"], schedlang.ScheduleValueError,
-     r"horizontal_fuse: unknown horizontal fusion rule 'fuse_everything': valid rules are linear_same_input, "
+     r"<root>: unknown horizontal fusion rule 'fuse_everything': valid rules are linear_same_input, "
      r"linear_batched, layer_norm, activation, split_cat, stack_unbind, cat_unbind"),
     ("layer_norm", schedlang.ScheduleTypeError,
-     r"horizontal_fuse: rules must be None or a list of rule names, got 'layer_norm'; valid rules are "),
+     r"<root>: horizontal_fuse rules must be None or a list of rule names, got 'layer_norm'; valid rules are "),
 ])
 def test_bad_rules(rules, error, message):
     with pytest.raises(error, match=message):
