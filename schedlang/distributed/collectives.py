@@ -20,7 +20,6 @@ column-parallel one are the two conjugate operators of Megatron-LM's MLP.
 
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 import torch.distributed as dist

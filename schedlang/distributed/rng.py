@@ -10,7 +10,7 @@ exactly as if the module had drawn nothing.
 
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Dict
 
 import torch
 

@@ -22,7 +22,7 @@ Modes (what the op is applied to):
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 from torch import nn

@@ -42,7 +42,7 @@ __all__ = ["Value", "Graph", "LEAF_OPS", "UNARY_OPS", "BINARY_OPS", "COMPARE_OPS
 LEAF_OPS = frozenset({"input", "const", "ncols", "keep_mask", "grad_output"})
 #: Pointwise ops of one operand.
 UNARY_OPS = frozenset({"neg", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "erf", "abs", "relu",
-                       "round", "row0", "not", "alias", "broadcast"})
+                       "round", "row0", "alias", "broadcast"})
 #: Pointwise ops of two operands producing a number.
 BINARY_OPS = frozenset({"add", "sub", "mul", "div", "maximum", "minimum"})
 #: Pointwise ops of two operands producing a boolean.
@@ -316,9 +316,6 @@ class Graph:
     def compare(self, op: str, a, b) -> Value:
         assert op in COMPARE_OPS
         return self._make(op, (self._num(a), self._num(b)), is_bool=True)
-
-    def logical_not(self, a) -> Value:
-        return self._make("not", (a,), is_bool=True)
 
     def where(self, cond, a, b) -> Value:
         cond, a, b = self._num(cond), self._num(a), self._num(b)

@@ -144,10 +144,6 @@ def describe_target(node, owner=None) -> str:
 
 # ---------------------------------------------------------------------------- arithmetic
 
-def _is_tensor_arg(v) -> bool:
-    return isinstance(v, Value)
-
-
 def _number(ctx, v):
     if isinstance(v, Value):
         return v

@@ -306,8 +306,6 @@ class _Emitter:
             return self.tile(a[0], v.rows, v.cols)
         if op == "row0":
             return f"tl.where(rows == 0, {self.num(a[0])}, 0.0)"
-        if op == "not":
-            return f"{self.ref(a[0])} == 0"
         if op == "where":
             return f"tl.where({self.ref(a[0])}, {self.num(a[1])}, {self.num(a[2])})"
         if op == "rowsum":
@@ -409,7 +407,7 @@ class _Emitter:
 
     def kernel(self) -> str:
         plan, spec = self.plan, self.spec
-        head = [f"@triton.jit", f"def {plan.kernel_name}("]
+        head = ["@triton.jit", f"def {plan.kernel_name}("]
         head += self.signature()
         head.append("):")
         doc = _kernel_doc(plan)

@@ -25,7 +25,6 @@ def apply_annotations(module) -> None:
 @register_primitive
 class Annotate(Primitive):
     name = "annotate"
-    verifiable = False
 
     @classmethod
     def validate(cls, sch, param_name, key, value):

@@ -7,8 +7,7 @@ lives in its own file as a subclass of :class:`Primitive` decorated with
 * how its arguments are checked (:meth:`Primitive.validate`), before anything changes;
 * how it changes the schedule's working module (:meth:`Primitive.apply`);
 * how its arguments are written to and read from JSON (:meth:`Primitive.encode_args`,
-  :meth:`Primitive.decode_args`), so that a plan can be saved and replayed;
-* whether :class:`schedlang.Verify` should check the numerics after it (``verifiable``).
+  :meth:`Primitive.decode_args`), so that a plan can be saved and replayed.
 
 :class:`schedlang.Schedule` exposes every registered primitive as a typed method that
 calls :meth:`Schedule._run`; a test checks the two lists agree.
@@ -33,8 +32,6 @@ class Primitive:
 
     #: the name users call it by (``sch.<name>(...)``) and that plans record
     name: ClassVar[str] = ""
-    #: whether Verify compares numerics after this step (False for pure annotations)
-    verifiable: ClassVar[bool] = True
     #: whether a call is recorded as a step of the plan (False for queries such as ``find``)
     records_step: ClassVar[bool] = True
 

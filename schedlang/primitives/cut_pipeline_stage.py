@@ -48,7 +48,6 @@ def _opaque_reason(module) -> str:
 @register_primitive
 class CutPipelineStage(Primitive):
     name = "cut_pipeline_stage"
-    verifiable = False  # a boundary changes no numerics; build checks the split itself
 
     @classmethod
     def validate(cls, sch):

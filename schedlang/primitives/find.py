@@ -33,7 +33,6 @@ __all__ = ["Find"]
 class Find(Primitive):
     name = "find"
     records_step = False
-    verifiable = False
 
     @classmethod
     def validate(cls, sch, regex_or_pattern_fn):

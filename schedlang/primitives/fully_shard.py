@@ -38,7 +38,6 @@ from .base import Primitive, register_primitive
 @register_primitive
 class FullyShard(Primitive):
     name = "fully_shard"
-    verifiable = False
 
     @classmethod
     def validate(cls, sch, reshard_after_forward=None, mp_policy=None, offload=False):

@@ -25,7 +25,6 @@ from .base import Primitive, register_primitive
 @register_primitive
 class Replicate(Primitive):
     name = "replicate"
-    verifiable = False
 
     @classmethod
     def validate(cls, sch, mp_policy=None):

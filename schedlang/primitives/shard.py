@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 
-import torch
 from torch import nn
 
 from ..distributed.shard_rules import find_shard_rule

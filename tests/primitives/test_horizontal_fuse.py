@@ -101,4 +101,5 @@ def test_bad_arguments_change_nothing(kwargs, error, message):
 
 def test_registered_under_its_name():
     assert "horizontal_fuse" in schedlang.list_primitives()
-    assert get_primitive("horizontal_fuse").verifiable
+    assert get_primitive("horizontal_fuse").name == "horizontal_fuse"
+    assert "horizontal_fuse" in dir(schedlang.Schedule)
