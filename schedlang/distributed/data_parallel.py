@@ -151,6 +151,13 @@ def _replicate(module: nn.Module, dp_mesh, policy) -> None:
     replicate(module, mesh=dp_mesh, mp_policy=policy)
 
 
+def data_parallel_step_args(sch, primitive: str, mp_policy: Any) -> Dict[str, Any]:
+    """The plan's arguments shared by ``fully_shard`` and ``replicate``, after their call-time checks."""
+    policy = normalize_mp_policy(mp_policy, f"{sch.path or '<root>'}: {primitive}")
+    check_data_parallel_call(sch, primitive)
+    return {"mp_policy": policy}
+
+
 def check_data_parallel_call(sch, primitive: str) -> None:
     """Call-time checks shared by ``fully_shard`` and ``replicate`` (raise, change nothing)."""
     from .groups import is_distributed

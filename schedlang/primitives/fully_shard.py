@@ -30,7 +30,7 @@ Example::
 
 from __future__ import annotations
 
-from ..distributed.data_parallel import check_data_parallel_call, normalize_mp_policy
+from ..distributed.data_parallel import data_parallel_step_args
 from ..errors import ScheduleTypeError, ScheduleValueError
 from .base import Primitive, register_primitive
 
@@ -50,10 +50,9 @@ class FullyShard(Primitive):
                                      f"{reshard_after_forward}")
         if not isinstance(offload, bool):
             raise ScheduleTypeError(f"{where}: offload must be True or False, got {offload!r}")
-        policy = normalize_mp_policy(mp_policy, f"{where}: fully_shard")
-        check_data_parallel_call(sch, cls.name)
-        return {"reshard_after_forward": reshard_after_forward, "mp_policy": policy, "offload": offload}
+        return {"reshard_after_forward": reshard_after_forward, "offload": offload,
+                **data_parallel_step_args(sch, cls.name, mp_policy)}
 
     @classmethod
     def apply(cls, sch, **args):
-        return None
+        return None  # carried out by build, once the whole plan is known

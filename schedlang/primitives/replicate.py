@@ -18,7 +18,7 @@ Example::
 
 from __future__ import annotations
 
-from ..distributed.data_parallel import check_data_parallel_call, normalize_mp_policy
+from ..distributed.data_parallel import data_parallel_step_args
 from .base import Primitive, register_primitive
 
 
@@ -28,10 +28,8 @@ class Replicate(Primitive):
 
     @classmethod
     def validate(cls, sch, mp_policy=None):
-        policy = normalize_mp_policy(mp_policy, f"{sch.path or '<root>'}: replicate")
-        check_data_parallel_call(sch, cls.name)
-        return {"mp_policy": policy}
+        return data_parallel_step_args(sch, cls.name, mp_policy)
 
     @classmethod
     def apply(cls, sch, **args):
-        return None
+        return None  # carried out by build, once the whole plan is known
