@@ -32,14 +32,10 @@ Example::
 
 from __future__ import annotations
 
-import math
-
 from .ir import Graph, Value
+from .ir_ops import IR_OPS
 
 __all__ = ["derive_gradients"]
-
-_TWO_OVER_SQRT_PI = 2.0 / math.sqrt(math.pi)
-
 
 def derive_gradients(g: Graph, outputs: list[Value], grad_outputs: list[Value | None],
                      wrt: list[Value]) -> list[Value | None]:
@@ -80,67 +76,8 @@ def derive_gradients(g: Graph, outputs: list[Value], grad_outputs: list[Value | 
 
 
 def _vjp(g: Graph, v: Value, grad: Value):
-    """Yield ``(operand, contribution)`` pairs for the value ``v`` with gradient ``grad``."""
-    op, args = v.op, v.args
-    if op == "add":
-        yield args[0], grad
-        yield args[1], grad
-    elif op == "sub":
-        yield args[0], grad
-        yield args[1], g.neg(grad)
-    elif op == "mul":
-        a, b = args
-        yield a, g.mul(grad, b)
-        yield b, g.mul(grad, a)
-    elif op == "div":
-        a, b = args
-        yield a, g.div(grad, b)
-        yield b, g.neg(g.div(g.mul(grad, v), b))  # d(a/b)/db = -(a/b)/b
-    elif op == "neg":
-        yield args[0], g.neg(grad)
-    elif op == "exp":
-        yield args[0], g.mul(grad, v)
-    elif op == "log":
-        yield args[0], g.div(grad, args[0])
-    elif op == "sqrt":
-        yield args[0], g.div(g.mul(grad, 0.5), v)
-    elif op == "rsqrt":  # d x^-1/2 = -1/2 x^-3/2 = -1/2 v^3
-        yield args[0], g.mul(grad, g.mul(g.mul(v, g.mul(v, v)), -0.5))
-    elif op == "tanh":
-        yield args[0], g.mul(grad, g.sub(1.0, g.mul(v, v)))
-    elif op == "sigmoid":
-        yield args[0], g.mul(grad, g.mul(v, g.sub(1.0, v)))
-    elif op == "erf":
-        a = args[0]
-        yield a, g.mul(grad, g.mul(g.exp(g.neg(g.mul(a, a))), _TWO_OVER_SQRT_PI))
-    elif op == "abs":  # sign(a), 0 at 0 as in PyTorch
-        a = args[0]
-        sign = g.where(g.compare("gt", a, 0.0), 1.0, g.where(g.compare("lt", a, 0.0), -1.0, 0.0))
-        yield a, g.mul(grad, sign)
-    elif op == "relu":  # PyTorch: zero gradient at 0
-        yield args[0], g.where(g.compare("gt", args[0], 0.0), grad, 0.0)
-    elif op in ("maximum", "minimum"):  # ties split the gradient evenly, as PyTorch does
-        a, b = args
-        wins = g.compare("gt" if op == "maximum" else "lt", a, b)
-        tie = g.compare("eq", a, b)
-        half = g.mul(grad, 0.5)
-        yield a, g.where(wins, grad, g.where(tie, half, 0.0))
-        yield b, g.where(wins, 0.0, g.where(tie, half, grad))
-    elif op == "where":
-        cond, a, b = args
-        yield a, g.where(cond, grad, 0.0)
-        yield b, g.where(cond, 0.0, grad)
-    elif op in ("round", "row0", "alias", "broadcast"):
-        # a cast's gradient is cast back: identity in the compute dtype
-        yield args[0], grad
-    elif op == "rowsum":
-        yield args[0], g.rowsum(grad)  # true gradient of the sum, broadcast over columns
-    elif op == "rowmax":
-        if v.attr("grad"):
-            # the gradient goes to the maxima, split evenly among ties (as torch.amax)
-            a = args[0]
-            is_max = g.compare("eq", a, v)
-            count = g.rowsum(g.where(is_max, 1.0, 0.0))
-            yield a, g.where(is_max, g.div(g.rowsum(grad), count), 0.0)
-    else:  # pragma: no cover - every op built by op_table has a rule above
-        raise NotImplementedError(f"no derivative for IR op {op!r}")
+    """``(operand, contribution)`` pairs for the value ``v`` with gradient ``grad``."""
+    rule = IR_OPS[v.op].vjp
+    if rule is None:  # pragma: no cover - every op with operands has a rule in IR_OPS
+        raise NotImplementedError(f"no derivative for IR op {v.op!r}")
+    return rule(g, v, grad)

@@ -36,19 +36,20 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from .ir_ops import IR_OPS, ops_of
+
 __all__ = ["Value", "Graph", "LEAF_OPS", "UNARY_OPS", "BINARY_OPS", "COMPARE_OPS", "REDUCE_OPS"]
 
 #: Ops without value operands.
-LEAF_OPS = frozenset({"input", "const", "ncols", "keep_mask", "grad_output"})
+LEAF_OPS = ops_of("leaf")
 #: Pointwise ops of one operand.
-UNARY_OPS = frozenset({"neg", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "erf", "abs", "relu",
-                       "round", "row0", "alias", "broadcast"})
+UNARY_OPS = ops_of("unary", "structural")
 #: Pointwise ops of two operands producing a number.
-BINARY_OPS = frozenset({"add", "sub", "mul", "div", "maximum", "minimum"})
+BINARY_OPS = ops_of("binary")
 #: Pointwise ops of two operands producing a boolean.
-COMPARE_OPS = frozenset({"gt", "ge", "lt", "le", "eq", "ne", "and", "or"})
+COMPARE_OPS = ops_of("compare")
 #: Reductions over the column axis (keepdim; the result spans rows only).
-REDUCE_OPS = frozenset({"rowsum", "rowmax"})
+REDUCE_OPS = ops_of("reduce")
 
 
 @dataclass(eq=False)
@@ -178,7 +179,7 @@ class Graph:
     def add(self, a, b) -> Value:
         a, b = self._num(a), self._num(b)
         if a.is_const and b.is_const:
-            return self._fold(lambda x, y: x + y, a, b) or self._make("add", (a, b))
+            return self._fold(IR_OPS["add"].fold, a, b) or self._make("add", (a, b))
         if self._is(b, 0.0):
             return a
         if self._is(a, 0.0):
@@ -190,7 +191,7 @@ class Graph:
     def sub(self, a, b) -> Value:
         a, b = self._num(a), self._num(b)
         if a.is_const and b.is_const:
-            return self._fold(lambda x, y: x - y, a, b) or self._make("sub", (a, b))
+            return self._fold(IR_OPS["sub"].fold, a, b) or self._make("sub", (a, b))
         if self._is(b, 0.0):
             return a
         if self._is(a, 0.0):
@@ -202,7 +203,7 @@ class Graph:
     def mul(self, a, b) -> Value:
         a, b = self._num(a), self._num(b)
         if a.is_const and b.is_const:
-            return self._fold(lambda x, y: x * y, a, b) or self._make("mul", (a, b))
+            return self._fold(IR_OPS["mul"].fold, a, b) or self._make("mul", (a, b))
         if a.is_const and not b.is_const:  # constants on the right: "x * 2.0"
             a, b = b, a
         if self._is(b, 1.0):
@@ -222,7 +223,7 @@ class Graph:
     def div(self, a, b) -> Value:
         a, b = self._num(a), self._num(b)
         if a.is_const and b.is_const:
-            return self._fold(lambda x, y: x / y, a, b) or self._make("div", (a, b))
+            return self._fold(IR_OPS["div"].fold, a, b) or self._make("div", (a, b))
         if self._is(b, 1.0):
             return a
         if self._is(a, 0.0) and not a.attr("neg_zero"):
@@ -269,23 +270,24 @@ class Graph:
     def minimum(self, a, b) -> Value:
         return self._make("minimum", (self._num(a), self._num(b)))
 
-    def _unary(self, op, a, fold=None) -> Value:
+    def unary(self, op: str, a) -> Value:
+        """A pointwise op of one operand (see :data:`~schedlang.lowering.ir_ops.IR_OPS`), folded on constants."""
         a = self._num(a)
-        if a.is_const and fold is not None:
-            folded = self._fold(fold, a)
+        if a.is_const:
+            folded = self._fold(IR_OPS[op].fold, a)
             if folded is not None:
                 return folded
         return self._make(op, (a,))
 
-    def exp(self, a): return self._unary("exp", a, math.exp)
-    def log(self, a): return self._unary("log", a, math.log)
-    def sqrt(self, a): return self._unary("sqrt", a, math.sqrt)
-    def rsqrt(self, a): return self._unary("rsqrt", a, lambda x: 1.0 / math.sqrt(x))
-    def tanh(self, a): return self._unary("tanh", a, math.tanh)
-    def sigmoid(self, a): return self._unary("sigmoid", a, lambda x: 1.0 / (1.0 + math.exp(-x)))
-    def erf(self, a): return self._unary("erf", a, math.erf)
-    def abs(self, a): return self._unary("abs", a, abs)
-    def relu(self, a): return self._unary("relu", a, lambda x: max(x, 0.0))
+    def exp(self, a): return self.unary("exp", a)
+    def log(self, a): return self.unary("log", a)
+    def sqrt(self, a): return self.unary("sqrt", a)
+    def rsqrt(self, a): return self.unary("rsqrt", a)
+    def tanh(self, a): return self.unary("tanh", a)
+    def sigmoid(self, a): return self.unary("sigmoid", a)
+    def erf(self, a): return self.unary("erf", a)
+    def abs(self, a): return self.unary("abs", a)
+    def relu(self, a): return self.unary("relu", a)
 
     def round_to(self, a, dtype_name: str) -> Value:
         """Round to a narrower float type and back (what an explicit ``.to(bf16)`` does)."""

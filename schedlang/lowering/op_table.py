@@ -30,6 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .ir import Value
+from .ir_ops import IR_OPS, IROp
 
 __all__ = ["FUNCTIONS", "METHODS", "MODULES", "OpContext", "Unsupported", "describe_target", "lookup"]
 
@@ -226,23 +227,23 @@ def _reciprocal(ctx, a):
     return ctx.g.div(1.0, a)
 
 
-def _simple_unary(name, *targets):
-    @_func(*targets)
-    @_method(name)
-    def handler(ctx, a):
-        return getattr(ctx.g, name)(a)
-    handler.__name__ = f"_{name}"
+def _one_to_one(op: IROp):
+    """The handler of a PyTorch function that is exactly one IR op (listed in the op's entry)."""
+    if op.category == "unary":
+        def handler(ctx, a):
+            return ctx.g.unary(op.name, a)
+    else:
+        def handler(ctx, a, b):
+            return ctx.g.compare(op.name, _number(ctx, a), _number(ctx, b))
+    handler.__name__ = f"_{op.name}"
+    _func(*op.torch_functions)(handler)
+    _method(*op.torch_methods)(handler)
     return handler
 
 
-_simple_unary("exp", torch.exp)
-_simple_unary("log", torch.log)
-_simple_unary("sqrt", torch.sqrt)
-_simple_unary("rsqrt", torch.rsqrt)
-_simple_unary("tanh", torch.tanh, F.tanh)
-_simple_unary("sigmoid", torch.sigmoid, F.sigmoid)
-_simple_unary("erf", torch.erf, torch.special.erf)
-_simple_unary("abs", torch.abs, torch.absolute)
+for _ir_op in IR_OPS.values():
+    if _ir_op.torch_functions or _ir_op.torch_methods:
+        _one_to_one(_ir_op)
 
 
 @_func(torch.relu, F.relu)
@@ -274,23 +275,6 @@ def _clamp(ctx, a, min=None, max=None):
     if max is not None:
         out = g.where(g.compare("gt", out, _number(ctx, max)), _number(ctx, max), out)
     return out
-
-
-def _compare(op):
-    def handler(ctx, a, b):
-        return ctx.g.compare(op, _number(ctx, a), _number(ctx, b))
-    return handler
-
-
-for _op, _fns, _names in [("gt", (operator.gt, torch.gt), ("gt", "__gt__")),
-                          ("ge", (operator.ge, torch.ge), ("ge", "__ge__")),
-                          ("lt", (operator.lt, torch.lt), ("lt", "__lt__")),
-                          ("le", (operator.le, torch.le), ("le", "__le__")),
-                          ("eq", (operator.eq, torch.eq), ("eq", "__eq__")),
-                          ("ne", (operator.ne, torch.ne), ("ne", "__ne__"))]:
-    _h = _compare(_op)
-    _func(*_fns)(_h)
-    _method(*_names)(_h)
 
 
 @_func(torch.where)

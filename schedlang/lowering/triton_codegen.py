@@ -32,6 +32,7 @@ import torch
 
 from .autodiff import derive_gradients
 from .ir import Value
+from .ir_ops import IR_OPS
 from .translate import Specialization
 
 __all__ = ["KernelPlan", "Sink", "forward_plan", "backward_plan", "module_source", "TL_DTYPES"]
@@ -39,10 +40,6 @@ __all__ = ["KernelPlan", "Sink", "forward_plan", "backward_plan", "module_source
 TL_DTYPES = {torch.float32: "tl.float32", torch.bfloat16: "tl.bfloat16", torch.float16: "tl.float16",
              torch.float64: "tl.float64", torch.bool: "tl.int1"}
 _ROUND_DTYPES = {"bfloat16": "tl.bfloat16", "float16": "tl.float16", "float32": "tl.float32"}
-_UNARY_CALLS = {"exp": "tl.exp", "log": "tl.log", "sqrt": "tl.sqrt", "rsqrt": "tl.rsqrt", "sigmoid": "tl.sigmoid",
-                "erf": "tl.erf", "abs": "tl.abs"}
-_INFIX = {"add": "+", "sub": "-", "mul": "*", "div": "/", "gt": ">", "ge": ">=", "lt": "<", "le": "<=", "eq": "==",
-          "ne": "!=", "and": "&", "or": "|"}
 _AXES = {"full": (True, True), "row": (True, False), "col": (False, True), "scalar": (False, False)}
 
 
@@ -266,7 +263,7 @@ class _Emitter:
 
     # ---------------------------------------------------------------- values
     def expr(self, v: Value, prefix: str = "") -> str:
-        op, a = v.op, v.args
+        op = v.op
         if op == "input":
             inp = self.spec.inputs[v.attr("index")]
             ptr, mask = self.offsets(inp.name, inp.kind, f"{inp.name}_row_stride", prefix)
@@ -286,35 +283,11 @@ class _Emitter:
             # Philox numbers keyed by (seed + dropout index, element index): the backward
             # kernel regenerates the same mask instead of saving it
             return f"tl.rand(seed + {v.attr('index')}, rows * n_cols + cols) >= {_literal(v.attr('p'))}"
-        if op in _INFIX:
-            if op in ("and", "or"):
-                return f"{self.ref(a[0])} {_INFIX[op]} {self.ref(a[1])}"
-            return f"{self.num(a[0])} {_INFIX[op]} {self.num(a[1])}"
-        if op == "neg":
-            return f"-{self.num(a[0])}"
-        if op in _UNARY_CALLS:
-            return f"{_UNARY_CALLS[op]}({self.num(a[0])})"
-        if op == "tanh":
-            return f"{'tanh_approx' if self.fast_tanh else 'tanh'}({self.num(a[0])})"
-        if op == "relu":
-            return f"tl.maximum({self.num(a[0])}, 0.0)"
-        if op in ("maximum", "minimum"):
-            return f"tl.{op}({self.num(a[0])}, {self.num(a[1])})"
-        if op == "round":
-            return f"{_downcast(self.num(a[0]), _ROUND_DTYPES[v.attr('dtype')])}.to({self.compute})"
-        if op == "broadcast":
-            return self.tile(a[0], v.rows, v.cols)
-        if op == "row0":
-            return f"tl.where(rows == 0, {self.num(a[0])}, 0.0)"
-        if op == "where":
-            return f"tl.where({self.ref(a[0])}, {self.num(a[1])}, {self.num(a[2])})"
-        if op == "rowsum":
-            mask = self.mask_for(a[0].rows, a[0].cols)
-            return f"tl.sum(tl.where({mask}, {self.num(a[0])}, 0.0), axis=1, keep_dims=True)"
-        if op == "rowmax":
-            mask = self.mask_for(a[0].rows, a[0].cols)
-            return f"tl.max(tl.where({mask}, {self.num(a[0])}, -INF), axis=1, keep_dims=True)"
-        raise NotImplementedError(f"no Triton code for IR op {op!r}")  # pragma: no cover
+        return IR_OPS[op].triton(self, v)
+
+    def round_to(self, expr: str, dtype_name: str) -> str:
+        """``expr`` rounded to a narrower float type and back to the compute type."""
+        return f"{_downcast(expr, _ROUND_DTYPES[dtype_name])}.to({self.compute})"
 
     def _comment(self, origin) -> str | None:
         if origin is None:
