@@ -6,6 +6,12 @@ cd "$(dirname "$0")/.."
 python3 -m pip install --quiet --upgrade pip >/dev/null 2>&1 || true
 python3 -m pip install --quiet "torch==2.13.0" -e ".[test,docs]"
 python3 -m pip check || true
+# the report's browser test renders the page in Debian's headless Chromium
+if ! command -v chromium >/dev/null 2>&1; then
+  { apt-get install -y -q chromium || { apt-get update -q && apt-get install -y -q chromium; }; } >/dev/null 2>&1 \
+    || echo "ci: could not install chromium; the browser test will fail" >&2
+fi
+export SCHEDLANG_REQUIRE_BROWSER=1
 log=$(mktemp)
 set +e
 python3 -m pytest -q -p no:cacheprovider 2>&1 | tee "$log"

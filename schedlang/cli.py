@@ -1,9 +1,10 @@
 """The ``schedlang`` command.
 
-``schedlang demo`` schedules the built-in :class:`~schedlang.models.tiny_transformer.TinyTransformer`:
-it prints the module tree, the schedule's plan, the verification result and a table
-comparing the eager model with the scheduled one. ``--world-size N`` spawns N local
-ranks (gloo on CPU, NCCL on GPUs) and shows tensor parallelism.
+``schedlang demo`` schedules a tiny HuggingFace LLaMA (:mod:`schedlang.demo`): the printed plan,
+Verify's result and a table of the original model against its schedule, in one process and
+tensor parallel over ``--world-size`` local ranks (gloo on CPU, NCCL on GPUs).
+``schedlang report --out report.html`` writes the demo's schedule (or ``--plan plan.json``
+replayed on ``--model``) as a self-contained HTML page (:mod:`schedlang.report`).
 
 ``schedlang train ...`` is the trainer (:mod:`schedlang.train`; ``schedlang train --help``).
 ``schedlang bench [NAME ...]`` runs the GPU benchmarks in ``bench/`` (from a source
@@ -13,147 +14,118 @@ checkout) and ``schedlang primitives`` lists the schedule primitives.
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
 import torch
 
 
-def _saved_activation_bytes(step) -> int:
-    """Bytes of tensors autograd keeps for backward during one forward (what checkpointing reduces)."""
-    total = {"bytes": 0}
-
-    def pack(t):
-        total["bytes"] += t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = step(backward=False)
-    loss.backward()
-    return total["bytes"]
-
-
-def _timed(steps, device: torch.device, repeats: int) -> List[float]:
-    """Median milliseconds of each step; the steps alternate so that background load hits all alike."""
-    for step in steps:
-        step()
-        step()
-    times: List[List[float]] = [[] for _ in steps]
-    for _ in range(repeats):
-        for i, step in enumerate(steps):
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            step()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            times[i].append(time.perf_counter() - start)
-    return [sorted(t)[len(t) // 2] * 1e3 for t in times]
+def _demo_options(ns: argparse.Namespace) -> Optional[str]:
+    """The first problem with the demo's flags, or None."""
+    if ns.device == "cuda" and not torch.cuda.is_available():
+        return "--device cuda but no CUDA device is available"
+    if ns.world_size < 1:
+        return f"--world-size must be at least 1, got {ns.world_size}"
+    if ns.hidden % ns.heads:
+        return f"--hidden must be divisible by the {ns.heads} attention heads, got {ns.hidden}"
+    if ns.heads % 4:
+        return f"--heads must be a multiple of the demo model's 4 key/value heads, got {ns.heads}"
+    if 4 % ns.world_size:
+        return (f"the demo model has 4 key/value heads to split over the ranks; --world-size must divide 4 "
+                f"(1, 2 or 4), got {ns.world_size}")
+    if ns.device == "cuda" and torch.cuda.device_count() < ns.world_size:
+        return f"--world-size {ns.world_size} needs {ns.world_size} GPUs, found {torch.cuda.device_count()}"
+    for flag in ("layers", "batch", "seq", "repeats"):
+        if getattr(ns, flag) < 1:
+            return f"--{flag} must be at least 1, got {getattr(ns, flag)}"
+    return None
 
 
-def _make_step(model, ids, targets):
-    def step(backward: bool = True):
-        logits = model(ids)
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-        if backward:
-            loss.backward()
-            for p in model.parameters():
-                p.grad = None
-        return loss
-
-    return step
-
-
-def _demo_rank(rank: int, world: int, args: Dict) -> Optional[str]:
-    import schedlang
-    from schedlang.models.tiny_transformer import TinyConfig, TinyTransformer, tensor_parallel_schedule
-
-    device = torch.device(args["device"], rank if args["device"] == "cuda" else None) \
-        if args["device"] == "cuda" else torch.device("cpu")
-    lines: List[str] = []
-    out = lines.append
-    torch.manual_seed(0)
-    cfg = TinyConfig(num_layers=args["layers"], hidden_size=args["hidden"], num_heads=4,
-                     intermediate_size=4 * args["hidden"])
-    model = TinyTransformer(cfg).to(device)
-    ids = torch.randint(0, cfg.vocab_size, (args["batch"], args["seq"]), device=device,
-                        generator=torch.Generator(device=device).manual_seed(1))
-    targets = torch.roll(ids, -1, dims=1)
-    world_note = f"{world} ranks ({'nccl' if device.type == 'cuda' else 'gloo'})" if world > 1 else "1 process"
-    out(f"schedlang {schedlang.__version__} demo: torch {torch.__version__}, device {device.type}, {world_note}")
-    out("\n== The model (unchanged user code) ==")
-    out(str(model))
-
-    sch = schedlang.create_schedule(model)
-    out("\n== Schedule ==")
-    with schedlang.Verify(sch, example_inputs=[ids]) as check:
-        if world > 1:
-            tensor_parallel_schedule(sch)
-        for i in range(cfg.num_layers):
-            sch[f"blocks.{i}"].checkpoint()
-    out(str(sch.plan))
-    out("\n== Verification (forward and backward against the original model) ==")
-    out(str(check.report))
-    scheduled, _ = schedlang.build(sch)
-    if world > 1:
-        out(f"\nrank {rank}: blocks.0.mlp.fc1 is now {scheduled.blocks[0].mlp.fc1} "
-            f"(attention heads per rank: {cfg.num_heads // world})")
-
-    model.train()
-    scheduled.train()
-    eager_step = _make_step(model, ids, targets)
-    sched_step = _make_step(scheduled, ids, targets)
-    rows = []
-    timings = _timed([eager_step, sched_step], device, args["repeats"])
-    for name, m, step, ms in (("eager", model, eager_step, timings[0]), ("scheduled", scheduled, sched_step, timings[1])):
-        saved = _saved_activation_bytes(step)
-        params = sum(p.numel() * p.element_size() for p in m.parameters())
-        rows.append((name, ms, saved, params))
-    out(f"\n== Eager vs scheduled: training step (batch {args['batch']}, seq {args['seq']}) "
-        f"{'on rank ' + str(rank) + ' ' if world > 1 else ''}==")
-    out(f"{'':<11}{'step ms':>10}{'vs eager':>10}{'saved activations':>20}{'parameters':>14}")
-    base_ms, base_saved, base_params = rows[0][1], rows[0][2], rows[0][3]
-    for name, ms, saved, params in rows:
-        out(f"{name:<11}{ms:>10.2f}{base_ms / ms:>9.2f}x{saved / 2**20:>17.2f} MB{params / 2**20:>11.2f} MB")
-    out(f"\nThe scheduled model keeps {rows[1][2] / base_saved:.0%} of the activations for backward "
-        f"(checkpointed blocks)" + (f" and {rows[1][3] / base_params:.0%} of the parameters per rank "
-                                    f"(tensor parallel over {world} ranks)" if world > 1 else "") + ".")
-    return "\n".join(lines) if rank == 0 else None
+def _demo_kwargs(ns: argparse.Namespace) -> Dict:
+    return dict(layers=ns.layers, hidden=ns.hidden, heads=ns.heads, intermediate=ns.intermediate or 2 * ns.hidden + 176,
+                batch=ns.batch, seq=ns.seq, repeats=ns.repeats, compile=not ns.no_compile)
 
 
 def cmd_demo(ns: argparse.Namespace) -> int:
-    device = ns.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        print("schedlang demo: --device cuda but no CUDA device is available", file=sys.stderr)
+    ns.device = ns.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    problem = _demo_options(ns)
+    if problem:
+        print(f"schedlang demo: {problem}", file=sys.stderr)
         return 2
-    if ns.world_size < 1:
-        print("schedlang demo: --world-size must be at least 1", file=sys.stderr)
-        return 2
-    if ns.hidden % 4:
-        print(f"schedlang demo: --hidden must be divisible by the 4 attention heads, got {ns.hidden}", file=sys.stderr)
-        return 2
-    if 4 % ns.world_size:
-        print(f"schedlang demo: the demo model has 4 attention heads; --world-size must divide 4 "
-              f"(1, 2 or 4), got {ns.world_size}", file=sys.stderr)
-        return 2
-    args = dict(device=device, layers=ns.layers, hidden=ns.hidden, batch=ns.batch, seq=ns.seq, repeats=ns.repeats)
-    if ns.world_size == 1:
-        print(_demo_rank(0, 1, args))
-        return 0
-    if device == "cuda" and torch.cuda.device_count() < ns.world_size:
-        print(f"schedlang demo: --world-size {ns.world_size} needs {ns.world_size} GPUs, found "
-              f"{torch.cuda.device_count()}", file=sys.stderr)
-        return 2
-    from .distributed.launch import run_distributed
+    from .demo import run_demo
 
-    results = run_distributed(_demo_rank, world_size=ns.world_size, args=(args,),
-                              backend="nccl" if device == "cuda" else "gloo", timeout=600)
-    print(results[0])
+    print(run_demo(world_size=ns.world_size, device=ns.device, report=ns.report, **_demo_kwargs(ns)))
     return 0
+
+
+def cmd_report(ns: argparse.Namespace) -> int:
+    """Write the HTML report of the demo's schedule, or of a saved plan replayed on a model."""
+    import schedlang
+
+    if ns.plan is None:
+        ns.device = ns.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        problem = _demo_options(ns)
+        if problem:
+            print(f"schedlang report: {problem}", file=sys.stderr)
+            return 2
+        from .demo import DemoOptions, _scheduled_run, _tp_rank
+
+        opts = DemoOptions(device=ns.device, report=ns.out, report_single=ns.out, **_demo_kwargs(ns))
+        if ns.world_size == 1:
+            _scheduled_run(0, 1, opts)
+        else:
+            from .distributed.launch import run_distributed
+
+            run_distributed(_tp_rank, world_size=ns.world_size, args=(opts,),
+                            backend="nccl" if ns.device == "cuda" else "gloo", timeout=600)
+        print(f"wrote {ns.out}")
+        return 0
+    from .errors import SchedlangError
+
+    try:
+        with open(ns.plan) as f:
+            text = f.read()
+        model = _model_for_plan(ns.model)
+        sch = schedlang.replay(text, model)
+    except (OSError, SchedlangError) as e:
+        print(f"schedlang report: {e}", file=sys.stderr)
+        return 2
+    sch.report(ns.out, title=f"Plan {ns.plan} on {type(model).__name__}")
+    print(f"wrote {ns.out}")
+    return 0
+
+
+_REPORT_MODELS = ("llama-tiny", "gpt2-tiny", "demo")
+
+
+def _model_for_plan(name: Optional[str]):
+    """The model a saved plan is replayed on: a tiny ready-made one, or ``module:factory`` (a class or a
+    function of no arguments)."""
+    from .errors import ScheduleValueError
+
+    if name in (None, "demo"):
+        from .demo import DemoOptions, demo_model
+
+        return demo_model(DemoOptions(), torch.device("cpu"))
+    if name in ("llama-tiny", "gpt2-tiny"):  # the trainer's tiny sizes
+        from .train import _model_class, model_config
+
+        family = name.split("-")[0]
+        torch.manual_seed(0)
+        return _model_class(family)(model_config(family, "tiny"))
+    if ":" in name:
+        import importlib
+
+        module_name, _, attr = name.partition(":")
+        try:
+            factory = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as e:
+            raise ScheduleValueError(f"--model {name!r}: cannot import {attr!r} from {module_name!r} ({e})") from e
+        return factory()
+    raise ScheduleValueError(f"--model {name!r} is not known: valid are {', '.join(_REPORT_MODELS)} or "
+                             "'package.module:factory'")
 
 
 def _bench_dir() -> Path:
@@ -191,6 +163,18 @@ def cmd_primitives(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _add_demo_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--world-size", type=int, default=2,
+                        help="local ranks for tensor parallelism (default 2; 1 runs in this process only)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when present, else cpu")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--intermediate", type=int, default=None, help="MLP width (default about 2.7 x hidden)")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=256)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["train"]:  # the trainer parses its own flags (`schedlang train --help`)
@@ -201,15 +185,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("train", help="train a LLaMA / GPT-2 model on a pp x dp x tp layout (see schedlang train --help)",
                    add_help=False)
-    demo = sub.add_parser("demo", help="schedule, verify and time the built-in small transformer")
-    demo.add_argument("--world-size", type=int, default=1, help="local ranks for tensor parallelism (default 1)")
-    demo.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when present, else cpu")
-    demo.add_argument("--layers", type=int, default=4)
-    demo.add_argument("--hidden", type=int, default=128)
-    demo.add_argument("--batch", type=int, default=8)
-    demo.add_argument("--seq", type=int, default=128)
+    demo = sub.add_parser("demo", help="schedule, verify and time a tiny LLaMA against the original model")
+    _add_demo_flags(demo)
     demo.add_argument("--repeats", type=int, default=5, help="timed steps (median reported)")
+    demo.add_argument("--no-compile", action="store_true", help="do not compile the decoder layers after build")
+    demo.add_argument("--report", default=None, metavar="FILE", help="also write the schedule's HTML report here")
     demo.set_defaults(fn=cmd_demo)
+    report = sub.add_parser("report", help="write an HTML page of what a schedule did (default: the demo's)")
+    report.add_argument("--out", default="report.html", help="the page to write (default report.html)")
+    report.add_argument("--plan", default=None, help="a saved plan (JSON) to replay and report instead of the demo's")
+    report.add_argument("--model", default=None,
+                        help="with --plan: demo, llama-tiny, gpt2-tiny or package.module:factory (default demo)")
+    _add_demo_flags(report)
+    report.set_defaults(fn=cmd_report, repeats=1, no_compile=True)
     bench = sub.add_parser("bench", help="run the GPU benchmarks against their baselines")
     bench.add_argument("names", nargs="*", help="benchmarks to run (default: all)")
     bench.set_defaults(fn=cmd_bench)

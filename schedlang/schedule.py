@@ -237,6 +237,17 @@ class Schedule:
             logger.debug("step %d: %s at %s", len(self._state.plan) - 1, name, self._display())
         return result
 
+    def report(self, path: str, model: Optional[nn.Module] = None, verify=None, title: str = "") -> Optional[str]:
+        """Write a self-contained HTML report of what this schedule did (see :mod:`schedlang.report`).
+
+        Example::
+
+            sch.report("report.html", verify=check)
+        """
+        from .report import write_report
+
+        return write_report(self.root, path, model=model, verify=verify, title=title)
+
     # ------------------------------------------------------------------ graph-free primitives
     def replace(self, new_mod_or_fn: Union[nn.Module, Callable], target_ops=None, name: Optional[str] = None):
         """Replace this module by ``new_mod_or_fn``, or, with ``target_ops`` (subgraphs from

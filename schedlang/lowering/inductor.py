@@ -13,6 +13,7 @@ Example::
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from .fused_module import FusedSubgraph
 
@@ -35,6 +36,11 @@ class InductorFusedSubgraph(FusedSubgraph):
 
     def forward(self, *args):
         self._check_arity(args)
+        if torch.compiler.is_compiling() or (args and isinstance(args[0], FakeTensor)):
+            # inside a compiled region (compile_layers) the enclosing graph takes the subgraph in and
+            # Inductor fuses it there; a nested compiled callable would only add guards and
+            # recompilations. Fake inputs ask for shapes only (tracing): no compilation for that.
+            return self.graph_module(*args)
         return self._compiled_fn()(*args)
 
     def __deepcopy__(self, memo):

@@ -42,6 +42,7 @@ import threading
 import torch
 import torch.fx
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from ..errors import LoweringError
 from .fused_module import FusedSubgraph
@@ -668,6 +669,9 @@ class TritonFusedSubgraph(FusedSubgraph):
         return [key[0] for key in self._compiled]
 
     def forward(self, *args):
+        if args and isinstance(args[0], FakeTensor):
+            # only shapes are asked for (tracing, example values): the subgraph's own ops answer them
+            return self.graph_module(*args)
         calls, attr_getters, dropout_getters = self.__dict__.get("_calls") or self._call_state()
         inputs = args + tuple([get(self) for get in attr_getters]) if attr_getters else args
         # the call key: what the specialization and the device checks depend on

@@ -80,6 +80,7 @@ def compile_layers(model: nn.Module, trace_collectives: bool = False, **compile_
             for layer in module:
                 if not trace_collectives:
                     for sub in layer.modules():
+                        _run_sync_hooks_eagerly(sub)
                         if isinstance(sub, SyncOp):
                             sub.forward = torch.compiler.disable(sub.forward)
                         elif is_sequence_parallel_norm(sub):
@@ -90,6 +91,18 @@ def compile_layers(model: nn.Module, trace_collectives: bool = False, **compile_
         raise ScheduleTypeError(f"compile_layers: no layer list ({', '.join(LAYER_LISTS)}) found in "
                                 f"{type(model).__name__}")
     return count
+
+
+def _run_sync_hooks_eagerly(module: nn.Module) -> None:
+    """Keep the hooks that route a module's input or output through its sync point out of the compiled
+    graph: their argument structure differs from module to module (a tensor, a kwargs dict), and each
+    form compiled on its own frame would exhaust torch.compile's recompile limit on a deep model."""
+    from ..distributed.sync_ops import SyncHook
+
+    for hooks in (module._forward_hooks, module._forward_pre_hooks):
+        for key, hook in list(hooks.items()):
+            if isinstance(hook, SyncHook):
+                hooks[key] = torch.compiler.disable(hook)
 
 
 def _torch_version():

@@ -131,6 +131,7 @@ class Trace(Primitive):
         gm = T.trace_module(module, path=sch.path, recursive=recursive, flatten=flatten, leaf_modules=leaf_modules,
                             concrete_args=concrete_args, call=call, fake_mode=fake_mode)
         sch._set_module(gm)
+        _keep_graphs_as_traced(sch, gm)
         config = getattr(ancestor[1], "config", None) if ancestor is not None else None
         if getattr(config, "use_cache", None):
             # the traced graph has no KV cache: make the enclosing model stop passing one
@@ -196,3 +197,16 @@ def _hf_ancestor(sch, module: nn.Module):
         if T.is_hf_model(ancestor):
             return ancestor_path, ancestor
     return None
+
+
+def _keep_graphs_as_traced(sch, gm) -> None:
+    """Record each traced graph as first traced, in the schedule's metadata, so that a report can
+    draw it beside what later steps (fuse, horizontal_fuse, replace) make of it."""
+    import torch.fx as fx
+
+    from ..report.graph_svg import describe_graph
+
+    for relative, module in gm.named_modules():
+        if isinstance(module, fx.GraphModule):
+            path = ".".join(p for p in (sch.path, relative) if p)
+            sch.root[path].metadata["graph_at_trace"] = describe_graph(module.graph, owner=module)
