@@ -48,7 +48,13 @@ class DemoOptions(dict):
 
 def demo_config(opts: Dict):
     """The tiny LLaMA's transformers config."""
-    from transformers import LlamaConfig
+    try:
+        from transformers import LlamaConfig
+    except ImportError as e:
+        from .errors import ScheduleValueError
+
+        raise ScheduleValueError("the demo builds a HuggingFace LLaMA and needs transformers: "
+                                 "pip install 'schedlang[hf]'") from e
 
     return LlamaConfig(hidden_size=opts["hidden"], intermediate_size=opts["intermediate"],
                        num_hidden_layers=opts["layers"], num_attention_heads=opts["heads"],
