@@ -55,8 +55,13 @@ def cmd_demo(ns: argparse.Namespace) -> int:
         print(f"schedlang demo: {problem}", file=sys.stderr)
         return 2
     from .demo import run_demo
+    from .errors import SchedlangError
 
-    print(run_demo(world_size=ns.world_size, device=ns.device, report=ns.report, **_demo_kwargs(ns)))
+    try:
+        print(run_demo(world_size=ns.world_size, device=ns.device, report=ns.report, **_demo_kwargs(ns)))
+    except SchedlangError as e:
+        print(f"schedlang demo: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
