@@ -25,6 +25,10 @@ from .verify import Verify
 
 __version__ = "0.1.0"
 
+from .progress import register_torch_logs as _register_torch_logs  # noqa: E402
+
+_register_torch_logs()  # TORCH_LOGS=+schedlang, as for PyTorch's own components
+
 __all__ = [
     "Schedule", "create_schedule", "Plan", "Step", "replay", "list_primitives", "build", "Verify",
     "init_empty_weights", "call_module", "PH", "distributed", "env", "primitives",
