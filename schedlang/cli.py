@@ -35,11 +35,12 @@ def _demo_options(ns: argparse.Namespace) -> Optional[str]:
     if 4 % ns.world_size:
         return (f"the demo model has 4 key/value heads to split over the ranks; --world-size must divide 4 "
                 f"(1, 2 or 4), got {ns.world_size}")
-    if ns.device == "cuda" and torch.cuda.device_count() < ns.world_size:
-        return f"--world-size {ns.world_size} needs {ns.world_size} GPUs, found {torch.cuda.device_count()}"
     for flag in ("layers", "batch", "seq", "repeats"):
         if getattr(ns, flag) < 1:
             return f"--{flag} must be at least 1, got {getattr(ns, flag)}"
+    if ns.device == "cuda" and torch.cuda.device_count() < ns.world_size:
+        return (f"--world-size {ns.world_size} needs {ns.world_size} GPUs, found {torch.cuda.device_count()} "
+                "(--world-size 1 runs on one)")
     return None
 
 
