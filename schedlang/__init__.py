@@ -19,6 +19,7 @@ from .errors import (CheckpointError, DistributedError, LoweringError, NotTraced
                      SchedlangError, ShardError, SyncError, TraceError, VerificationError)
 from .init import init_empty_weights
 from .plan import Plan, Step, replay
+from .pretrained import load_pretrained
 from .primitives.base import list_primitives
 from .schedule import Schedule, create_schedule
 from .verify import Verify
@@ -35,7 +36,7 @@ __all__ = [
     "SchedlangError", "ScheduleKeyError", "ScheduleValueError", "ScheduleTypeError", "ShardError", "SyncError",
     "PlanError", "PlanSerializationError", "TraceError", "NotTracedError", "PatternError", "LoweringError",
     "VerificationError", "DistributedError", "CheckpointError", "PipelineError", "save_checkpoint", "load_checkpoint",
-    "export_hf",
+    "export_hf", "load_pretrained",
     "__version__",
 ]
 

@@ -302,7 +302,7 @@ def _parallelize(root, model: nn.Module, pipeline: Optional[Dict[str, Any]]) -> 
 
 def build(sch, init_weights: Union[None, bool, Callable[[nn.Module], None]] = None, optimizer: Any = None,
           device: Union[None, str, torch.device] = None, dtype: Optional[torch.dtype] = None,
-          pipeline: Optional[Dict[str, Any]] = None,
+          pipeline: Optional[Dict[str, Any]] = None, pretrained: Any = None,
           **optimizer_kwargs: Any) -> Tuple[nn.Module, Optional[torch.optim.Optimizer]]:
     """Materialize the schedule's model; returns ``(model, optimizer)``.
 
@@ -320,6 +320,10 @@ def build(sch, init_weights: Union[None, bool, Callable[[nn.Module], None]] = No
             "n_microbatches": N, "loss_fn": fn(output, target)}``; the model returned is then a
             :class:`~schedlang.distributed.pipeline.PipelinedModel` holding this rank's stages, trained
             with ``model.step(inputs, target=..., losses=[])``.
+        pretrained: a HF safetensors checkpoint (a directory, a ``.safetensors`` file or a list of
+            them) to load the weights from; each rank reads only the slices it holds and the tensors
+            it loads are never initialized (see :mod:`schedlang.pretrained`). Names and shapes are
+            checked before anything is allocated.
         **optimizer_kwargs: passed to the optimizer (``lr=...``).
 
     The layers of a parallel model, in the order they are put on:
@@ -342,13 +346,21 @@ def build(sch, init_weights: Union[None, bool, Callable[[nn.Module], None]] = No
                                 f"{init_weights!r}")
     if optimizer_kwargs and optimizer is None:
         raise ScheduleValueError(f"build: optimizer options {sorted(optimizer_kwargs)} given without optimizer=")
+    weights = None
+    if pretrained is not None:
+        from .pretrained import PretrainedWeights
+
+        weights = PretrainedWeights.for_build(model, pretrained, init_weights, dtype)
     if has_meta_tensors(model):
         target = torch.device(device) if device is not None else (
             torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
         init = None if init_weights is False else (init_weights if callable(init_weights) else _DEFAULT)
-        _Materializer(target, init, _default_inits(model) if init is _DEFAULT else {}).run(model)
+        if weights is not None:
+            weights.materialize(model, target)
+        else:
+            _Materializer(target, init, _default_inits(model) if init is _DEFAULT else {}).run(model)
         logger.info("materialized meta tensors on %s", target)
-    elif callable(init_weights):
+    elif callable(init_weights) and weights is None:
         with torch.no_grad():
             model.apply(init_weights)
     if device is not None or dtype is not None:
@@ -358,6 +370,8 @@ def build(sch, init_weights: Union[None, bool, Callable[[nn.Module], None]] = No
     for module in model.modules():
         apply_annotations(module)
     model = _parallelize(root, model, pipeline)
+    if weights is not None:
+        weights.load(model)
     opt = None
     if optimizer is not None:
         params = [p for p in model.parameters() if p.requires_grad]
