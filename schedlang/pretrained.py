@@ -190,11 +190,13 @@ def _placement_indices(shape, placements, coordinate, mesh_sizes) -> List[torch.
     """Per dimension, the global indices this rank's local tensor holds, in local order."""
     indices = [torch.arange(int(n)) for n in shape]
     for placement, c, n in zip(placements, coordinate, mesh_sizes):
-        if not placement.is_shard():
+        # _StridedShard is not a Shard subclass on every torch version: recognized by name
+        strided = type(placement).__name__ == "_StridedShard"
+        if not (strided or placement.is_shard()):
             continue  # Replicate, Partial: the whole (current) extent
         d = placement.dim
         split_factor = getattr(placement, "split_factor", None)
-        if type(placement).__name__ == "_StridedShard" and split_factor is not None:
+        if strided and split_factor is not None:
             # part c of each of split_factor blocks, concatenated (torch's _StridedShard layout)
             indices[d] = torch.cat([_chunk(block, n)[c] for block in _chunk(indices[d], int(split_factor))])
         else:

@@ -1,0 +1,310 @@
+"""Pretrained weights from HF safetensors: ``build(sch, pretrained=DIR)`` and ``load_pretrained``.
+
+A tiny LLaMA (tied embeddings, grouped key/value heads, saved as several files with an index) and a
+tiny GPT-2 (Conv1D weights, fused q|k|v) are saved by ``save_pretrained``; one spawned run on two
+gloo ranks builds each under TP=2, FSDP2=2 and PP=2 from the files and compares the loss with
+``from_pretrained``'s, while a wrapped ``safe_open`` records every slice a rank asks for. The same
+run exports the tensor-parallel LLaMA and loads it back under FSDP2.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import schedlang
+from schedlang.distributed.launch import run_distributed
+
+BATCH, SEQ = 4, 9
+
+
+def _llama_config(**kw):
+    from transformers import LlamaConfig
+
+    base = dict(hidden_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                intermediate_size=80, vocab_size=96, max_position_embeddings=64, tie_word_embeddings=True)
+    base.update(kw)
+    cfg = LlamaConfig(**base)
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+def _gpt2_config(**kw):
+    from transformers import GPT2Config
+
+    base = dict(n_embd=32, n_layer=2, n_head=4, n_inner=72, vocab_size=64, n_positions=32, bos_token_id=0,
+                eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    base.update(kw)
+    cfg = GPT2Config(**base)
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
+FAMILIES = {"llama": (_llama_config, "model.layers.0"), "gpt2": (_gpt2_config, "transformer.h.0")}
+
+
+def _model_class(family):
+    from transformers import GPT2LMHeadModel, LlamaForCausalLM
+
+    return LlamaForCausalLM if family == "llama" else GPT2LMHeadModel
+
+
+def _tokens(vocab):
+    return torch.randint(0, vocab, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(11))
+
+
+def _loss(logits, labels):
+    return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten())
+
+
+def _save(family, directory, seed=0, dtype=None, **save_kw):
+    torch.manual_seed(seed)
+    model = _model_class(family)(FAMILIES[family][0]())
+    if dtype is not None:
+        model = model.to(dtype)
+    model.save_pretrained(directory, **save_kw)
+    return model
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """The two checkpoints and the loss ``from_pretrained`` gives on the fixed batch."""
+    root = str(tmp_path_factory.mktemp("pretrained"))
+    out = {"root": root}
+    for family in FAMILIES:
+        directory = os.path.join(root, family)
+        # the LLaMA is split into several files with an index, the GPT-2 is one file
+        _save(family, directory, **({"max_shard_size": "40KB"} if family == "llama" else {}))
+        hf = _model_class(family).from_pretrained(directory)
+        tokens = _tokens(hf.config.vocab_size)
+        with torch.no_grad():
+            out[family] = float(_loss(hf(input_ids=tokens[:, :-1]).logits, tokens[:, 1:]))
+    assert len([f for f in os.listdir(os.path.join(root, "llama")) if f.endswith(".safetensors")]) > 2
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- the spawned run
+class _RecordingSlice:
+    def __init__(self, inner, name, log):
+        self.inner, self.name, self.log = inner, name, log
+
+    def get_shape(self):
+        return self.inner.get_shape()
+
+    def get_dtype(self):
+        return self.inner.get_dtype()
+
+    def __getitem__(self, index):
+        piece = self.inner[index]
+        self.log.append((self.name, piece.numel(), "slice"))
+        return piece
+
+
+class _RecordingHandle:
+    """``safe_open`` that logs every tensor read: (name, elements, how)."""
+
+    original = None
+    log: list = []
+
+    def __init__(self, path, framework="pt", **kw):
+        self.inner = type(self).original(path, framework=framework, **kw)
+
+    def __enter__(self):
+        self.inner.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.inner.__exit__(*exc)
+
+    def keys(self):
+        return self.inner.keys()
+
+    def get_slice(self, name):
+        return _RecordingSlice(self.inner.get_slice(name), name, self.log)
+
+    def get_tensor(self, name):
+        t = self.inner.get_tensor(name)
+        self.log.append((name, t.numel(), "whole"))
+        return t
+
+
+def _local_tensors(model):
+    """This rank's distinct tensors of the built model (the pieces it should read), by id."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from schedlang.distributed.dtensor_params import local_tensor
+
+    out = {}
+    for stage in getattr(model, "stage_modules", [model]):
+        for value in get_model_state_dict(stage).values():
+            out.setdefault(id(value), local_tensor(value))
+    return list(out.values())
+
+
+def _schedule(family, layout, cfg=None):
+    from schedlang.distributed.mesh import make_mesh
+    from schedlang.models import shard_model
+
+    cfg = cfg or FAMILIES[family][0]()
+    with schedlang.init_empty_weights():
+        model = _model_class(family)(cfg)
+    sizes = {"tp": dict(tp=2), "fsdp": dict(dp=2), "pp": dict(pp=2)}[layout]
+    sch = schedlang.create_schedule(model, mesh=make_mesh(device_type="cpu", **sizes))
+    pipeline = None
+    if layout == "tp":
+        shard_model(sch, gather_logits=True)
+    elif layout == "fsdp":
+        layers = "model.layers" if family == "llama" else "transformer.h"
+        for i in range(cfg.num_hidden_layers):
+            sch[f"{layers}.{i}"].fully_shard(mp_policy="fp32")
+        sch.fully_shard(mp_policy="fp32")
+    else:
+        sch[FAMILIES[family][1]].cut_pipeline_stage()
+        pipeline = {"schedule": "1F1B", "n_microbatches": 2, "loss_fn": _loss}
+    return sch, pipeline
+
+
+def _loss_of(model, tokens):
+    ids, labels = tokens[:, :-1], tokens[:, 1:]
+    if hasattr(model, "stage_modules"):
+        losses = []
+        model.step(ids, target=labels, losses=losses)  # a training step's forward (torch's schedules need grad)
+        return float(torch.stack(losses).mean().detach()) if losses else None
+    with torch.no_grad():
+        return float(_loss(model(input_ids=ids, use_cache=False).logits, labels))
+
+
+def _spawned(rank, world, root):
+    import safetensors
+    from safetensors.torch import load_file
+
+    from schedlang.checkpoint import full_tensor
+    from schedlang.distributed.dtensor_params import is_dtensor
+
+    _RecordingHandle.original = safetensors.safe_open
+    safetensors.safe_open = _RecordingHandle
+    out = {}
+    for family in FAMILIES:
+        directory = os.path.join(root, family)
+        stored = {}
+        for f in sorted(os.listdir(directory)):
+            if f.endswith(".safetensors"):
+                stored.update(load_file(os.path.join(directory, f)))
+        for layout in ("tp", "fsdp", "pp"):
+            sch, pipeline = _schedule(family, layout)
+            _RecordingHandle.log.clear()
+            model, _ = schedlang.build(sch, pretrained=directory, pipeline=pipeline)
+            reads = list(_RecordingHandle.log)
+            pieces = _local_tensors(model)
+            entry = {"loss": _loss_of(model, _tokens(FAMILIES[family][0]().vocab_size)),
+                     "read": sum(n for _, n, _ in reads), "local": sum(p.numel() for p in pieces),
+                     "largest_read": max(n for _, n, _ in reads), "largest_local": max(p.numel() for p in pieces),
+                     "whole_reads": [name for name, _, how in reads if how == "whole"],
+                     "stored": sum(t.numel() for t in stored.values())}
+            if layout != "pp":  # every parameter gathered equals the stored tensor (or its tied partner's)
+                wrong = []
+                for name, p in model.named_parameters():
+                    key = name if name in stored else ("model.embed_tokens.weight" if family == "llama"
+                                                       else "transformer.wte.weight")
+                    if not torch.equal(full_tensor(p.detach()), stored[key]):
+                        wrong.append(name)
+                entry["wrong"] = wrong
+                entry["dtensors"] = sum(is_dtensor(p) for p in model.parameters())
+            out[f"{family}_{layout}"] = entry
+    # the regions of DTensors that torch itself laid out, on uneven shapes
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from schedlang.pretrained import local_regions
+
+    mesh = init_device_mesh("cpu", (2,))
+    full = torch.arange(7 * 18, dtype=torch.float32).reshape(7, 18)
+    regions_right = []
+    for placements in ([Shard(0)], [Shard(1)], [_StridedShard(1, split_factor=3)], [_StridedShard(0, split_factor=2)]):
+        # the shard torch's own placement cuts for this rank (distribute_tensor refuses _StridedShard)
+        local = placements[0]._split_tensor(full, 2, with_padding=False)[0][rank].contiguous()
+        dt = DTensor.from_local(local, mesh, placements, run_check=False, shape=full.shape, stride=full.stride())
+        regions = local_regions(dt)
+        regions_right.append(sum(local[li].numel() for li, _ in regions) == local.numel()
+                             and all(torch.equal(local[li], full[gi]) for li, gi in regions))
+    out["regions_right"] = regions_right
+    # a checkpoint that does not fit: every rank raises the same error, nothing is allocated
+    sch, _ = _schedule("llama", "tp", _llama_config(intermediate_size=64))
+    try:
+        schedlang.build(sch, pretrained=os.path.join(root, "llama"))
+        out["mismatch"] = None
+    except schedlang.CheckpointError as e:
+        out["mismatch"] = str(e)
+    out["mismatch_still_meta"] = all(p.is_meta for p in sch.mod.parameters())
+    # export under TP, load under FSDP2 into a randomly initialized model: the same logits
+    safetensors.safe_open = _RecordingHandle.original
+    sch, _ = _schedule("llama", "tp")
+    tp_model, _ = schedlang.build(sch, pretrained=os.path.join(root, "llama"))
+    ids = _tokens(96)[:, :-1]
+    with torch.no_grad():
+        tp_logits = tp_model(input_ids=ids, use_cache=False).logits
+    schedlang.export_hf(tp_model, os.path.join(root, "exported"))
+    sch, _ = _schedule("llama", "fsdp")
+    torch.manual_seed(5)
+    fsdp_model, _ = schedlang.build(sch)
+    info = schedlang.load_pretrained(fsdp_model, os.path.join(root, "exported"))
+    with torch.no_grad():
+        fsdp_logits = fsdp_model(input_ids=ids, use_cache=False).logits
+    out["round_trip"] = {"max_diff": float((tp_logits - fsdp_logits).abs().max()), "tensors": info["tensors"]}
+    return out
+
+
+@pytest.fixture(scope="module")
+def spawned(saved):
+    return run_distributed(_spawned, world_size=2, args=(saved["root"],), timeout=300)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("layout", ["tp", "fsdp", "pp"])
+def test_built_from_safetensors_gives_the_loss_of_from_pretrained(saved, spawned, family, layout):
+    losses = [r[f"{family}_{layout}"]["loss"] for r in spawned]
+    if layout == "pp":
+        losses = [x for x in losses if x is not None]  # the last stage's rank computes it
+        assert len(losses) == 1
+    for loss in losses:
+        assert loss == pytest.approx(saved[family], rel=1e-5, abs=1e-5)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("layout", ["tp", "fsdp", "pp"])
+def test_each_rank_reads_only_the_slices_it_holds(spawned, family, layout):
+    for r in spawned:
+        entry = r[f"{family}_{layout}"]
+        assert entry["whole_reads"] == []
+        assert entry["read"] == entry["local"]  # exactly this rank's elements, each once
+        assert entry["largest_read"] <= entry["largest_local"]
+        if layout != "tp":  # tensor parallelism keeps norms and biases whole on both ranks
+            assert entry["read"] < 0.75 * entry["stored"]
+        if layout != "pp":
+            assert entry["wrong"] == []
+    if layout != "pp":
+        assert spawned[0][f"{family}_{layout}"]["dtensors"] > 0
+
+
+def test_regions_match_the_layouts_torch_makes(spawned):
+    for r in spawned:
+        assert r["regions_right"] == [True] * 4
+
+
+def test_a_mismatch_raises_on_every_rank_before_anything_is_allocated(spawned):
+    messages = [r["mismatch"] for r in spawned]
+    assert messages[0] is not None and messages[0] == messages[1]
+    assert "shape mismatch for 'model.layers.0.mlp.gate_proj.weight'" in messages[0]
+    assert "the checkpoint has (80, 48)" in messages[0] and "the model (64, 48)" in messages[0]
+    assert ".safetensors" in messages[0]
+    assert all(r["mismatch_still_meta"] for r in spawned)
+
+
+def test_export_then_load_under_another_layout_gives_the_same_logits(spawned):
+    for r in spawned:
+        assert r["round_trip"]["max_diff"] < 1e-5
+        assert r["round_trip"]["tensors"] > 0
