@@ -308,3 +308,136 @@ def test_export_then_load_under_another_layout_gives_the_same_logits(spawned):
     for r in spawned:
         assert r["round_trip"]["max_diff"] < 1e-5
         assert r["round_trip"]["tensors"] > 0
+
+
+# ---------------------------------------------------------------------------------------------- one process
+def _empty(family, cfg=None):
+    with schedlang.init_empty_weights():
+        return schedlang.create_schedule(_model_class(family)(cfg or FAMILIES[family][0]()))
+
+
+def _state(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("stored,loaded", [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16),
+                                           (torch.float16, torch.float32)])
+def test_checkpoint_dtype_is_converted_to_the_model_dtype(tmp_path, stored, loaded):
+    reference = _save("gpt2", tmp_path, dtype=stored)
+    model, _ = schedlang.build(_empty("gpt2"), pretrained=tmp_path, dtype=loaded)
+    want = _state(reference)
+    got = _state(model)
+    assert {v.dtype for v in got.values()} == {loaded}
+    for name, value in want.items():
+        assert torch.equal(got[name], value.to(loaded)), name
+
+
+def test_tensors_split_across_files_with_an_index_and_untied_weights(tmp_path):
+    cfg = _llama_config(tie_word_embeddings=False)
+    torch.manual_seed(1)
+    from transformers import LlamaForCausalLM
+
+    reference = LlamaForCausalLM(cfg)
+    reference.save_pretrained(tmp_path, max_shard_size="30KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    model, _ = schedlang.build(_empty("llama", cfg), pretrained=tmp_path)
+    assert model.lm_head.weight is not model.model.embed_tokens.weight
+    got = _state(model)
+    for name, value in _state(reference).items():
+        assert torch.equal(got[name], value), name
+    # the rotary cache is not in the checkpoint: it keeps the value the model computed
+    assert torch.equal(model.model.rotary_emb.inv_freq, reference.model.rotary_emb.inv_freq)
+
+
+def test_a_single_file_and_a_list_of_files_load_too(tmp_path):
+    reference = _save("gpt2", tmp_path)
+    for source in (tmp_path / "model.safetensors", [str(tmp_path / "model.safetensors")]):
+        model, _ = schedlang.build(_empty("gpt2"), pretrained=source)
+        assert torch.equal(model.transformer.h[1].attn.c_attn.weight, reference.transformer.h[1].attn.c_attn.weight)
+        assert model.lm_head.weight is model.transformer.wte.weight
+
+
+def test_a_base_model_checkpoint_loads_into_the_causal_lm(tmp_path):
+    reference = _save("llama", tmp_path / "lm")
+    reference.model.save_pretrained(tmp_path / "base")  # keys without the "model." prefix
+    model, _ = schedlang.build(_empty("llama"), pretrained=tmp_path / "base")
+    got = _state(model)
+    for name, value in _state(reference).items():
+        assert torch.equal(got[name], value), name
+
+
+def test_load_pretrained_into_a_built_model(tmp_path):
+    reference = _save("gpt2", tmp_path)
+    torch.manual_seed(3)
+    from transformers import GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(_gpt2_config())
+    info = schedlang.load_pretrained(model, tmp_path)
+    assert info["tensors"] == len({id(t) for t in model.state_dict().values()})
+    tokens = _tokens(64)
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=tokens).logits, reference(input_ids=tokens).logits, rtol=0,
+                                   atol=0)
+
+
+def _rewrite(path, change):
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(path))
+    change(tensors)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def test_a_name_the_model_lacks_is_named_with_its_file(tmp_path):
+    _save("gpt2", tmp_path)
+    _rewrite(tmp_path / "model.safetensors", lambda t: t.update({"transformer.h.9.mlp.c_fc.weight": torch.ones(2)}))
+    sch = _empty("gpt2")
+    with pytest.raises(schedlang.CheckpointError) as info:
+        schedlang.build(sch, pretrained=tmp_path)
+    assert "1 tensor(s) in the checkpoint are not in the model: 'transformer.h.9.mlp.c_fc.weight'" in str(info.value)
+    assert str(tmp_path / "model.safetensors") in str(info.value)
+    assert all(p.is_meta for p in sch.mod.parameters())  # nothing allocated
+
+
+def test_a_name_the_checkpoint_lacks_is_named(tmp_path):
+    _save("gpt2", tmp_path)
+    _rewrite(tmp_path / "model.safetensors", lambda t: t.pop("transformer.h.1.ln_2.bias"))
+    with pytest.raises(schedlang.CheckpointError, match=r"1 tensor\(s\) of the model are not in the checkpoint: "
+                                                        r"'transformer.h.1.ln_2.bias'"):
+        schedlang.build(_empty("gpt2"), pretrained=tmp_path)
+    # with strict=False the rest loads and the missing tensor keeps its value
+    from transformers import GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(_gpt2_config())
+    before = model.transformer.h[1].ln_2.bias.detach().clone()
+    schedlang.load_pretrained(model, tmp_path, strict=False)
+    assert torch.equal(model.transformer.h[1].ln_2.bias, before)
+
+
+def test_a_shape_mismatch_names_the_tensor_both_shapes_and_the_file(tmp_path):
+    _save("gpt2", tmp_path)
+    from transformers import GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(_gpt2_config(n_inner=40))
+    before = _state(model)
+    with pytest.raises(schedlang.CheckpointError) as info:
+        schedlang.load_pretrained(model, tmp_path)
+    message = str(info.value)
+    assert "shape mismatch for 'transformer.h.0.mlp.c_fc.weight': the checkpoint has (32, 72)" in message
+    assert "the model (32, 40)" in message and str(tmp_path / "model.safetensors") in message
+    assert all(torch.equal(v, before[k]) for k, v in _state(model).items())  # nothing loaded half-way
+
+
+def test_bad_sources_are_clear_errors(tmp_path):
+    with pytest.raises(schedlang.CheckpointError, match="does not exist"):
+        schedlang.build(_empty("gpt2"), pretrained=tmp_path / "nowhere")
+    with pytest.raises(schedlang.CheckpointError, match="holds no .safetensors file"):
+        schedlang.build(_empty("gpt2"), pretrained=tmp_path)
+    (tmp_path / "broken.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(schedlang.CheckpointError, match="cannot read .*broken.safetensors as safetensors"):
+        schedlang.build(_empty("gpt2"), pretrained=tmp_path)
+    _save("llama", tmp_path / "sharded", max_shard_size="40KB")
+    first = sorted((tmp_path / "sharded").glob("model-*.safetensors"))[0]
+    first.unlink()
+    with pytest.raises(schedlang.CheckpointError, match=f"{first.name} is missing"):
+        schedlang.build(_empty("llama"), pretrained=tmp_path / "sharded")
