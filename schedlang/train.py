@@ -18,6 +18,10 @@ the mean token cross entropy over the global batch. In fp32 every layout reports
 process, up to rounding. The learning rate, the batch and the random state of a step depend on
 the step number only, so a run resumed from a checkpoint continues exactly, under any layout.
 
+Fine-tuning (``--init-from DIR``): the model starts from the weights of a HF safetensors checkpoint
+instead (``schedlang.build(..., pretrained=DIR)``: each rank reads only the slices it holds), and
+its family and config come from ``DIR/config.json`` unless ``--model`` / ``--config`` say otherwise.
+
 Data (``--data``): ``synthetic`` (learnable token sequences generated from the seed), a ``.npy``
 file holding a 1-D array of token ids, or a raw ``.bin`` file of token ids, read as ``uint16``
 when the vocabulary has fewer than 65536 entries and ``uint32`` otherwise (the nanoGPT format).
@@ -74,10 +78,14 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
                     "written as schedules. Run under torchrun, or spawn local ranks with --nproc N.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     m = p.add_argument_group("model")
-    m.add_argument("--model", default="llama", help=f"model family: {', '.join(MODELS)}")
-    m.add_argument("--config", default="tiny",
+    m.add_argument("--model", default=None, help=f"model family: {', '.join(MODELS)} (default: llama, or the "
+                   "family of --init-from)")
+    m.add_argument("--config", default=None,
                    help="'tiny' (hidden 64, 4 layers, vocab 256), '1b' (LLaMA-1.1B; GPT-2 medium for gpt2) or the "
-                        "path of a HF config.json")
+                        "path of a HF config.json (default: tiny, or the config.json of --init-from)")
+    m.add_argument("--init-from", default=None, metavar="DIR",
+                   help="fine-tune: start from the weights of a HF safetensors checkpoint (a directory written by "
+                        "save_pretrained or --export-hf); each rank reads only its shards")
     m.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"],
                    help="bf16: mixed precision (fp32 master weights; bf16 compute via FSDP2's policy or autocast)")
     m.add_argument("--compile", action="store_true", help="torch.compile every transformer layer")
@@ -135,8 +143,30 @@ def _world_from_env() -> Optional[int]:
     return None
 
 
+def _resolve_init_from(ns: argparse.Namespace) -> None:
+    """``--model`` and ``--config`` from ``--init-from``'s config.json where they are not given."""
+    if ns.init_from is not None:
+        directory = Path(ns.init_from)
+        if not directory.is_dir():
+            _fail(f"--init-from {ns.init_from!r}: no such directory (expected a HF checkpoint directory holding "
+                  f"config.json and model.safetensors, as save_pretrained or --export-hf write it)")
+        if ns.config is None:
+            if not (directory / "config.json").is_file():
+                _fail(f"--init-from {ns.init_from}: it has no config.json; give the model's config with --config")
+            ns.config = str(directory)
+        if ns.model is None:
+            try:
+                kind = json.loads((directory / "config.json").read_text()).get("model_type")
+            except (OSError, ValueError):
+                kind = None
+            ns.model = kind if kind in MODELS else None
+    ns.model = ns.model or "llama"
+    ns.config = ns.config or "tiny"
+
+
 def validate(ns: argparse.Namespace, world: int) -> None:
     """Every check that needs no process group; raises :class:`TrainError` naming the flag and what would work."""
+    _resolve_init_from(ns)
     if ns.model not in MODELS:
         _fail(f"unknown --model {ns.model!r}: valid models are {', '.join(MODELS)}")
     if ns.pp_schedule not in PP_SCHEDULES:
@@ -501,7 +531,7 @@ class _Run:
         opt_cls, opt_kw = self._optimizer()
         torch.manual_seed(ns.seed)  # build initializes from the default generator: the same weights on every layout
         self.model, self.optimizer = schedlang.build(sch, optimizer=opt_cls, device=self.device, pipeline=pipeline,
-                                                     **opt_kw)
+                                                     pretrained=ns.init_from, **opt_kw)
         self.sch = sch
         self.grad_weight = self._tied_weights(tied) if self.pipelined and tied else {}
         if ns.compile:
@@ -873,6 +903,10 @@ def main(argv: Optional[Sequence[str]] = None, prog: Optional[str] = None) -> in
         cfg = model_config(ns.model, ns.config)
         validate_model(ns, model_dims(ns.model, cfg))
         TokenBatches(ns.data, model_dims(ns.model, cfg).vocab, ns.seed, ns.global_batch, ns.seq)
+        if ns.init_from is not None:
+            from .pretrained import read_index
+
+            read_index(ns.init_from)  # readable safetensors, before any rank starts
         if ns.resume:
             saved = latest_checkpoint(ns.checkpoint_dir)
             if saved is None:

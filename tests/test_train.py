@@ -138,6 +138,43 @@ def test_token_files_npy_and_bin(work):
     assert starts, "each row is a window of the file"
 
 
+def test_fine_tune_from_a_pretrained_checkpoint_under_another_layout(work):
+    """--init-from: the first step's loss is the pretrained model's (as transformers loads it), then it falls."""
+    from transformers import AutoModelForCausalLM
+
+    rng = np.random.default_rng(1)
+    # an easily learned stream: a cycle through 32 of the 256 tokens in a fixed random order
+    cycle = rng.permutation(256)[:32]
+    np.save(work / "ft.npy", np.tile(cycle, 200).astype(np.int32))
+    data = ["--data", str(work / "ft.npy")]
+    assert trainer.main(COMMON[:4] + ["--steps", "2", "--device", "cpu", *data, "--export-hf",
+                                      str(work / "pretrained")]) == 0
+    metrics = work / "finetune.jsonl"
+    # no --model / --config: both come from the checkpoint's config.json
+    code = trainer.main(["--init-from", str(work / "pretrained"), *data, "--nproc", "2", "--tp", "2", "--steps", "8",
+                         "--global-batch", "4", "--seq", "32", "--lr", "1e-2", "--lr-schedule", "constant",
+                         "--device", "cpu", "--seed", "9", "--metrics", str(metrics)])
+    assert code == 0
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    hf = AutoModelForCausalLM.from_pretrained(work / "pretrained")
+    tokens = trainer.TokenBatches(str(work / "ft.npy"), 256, 9, 4, 32).batch(1)
+    with torch.no_grad():
+        logits = hf(input_ids=tokens[:, :-1]).logits
+    start = float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()))
+    assert records[0]["loss"] == pytest.approx(start, rel=1e-5)
+    assert records[-1]["loss"] < 0.9 * start
+
+
+def test_init_from_must_be_a_checkpoint(tmp_path, capsys):
+    assert trainer.main(["--init-from", str(tmp_path / "nowhere"), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "--init-from" in err and "no such directory" in err
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 32, "n_layer": 1, "n_head": 4,
+                                                      "vocab_size": 64, "n_positions": 64}))
+    assert trainer.main(["--init-from", str(tmp_path), "--device", "cpu", "--seq", "16"]) == 2
+    assert "holds no .safetensors file" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------------------------------------- errors
 @pytest.mark.parametrize("flags,message", [
     (["--nproc", "3", "--dp", "2"], "--dp 2 x --tp 1 x --pp 1 = 2 ranks, but the run has 3"),
