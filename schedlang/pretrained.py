@@ -208,13 +208,9 @@ def _runs(indices: torch.Tensor) -> List[Tuple[int, int, int]]:
     """``(local offset, global start, length)`` of each contiguous run of ascending ``indices``."""
     if indices.numel() == 0:
         return []
-    values = indices.tolist()
-    out, start = [], 0
-    for i in range(1, len(values) + 1):
-        if i == len(values) or values[i] != values[i - 1] + 1:
-            out.append((start, values[start], i - start))
-            start = i
-    return out
+    breaks = (torch.nonzero(indices[1:] - indices[:-1] != 1).flatten() + 1).tolist()
+    starts, ends = [0] + breaks, breaks + [indices.numel()]
+    return [(a, int(indices[a]), b - a) for a, b in zip(starts, ends)]
 
 
 def local_regions(tensor: torch.Tensor) -> List[Tuple[Tuple[slice, ...], Tuple[slice, ...]]]:
