@@ -258,6 +258,31 @@ def _spawned(rank, world, root):
     return out
 
 
+def _spawned_2d(rank, world, root):
+    """dp=2 x tp=2: FSDP2 shards the tensor-parallel shards again (strided on both mesh dimensions)."""
+    from schedlang.checkpoint import full_tensor
+    from schedlang.distributed.mesh import make_mesh
+    from schedlang.models import shard_model
+
+    out = {}
+    for family, layers in (("llama", "model.layers"), ("gpt2", "transformer.h")):
+        with schedlang.init_empty_weights():
+            model = _model_class(family)(FAMILIES[family][0]())
+        sch = schedlang.create_schedule(model, mesh=make_mesh(dp=2, tp=2, device_type="cpu"))
+        shard_model(sch, gather_logits=True)
+        for i in range(2):
+            sch[f"{layers}.{i}"].fully_shard(mp_policy="fp32")
+        sch.fully_shard(mp_policy="fp32")
+        model, _ = schedlang.build(sch, pretrained=os.path.join(root, family))
+        placements = {n: str(p.placements) for n, p in model.named_parameters()}
+        # gathered, every parameter is the one transformers loads (tensors cannot cross the result queue)
+        reference = _model_class(family).from_pretrained(os.path.join(root, family)).state_dict()
+        wrong = [n for n, p in model.named_parameters() if not torch.equal(full_tensor(p.detach()), reference[n])]
+        out[family] = {"loss": _loss_of(model, _tokens(FAMILIES[family][0]().vocab_size)), "placements": placements,
+                       "wrong": wrong}
+    return out
+
+
 @pytest.fixture(scope="module")
 def spawned(saved):
     return run_distributed(_spawned, world_size=2, args=(saved["root"],), timeout=300)
@@ -272,6 +297,19 @@ def test_built_from_safetensors_gives_the_loss_of_from_pretrained(saved, spawned
         assert len(losses) == 1
     for loss in losses:
         assert loss == pytest.approx(saved[family], rel=1e-5, abs=1e-5)
+
+
+def test_fsdp2_over_tensor_parallel_shards_on_four_ranks(saved):
+    results = run_distributed(_spawned_2d, world_size=4, args=(saved["root"],), timeout=300)
+    for family in FAMILIES:
+        for r in results:
+            assert r[family]["loss"] == pytest.approx(saved[family], rel=1e-5, abs=1e-5)
+            assert r[family]["wrong"] == []
+    # the layouts this covers: FSDP2's strided shard of a tensor-parallel shard, and of a fused q|k|v shard
+    assert results[0]["llama"]["placements"]["model.layers.0.mlp.gate_proj.weight"] == \
+        "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
+    assert results[0]["gpt2"]["placements"]["transformer.h.0.attn.c_attn.bias"] == \
+        "(_StridedShard(dim=0, sf=2), _StridedShard(dim=0, sf=3))"
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -347,6 +385,17 @@ def test_tensors_split_across_files_with_an_index_and_untied_weights(tmp_path):
         assert torch.equal(got[name], value), name
     # the rotary cache is not in the checkpoint: it keeps the value the model computed
     assert torch.equal(model.model.rotary_emb.inv_freq, reference.model.rotary_emb.inv_freq)
+
+
+def test_rotary_caches_on_the_meta_device_are_computed_not_read(tmp_path):
+    reference = _save("llama", tmp_path)
+    with schedlang.init_empty_weights(include_buffers=True):  # buffers on the meta device too
+        sch = schedlang.create_schedule(_model_class("llama")(_llama_config()))
+    model, _ = schedlang.build(sch, pretrained=tmp_path)
+    assert torch.equal(model.model.rotary_emb.inv_freq, reference.model.rotary_emb.inv_freq)
+    tokens = _tokens(96)
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=tokens).logits, reference(input_ids=tokens).logits)
 
 
 def test_a_single_file_and_a_list_of_files_load_too(tmp_path):
