@@ -41,6 +41,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
@@ -55,7 +56,7 @@ from torch import nn
 
 from .errors import CheckpointError
 
-__all__ = ["load_pretrained", "PretrainedWeights", "SAFETENSORS_INDEX", "local_regions"]
+__all__ = ["load_pretrained", "PretrainedWeights", "SAFETENSORS_INDEX", "local_regions", "read_index"]
 
 logger = logging.getLogger("schedlang.pretrained")
 
@@ -70,6 +71,12 @@ def _agree(problem: Optional[str]) -> None:
     from .checkpoint import _agree as agree
 
     agree(problem)
+
+
+def _rank() -> int:
+    from .checkpoint import _rank as rank
+
+    return rank()
 
 
 def _all_gather(obj) -> list:
@@ -407,12 +414,17 @@ def _read(targets: Sequence[_Target], source: Dict[str, str], entries: Dict[str,
     A tensor held under several names (tied) is read once.
     """
     from .distributed.dtensor_params import is_dtensor
+    from .progress import Progress
 
     done: set = set()
     count, nbytes = 0, 0
-    with torch.no_grad():
-        for t in targets:
-            if id(t.tensor) in done or t.name not in source:
+    todo = [t for t in targets if t.name in source]
+    shown = Progress("loading pretrained weights", total=len(todo), unit="tensor") if _rank() == 0 else None
+    with torch.no_grad(), (shown or contextlib.nullcontext()):
+        for t in todo:
+            if shown is not None:
+                shown.update(note=t.name)
+            if id(t.tensor) in done:
                 continue
             done.add(id(t.tensor))
             entry = entries[source[t.name]]
