@@ -255,7 +255,7 @@ class LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, ignore_index, reduction, chunk_size, group, reduce_hidden_grad):
         x = as_rows(hidden)
-        t = target.reshape(-1)
+        t = target.reshape(-1).contiguous()
         tokens, vocab = x.shape[0], weight.shape[0]
         setup = _Setup(chunk=chunk_size or default_chunk_size(tokens, vocab, x.dtype), ignore_index=int(ignore_index),
                        group=group, vocab_start=_group_rank(group) * vocab, reduce_hidden_grad=reduce_hidden_grad)

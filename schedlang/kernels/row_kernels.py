@@ -35,10 +35,14 @@ _TRITON_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.
 
 
 def use_triton_for(*tensors: Optional[torch.Tensor]) -> bool:
-    """True when the Triton kernels should run on ``tensors``: all on CUDA, or all on the CPU
-    under the interpreter, and all of a dtype the kernels handle (fp32, bf16, fp16)."""
+    """True when the Triton kernels should run on ``tensors``: all plain tensors (not DTensors or
+    other subclasses) on one CUDA device, or all on the CPU under the interpreter, of a dtype the
+    kernels handle (fp32, bf16, fp16), and not while torch.compile traces: there the reference is
+    traced instead, and Inductor fuses it with its neighbours rather than breaking the graph."""
     present = [t for t in tensors if t is not None]
     if not present or any(t.dtype not in _TRITON_DTYPES for t in present):
+        return False
+    if any(type(t) not in (torch.Tensor, torch.nn.Parameter) for t in present) or torch.compiler.is_compiling():
         return False
     devices = {t.device.type for t in present}
     if devices == {"cuda"}:

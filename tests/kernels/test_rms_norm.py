@@ -1,0 +1,93 @@
+"""rms_norm (Triton, interpreted on CPU) against its reference and HF's LlamaRMSNorm, outputs and gradients."""
+
+import pytest
+import torch
+
+from schedlang.errors import SchedlangError
+from schedlang.kernels import rms_norm
+from schedlang.kernels.rms_norm import reference
+from tests.kernels.numerics import assert_close_scaled
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _leaves(*tensors):
+    return [t.detach().clone().requires_grad_(True) if t is not None else None for t in tensors]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(7, 64), (13, 100), (2, 5, 96)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_matches_reference(shape, dtype, with_residual):
+    n = shape[-1]
+    x = torch.randn(shape).to(dtype)
+    w = (1 + 0.3 * torch.randn(n)).to(dtype)
+    r = torch.randn(shape).to(dtype) if with_residual else None
+    ours, theirs = _leaves(x, w, r), _leaves(x, w, r)
+    out = rms_norm(ours[0], ours[1], 1e-5, ours[2])
+    ref = reference(theirs[0], theirs[1], 1e-5, theirs[2])
+    outs, refs = (out, ref) if with_residual else ((out,), (ref,))
+    cots = [torch.randn(o.shape).to(o.dtype) for o in refs]
+    torch.autograd.backward(outs, cots)
+    torch.autograd.backward(refs, cots)
+    for i, (o, e) in enumerate(zip(outs, refs)):
+        assert o.dtype == e.dtype
+        assert_close_scaled(o, e, dtype, f"output {i}")
+    for name, a, b in zip(("x", "weight", "residual"), ours, theirs):
+        if a is not None:
+            assert a.grad.dtype == b.grad.dtype
+            assert_close_scaled(a.grad, b.grad, dtype, f"grad {name}")
+
+
+def test_many_rows_weight_gradient():
+    """1000 rows: several row blocks per backward program and the partial dw buffer summed."""
+    x, w = torch.randn(1000, 96), 1 + 0.3 * torch.randn(96)
+    ours, theirs = _leaves(x, w), _leaves(x, w)
+    cot = torch.randn(1000, 96)
+    rms_norm(ours[0], ours[1], 1e-6).backward(cot)
+    reference(theirs[0], theirs[1], 1e-6).backward(cot)
+    assert_close_scaled(ours[0].grad, theirs[0].grad, torch.float32, "grad x")
+    assert_close_scaled(ours[1].grad, theirs[1].grad, torch.float32, "grad weight")
+
+
+def test_reference_is_hf_llama_rms_norm_bit_for_bit():
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    for dtype in DTYPES:
+        hf = LlamaRMSNorm(100, eps=1e-5).to(dtype)
+        with torch.no_grad():
+            hf.weight.copy_(1 + 0.3 * torch.randn(100))
+        x = torch.randn(13, 100).to(dtype)
+        assert torch.equal(reference(x, hf.weight, hf.variance_epsilon), hf(x))
+        # and the kernel against HF itself
+        assert_close_scaled(rms_norm(x, hf.weight, hf.variance_epsilon), hf(x), dtype, "kernel vs HF")
+
+
+def test_fp32_weight_on_bf16_input_gives_fp32_like_hf():
+    x, w = torch.randn(7, 64).to(torch.bfloat16), 1 + 0.3 * torch.randn(64)
+    out, ref = rms_norm(x, w, 1e-6), reference(x, w, 1e-6)
+    assert out.dtype == ref.dtype == torch.float32
+    assert_close_scaled(out, ref, torch.float32, "output")
+
+
+def test_errors_name_the_shapes():
+    with pytest.raises(SchedlangError, match=r"weight of shape \(32,\) does not fit inputs of shape \(7, 64\): "
+                                             r"expected \(64,\)"):
+        rms_norm(torch.randn(7, 64), torch.ones(32))
+    with pytest.raises(ValueError, match=r"residual \(7, 32\) torch.float32 must match x \(7, 64\)"):
+        rms_norm(torch.randn(7, 64), torch.ones(64), residual=torch.randn(7, 32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_llama_sizes_on_gpu(dtype):
+    x, w, r = torch.randn(4 * 2048, 2048).to(dtype), (1 + 0.3 * torch.randn(2048)).to(dtype), torch.randn(4 * 2048, 2048).to(dtype)
+    ours, theirs = _leaves(x, w, r), _leaves(x, w, r)
+    out, ref = rms_norm(ours[0], ours[1], 1e-5, ours[2]), reference(theirs[0], theirs[1], 1e-5, theirs[2])
+    cots = [torch.randn_like(o) for o in ref]
+    torch.autograd.backward(out, cots)
+    torch.autograd.backward(ref, cots)
+    for o, e in zip(out, ref):
+        assert_close_scaled(o, e, dtype, "output")
+    for a, b in zip(ours, theirs):
+        assert_close_scaled(a.grad, b.grad, dtype, "grad")
