@@ -73,11 +73,14 @@ def _row_statistics(z_ptr, stride, rows, target, V, vocab_start, BLOCK_M: tl.con
     base = z_ptr + rows.to(tl.int64)[:, None] * stride
     for start in range(0, V, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
-        z = tl.load(base + cols[None, :], mask=(cols < V)[None, :], other=float("-inf")).to(tl.float32)
+        col_ok = cols < V
+        z = tl.load(base + cols[None, :], mask=col_ok[None, :], other=float("-inf")).to(tl.float32)
         new_max = tl.maximum(row_max, tl.max(z, axis=1))
         sum_exp = sum_exp * tl.exp(row_max - new_max) + tl.sum(tl.exp(z - new_max[:, None]), axis=1)
         row_max = new_max
-        target_logit += tl.sum(tl.where(cols[None, :] == local_target[:, None], z, 0.0), axis=1)
+        # a target past this slice's end may fall in the padding of the last block (where z = -inf)
+        is_target = (cols[None, :] == local_target[:, None]) & col_ok[None, :]
+        target_logit += tl.sum(tl.where(is_target, z, 0.0), axis=1)
     return row_max, sum_exp, target_logit
 
 

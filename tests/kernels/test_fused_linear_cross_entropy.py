@@ -1,0 +1,160 @@
+"""fused_linear_cross_entropy (Triton statistics and gradients, interpreted on CPU) against
+F.cross_entropy of the full logits; the vocabulary-parallel variant on two gloo ranks."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from schedlang.errors import SchedlangError
+from schedlang.kernels import fused_linear_cross_entropy, vocab_parallel_fused_linear_cross_entropy
+from schedlang.kernels.fused_linear_cross_entropy import default_chunk_size, reference
+from schedlang.kernels.vocab_parallel_fused_linear_cross_entropy import reference as vp_reference
+from tests.helpers.distributed import run_distributed
+from tests.kernels.numerics import assert_close_scaled
+
+
+def _problem(tokens, hidden, vocab, dtype, bias=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(tokens, hidden, generator=g).to(dtype)
+    w = (torch.randn(vocab, hidden, generator=g) / hidden ** 0.5 * 3).to(dtype)
+    b = (torch.randn(vocab, generator=g) * 0.5).to(dtype) if bias else None
+    t = torch.randint(0, vocab, (tokens,), generator=g)
+    t[::4] = -100
+    return h, w, b, t
+
+
+def _leaves(*tensors):
+    return [x.detach().clone().requires_grad_(True) if x is not None else None for x in tensors]
+
+
+def _loss_and_grads(fn, h, w, b, t, reduction, **kw):
+    h, w, b = _leaves(h, w, b)
+    loss = fn(h, w, t, reduction=reduction, bias=b, **kw)
+    cot = torch.randn(loss.shape, generator=torch.Generator().manual_seed(1)).to(loss.device)
+    (loss * cot).sum().backward()
+    return loss, [x.grad if x is not None else None for x in (h, w, b)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tokens,hidden,vocab,chunk,reduction,bias", [
+    (13, 64, 100, 5, "mean", False),      # several chunks, the last one short
+    (7, 96, 257, None, "sum", True),      # one chunk, odd vocabulary, bias
+    (100, 64, 1000, 32, "none", True),    # per-token loss: gradients recomputed in backward
+])
+def test_matches_reference(tokens, hidden, vocab, chunk, reduction, bias, dtype):
+    h, w, b, t = _problem(tokens, hidden, vocab, dtype, bias)
+    loss, grads = _loss_and_grads(fused_linear_cross_entropy, h, w, b, t, reduction, chunk_size=chunk)
+    ref, ref_grads = _loss_and_grads(reference, h, w, b, t, reduction)
+    assert loss.dtype == torch.float32 and loss.shape == ref.shape
+    assert_close_scaled(loss, ref, dtype, "loss")
+    for name, g, r in zip(("hidden", "weight", "bias"), grads, ref_grads):
+        if r is not None:
+            assert g.dtype == dtype
+            assert_close_scaled(g, r, dtype, f"grad {name}")
+
+
+def test_leading_dimensions_ignore_index_and_only_some_gradients():
+    h, w, _, t = _problem(2 * 9, 32, 50, torch.float32)
+    t[t == -100] = 3
+    h3, t3 = h.view(2, 9, 32).requires_grad_(True), t.view(2, 9)
+    loss = fused_linear_cross_entropy(h3, w, t3, ignore_index=3, chunk_size=4)  # weight needs no gradient
+    loss.backward()
+    h_ref = h.detach().clone().requires_grad_(True)
+    ref = F.cross_entropy(h_ref @ w.t(), t, ignore_index=3)
+    ref.backward()
+    assert_close_scaled(loss, ref, torch.float32, "loss")
+    assert h3.grad.shape == (2, 9, 32)
+    assert_close_scaled(h3.grad.view(18, 32), h_ref.grad, torch.float32, "grad hidden")
+    with torch.no_grad():  # no gradient wanted: statistics only
+        assert_close_scaled(fused_linear_cross_entropy(h, w, t, ignore_index=3), ref, torch.float32, "no_grad loss")
+
+
+def test_all_tokens_ignored_gives_nan_like_cross_entropy():
+    h, w, _, t = _problem(5, 16, 20, torch.float32)
+    t[:] = -100
+    assert torch.isnan(fused_linear_cross_entropy(h, w, t)) and torch.isnan(reference(h, w, t))
+
+
+def test_default_chunk_size():
+    assert default_chunk_size(100, 50, torch.float32) == 100  # all tokens in one chunk
+    # LLaMA-1.1B head: 8192 tokens x 32000 bf16 logits (0.5 GB) -> two chunks of 4096
+    assert default_chunk_size(8192, 32000, torch.bfloat16) == 4096
+    assert default_chunk_size(8192, 32000, torch.float32) == 2048
+
+
+def test_argument_errors():
+    h, w, _, t = _problem(6, 16, 20, torch.float32)
+    with pytest.raises(SchedlangError, match=r"fused_linear_cross_entropy: invalid reduction 'avg': valid are mean, "
+                                             r"sum, none"):
+        fused_linear_cross_entropy(h, w, t, reduction="avg")
+    with pytest.raises(ValueError, match=r"weight of shape \(20, 8\) does not fit hidden of shape \(6, 16\): "
+                                         r"expected \(vocab, 16\)"):
+        fused_linear_cross_entropy(h, w[:, :8], t)
+    with pytest.raises(ValueError, match=r"target of shape \(5,\) does not fit hidden of shape \(6, 16\): "
+                                         r"expected \(6,\)"):
+        fused_linear_cross_entropy(h, w, t[:5])
+    with pytest.raises(ValueError, match=r"chunk_size must be a positive int \(tokens per chunk\) or None, got 0"):
+        fused_linear_cross_entropy(h, w, t, chunk_size=0)
+    with pytest.raises(ValueError, match=r"bias of shape \(19,\) does not fit weight of shape \(20, 16\)"):
+        fused_linear_cross_entropy(h, w, t, bias=torch.zeros(19))
+
+
+VOCAB_PARALLEL_CASES = [("float32", "mean", False), ("bfloat16", "none", False), ("float32", "sum", True)]
+
+
+def _vocab_parallel_rank(rank, world):
+    """Every case on this rank (one spawn of the ranks for all: starting them is the slow part)."""
+    import torch.distributed as dist
+
+    losses = []
+    for dtype_name, reduction, use_reference in VOCAB_PARALLEL_CASES:
+        dtype = getattr(torch, dtype_name)
+        h, w, b, t = _problem(13, 32, 2 * 37, dtype, bias=True, seed=3)
+        fn = vp_reference if use_reference else vocab_parallel_fused_linear_cross_entropy
+        hl, wl, bl = _leaves(h, w.chunk(world)[rank], b.chunk(world)[rank])
+        loss = fn(hl, wl, t, dist.group.WORLD, reduction=reduction, chunk_size=5, bias_shard=bl)
+        cot = torch.randn(loss.shape, generator=torch.Generator().manual_seed(1))
+        (loss * cot).sum().backward()
+        # the whole vocabulary on every rank, in fp32
+        hr, wr, br = _leaves(h.float(), w.float(), b.float())
+        ref = F.cross_entropy(F.linear(hr, wr, br), t, reduction=reduction)
+        (ref * cot).sum().backward()
+        case = f"{dtype_name} {reduction} {'reference' if use_reference else 'kernel'} rank {rank}"
+        assert_close_scaled(loss, ref, dtype, f"{case}: loss")
+        assert_close_scaled(hl.grad, hr.grad, dtype, f"{case}: grad hidden")
+        assert_close_scaled(wl.grad, wr.grad.chunk(world)[rank], dtype, f"{case}: grad weight shard")
+        assert_close_scaled(bl.grad, br.grad.chunk(world)[rank], dtype, f"{case}: grad bias shard")
+        losses.append(loss.detach().sum().item())
+    return losses
+
+
+def test_vocab_parallel_two_ranks_equals_full_cross_entropy():
+    """Kernel (fp32 mean, bf16 per-token) and reference (fp32 sum) with the vocabulary split over two
+    gloo ranks, each against F.cross_entropy of the full logits: loss, full gradient of the hidden
+    states, and each rank's rows of the weight and bias gradients."""
+    losses = run_distributed(_vocab_parallel_rank, world_size=2, backend="gloo", timeout=180)
+    assert losses[0] == pytest.approx(losses[1])
+
+
+def test_vocab_parallel_without_a_group_is_the_plain_kernel():
+    h, w, b, t = _problem(9, 16, 30, torch.float32, bias=True)
+
+    def no_group(hidden, weight, target, bias=None, **kw):
+        return vocab_parallel_fused_linear_cross_entropy(hidden, weight, target, None, bias_shard=bias, **kw)
+
+    ours, grads = _loss_and_grads(no_group, h, w, b, t, "mean", chunk_size=4)
+    ref, ref_grads = _loss_and_grads(reference, h, w, b, t, "mean")
+    assert_close_scaled(ours, ref, torch.float32, "loss")
+    for g, r in zip(grads, ref_grads):
+        assert_close_scaled(g, r, torch.float32, "grad")
+
+
+@pytest.mark.gpu
+def test_llama_head_on_gpu():
+    h, w, _, t = _problem(4096, 2048, 32000, torch.bfloat16)
+    h, w, t = h.cuda(), w.cuda(), t.cuda()
+    loss, grads = _loss_and_grads(fused_linear_cross_entropy, h, w, None, t, "mean")
+    ref, ref_grads = _loss_and_grads(reference, h, w, None, t, "mean")
+    assert_close_scaled(loss, ref, torch.bfloat16, "loss")
+    for g, r in zip(grads[:2], ref_grads[:2]):
+        assert_close_scaled(g, r, torch.bfloat16, "grad")
