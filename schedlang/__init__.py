@@ -14,7 +14,7 @@ checkpoint, trace, find, fuse ...), check it with ``Verify`` and ``build`` it::
 from . import distributed, env, primitives
 from .build import build
 from .checkpoint import export_hf, load_checkpoint, save_checkpoint
-from .errors import (CheckpointError, DistributedError, LoweringError, NotTracedError, PatternError, PipelineError,
+from .errors import (CheckpointError, DistributedError, LoweringError, MissingDependencyError, NotTracedError, PatternError, PipelineError,
                      PlanError, PlanSerializationError, ScheduleKeyError, ScheduleTypeError, ScheduleValueError,
                      SchedlangError, ShardError, SyncError, TraceError, VerificationError)
 from .init import init_empty_weights
@@ -35,7 +35,7 @@ __all__ = [
     "init_empty_weights", "call_module", "PH", "distributed", "env", "primitives",
     "SchedlangError", "ScheduleKeyError", "ScheduleValueError", "ScheduleTypeError", "ShardError", "SyncError",
     "PlanError", "PlanSerializationError", "TraceError", "NotTracedError", "PatternError", "LoweringError",
-    "VerificationError", "DistributedError", "CheckpointError", "PipelineError", "save_checkpoint", "load_checkpoint",
+    "VerificationError", "DistributedError", "CheckpointError", "PipelineError", "MissingDependencyError", "save_checkpoint", "load_checkpoint",
     "export_hf", "load_pretrained",
     "__version__",
 ]

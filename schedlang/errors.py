@@ -29,6 +29,7 @@ __all__ = [
     "DistributedError",
     "CheckpointError",
     "PipelineError",
+    "MissingDependencyError",
 ]
 
 
@@ -97,3 +98,7 @@ class CheckpointError(SchedlangError, ValueError):
 
 class PipelineError(SchedlangError, ValueError):
     """A model cannot be split into pipeline stages as asked, or the stages cannot be run as configured."""
+
+
+class MissingDependencyError(SchedlangError, ImportError):
+    """An optional package a feature needs is not installed; the message names the extra that installs it."""

@@ -313,6 +313,26 @@ class Schedule:
         add can be fused with what follows."""
         return self._run("decompose")
 
+    def float8(self, recipe: str = "tensorwise", skip: Sequence[str] = (), filter: Optional[Callable] = None,
+               min_features: int = 128, fsdp_float8_all_gather: bool = False, emulate: Optional[bool] = None):
+        """Train the Linears under this module in float8 (``torchao.float8``; ``pip install 'schedlang[fp8]'``).
+
+        ``recipe``: ``"tensorwise"`` (one dynamic scale per tensor), ``"rowwise"`` or
+        ``"rowwise_with_gw_hp"``. Linears whose dimensions are not multiples of 16, the LM head and
+        Linears smaller than ``min_features`` on a side stay in their dtype (reasons are logged and
+        returned); ``skip`` (fnmatch patterns of module paths) and ``filter(path, module) -> bool``
+        exclude more. ``fsdp_float8_all_gather`` lets FSDP2 all-gather the weights in float8.
+        ``emulate`` (default: when the GPU has no float8 tensor cores) computes in high precision.
+        Call it after ``shard``, so tensor-parallel shards are checked as they will run.
+
+        Example::
+
+            for i in range(n_layers):
+                sch[f"model.layers.{i}"].float8()
+        """
+        return self._run("float8", recipe=recipe, skip=skip, filter=filter, min_features=min_features,
+                         fsdp_float8_all_gather=fsdp_float8_all_gather, emulate=emulate)
+
     # ------------------------------------------------------------------ data parallelism
     def fully_shard(self, reshard_after_forward: Optional[Union[bool, int]] = None, mp_policy=None,
                     offload: bool = False):
