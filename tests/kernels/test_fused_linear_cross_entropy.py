@@ -15,10 +15,11 @@ from tests.kernels.numerics import assert_close_scaled
 
 def _problem(tokens, hidden, vocab, dtype, bias=False, seed=0):
     g = torch.Generator().manual_seed(seed)
-    h = torch.randn(tokens, hidden, generator=g).to(dtype)
-    w = (torch.randn(vocab, hidden, generator=g) / hidden ** 0.5 * 3).to(dtype)
-    b = (torch.randn(vocab, generator=g) * 0.5).to(dtype) if bias else None
-    t = torch.randint(0, vocab, (tokens,), generator=g)
+    # drawn on the host whatever the default device (the GPU tests run with CUDA as default)
+    h = torch.randn(tokens, hidden, generator=g, device="cpu").to(dtype)
+    w = (torch.randn(vocab, hidden, generator=g, device="cpu") / hidden ** 0.5 * 3).to(dtype)
+    b = (torch.randn(vocab, generator=g, device="cpu") * 0.5).to(dtype) if bias else None
+    t = torch.randint(0, vocab, (tokens,), generator=g, device="cpu")
     t[::4] = -100
     return h, w, b, t
 
@@ -30,7 +31,7 @@ def _leaves(*tensors):
 def _loss_and_grads(fn, h, w, b, t, reduction, **kw):
     h, w, b = _leaves(h, w, b)
     loss = fn(h, w, t, reduction=reduction, bias=b, **kw)
-    cot = torch.randn(loss.shape, generator=torch.Generator().manual_seed(1)).to(loss.device)
+    cot = torch.randn(loss.shape, generator=torch.Generator().manual_seed(1), device="cpu").to(loss.device)
     (loss * cot).sum().backward()
     return loss, [x.grad if x is not None else None for x in (h, w, b)]
 
@@ -113,7 +114,7 @@ def _vocab_parallel_rank(rank, world):
         fn = vp_reference if use_reference else vocab_parallel_fused_linear_cross_entropy
         hl, wl, bl = _leaves(h, w.chunk(world)[rank], b.chunk(world)[rank])
         loss = fn(hl, wl, t, dist.group.WORLD, reduction=reduction, chunk_size=5, bias_shard=bl)
-        cot = torch.randn(loss.shape, generator=torch.Generator().manual_seed(1))
+        cot = torch.randn(loss.shape, generator=torch.Generator().manual_seed(1), device="cpu")
         (loss * cot).sum().backward()
         # the whole vocabulary on every rank, in fp32
         hr, wr, br = _leaves(h.float(), w.float(), b.float())
