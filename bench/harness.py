@@ -168,6 +168,18 @@ def make_row(work: str, variant: str, role: str, ms: Optional[float], tokens_per
     return row
 
 
+def micro_row(work: str, variant: str, role: str, ms: Optional[float], check: str = "ok", **extra: Any) -> dict:
+    """A row of a micro-benchmark (a kernel, an optimizer step, a copy): time only, no tokens or MFU; ratios
+    against its baseline are by time."""
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    ran = ms is not None and ms > 0
+    row = {"work": work, "variant": variant, "role": role, "ms": round(ms, 4) if ran else None, "tokens_per_s": None,
+           "mfu": None, "peak_mem_gib": None, "check": check}
+    row.update(extra)
+    return row
+
+
 def failed_row(work: str, variant: str, role: str, error: BaseException | str, **extra: Any) -> dict:
     message = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
     message = " ".join(str(message).split())[:400]
@@ -392,28 +404,37 @@ def text_table(rows: Iterable[dict]) -> str:
     return "\n".join(out)
 
 
+def _speed(row: dict) -> Optional[float]:
+    """Higher is faster: tokens per second, or for micro-benchmarks the inverse of the time."""
+    if row.get("tokens_per_s"):
+        return row["tokens_per_s"]
+    return 1.0 / row["ms"] if row.get("ms") else None
+
+
 def _best_baselines(rows: List[dict]) -> Dict[Any, float]:
-    """Per work, the most tokens per second of a baseline row; per (work, variant), each row's tokens per second."""
+    """Per work, the speed of its fastest baseline row; per (work, variant), each row's speed (see :func:`_speed`)."""
     best: Dict[Any, float] = {}
     for r in rows:
-        if r.get("tokens_per_s"):
-            best[(r.get("work"), r.get("variant"))] = r["tokens_per_s"]
+        speed = _speed(r)
+        if speed:
+            best[(r.get("work"), r.get("variant"))] = speed
             if r.get("role") == "baseline":
-                best[r["work"]] = max(best.get(r["work"], 0.0), r["tokens_per_s"])
+                best[r["work"]] = max(best.get(r["work"], 0.0), speed)
     return best
 
 
 def ratio_to_baseline(row: dict, rows: Iterable[dict]) -> Optional[float]:
-    """``row``'s tokens/s over its named baseline's (``row["baseline"]``, the same work in ``rows``), or over the
-    work's fastest baseline when it names none; None when either did not run."""
+    """``row``'s speed (tokens/s, or 1 / ms) over its named baseline's (``row["baseline"]``, the same work in
+    ``rows``), or over the work's fastest baseline when it names none; None when either did not run."""
     return _ratio_value(row, _best_baselines(list(rows)))
 
 
 def _ratio_value(row: dict, best: Dict[Any, float]) -> Optional[float]:
-    if not row.get("tokens_per_s"):
+    speed = _speed(row)
+    if not speed:
         return None
     ref = best.get((row.get("work"), row["baseline"])) if row.get("baseline") else best.get(row.get("work"))
-    return row["tokens_per_s"] / ref if ref else None
+    return speed / ref if ref else None
 
 
 def _ratio(row: dict, best: Dict[Any, float]) -> str:
