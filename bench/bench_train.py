@@ -6,6 +6,7 @@
     torchrun --nproc_per_node=2 bench/bench_train.py --work llama-1.1b-tp2
     torchrun --nproc_per_node=2 bench/bench_train.py --work llama-1.1b-2gpu
     python bench/bench_train.py --work llama-1.1b-1gpu --optimizer schedlang-fused
+    python bench/bench_train.py                                      # every 1-GPU work
     python bench/bench_train.py --tiny                               # every 1-process work on the CPU, seconds
 
 A work is a model, a batch and a number of GPUs; its variants run one after the other in one
@@ -375,8 +376,8 @@ def run_work(ctx: B.Context, work_name: str, variants: List[str]) -> List[dict]:
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--work", default=None,
-                        help=f"comma-separated works, from {', '.join(WORKS)} (default: with --tiny, every work "
-                             "this world size can run, float8 aside)")
+                        help=f"comma-separated works, from {', '.join(WORKS)} (default: every work of this world "
+                             "size; with --tiny, float8 aside)")
     parser.add_argument("--variants", default=None, help="comma-separated (default: the work's list)")
     parser.add_argument("--optimizer", default="torch-fused", choices=sorted(B.OPTIMIZERS),
                         help="the AdamW of every row: torch's fused one or schedlang.optim.FusedAdamW")
@@ -420,10 +421,8 @@ def main(argv=None) -> List[dict]:
     rank = dist.get_rank() if dist.is_initialized() else 0
     if args.work:
         works = [w.strip() for w in args.work.split(",") if w.strip()]
-    elif args.tiny:
-        works = [w for w, spec in WORKS.items() if spec.world == world and not spec.needs]
-    else:
-        parser.error(f"--work is required: one or more of {', '.join(WORKS)}")
+    else:  # every work of this world size (float8 aside on the CPU)
+        works = [w for w, spec in WORKS.items() if spec.world == world and not (spec.needs and args.tiny)]
     for w in works:
         if w not in WORKS:
             parser.error(f"unknown work {w!r}: valid are {', '.join(WORKS)}")
