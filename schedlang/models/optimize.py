@@ -150,16 +150,24 @@ class FusedLinearCrossEntropyHead(nn.Linear):
         """Cross entropy of ``hidden @ weight.T (+ bias)`` against ``labels`` (already aligned)."""
         hidden = hidden.reshape(-1, hidden.shape[-1])
         labels = labels.reshape(-1).to(hidden.device)
+        weight, bias = self.weight, self.bias
+        device_type = hidden.device.type
+        if torch.is_autocast_enabled(device_type):
+            # the projection in the autocast dtype, as the Linear it replaces would run (a custom kernel is
+            # not cast by autocast itself); the statistics of the loss stay in fp32 inside the kernel
+            dtype = torch.get_autocast_dtype(device_type)
+            hidden, weight = hidden.to(dtype), weight.to(dtype)
+            bias = None if bias is None else bias.to(dtype)
         fused, why = _kernel("fused_linear_cross_entropy")
-        if fused is not None and self.bias is None:
+        if fused is not None and bias is None:
             try:
-                return fused(hidden, self.weight, labels, ignore_index=ignore_index, reduction=reduction)
+                return fused(hidden, weight, labels, ignore_index=ignore_index, reduction=reduction)
             except TypeError as e:  # another signature than expected: say so once, then compute it plainly
                 why = f"schedlang.kernels.fused_linear_cross_entropy: {e}"
         elif fused is not None:
             why = "the head has a bias, which the fused kernel does not take"
         _log_once(f"fused linear + cross entropy unavailable ({why}); computing the logits")
-        logits = F.linear(hidden, self.weight.to(hidden.dtype), None if self.bias is None else self.bias.to(hidden.dtype))
+        logits = F.linear(hidden, weight.to(hidden.dtype), None if bias is None else bias.to(hidden.dtype))
         return F.cross_entropy(logits.float(), labels, ignore_index=ignore_index, reduction=reduction)
 
 
@@ -444,8 +452,17 @@ def _resolve_sdpa(root, sdpa_backend: str, skipped: Dict[str, str]) -> Optional[
         skipped["sdpa"] = "not on a GPU: PyTorch's default backend"
         return None
     shapes = _attention_shapes(config)
+    choice = None
     with contextlib.suppress(Exception):
-        return choose_sdpa_backend(batch=max(1, 8192 // shapes["seq"]), heads=shapes["heads"], seq=shapes["seq"],
-                                   head_dim=shapes["head_dim"])
-    skipped["sdpa"] = "the probe failed: PyTorch's default backend"
-    return None
+        choice = choose_sdpa_backend(batch=max(1, 8192 // shapes["seq"]), heads=shapes["heads"], seq=shapes["seq"],
+                                     head_dim=shapes["head_dim"])
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        # every rank takes rank 0's measurement, so that all compute attention the same way
+        box = [choice]
+        dist.broadcast_object_list(box, src=0)
+        choice = box[0]
+    if choice is None:
+        skipped["sdpa"] = "the probe found no faster backend: PyTorch's default"
+    return choice

@@ -138,3 +138,17 @@ def test_a_model_without_layers_is_refused():
     sch = schedlang.create_schedule(torch.nn.Sequential(torch.nn.Linear(4, 4)))
     with pytest.raises(SchedlangError, match="optimize_model: no layer list .* found in Sequential"):
         optimize_model(sch)
+
+
+def test_under_autocast_the_head_projects_in_the_autocast_dtype():
+    model = _llama()
+    ids, labels = _batch(model.config.vocab_size)
+    sch = schedlang.create_schedule(model)
+    optimize_model(sch, compile=None)
+    built, _ = schedlang.build(sch)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = built(input_ids=ids, labels=labels, use_cache=False).loss
+        want = model(input_ids=ids, labels=labels, use_cache=False).loss
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    got.backward()
+    assert built.lm_head.weight.grad.dtype == torch.float32 and built.lm_head.weight.grad.abs().sum() > 0
