@@ -2,7 +2,7 @@
 
 What it does, each part through the schedule where a primitive exists (so it is in the plan):
 
-* **norms**: every ``*RMSNorm`` (LLaMA, Mistral, Qwen2) becomes ``schedlang.kernels.FusedRMSNorm``
+* **norms**: every ``*RMSNorm`` (LLaMA, Mistral, Qwen2) becomes ``schedlang.kernels.modules.FusedRMSNorm``
   (``replace_all``), sharing the original weight;
 * **loss**: the causal-LM head becomes :class:`FusedLinearCrossEntropyHead` (``replace``), which
   shares the head's weight (and so its tie to the embedding). When the model is called with
@@ -58,13 +58,20 @@ IGNORE_INDEX = -100
 
 
 def _kernel(name: str):
-    """``schedlang.kernels.<name>``, or None and why."""
+    """``schedlang.kernels.<name>`` (functions) or ``schedlang.kernels.modules.<name>`` (modules), or None and
+    why."""
     try:
         from .. import kernels
     except ImportError as e:  # Triton missing
         return None, f"schedlang.kernels cannot be imported ({e})"
-    fn = getattr(kernels, name, None)
-    return (fn, "") if fn is not None else (None, f"schedlang.kernels has no {name}")
+    found = getattr(kernels, name, None)
+    if found is None:
+        try:
+            from ..kernels import modules
+        except ImportError:
+            modules = None
+        found = getattr(modules, name, None)
+    return (found, "") if found is not None else (None, f"schedlang.kernels has no {name}")
 
 
 # ------------------------------------------------------------------------------------------------- norms
@@ -159,13 +166,12 @@ class FusedLinearCrossEntropyHead(nn.Linear):
             hidden, weight = hidden.to(dtype), weight.to(dtype)
             bias = None if bias is None else bias.to(dtype)
         fused, why = _kernel("fused_linear_cross_entropy")
-        if fused is not None and bias is None:
+        if fused is not None:
             try:
-                return fused(hidden, weight, labels, ignore_index=ignore_index, reduction=reduction)
+                return fused(hidden, weight, labels, ignore_index=ignore_index, reduction=reduction,
+                             **({} if bias is None else {"bias": bias}))
             except TypeError as e:  # another signature than expected: say so once, then compute it plainly
                 why = f"schedlang.kernels.fused_linear_cross_entropy: {e}"
-        elif fused is not None:
-            why = "the head has a bias, which the fused kernel does not take"
         _log_once(f"fused linear + cross entropy unavailable ({why}); computing the logits")
         logits = F.linear(hidden, weight.to(hidden.dtype), None if bias is None else bias.to(hidden.dtype))
         return F.cross_entropy(logits.float(), labels, ignore_index=ignore_index, reduction=reduction)

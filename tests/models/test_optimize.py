@@ -12,7 +12,7 @@ import torch
 
 import schedlang
 from schedlang.errors import SchedlangError
-from schedlang.models import optimize_model
+from schedlang.models import optimize, optimize_model
 from schedlang.models.optimize import FusedLinearCrossEntropyHead
 
 SEQ = 13
@@ -69,6 +69,8 @@ def test_three_steps_match_the_plain_model(make):
     info = sch.metadata["optimize"]
     assert any(a.startswith("loss:") for a in info["applied"]), info
     assert any(a.startswith("checkpoint: 2 of 2") for a in info["applied"]), info
+    if make is _llama and optimize._kernel("FusedRMSNorm")[0] is not None:
+        assert "norms: 5 x LlamaRMSNorm -> FusedRMSNorm" in info["applied"], info
     torch.testing.assert_close(_train(built, ids, labels), reference, rtol=1e-5, atol=1e-5)
     # the user's model is untouched
     assert not isinstance(model.lm_head, FusedLinearCrossEntropyHead)
@@ -102,10 +104,7 @@ def test_parts_are_recorded_in_the_plan_and_compile_is_lazy():
 
 
 def test_missing_kernels_fall_back_with_a_reason(monkeypatch, caplog):
-    import schedlang.kernels as kernels
-
-    monkeypatch.delattr(kernels, "FusedRMSNorm", raising=False)
-    monkeypatch.delattr(kernels, "fused_linear_cross_entropy", raising=False)
+    monkeypatch.setattr(optimize, "_kernel", lambda name: (None, f"schedlang.kernels has no {name}"))
     model = _llama()
     ids, labels = _batch(model.config.vocab_size)
     sch = schedlang.create_schedule(model)
@@ -116,6 +115,8 @@ def test_missing_kernels_fall_back_with_a_reason(monkeypatch, caplog):
     assert sch.metadata["optimize"]["skipped"]["norms"] == "schedlang.kernels has no FusedRMSNorm"
     assert "schedlang.kernels has no FusedRMSNorm" in caplog.text
     torch.testing.assert_close(loss, model(input_ids=ids, labels=labels, use_cache=False).loss)
+    assert "loss: lm_head -> fused linear + cross entropy (fallback: schedlang.kernels has no " \
+           "fused_linear_cross_entropy)" in sch.metadata["optimize"]["applied"]
 
 
 @pytest.mark.parametrize("kwargs, message", [
