@@ -302,9 +302,7 @@ def run_variant(ctx: B.Context, name: str, cfg, ids, labels) -> Dict[str, Any]:
     if ctx.args.profile:
         harness.profile_steps(step, Path(ctx.args.profile), f"{ctx.work_name}-{name}")
     notes = {k: v for k, v in setup.notes.items() if v is not None}
-    out = {"timing": timing, "mem": mem, "record": record, "layout": f"dp={setup.dp} x tp={setup.tp}", "notes": notes}
-    del setup, params, step
-    return out
+    return {"timing": timing, "mem": mem, "record": record, "layout": f"dp={setup.dp} x tp={setup.tp}", "notes": notes}
 
 
 def run_work(ctx: B.Context, work_name: str, variants: List[str]) -> List[dict]:
