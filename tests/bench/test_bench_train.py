@@ -73,3 +73,31 @@ def test_unknown_variant_is_a_failed_row_naming_the_valid_ones(bench, tmp_path):
     train = bench("bench_train")
     (row,) = train.main(["--tiny", "--work", "llama-1.1b-1gpu", "--variants", "turbo", "--results-dir", str(tmp_path)])
     assert row["check"].startswith("FAIL ValueError: unknown variant 'turbo': valid are eager, compile, titan-style")
+
+
+def test_two_rank_works_on_gloo(tmp_path):
+    """The tensor-parallel and data-parallel variants under torchrun (2 CPU ranks, gloo)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "bench" / "bench_train.py"
+    variants = "fsdp2-titan,tp-titan,schedlang-tp,schedlang-fsdp-optimize"
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script), "--tiny",
+         "--work", "llama-1.1b-tp2,llama-1.1b-2gpu", "--variants", variants, "--results-dir", str(tmp_path),
+         "--repeats", "1", "--iters", "1", "--warmup", "2"],
+        capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    (path,) = tmp_path.glob("*-train-tiny.json")
+    data = json.loads(path.read_text())
+    rows = data["rows"]
+    assert data["ranks"] == 2 and len(rows) == 8
+    for r in rows:
+        assert r["check"] == "ok", r
+    layouts = {(r["work"], r["variant"]): r["layout"] for r in rows}
+    assert layouts[("llama-1.1b-tp2", "schedlang-tp")] == "dp=1 x tp=2"
+    assert layouts[("llama-1.1b-2gpu", "schedlang-fsdp-optimize")] == "dp=2 x tp=1"
+    tp = next(r for r in rows if r["variant"] == "schedlang-tp" and r["work"] == "llama-1.1b-tp2")
+    assert tp["batch"] == 2 and tp["baseline"] == "tp-titan"  # the group's batch, not per GPU
