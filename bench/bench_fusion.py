@@ -21,6 +21,9 @@ measured here (a 2 GiB device-to-device copy, bytes read + written over its time
   residual and dy, write one gradient shared by x and residual (4 passes).
 
 Usage: python bench/bench_fusion.py [--out results.md] [--rows 8192] [--cols 4096]
+
+Rows also go to ``bench/results/<date>-fusion.json`` (``bench/harness.py``), each against
+``torch.compile`` of the same pattern, for the README.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402  (bench/harness.py)
 
 from schedlang.lowering import lower_subgraph  # noqa: E402
 
@@ -239,6 +244,10 @@ def main():
         Path(args.out).write_text("\n".join(header) + "\n")
         src_path = Path(args.out).with_suffix(".kernels.py")
         src_path.write_text("\n\n".join(f"# ===== {k}\n{v}" for k, v in sources.items()))
+    rows = [harness.micro_row(r["pattern"], r["variant"], "schedlang" if r["variant"].startswith("schedlang")
+                              else "baseline", r["ms"], baseline="torch.compile", floor_ms=round(r["floor"], 4),
+                              first_call_s=round(r["first"], 3), host_ms=round(r["host"], 4)) for r in ROWS]
+    log(f"wrote {harness.write_results('fusion', rows, gpus=1, copy_bandwidth_tb_s=round(bw / 1e12, 3))}")
 
 
 if __name__ == "__main__":

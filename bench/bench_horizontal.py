@@ -11,7 +11,9 @@ Cases (the seed posts' micro-patterns, sizes as in the reference figures):
   ``horizontal_fuse`` model (alone, under ``torch.compile``, and replayed as a CUDA graph);
 * 1000 sparse features (512 indices and 128 lengths each) host to device: 2N pinned copies
   against the 2 copies of the pair from ``schedlang.sparse.combine_sparse_features``; the
-  host-side combine and the device-side split are timed separately;
+  host-side combine and the device-side split are timed separately, and the whole path end to end
+  (host tensors in, per-feature device tensors out, wall clock: combine + copy + split against the
+  2N copies);
 * ``horizontal_fuse`` itself on a traced graph of 10,000 nodes (CPU time).
 
 Forward passes without gradients, as in the reference figures. GPU times are medians of
@@ -20,6 +22,9 @@ served from cache); "host" is the time to enqueue one call (CPU), which bounds a
 launch-bound model from below.
 
 Usage: python bench/bench_horizontal.py [--out results.md]
+
+Rows also go to ``bench/results/<date>-horizontal.json`` (``bench/harness.py``), each against the
+first (baseline) row of its case, for the README.
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402  (bench/harness.py)
 
 import schedlang  # noqa: E402
 from schedlang.graph.passes.horizontal import horizontal_fuse  # noqa: E402
@@ -228,6 +235,35 @@ def bench_sparse(n=1000, n_idx=512, batch=128):
     assert all(torch.equal(a.cpu(), i) and torch.equal(l.cpu(), c) for (a, l), (i, c) in zip(back, features[:3]))
     ms, first, host = timed(lambda: split_sparse_features(d_idx, d_len, n))
     row(case, "device: split_sparse_features", ms, first, host)
+    # end to end, as a training step sees it: host tensors in, device tensors per feature out, wall clock
+    # to the last one being ready; schedlang: combine on the host, two copies, split on the device
+    def end_to_end_many():
+        out = many()
+        torch.cuda.synchronize()
+        return out
+
+    def end_to_end_schedlang():
+        i, l = combine_sparse_features(features, pin_memory=True)
+        out = split_sparse_features(i.to(DEV, non_blocking=True), l.to(DEV, non_blocking=True), n)
+        torch.cuda.synchronize()
+        return out
+
+    ms_ref = wall_ms(end_to_end_many)
+    row(case + " end to end", "2N copies (wall)", ms_ref, 0.0, ms_ref)
+    ms = wall_ms(end_to_end_schedlang)
+    row(case + " end to end", "schedlang combine + copy + split (wall)", ms, 0.0, ms, ms_ref, 1.0)
+
+
+def wall_ms(fn, repeats=21):
+    """Median wall-clock milliseconds of ``fn`` (which waits for the GPU itself), after 3 warm-up calls."""
+    for _ in range(3):
+        fn()
+    t = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        t.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(t)
 
 
 # ----------------------------------------------------------------------------- 4. fusion time
@@ -285,6 +321,22 @@ def main():
     bench_fusion_time()
     if args.out:
         write_markdown(args.out, header)
+    log(f"wrote {write_json()}")
+
+
+def write_json():
+    """The rows in the format of ``bench/harness.py`` (each against the case's eager or many-copy row)."""
+    rows = []
+    for case in dict.fromkeys(r["case"] for r in ROWS):
+        group = [r for r in ROWS if r["case"] == case]
+        base = group[0]["variant"]
+        for r in group:
+            role = "schedlang" if r["variant"].startswith(("schedlang", "host:", "device:", "horizontal_fuse")) \
+                else "baseline"
+            extra = {"target_ms": r["target"]} if r["target"] is not None else {}
+            rows.append(harness.micro_row(case, r["variant"], role, r["ms"], baseline=base,
+                                          first_call_s=round(r["first"], 3), host_ms=round(r["host"], 4), **extra))
+    return harness.write_results("horizontal", rows, gpus=1)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,10 @@ run with an empty TRITON_CACHE_DIR). Extra rows: bf16 parameters with fp32 state
 momentum against torch's fused SGD.
 
 Usage: python bench/bench_optim.py [--sweep] [--skip-compiled] [--out results.md]
+
+Rows also go to ``bench/results/<date>-optim.json`` (``bench/harness.py``), from which the README's
+table is rendered: work ``adamw-445-tensors`` (each row against ``torch fused (CUDA)``; the first step
+in ``first_step_s``), and ``adamw-bf16-params`` / ``sgd-momentum`` for the other variants.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402  (bench/harness.py)
 
 SHAPES = [(1024, 1024)] * 96 + [(4096, 1024)] * 48 + [(1024,)] * 300 + [(50304, 1024)]
 DEV = "cuda"
@@ -263,6 +269,26 @@ def main(argv=None):
     print("\n" + text)
     if args.out:
         Path(args.out).write_text(text)
+    log(f"wrote {write_json(r, bandwidth, argv)}")
+
+
+def write_json(r, bandwidth, argv):
+    """The rows in the format of ``bench/harness.py``, for the README."""
+    def role(name):
+        return "schedlang" if name.startswith("schedlang") else "baseline"
+
+    base = "torch fused (CUDA)"
+    rows = [harness.micro_row("adamw-445-tensors", n, role(n), ms, baseline=base, floor_ms=round(r["floor_ms"], 4),
+                              first_step_s=None if first != first else round(first, 3), max_rel_err=r["err"])
+            for n, (ms, first) in r["results"].items()]
+    for n, ms, floor, first in r["extra"]:
+        work = "sgd-momentum" if "SGD" in n else "adamw-bf16-params"
+        ref = "torch fused SGD momentum" if "SGD" in n else "torch fused AdamW bf16 params, bf16 state"
+        rows.append(harness.micro_row(work, n, role(n), ms, baseline=ref, floor_ms=round(floor, 4),
+                                      first_step_s=round(first, 3)))
+    args = sys.argv[1:] if argv is None else list(argv)
+    return harness.write_results("optim", rows, gpus=1, copy_bandwidth_tb_s=round(bandwidth / 1e12, 3),
+                                 launch_config=r["config"], command=" ".join(["bench/bench_optim.py"] + args))
 
 
 if __name__ == "__main__":

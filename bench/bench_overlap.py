@@ -30,7 +30,9 @@ events (on CPU ranks: ``time.perf_counter``). Every rank runs the same fixed num
 (``triton.testing.do_bench`` picks its repetition count from a first measurement, which may
 differ between ranks and would then deadlock the collectives). Rank 0's figures are reported,
 with rank 1's (a)/(b) ratio beside them; the table keeps the best round, the lines under it
-every round's median (their spread is the noise to read the table against).
+every round's median (their spread is the noise to read the table against). The JSON rows
+(``bench/results/<date>-overlap.json``, ``bench/harness.py``) give both: ``ms`` is the typical
+case (the median round), ``ms_best`` the best one, ``ms_runs`` every round.
 
 Numerics: (a) and (b) must give bitwise equal outputs (the same kernels in another order), and
 both must match the unsharded model within bf16 tolerance.
@@ -44,6 +46,7 @@ import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
@@ -52,6 +55,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402  (bench/harness.py)
 
 
 class TwoBranches(nn.Module):
@@ -193,6 +199,25 @@ def run_case(side_layers: int, args, device, dtype, cuda: bool, rank: int, world
             "between": [r.between for r in report.records]}
 
 
+def write_json(results, numerics_ok: bool, gpus: int, args):
+    """Rank 0's rows in the format of ``bench/harness.py``: ``ms`` the typical case (median over the rounds of
+    each round's median), ``ms_best`` the best round, every round in ``ms_runs``; against ``(a) blocking``."""
+    names = {"eager": "eager (hook)", "blocking": "(a) blocking", "overlap": "schedlang overlap_communication",
+             "compute": "compute only", "collective": "all-reduce only (clone + AR)",
+             "bare_all_reduce": "all-reduce only (bare)"}
+    rows = []
+    for r in results:
+        work = f"overlap {args.tokens}x{args.hidden}, {r['side_layers']} side linears"
+        for key, label in names.items():
+            runs = r["rounds"][key]
+            rows.append(harness.micro_row(work, label, "schedlang" if key == "overlap" else "baseline",
+                                          statistics.median(runs), "ok" if numerics_ok else "FAIL numerics",
+                                          baseline="(a) blocking", ms_best=round(min(runs), 4),
+                                          ms_runs=[round(x, 4) for x in runs]))
+    return harness.write_results("overlap-small" if args.small else "overlap", rows, gpus=gpus,
+                                 directory=Path(args.results_dir) if args.results_dir else None)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cpu", action="store_true", help="gloo ranks on CPU (fp32)")
@@ -204,6 +229,7 @@ def main():
     parser.add_argument("--reps", type=int, default=100)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--results-dir", default=None, help="where the JSON goes (default: bench/results)")
     args = parser.parse_args()
     if args.small:
         args.tokens, args.hidden, args.inner = 96, 48, 160
@@ -262,6 +288,7 @@ def main():
         ok_ref = all(all(r["check"]["rel_err_vs_unsharded"] < tol for r in g) for g in gathered)
         print(f"\nNUMERICS (a)==(b) on every rank: {ok}; every output within {tol:g} (relative to max |out|) of "
               f"the unsharded model: {ok_ref}", flush=True)
+        print(f"wrote {write_json(results, ok and ok_ref, world if cuda else 0, args)}", flush=True)
     dist.barrier()
     dist.destroy_process_group()
     sys.stdout.flush()

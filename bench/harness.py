@@ -11,6 +11,14 @@ Timing (:func:`time_steps`): a few warm-up steps (compilation, allocator, NCCL s
 several *repeats* of a few steps each, timed with CUDA events (a wall clock on the CPU); the
 figure reported is the **median** repeat, the typical case rather than the best, and every
 repeat is kept in ``ms_runs``. Under torch.distributed each repeat is the slowest rank's.
+``host_ms`` is the host's share: the wall time the CPU spends issuing one step (the loop up to
+its last launch, before waiting for the GPU). Close to ``ms``, the step is bound by the host
+(Python, launches, hooks); well below it, the GPU is the limit.
+
+Training benchmarks share the pieces below the timing: a global batch made on the host
+(:func:`global_batch`), its rows per data-parallel rank (:func:`rows_of`), means over ranks
+(:func:`world_mean`), the gradient norm over any layout (:func:`global_grad_norm`) and the
+correctness verdict of a variant (:func:`check_losses`).
 
 MFU counts the model FLOPs of a training step as the reference scripts in ``shared/bench`` do,
 ``6 * N_params * tokens + 12 * layers * hidden * seq * tokens`` (weights: forward + backward;
@@ -74,7 +82,8 @@ def time_steps(step: Callable[[], Any], device: torch.device, warmup: int = 3, r
                iters: int = 5) -> Dict[str, Any]:
     """Run ``step`` ``warmup`` times, then ``repeats`` times ``iters`` steps; milliseconds per step.
 
-    Returns ``{"ms": median repeat, "ms_runs": [each repeat], "warmup_s": wall time of the warm-up}``.
+    Returns ``{"ms": median repeat, "ms_runs": [each repeat], "warmup_s": wall time of the warm-up,
+    "host_ms": median host time to issue a step}`` (see the module docstring).
     On CUDA each repeat is timed with events on the current stream; under torch.distributed the ranks
     meet at a barrier before the repeats and each repeat counts as the slowest rank's time.
     """
@@ -87,12 +96,15 @@ def time_steps(step: Callable[[], Any], device: torch.device, warmup: int = 3, r
     if dist is not None:
         dist.barrier()
     runs: List[float] = []
+    host: List[float] = []
     for _ in range(repeats):
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
+            t = time.perf_counter()
             for _ in range(iters):
                 step()
+            host.append((time.perf_counter() - t) * 1e3 / iters)
             end.record()
             end.synchronize()
             runs.append(start.elapsed_time(end) / iters)
@@ -101,8 +113,11 @@ def time_steps(step: Callable[[], Any], device: torch.device, warmup: int = 3, r
             for _ in range(iters):
                 step()
             runs.append((time.perf_counter() - t) * 1e3 / iters)
+            host.append(runs[-1])
     runs = max_over_ranks(runs, device)
-    return {"ms": statistics.median(runs), "ms_runs": [round(r, 3) for r in runs], "warmup_s": round(warm_s, 2)}
+    host = max_over_ranks(host, device)
+    return {"ms": statistics.median(runs), "ms_runs": [round(r, 3) for r in runs], "warmup_s": round(warm_s, 2),
+            "host_ms": round(statistics.median(host), 3)}
 
 
 def max_over_ranks(values: Sequence[float], device: torch.device) -> List[float]:
@@ -149,6 +164,18 @@ def make_row(work: str, variant: str, role: str, ms: Optional[float], tokens_per
            "tokens_per_s": round(tokens_per_step / (ms / 1e3), 1) if ran else None,
            "mfu": round(mfu(flops_per_step, ms, gpus), 4) if ran and gpus > 0 else None,
            "peak_mem_gib": peak_mem_gib, "check": check}
+    row.update(extra)
+    return row
+
+
+def micro_row(work: str, variant: str, role: str, ms: Optional[float], check: str = "ok", **extra: Any) -> dict:
+    """A row of a micro-benchmark (a kernel, an optimizer step, a copy): time only, no tokens or MFU; ratios
+    against its baseline are by time."""
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    ran = ms is not None and ms > 0
+    row = {"work": work, "variant": variant, "role": role, "ms": round(ms, 4) if ran else None, "tokens_per_s": None,
+           "mfu": None, "peak_mem_gib": None, "check": check}
     row.update(extra)
     return row
 
@@ -225,6 +252,114 @@ def write_results(name: str, rows: Iterable[dict], gpus: int, merge: bool = True
     return path
 
 
+# --------------------------------------------------------------------------------------- training steps
+#: relative tolerances of :func:`check_losses`: the first loss against the eager plain model; the gradient
+#: norm after the first backward and the loss after the warm-up steps against the work's first variant
+TOL_BF16 = {"loss": 1e-2, "grad_norm": 5e-2, "trajectory": 2e-2}
+TOL_FP32 = {"loss": 1e-4, "grad_norm": 1e-3, "trajectory": 1e-3}
+
+
+def global_batch(vocab_size: int, rows: int, seq: int, device: torch.device, seed: int = 1):
+    """``rows`` sequences of ``seq`` token ids and their labels (the ids shifted by one on the host, the last
+    position ignored, so the logits are never sliced), from a fixed seed: the same on every rank."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab_size, (rows, seq), generator=gen)
+    labels = torch.roll(ids, -1, dims=1)
+    labels[:, -1] = -100
+    return ids.to(device), labels.to(device)
+
+
+def rows_of(t: torch.Tensor, part: int, parts: int) -> torch.Tensor:
+    """The ``part``-th of ``parts`` equal blocks of rows (a data-parallel rank's share of the batch)."""
+    n = t.shape[0] // parts
+    return t[part * n:(part + 1) * n]
+
+
+def _dtensor_cls():
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
+
+
+def world_mean(value: torch.Tensor, device: torch.device) -> float:
+    """Mean over all ranks (a tensor-parallel group holds one value several times, so this is the mean over
+    the data-parallel ranks, each of which trains on the same number of tokens)."""
+    v = value.detach()
+    if isinstance(v, _dtensor_cls()):
+        v = v.full_tensor()
+    v = v.float().reshape(()).to(device).clone()
+    dist = _dist()
+    if dist is not None and dist.get_world_size() > 1:
+        dist.all_reduce(v)
+        v /= dist.get_world_size()
+    return float(v)
+
+
+def global_grad_norm(params) -> float:
+    """L2 norm of the whole gradient across every layout: a DTensor's sum of squares is reduced over its mesh,
+    a plain tensor's is this rank's (plain gradients are replicated over the ranks that hold them)."""
+    import logging
+    import math
+
+    DTensor = _dtensor_cls()
+    # a 2-D (dp x tp) partial sum is reduced one dimension at a time; DTensor warns about that each time
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    total = 0.0
+    for p in params:
+        g = p.grad
+        if g is None:
+            continue
+        sq = g.float().pow(2).sum()
+        if isinstance(sq, DTensor):
+            sq = sq.full_tensor()
+        total += float(sq)
+    return math.sqrt(total)
+
+
+def check_losses(losses: Sequence[float], grad_norm: float, eager_loss: float, anchor: Optional[dict],
+                 tol: Dict[str, float]) -> Dict[str, Any]:
+    """A variant's verdict, ``"ok"`` or ``"FAIL <why>"``: its first loss against the eager plain model's on the
+    same batch, and (given the work's first variant that passed, ``anchor``: ``{"variant", "losses",
+    "grad_norm"}``) its gradient norm after the first backward and its loss after the warm-up steps (the
+    batch repeats, so a correct model memorizes it along the same path)."""
+    import math
+
+    problems = []
+    first = losses[0] if losses else float("nan")
+    if not abs(first - eager_loss) <= tol["loss"] * abs(eager_loss):
+        problems.append(f"first loss {first:.4f} vs eager {eager_loss:.4f}")
+    if anchor is not None:
+        if not abs(grad_norm - anchor["grad_norm"]) <= tol["grad_norm"] * abs(anchor["grad_norm"]):
+            problems.append(f"grad norm {grad_norm:.4g} vs {anchor['variant']} {anchor['grad_norm']:.4g}")
+        if not abs(losses[-1] - anchor["losses"][-1]) <= tol["trajectory"] * abs(anchor["losses"][-1]):
+            problems.append(f"loss after {len(losses)} steps {losses[-1]:.4f} vs {anchor['variant']} "
+                            f"{anchor['losses'][-1]:.4f}")
+    if any(not math.isfinite(x) for x in list(losses) + [grad_norm]):
+        problems.append("non-finite loss or gradient")
+    return {"check": "ok" if not problems else "FAIL " + "; ".join(problems),
+            "loss_first": round(first, 5), "loss_eager": round(eager_loss, 5), "grad_norm": round(grad_norm, 5),
+            "losses": [round(x, 5) for x in losses]}
+
+
+def profile_steps(step: Callable[[], Any], directory: Path, name: str, steps: int = 3) -> Path:
+    """Run ``steps`` steps under torch.profiler (CPU and CUDA activity) and write a Chrome trace
+    ``<directory>/<name>.json`` (one per rank under torch.distributed); returns its path."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    dist = _dist()
+    suffix = f"-rank{dist.get_rank()}" if dist is not None else ""
+    path = Path(directory) / f"{name}{suffix}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    prof.export_chrome_trace(str(path))
+    return path
+
+
 # ------------------------------------------------------------------------------------------------ tables
 def _fmt(value: Any, kind: str) -> str:
     if value is None:
@@ -241,11 +376,12 @@ def _fmt(value: Any, kind: str) -> str:
 
 
 def markdown_table(rows: Iterable[dict], extra_columns: Sequence[str] = ()) -> str:
-    """Rows as a markdown table, one block of rows per work, with each row's speed against the work's
-    fastest baseline (tokens/s ratio; > 1 is faster)."""
+    """Rows as a markdown table, one block of rows per work, with each row's speed against its named baseline
+    (``row["baseline"]``, a variant of the same work) or else the work's fastest baseline (tokens/s ratio;
+    > 1 is faster)."""
     rows = list(rows)
     best = _best_baselines(rows)
-    head = ["work", "variant", "role", "step ms", "tokens/s", "MFU", "peak GiB", "vs best baseline",
+    head = ["work", "variant", "role", "step ms", "tokens/s", "MFU", "peak GiB", "vs baseline",
             *extra_columns, "check"]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join(" --- " for _ in head) + "|"]
     for r in rows:
@@ -268,19 +404,42 @@ def text_table(rows: Iterable[dict]) -> str:
     return "\n".join(out)
 
 
-def _best_baselines(rows: List[dict]) -> Dict[str, float]:
-    """Per work, the most tokens per second of a baseline row."""
-    best: Dict[str, float] = {}
+def _speed(row: dict) -> Optional[float]:
+    """Higher is faster: tokens per second, or for micro-benchmarks the inverse of the time."""
+    if row.get("tokens_per_s"):
+        return row["tokens_per_s"]
+    return 1.0 / row["ms"] if row.get("ms") else None
+
+
+def _best_baselines(rows: List[dict]) -> Dict[Any, float]:
+    """Per work, the speed of its fastest baseline row; per (work, variant), each row's speed (see :func:`_speed`)."""
+    best: Dict[Any, float] = {}
     for r in rows:
-        if r.get("role") == "baseline" and r.get("tokens_per_s"):
-            best[r["work"]] = max(best.get(r["work"], 0.0), r["tokens_per_s"])
+        speed = _speed(r)
+        if speed:
+            best[(r.get("work"), r.get("variant"))] = speed
+            if r.get("role") == "baseline":
+                best[r["work"]] = max(best.get(r["work"], 0.0), speed)
     return best
 
 
-def _ratio(row: dict, best: Dict[str, float]) -> str:
-    if row.get("tokens_per_s") and row.get("work") in best:
-        return f"{row['tokens_per_s'] / best[row['work']]:.2f}x"
-    return "-"
+def ratio_to_baseline(row: dict, rows: Iterable[dict]) -> Optional[float]:
+    """``row``'s speed (tokens/s, or 1 / ms) over its named baseline's (``row["baseline"]``, the same work in
+    ``rows``), or over the work's fastest baseline when it names none; None when either did not run."""
+    return _ratio_value(row, _best_baselines(list(rows)))
+
+
+def _ratio_value(row: dict, best: Dict[Any, float]) -> Optional[float]:
+    speed = _speed(row)
+    if not speed:
+        return None
+    ref = best.get((row.get("work"), row["baseline"])) if row.get("baseline") else best.get(row.get("work"))
+    return speed / ref if ref else None
+
+
+def _ratio(row: dict, best: Dict[Any, float]) -> str:
+    value = _ratio_value(row, best)
+    return "-" if value is None else f"{value:.2f}x"
 
 
 def merge_files(target: Path, sources: Sequence[Path]) -> Path:

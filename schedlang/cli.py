@@ -157,8 +157,22 @@ def cmd_bench(ns: argparse.Namespace) -> int:
     status = 0
     for n in names:
         print(f"== bench {n} ==", flush=True)
-        status |= subprocess.call([sys.executable, str(available[n])], cwd=str(bench.parent))
+        command = [sys.executable, str(available[n])]
+        ranks = _BENCH_RANKS.get(n, 1)
+        if ranks > 1:
+            if torch.cuda.device_count() < ranks:
+                print(f"schedlang bench: {n} needs {ranks} GPUs; skipped", file=sys.stderr)
+                continue
+            command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", str(available[n])]
+        status |= subprocess.call(command, cwd=str(bench.parent))
+    if "train" in names:
+        print("(bench train ran the 1-GPU works; the 2-GPU ones: torchrun --nproc_per_node=2 bench/bench_train.py "
+              "--work llama-1.1b-tp2,llama-1.1b-2gpu)", flush=True)
     return status
+
+
+#: benchmarks that run one process per GPU under torchrun, and how many
+_BENCH_RANKS = {"overlap": 2}
 
 
 def cmd_primitives(ns: argparse.Namespace) -> int:

@@ -23,7 +23,7 @@ from .bert import shard_bert
 from .gpt2 import shard_gpt2
 from .llama import shard_llama
 
-__all__ = ["shard_llama", "shard_gpt2", "shard_bert", "shard_model", "compile_layers", "FAMILIES"]
+__all__ = ["shard_llama", "shard_gpt2", "shard_bert", "shard_model", "compile_layers", "optimize_model", "FAMILIES"]
 
 #: class-name prefix -> schedule function
 FAMILIES = {"Llama": shard_llama, "Mistral": shard_llama, "Qwen2": shard_llama, "GPT2": shard_gpt2,
@@ -107,3 +107,6 @@ def _run_sync_hooks_eagerly(module: nn.Module) -> None:
 
 def _torch_version():
     return tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+
+
+from .optimize import optimize_model  # noqa: E402  (uses compile_layers above)

@@ -1,0 +1,454 @@
+"""End-to-end training step: schedlang against PyTorch's own tools applied well, like for like.
+
+    python bench/bench_train.py --work llama-1.1b-1gpu
+    python bench/bench_train.py --work gpt2-medium-1gpu
+    python bench/bench_train.py --work llama-1.1b-1gpu-fp8          # needs torchao
+    torchrun --nproc_per_node=2 bench/bench_train.py --work llama-1.1b-tp2
+    torchrun --nproc_per_node=2 bench/bench_train.py --work llama-1.1b-2gpu
+    python bench/bench_train.py --work llama-1.1b-1gpu --optimizer schedlang-fused
+    python bench/bench_train.py                                      # every 1-GPU work
+    python bench/bench_train.py --tiny                               # every 1-process work on the CPU, seconds
+
+A work is a model, a batch and a number of GPUs; its variants run one after the other in one
+process (one per GPU under torchrun), like for like: the same weights (HF's init from seed 0), the
+same batch (token ids from a fixed seed, labels shifted on the host), ``use_cache=False``, bf16
+compute over fp32 weights, and the same optimizer class and kind on every row of a run (column
+``optimizer``: ``torch.optim.AdamW(fused=True)`` by default, ``--optimizer schedlang-fused`` for
+``schedlang.optim.FusedAdamW`` on both sides; a run with it stores its rows under
+``<variant>+FusedAdamW``). Every row names the baseline it is compared with (``baseline``).
+
+Works (batch x seq; ``--batch`` / ``--seq`` override):
+
+* ``llama-1.1b-1gpu``: LLaMA-1.1B (22 layers, hidden 2048, 16 heads, intermediate 5632, vocab
+  32000), b4 s2048, 1 GPU; baseline ``titan-style``.
+* ``gpt2-medium-1gpu``: GPT-2 medium (24 layers, hidden 1024, vocab 50304), b8 s1024, 1 GPU;
+  baseline ``titan-style``.
+* ``llama-1.1b-1gpu-fp8``: LLaMA-1.1B with float8 training of the blocks' Linears (torchao,
+  tensorwise); baseline ``titan-style-fp8``. Skipped with a message when torchao is missing.
+* ``llama-1.1b-tp2``: tensor parallelism over 2 GPUs, b4 s2048 for the group (as ``tp_titan``);
+  baseline ``tp-titan``.
+* ``llama-1.1b-2gpu``: 2 GPUs in the best layout, b4 s2048 per GPU (a global batch of 8
+  sequences; tensor-parallel variants train on all 8): tokens/s count both GPUs; baseline
+  ``fsdp2-titan``.
+* ``llama-8b-layers-2gpu``: LLaMA-3-8B's layer shapes with ``--layers-8b`` layers (default 8),
+  2 GPUs, as ``llama-1.1b-2gpu``.
+
+Variants: the baselines are in ``bench/baselines.py`` (``eager``, ``compile``, ``titan-style``,
+``titan-style-fp8``, ``dtensor-compile``, ``tp-titan``, ``fsdp2-titan``, ``tp-fsdp-titan``).
+schedlang's, through its schedule API:
+
+* ``schedlang-layers``: ``create_schedule`` + ``build`` + ``compile_layers`` (1 GPU: the plan is
+  empty; this is schedlang's overhead, if any); the loss as ``titan-style`` takes it;
+* ``schedlang-optimize`` (``-fp8``): ``optimize_model(sch)``: fused RMSNorm, fused linear +
+  cross-entropy loss (the model called with ``labels=``; the same shifted labels), measured SDPA
+  backend, per-layer compile (with ``float8="tensorwise"``);
+* ``schedlang-tp`` (``-optimize``): ``shard_model`` on a ``tp`` mesh (vocabulary-parallel
+  embedding, head and cross entropy), ``compile_layers`` (or ``optimize_model``);
+* ``schedlang-fsdp`` (``-noreshard``, ``-optimize``): ``fully_shard`` per layer and at the root with
+  the bf16/fp32 ``MixedPrecisionPolicy``, ``compile_layers`` (or ``optimize_model``);
+* ``schedlang-tp-fsdp``: ``shard_model`` then ``fully_shard`` on a ``dp x tp`` mesh (``--tp2d``).
+
+Correctness, in the same run (column ``check``: "ok" or "FAIL <why>"): each rank first runs the
+plain model eagerly on its share of the batch; every variant's first-step loss must match it
+(1e-2 relative in bf16, 1e-4 in fp32), and its gradient norm after the first backward and its loss
+after the warm-up steps must match the work's first variant that passed (5% / 2%). A variant that
+fails records "FAIL <error>" and the others still run.
+
+Timing: ``--warmup`` steps, then ``--repeats`` repeats of ``--iters`` steps between CUDA events;
+``ms`` is the median repeat, all repeats are in ``ms_runs``; ``host_ms`` is the host's time to issue
+a step (``bench/harness.py``). MFU at 989 TFLOP/s per GPU. ``--profile DIR`` also writes a
+torch.profiler trace of 3 steps of every variant. Results: a table on rank 0 and
+``bench/results/<date>-train.json`` (``-train-tiny`` with ``--tiny``), rows of the same day merged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # schedlang from this checkout, uninstalled
+import baselines as B  # noqa: E402  (bench/baselines.py)
+import harness  # noqa: E402  (bench/harness.py)
+
+
+@dataclass(frozen=True)
+class Work:
+    family: str  # "llama" | "gpt2"
+    shape: str  # "llama-1.1b" | "llama-8b" | "gpt2-medium"
+    batch: int
+    seq: int
+    world: int  # GPUs (ranks) it needs
+    data_parallel: bool  # the global batch is batch x world (else batch for the whole group)
+    baseline: str
+    variants: Tuple[str, ...]
+    needs: Optional[str] = None  # a module it cannot run without
+
+
+ONE_GPU = ("eager", "compile", "titan-style", "schedlang-layers", "schedlang-optimize")
+WORKS: Dict[str, Work] = {
+    "llama-1.1b-1gpu": Work("llama", "llama-1.1b", 4, 2048, 1, True, "titan-style", ONE_GPU),
+    "gpt2-medium-1gpu": Work("gpt2", "gpt2-medium", 8, 1024, 1, True, "titan-style", ONE_GPU),
+    "llama-1.1b-1gpu-fp8": Work("llama", "llama-1.1b", 4, 2048, 1, True, "titan-style-fp8",
+                                ("titan-style-fp8", "schedlang-optimize-fp8"), needs="torchao"),
+    "llama-1.1b-tp2": Work("llama", "llama-1.1b", 4, 2048, 2, False, "tp-titan",
+                           ("dtensor-compile", "tp-titan", "schedlang-tp", "schedlang-tp-optimize")),
+    "llama-1.1b-2gpu": Work("llama", "llama-1.1b", 4, 2048, 2, True, "fsdp2-titan",
+                            ("fsdp2-titan", "tp-titan", "schedlang-fsdp", "schedlang-fsdp-noreshard",
+                             "schedlang-fsdp-optimize", "schedlang-tp")),
+    "llama-8b-layers-2gpu": Work("llama", "llama-8b", 4, 2048, 2, True, "fsdp2-titan",
+                                 ("fsdp2-titan", "tp-titan", "tp-fsdp-titan", "schedlang-fsdp",
+                                  "schedlang-fsdp-noreshard", "schedlang-tp", "schedlang-tp-fsdp")),
+}
+SCHEDLANG = ("schedlang-layers", "schedlang-optimize", "schedlang-optimize-fp8", "schedlang-tp",
+             "schedlang-tp-optimize", "schedlang-fsdp", "schedlang-fsdp-noreshard", "schedlang-fsdp-optimize",
+             "schedlang-tp-fsdp")
+OPTIMIZER_SUFFIX = {"torch-fused": "", "schedlang-fused": "+FusedAdamW"}
+
+
+# ----------------------------------------------------------------------------------- schedlang variants
+def _schedlang_mesh(ctx: B.Context, dp: int, tp: int):
+    key = ("schedlang", dp, tp)
+    if key not in ctx._meshes:
+        from schedlang.distributed.mesh import make_mesh
+
+        ctx._meshes[key] = make_mesh(pp=1, dp=dp, tp=tp, device_type=ctx.device.type)
+    return ctx._meshes[key]
+
+
+def _build(ctx: B.Context, sch):
+    """``schedlang.build`` with the run's optimizer (the same class and kind as the baselines')."""
+    import schedlang
+
+    model, _ = schedlang.build(sch)
+    return model, ctx.optimizer(B.adamw_groups(model))
+
+
+def _compile(ctx: B.Context, model) -> None:
+    if ctx.args.compile:
+        from schedlang.models import compile_layers
+
+        compile_layers(model)
+
+
+def _optimize(ctx: B.Context, sch, float8=None) -> Dict[str, Any]:
+    from schedlang.models import optimize_model
+
+    optimize_model(sch, compile="layers" if ctx.args.compile else None, float8=float8)
+    return sch.root.metadata["optimize"]
+
+
+def _labels_loss(ctx: B.Context, model, amp=True):
+    """The loss as ``optimize_model``'s fused head takes it: the model called with ``labels=``. HF shifts the
+    labels itself (``pad(ids)[1:]`` with -100 last), which is exactly the batch's host-shifted labels."""
+
+    def loss_fn(ids, labels):
+        with ctx.autocast() if amp else _null():
+            return model(input_ids=ids, labels=ids, use_cache=False).loss
+
+    return loss_fn
+
+
+def _null():
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+def make_schedlang_single(ctx: B.Context, cfg, optimize: bool, float8=None) -> B.Setup:
+    import schedlang
+
+    sch = schedlang.create_schedule(B.full_model(cfg, ctx.device))
+    info = _optimize(ctx, sch, float8) if optimize else None
+    model, opt = _build(ctx, sch)
+    del sch  # the schedule holds the original; let it go before the timed steps
+    if optimize:
+        return B.Setup(model, opt, _labels_loss(ctx, model), notes={"loss": "fused linear + cross entropy (labels=)",
+                                                                    "optimize": info, "compile": "layers"})
+    _compile(ctx, model)
+    loss_fn = B._head_loss(ctx, B.body(model), model.lm_head)
+    return B.Setup(model, opt, loss_fn, notes={"loss": "body -> lm_head -> F.cross_entropy (fp32)",
+                                               "compile": "layers"})
+
+
+def make_schedlang_tp(ctx: B.Context, cfg, dp: int = 1, fsdp: bool = False, optimize: bool = False) -> B.Setup:
+    import schedlang
+    from schedlang.distributed.cross_entropy import vocab_parallel_cross_entropy
+    from schedlang.models import shard_model
+
+    tp = ctx.world // dp
+    mesh = _schedlang_mesh(ctx, dp, tp)
+    sch = schedlang.create_schedule(B.full_model(cfg, ctx.device), mesh=mesh)
+    if tp > 1:
+        shard_model(sch)
+    if fsdp:
+        mp = ctx.mp_policy()
+        for path in B.layer_paths(sch.mod):
+            sch[path].fully_shard(mp_policy=mp)
+        sch.fully_shard(mp_policy=mp)
+    info = _optimize(ctx, sch) if optimize else None
+    model, opt = _build(ctx, sch)
+    del sch
+    if not optimize:
+        _compile(ctx, model)
+    group = mesh["tp"].get_group()
+    amp = _null if fsdp else ctx.autocast  # FSDP2 casts to bf16 itself
+
+    def loss_fn(ids, labels):
+        with amp():
+            logits = model(input_ids=ids, use_cache=False).logits
+        if logits.shape[-1] != cfg.vocab_size:  # split along the vocabulary: the vocabulary-parallel loss
+            return vocab_parallel_cross_entropy(logits.flatten(0, 1), labels.flatten(), group=group)
+        return B.plain_loss(logits, labels)
+
+    return B.Setup(model, opt, loss_fn, dp=dp, tp=tp, dp_rank=mesh.get_local_rank("dp"),
+                   notes={"loss": "vocab-split logits -> vocab_parallel_cross_entropy (fp32)", "optimize": info,
+                          "compile": "layers"})
+
+
+def make_schedlang_fsdp(ctx: B.Context, cfg, reshard: Optional[bool], optimize: bool) -> B.Setup:
+    import schedlang
+
+    mesh = _schedlang_mesh(ctx, ctx.world, 1)
+    sch = schedlang.create_schedule(B.full_model(cfg, ctx.device), mesh=mesh)
+    mp = ctx.mp_policy()
+    for path in B.layer_paths(sch.mod):
+        sch[path].fully_shard(reshard_after_forward=reshard, mp_policy=mp)
+    sch.fully_shard(mp_policy=mp)
+    info = _optimize(ctx, sch) if optimize else None
+    model, opt = _build(ctx, sch)
+    del sch
+    if optimize:
+        loss_fn, loss = _labels_loss(ctx, model, amp=False), "fused linear + cross entropy (labels=)"
+    else:
+        _compile(ctx, model)
+        loss = "logits -> F.cross_entropy (fp32)"
+
+        def loss_fn(ids, labels):
+            return B.plain_loss(model(input_ids=ids, use_cache=False).logits, labels)
+
+    return B.Setup(model, opt, loss_fn, dp=ctx.world, dp_rank=mesh.get_local_rank("dp"),
+                   notes={"loss": loss, "optimize": info, "compile": "layers"})
+
+
+def make_variant(ctx: B.Context, name: str, cfg) -> B.Setup:
+    if name in B.BASELINES:
+        return B.BASELINES[name](ctx, cfg)
+    if name in ("schedlang-layers", "schedlang-optimize", "schedlang-optimize-fp8"):
+        return make_schedlang_single(ctx, cfg, optimize=name != "schedlang-layers",
+                                     float8="tensorwise" if name.endswith("fp8") else None)
+    if name in ("schedlang-tp", "schedlang-tp-optimize"):
+        return make_schedlang_tp(ctx, cfg, optimize=name.endswith("optimize"))
+    if name == "schedlang-tp-fsdp":
+        return make_schedlang_tp(ctx, cfg, dp=ctx.world // ctx.args.tp2d, fsdp=True)
+    if name.startswith("schedlang-fsdp"):
+        return make_schedlang_fsdp(ctx, cfg, reshard=False if "noreshard" in name else None,
+                                   optimize=name.endswith("optimize"))
+    raise ValueError(f"unknown variant {name!r}: valid are {', '.join(list(B.BASELINES) + list(SCHEDLANG))}")
+
+
+# -------------------------------------------------------------------------------------------- measuring
+def reference_loss(ctx: B.Context, cfg, ids, labels) -> Dict[str, Any]:
+    """The plain model, eager, on this rank's share of the global batch; the mean over ranks."""
+    model = B.full_model(cfg, ctx.device)
+    n_params = sum(p.numel() for p in model.parameters())
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    with torch.no_grad(), ctx.autocast():
+        logits = model(input_ids=harness.rows_of(ids, rank, ctx.world), use_cache=False).logits
+        loss = B.plain_loss(logits, harness.rows_of(labels, rank, ctx.world))
+    value = harness.world_mean(loss, ctx.device)
+    del model, logits, loss
+    harness.free_memory(ctx.device)
+    return {"loss": value, "n_params": n_params}
+
+
+def run_variant(ctx: B.Context, name: str, cfg, ids, labels) -> Dict[str, Any]:
+    setup = make_variant(ctx, name, cfg)
+    local_ids = harness.rows_of(ids, setup.dp_rank, setup.dp)
+    local_labels = harness.rows_of(labels, setup.dp_rank, setup.dp)
+    params = [p for p in setup.model.parameters() if p.requires_grad]
+    harness.free_memory(ctx.device)
+    harness.reset_peak_memory(ctx.device)
+    record: Dict[str, Any] = {"losses": []}
+
+    def step(first: bool = False, keep: bool = False):
+        loss = setup.loss_fn(local_ids, local_labels)
+        setup.backward(loss)
+        if first:
+            record["grad_norm"] = harness.global_grad_norm(params)
+        setup.opt.step()
+        setup.opt.zero_grad(set_to_none=True)
+        if keep:
+            record["losses"].append(harness.world_mean(loss, ctx.device))
+
+    t0 = time.perf_counter()
+    for i in range(ctx.args.warmup):
+        step(first=i == 0, keep=True)
+    harness._synchronize(ctx.device)
+    warm_s = time.perf_counter() - t0
+    timing = harness.time_steps(step, ctx.device, warmup=0, repeats=ctx.args.repeats, iters=ctx.args.iters)
+    timing["warmup_s"] = round(warm_s, 2)
+    mem = harness.peak_memory_gib(ctx.device)
+    if ctx.args.profile:
+        harness.profile_steps(step, Path(ctx.args.profile), f"{ctx.work_name}-{name}")
+    notes = {k: v for k, v in setup.notes.items() if v is not None}
+    return {"timing": timing, "mem": mem, "record": record, "layout": f"dp={setup.dp} x tp={setup.tp}", "notes": notes}
+
+
+def run_work(ctx: B.Context, work_name: str, variants: List[str]) -> List[dict]:
+    args, device, world = ctx.args, ctx.device, ctx.world
+    work = WORKS[work_name]
+    ctx.work_name = work_name
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    suffix = OPTIMIZER_SUFFIX[args.optimizer]
+    batch, seq = args.batch or work.batch, args.seq or work.seq
+    if args.tiny:
+        batch, seq = min(batch, 2), min(seq, 32)
+    cfg = B.model_config(work.family, work.shape, args.tiny, layers=args.layers_8b, seq=seq)
+    rows_global = batch * world if work.data_parallel else batch
+    ids, labels = harness.global_batch(cfg.vocab_size, rows_global, seq, device)
+    common = {"layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size, "batch": rows_global, "seq": seq,
+              "optimizer": B.OPTIMIZERS[args.optimizer], "baseline": work.baseline + suffix,
+              "dtype": "bf16 autocast / fp32 weights" if ctx.bf16 else "fp32", "use_cache": False,
+              "compiled": bool(args.compile)}
+    if work.needs:
+        try:
+            __import__(work.needs)
+        except ImportError as e:
+            message = f"{work_name}: skipped, {work.needs} is not installed ({e})"
+            if rank == 0:
+                print(message, flush=True)
+            return [harness.failed_row(work_name, v + suffix, "schedlang" if v in SCHEDLANG else "baseline",
+                                       f"FAIL skipped: {work.needs} is not installed", **common) for v in variants]
+    ref = reference_loss(ctx, cfg, ids, labels)
+    tokens = ids.numel()
+    flops = harness.transformer_train_flops(ref["n_params"], cfg.num_hidden_layers, cfg.hidden_size, seq, tokens)
+    gpus = world if ctx.cuda else 0
+    tol = harness.TOL_BF16 if ctx.bf16 else harness.TOL_FP32
+    common["params"] = ref["n_params"]
+    if rank == 0:
+        print(f"\n== {work_name}: {cfg.num_hidden_layers} layers, {ref['n_params'] / 1e9:.2f}B parameters, batch "
+              f"{rows_global} x {seq} on {world} rank(s), {common['optimizer']}; eager reference loss "
+              f"{ref['loss']:.4f}", flush=True)
+    rows, anchor = [], None
+    for name in variants:
+        role = "schedlang" if name in SCHEDLANG else "baseline"
+        try:
+            out = run_variant(ctx, name, cfg, ids, labels)
+            rec = out["record"]
+            verdict = harness.check_losses(rec["losses"], rec["grad_norm"], ref["loss"], anchor, tol)
+            if anchor is None and verdict["check"] == "ok":
+                anchor = {"variant": name, **rec}
+            row = harness.make_row(work_name, name + suffix, role, out["timing"]["ms"], tokens, flops, gpus,
+                                   out["mem"], verdict.pop("check"), layout=out["layout"],
+                                   ms_runs=out["timing"]["ms_runs"], host_ms=out["timing"]["host_ms"],
+                                   warmup_s=out["timing"]["warmup_s"], **out["notes"], **verdict, **common)
+        except B.NotAvailable as e:
+            row = harness.failed_row(work_name, name + suffix, role, f"FAIL not available: {e}", **common)
+        except Exception as e:  # record and go on with the next variant
+            if rank == 0:
+                traceback.print_exc()
+            row = harness.failed_row(work_name, name + suffix, role, e, **common)
+        rows.append(row)
+        if rank == 0:
+            host = f"  host {row['host_ms']:.1f} ms/step" if row.get("host_ms") is not None else ""
+            print(harness.text_table(rows).splitlines()[-1] + host, flush=True)
+        # every variant compiles from scratch, and leaves nothing behind on the GPU
+        torch._dynamo.reset()
+        harness.free_memory(device)
+        if dist.is_initialized():
+            dist.barrier()
+    return rows
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--work", default=None,
+                        help=f"comma-separated works, from {', '.join(WORKS)} (default: every work of this world "
+                             "size; with --tiny, float8 aside)")
+    parser.add_argument("--variants", default=None, help="comma-separated (default: the work's list)")
+    parser.add_argument("--optimizer", default="torch-fused", choices=sorted(B.OPTIMIZERS),
+                        help="the AdamW of every row: torch's fused one or schedlang.optim.FusedAdamW")
+    parser.add_argument("--batch", type=int, default=None, help="sequences (per GPU for data-parallel works)")
+    parser.add_argument("--seq", type=int, default=None)
+    parser.add_argument("--layers-8b", type=int, default=8, help="decoder layers of llama-8b-layers-2gpu")
+    parser.add_argument("--tp2d", type=int, default=2, help="tensor-parallel size of the 2-D (dp x tp) variants")
+    parser.add_argument("--warmup", type=int, default=3, help="warm-up steps (compilation; their losses are checked)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed repeats; the median is reported")
+    parser.add_argument("--iters", type=int, default=5, help="steps per timed repeat")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                        help="compile (default: yes, except with --tiny)")
+    parser.add_argument("--tiny", action="store_true", help="2-layer models in fp32 on the CPU: checks the script")
+    parser.add_argument("--profile", default=None, metavar="DIR", help="also write torch.profiler traces here")
+    parser.add_argument("--name", default=None, help="result file name (default: train, train-tiny with --tiny)")
+    parser.add_argument("--results-dir", default=None, help="where the JSON goes (default: bench/results)")
+    args = parser.parse_args(argv)
+    if args.tiny:
+        args.repeats, args.iters = min(args.repeats, 2), min(args.iters, 2)
+    if args.compile is None:
+        args.compile = not args.tiny
+    return parser, args
+
+
+def main(argv=None) -> List[dict]:
+    parser, args = parse_args(argv)
+    use_cuda = torch.cuda.is_available() and not args.tiny
+    if use_cuda:
+        # NVLink multicast (NVLS) off for NCCL and symmetric memory, as on the machines the figures come from
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # schedlang's Triton kernels on the CPU (--tiny)
+        device = torch.device("cpu")
+    if "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", 1)) > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=900),
+                                **({"device_id": device} if use_cuda else {}))
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if args.work:
+        works = [w.strip() for w in args.work.split(",") if w.strip()]
+    else:  # every work of this world size (float8 aside on the CPU)
+        works = [w for w, spec in WORKS.items() if spec.world == world and not (spec.needs and args.tiny)]
+    for w in works:
+        if w not in WORKS:
+            parser.error(f"unknown work {w!r}: valid are {', '.join(WORKS)}")
+        if WORKS[w].world != world:
+            parser.error(f"{w} runs on {WORKS[w].world} GPU(s) and this is {world} process(es): "
+                         + ("torchrun --nproc_per_node=2 bench/bench_train.py --work " + w if WORKS[w].world > 1
+                            else f"python bench/bench_train.py --work {w}"))
+    ctx = B.Context(args, device, world)
+    rows: List[dict] = []
+    for work in works:
+        variants = ([v.strip() for v in args.variants.split(",") if v.strip()] if args.variants
+                    else list(WORKS[work].variants))
+        rows += run_work(ctx, work, variants)
+    if rank == 0:
+        name = args.name or ("train-tiny" if args.tiny else "train")
+        path = harness.write_results(name, rows, gpus=world if use_cuda else 0,
+                                     directory=Path(args.results_dir) if args.results_dir else None,
+                                     ranks=world, peak_flops_per_gpu=harness.PEAK_BF16_FLOPS,
+                                     command=" ".join(["bench/bench_train.py"] + (argv if argv is not None
+                                                                                   else sys.argv[1:])))
+        print(f"\n{world} rank(s), {harness.environment(world if use_cuda else 0)['device']}, torch {torch.__version__}")
+        print(harness.text_table(rows))
+        print(f"\nwrote {path}")
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,183 @@
+"""Render the README's Performance table and chart from the result files in ``bench/results/``, only.
+
+    python bench/render_readme.py                 # rewrite README.md between the markers, write the chart
+    python bench/render_readme.py --check         # exit 1 if README.md is not what the results give
+
+Reads every ``bench/results/*.json`` written through ``bench/harness.py`` by a GPU run (files
+with ``gpus`` > 0; ``--tiny`` runs on the CPU are left out). For each work the rows of its newest
+file are shown; every row gives its time, tokens/s and MFU, its speed against the baseline it
+names (``baseline``; else the work's fastest baseline) from the same file, the check, and the
+device, date and git revision of that file. The training works of ``bench/bench_train.py`` without
+a GPU result say so. Nothing is typed in by hand: to change a figure, run the benchmark again.
+
+The table replaces the text between ``<!-- perf-table:start -->`` and ``<!-- perf-table:end -->``;
+the chart (``bench/results/perf.png``, matplotlib) shows each row's speed against its baseline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402  (bench/harness.py)
+
+ROOT = Path(__file__).resolve().parents[1]
+START, END = "<!-- perf-table:start -->", "<!-- perf-table:end -->"
+#: the training works of bench_train.py, in the order the table lists them (kept here so that rendering
+#: needs neither torch nor transformers; a test checks it against bench_train.WORKS)
+TRAIN_WORKS = ("llama-1.1b-1gpu", "gpt2-medium-1gpu", "llama-1.1b-1gpu-fp8", "llama-1.1b-tp2", "llama-1.1b-2gpu",
+               "llama-8b-layers-2gpu")
+NO_RESULT = "no GPU results recorded for the current code yet"
+
+
+def load_results(directory: Path) -> List[dict]:
+    """The GPU result files in ``directory``, each ``{"path", "header", "rows"}``, oldest first."""
+    out = []
+    for path in sorted(Path(directory).glob("*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if not isinstance(data, dict) or not isinstance(data.get("rows"), list) or not data.get("gpus"):
+            continue
+        header = {k: v for k, v in data.items() if k != "rows"}
+        out.append({"path": path, "header": header, "rows": data["rows"]})
+    out.sort(key=lambda f: (str(f["header"].get("date", "")), f["path"].name))
+    return out
+
+
+def latest_rows(files: Sequence[dict]) -> Dict[str, Tuple[dict, List[dict]]]:
+    """Per work, the header and rows of the newest file that has it."""
+    works: Dict[str, Tuple[dict, List[dict]]] = {}
+    for f in files:
+        by_work: Dict[str, List[dict]] = {}
+        for r in f["rows"]:
+            by_work.setdefault(str(r.get("work")), []).append(r)
+        for work, rows in by_work.items():
+            works[work] = (f["header"], rows)
+    return works
+
+
+def _fmt(value, kind: str) -> str:
+    return harness._fmt(value, kind)
+
+
+def render_table(files: Sequence[dict]) -> str:
+    works = latest_rows(files)
+    head = ["work", "variant", "role", "step ms", "tokens/s", "MFU", "peak GiB", "vs baseline", "optimizer", "check",
+            "device", "date", "sha"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(" --- " for _ in head) + "|"]
+    order = list(TRAIN_WORKS) + sorted(w for w in works if w not in TRAIN_WORKS)
+    for work in order:
+        if work not in works:
+            lines.append(f"| {work} | {NO_RESULT} |" + " |" * (len(head) - 2))
+            continue
+        header, rows = works[work]
+        device = f"{header.get('device')} x{header.get('gpus')}"
+        sha = str(header.get("git_sha", "unknown"))
+        sha = sha[:10] + ("+dirty" if sha.endswith("+dirty") else "")
+        for r in rows:
+            ratio = harness.ratio_to_baseline(r, rows)
+            vs = "-" if ratio is None else f"{ratio:.2f}x {r.get('baseline') or 'best baseline'}"
+            cells = [work, r.get("variant"), r.get("role"), _fmt(r.get("ms"), "ms"), _fmt(r.get("tokens_per_s"), "tok"),
+                     _fmt(r.get("mfu"), "pct"), _fmt(r.get("peak_mem_gib"), "gib"), vs, r.get("optimizer") or "-",
+                     str(r.get("check"))[:80], device, header.get("date"), sha]
+            lines.append("| " + " | ".join(str(c).replace("|", "/") for c in cells) + " |")
+    return "\n".join(lines)
+
+
+def render_chart(files: Sequence[dict], path: Path) -> Optional[Path]:
+    """A horizontal bar per row that ran: its speed against its baseline (1.0 = as fast). None without rows."""
+    works = latest_rows(files)
+    bars = []
+    for work in list(TRAIN_WORKS) + sorted(w for w in works if w not in TRAIN_WORKS):
+        if work not in works:
+            continue
+        header, rows = works[work]
+        for r in rows:
+            ratio = harness.ratio_to_baseline(r, rows)
+            if ratio is not None:
+                bars.append((f"{work}: {r.get('variant')}", ratio, r.get("role"), header.get("device")))
+    if not bars:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 0.32 * len(bars) + 1.2))
+    labels = [b[0] for b in bars][::-1]
+    values = [b[1] for b in bars][::-1]
+    colors = ["tab:orange" if b[2] == "schedlang" else "tab:gray" for b in bars][::-1]
+    ax.barh(range(len(bars)), values, color=colors)
+    ax.set_yticks(range(len(bars)), labels, fontsize=7)
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    ax.set_xlabel("speed against the row's baseline (tokens/s or 1/time; > 1 is faster)")
+    ax.set_title("schedlang (orange) and baselines (grey), from bench/results/*.json", fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def section(files: Sequence[dict], chart: Optional[Path], readme_dir: Path) -> str:
+    parts = [START, "",
+             "Generated by `python bench/render_readme.py` from `bench/results/*.json` (GPU runs only); each row "
+             "shows the device, date and git revision of the run it comes from. Commands: `bench/bench_train.py`.",
+             "", render_table(files), ""]
+    if chart is not None:
+        rel = Path(chart).resolve()
+        try:
+            rel = rel.relative_to(readme_dir.resolve())
+        except ValueError:
+            pass
+        parts += [f"![speed against the baselines]({rel.as_posix()})", ""]
+    parts.append(END)
+    return "\n".join(parts)
+
+
+def replace_section(text: str, new_section: str, where: str = "README") -> str:
+    start, end = text.find(START), text.find(END)
+    if start < 0 or end < start:
+        raise SystemExit(f"{where}: markers {START} ... {END} not found (in this order); add them where the "
+                         "Performance table goes")
+    return text[:start] + new_section + text[end + len(END):]
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--results", default=str(harness.RESULTS_DIR), help="directory of the JSON result files")
+    parser.add_argument("--readme", default=str(ROOT / "README.md"))
+    parser.add_argument("--chart", default=None, help="chart PNG (default: <results>/perf.png)")
+    parser.add_argument("--no-chart", action="store_true")
+    parser.add_argument("--check", action="store_true", help="only compare; exit 1 if the README differs")
+    args = parser.parse_args(argv)
+    files = load_results(Path(args.results))
+    readme = Path(args.readme)
+    chart = None
+    if not args.no_chart and not args.check:
+        chart = render_chart(files, Path(args.chart) if args.chart else Path(args.results) / "perf.png")
+    elif args.check and not args.no_chart:
+        png = Path(args.chart) if args.chart else Path(args.results) / "perf.png"
+        chart = png if png.exists() else None
+    text = readme.read_text()
+    new = replace_section(text, section(files, chart, readme.parent), str(readme))
+    if args.check:
+        if new != text:
+            print(f"{readme}: the Performance section is not what {args.results} gives; run "
+                  "python bench/render_readme.py", file=sys.stderr)
+            return 1
+        return 0
+    readme.write_text(new)
+    print(f"wrote {readme} ({sum(len(f['rows']) for f in files)} rows from {len(files)} files)"
+          + (f" and {chart}" if chart else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

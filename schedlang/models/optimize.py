@@ -1,0 +1,474 @@
+"""``optimize_model``: the single-device speed-ups for HF transformer models, written into a schedule.
+
+What it does, each part through the schedule where a primitive exists (so it is in the plan):
+
+* **norms**: every ``*RMSNorm`` (LLaMA, Mistral, Qwen2) becomes ``schedlang.kernels.modules.FusedRMSNorm``
+  (``replace_all``), sharing the original weight;
+* **loss**: the causal-LM head becomes :class:`FusedLinearCrossEntropyHead` (``replace``), which
+  shares the head's weight (and so its tie to the embedding). When the model is called with
+  ``labels=``, the head hands the hidden states to the loss instead of computing logits, and the
+  loss is ``schedlang.kernels.fused_linear_cross_entropy``: the ``tokens x vocab`` logits never
+  exist. ``out.loss`` is the usual mean over counted tokens; ``out.logits`` is ``None``. Without
+  labels the head returns logits as a Linear does;
+* **attention**: the SDPA backend, chosen by a short measured probe on the GPU (cuDNN, Flash,
+  memory-efficient; the fastest forward + backward at the model's shapes) and pinned around every
+  decoder layer; on the CPU PyTorch's default is kept;
+* **checkpointing** (``selective_checkpoint``): ``checkpoint()`` on every layer or every n-th one;
+* **float8** (``float8="tensorwise"`` / ``"rowwise"``): the decoder layers' Linears become torchao's
+  float8 training Linears (``replace_all``);
+* **compilation** (``compile="layers"``): every decoder layer's forward compiled on its own
+  (:func:`schedlang.models.compile_layers`); ``torch.compile`` is lazy, so this costs nothing until
+  the first step.
+
+Kernels come from :mod:`schedlang.kernels`, imported when needed; if one is missing (or a part does
+not apply, e.g. a head already sharded over a tensor-parallel group) that part is skipped and the
+reason logged (``logging.getLogger("schedlang.models.optimize")``) and recorded in
+``sch.metadata["optimize"]``. Call it last, after ``shard_model`` / ``fully_shard``, just before
+``build``::
+
+    sch = schedlang.create_schedule(model)
+    optimize_model(sch)
+    model, opt = schedlang.build(sch, optimizer="adamw", lr=1e-4)
+    model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import Dict, List, Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import ScheduleValueError
+
+logger = logging.getLogger("schedlang.models.optimize")
+
+__all__ = ["optimize_model", "FusedLinearCrossEntropyHead", "choose_sdpa_backend", "COMPILE_MODES",
+           "SDPA_BACKENDS"]
+
+COMPILE_MODES = ("layers", None)
+SDPA_BACKENDS = ("auto", "default", "cudnn", "flash", "efficient", "math")
+FLOAT8_RECIPES = ("tensorwise", "rowwise")
+LAYER_LISTS = ("layers", "h", "layer")
+IGNORE_INDEX = -100
+
+
+def _kernel(name: str):
+    """``schedlang.kernels.<name>`` (functions) or ``schedlang.kernels.modules.<name>`` (modules), or None and
+    why."""
+    try:
+        from .. import kernels
+    except ImportError as e:  # Triton missing
+        return None, f"schedlang.kernels cannot be imported ({e})"
+    found = getattr(kernels, name, None)
+    if found is None:
+        try:
+            from ..kernels import modules
+        except ImportError:
+            modules = None
+        found = getattr(modules, name, None)
+    return (found, "") if found is not None else (None, f"schedlang.kernels has no {name}")
+
+
+# ------------------------------------------------------------------------------------------------- norms
+def _rms_norm_eps(module: nn.Module) -> float:
+    for attr in ("variance_epsilon", "eps", "epsilon"):
+        value = getattr(module, attr, None)
+        if isinstance(value, float):
+            return value
+    return 1e-6
+
+
+def fused_rms_norm_like(path: str, old: nn.Module) -> nn.Module:
+    """A ``FusedRMSNorm`` computing what ``old`` (a HF RMSNorm) does, holding the same weight Parameter."""
+    fused_cls, why = _kernel("FusedRMSNorm")
+    if fused_cls is None:
+        raise ImportError(why)
+    if hasattr(fused_cls, "from_module"):
+        return fused_cls.from_module(old)
+    new = fused_cls(old.weight.shape[0], eps=_rms_norm_eps(old))
+    new.weight = old.weight
+    return new
+
+
+def _has_sync(module: nn.Module) -> bool:
+    """A norm carrying the schedule's collectives (sequence parallelism) keeps its class."""
+    from ..distributed.sequence_parallel import is_sequence_parallel_norm
+
+    return bool(module._forward_hooks or module._forward_pre_hooks) or is_sequence_parallel_norm(module)
+
+
+def _fuse_norms(sch, done: List[str], skipped: Dict[str, str]) -> None:
+    fused_cls, why = _kernel("FusedRMSNorm")
+    if fused_cls is None:
+        skipped["norms"] = why
+        return
+    types = {type(m) for m in sch.mod.modules() if type(m).__name__.endswith("RMSNorm") and m is not sch.mod}
+    types.discard(fused_cls)
+    if not types:
+        skipped["norms"] = "no RMSNorm in the model (LayerNorm is left to torch.compile)"
+        return
+    for norm_type in sorted(types, key=lambda t: t.__name__):
+        if any(_has_sync(m) for m in sch.mod.modules() if isinstance(m, norm_type)):
+            skipped["norms"] = f"{norm_type.__name__} carries sequence-parallel collectives; kept"
+            continue
+        paths = sch.replace_all(norm_type, fused_rms_norm_like)
+        done.append(f"norms: {len(paths)} x {norm_type.__name__} -> FusedRMSNorm")
+
+
+# -------------------------------------------------------------------------------------------------- loss
+class _HiddenForLoss:
+    """What the head returns instead of logits when the call has labels: the loss takes it from here."""
+
+    __slots__ = ("hidden", "head")
+
+    def __init__(self, hidden: torch.Tensor, head: "FusedLinearCrossEntropyHead"):
+        self.hidden, self.head = hidden, head
+
+
+class FusedLinearCrossEntropyHead(nn.Linear):
+    """A causal-LM head whose loss is computed with the projection, without materializing the logits.
+
+    It holds the original head's ``weight`` (and ``bias``) Parameters. Called on its own it is the
+    Linear it replaced. Inside a model call with ``labels=`` (see :class:`_LabelsGiven`), it returns
+    the hidden states to the model's ``loss_function`` (:class:`FusedCausalLMLoss`), which computes
+    ``cross_entropy(hidden @ weight.T + bias, shifted labels)`` in one fused kernel.
+    """
+
+    def __init__(self, head: nn.Linear):
+        with torch.device("meta"):
+            super().__init__(head.in_features, head.out_features, bias=head.bias is not None)
+        self.weight = head.weight
+        if head.bias is not None:
+            self.bias = head.bias
+        self.defer = False  # set for the duration of a model call with labels
+
+    def forward(self, hidden: torch.Tensor):
+        if self.defer:
+            return _HiddenForLoss(hidden, self)
+        return F.linear(hidden, self.weight, self.bias)
+
+    def loss(self, hidden: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX,
+             reduction: str = "mean") -> torch.Tensor:
+        """Cross entropy of ``hidden @ weight.T (+ bias)`` against ``labels`` (already aligned)."""
+        hidden = hidden.reshape(-1, hidden.shape[-1])
+        labels = labels.reshape(-1).to(hidden.device)
+        weight, bias = self.weight, self.bias
+        device_type = hidden.device.type
+        if torch.is_autocast_enabled(device_type):
+            # the projection in the autocast dtype, as the Linear it replaces would run (a custom kernel is
+            # not cast by autocast itself); the statistics of the loss stay in fp32 inside the kernel
+            dtype = torch.get_autocast_dtype(device_type)
+            hidden, weight = hidden.to(dtype), weight.to(dtype)
+            bias = None if bias is None else bias.to(dtype)
+        fused, why = _kernel("fused_linear_cross_entropy")
+        if fused is not None:
+            try:
+                return fused(hidden, weight, labels, ignore_index=ignore_index, reduction=reduction,
+                             **({} if bias is None else {"bias": bias}))
+            except TypeError as e:  # another signature than expected: say so once, then compute it plainly
+                why = f"schedlang.kernels.fused_linear_cross_entropy: {e}"
+        _log_once(f"fused linear + cross entropy unavailable ({why}); computing the logits")
+        logits = F.linear(hidden, weight.to(hidden.dtype), None if bias is None else bias.to(hidden.dtype))
+        return F.cross_entropy(logits.float(), labels, ignore_index=ignore_index, reduction=reduction)
+
+
+_LOGGED = set()
+
+
+def _log_once(message: str) -> None:
+    if message not in _LOGGED:
+        _LOGGED.add(message)
+        logger.warning(message)
+
+
+class FusedCausalLMLoss:
+    """HF ``loss_function`` for a model whose head is a :class:`FusedLinearCrossEntropyHead`: labels shifted
+    by one as HF's causal-LM loss does, the mean over tokens whose label is not ``ignore_index``."""
+
+    def __call__(self, logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index: int = IGNORE_INDEX,
+                 shift_labels: Optional[torch.Tensor] = None, **kwargs):
+        if shift_labels is None:
+            shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        reduction = "sum" if num_items_in_batch is not None else "mean"
+        if isinstance(logits, _HiddenForLoss):
+            loss = logits.head.loss(logits.hidden, shift_labels, ignore_index, reduction)
+        else:
+            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), shift_labels.reshape(-1).to(
+                logits.device), ignore_index=ignore_index, reduction=reduction)
+        if num_items_in_batch is not None:
+            loss = loss / (num_items_in_batch.to(loss.device) if torch.is_tensor(num_items_in_batch)
+                           else num_items_in_batch)
+        return loss
+
+
+class _LabelsGiven:
+    """Root forward pre-hook (with kwargs): a call with ``labels=`` makes the head defer to the loss."""
+
+    def __init__(self, head: FusedLinearCrossEntropyHead):
+        self.head = head
+
+    def __call__(self, module, args, kwargs):
+        self.head.defer = kwargs.get("labels") is not None
+        return None
+
+
+class _ClearDeferred:
+    """Root forward hook: the output never carries the hidden states in place of logits."""
+
+    def __init__(self, head: FusedLinearCrossEntropyHead):
+        self.head = head
+
+    def __call__(self, module, args, output):
+        self.head.defer = False
+        if isinstance(getattr(output, "logits", None), _HiddenForLoss):
+            output.logits = None
+        return output
+
+
+def _fuse_loss(sch, done: List[str], skipped: Dict[str, str]) -> None:
+    root = sch.root
+    head_path = "lm_head"
+    if head_path not in root.child or not isinstance(root[head_path].mod, nn.Linear):
+        skipped["loss"] = f"{type(root.mod).__name__} has no causal-LM head 'lm_head' (nn.Linear)"
+        return
+    if not hasattr(type(root.mod), "loss_function") or "MaskedLM" in str(getattr(root.mod, "loss_type", "")):
+        skipped["loss"] = f"{type(root.mod).__name__} is not a causal LM with an HF loss_function"
+        return
+    head = root[head_path].mod
+    if isinstance(head, FusedLinearCrossEntropyHead):
+        skipped["loss"] = "the head is already fused"
+        return
+    if getattr(head, "_schedlang_shards", None) or head._forward_hooks or head._forward_pre_hooks:
+        skipped["loss"] = ("the head is sharded over the tensor-parallel group; its logits stay split and the "
+                           "vocabulary-parallel loss is kept")
+        return
+    new = FusedLinearCrossEntropyHead(head)
+    root[head_path].replace(new)
+    new = root[head_path].mod
+    model = root.mod
+    model.register_forward_pre_hook(_LabelsGiven(new), with_kwargs=True)
+    model.register_forward_hook(_ClearDeferred(new))
+    model.loss_function = FusedCausalLMLoss()
+    fused, why = _kernel("fused_linear_cross_entropy")
+    done.append("loss: lm_head -> fused linear + cross entropy" + ("" if fused else f" (fallback: {why})"))
+
+
+# --------------------------------------------------------------------------------------------- attention
+def _sdpa_backends():
+    from torch.nn.attention import SDPBackend
+
+    return {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+            "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+
+
+def choose_sdpa_backend(batch: int, heads: int, seq: int, head_dim: int, dtype=torch.bfloat16,
+                        device: Optional[torch.device] = None, causal: bool = True, repeats: int = 5) -> Optional[str]:
+    """The fastest SDPA backend (forward + backward) at these shapes on the current GPU, by measurement;
+    None on the CPU (PyTorch's default is kept) or when no backend runs."""
+    device = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None)
+    if device is None or device.type != "cuda":
+        return None
+    from torch.nn.attention import sdpa_kernel
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(batch, heads, seq, head_dim, device=device, dtype=dtype, generator=gen).requires_grad_()
+               for _ in range(3))
+    grad = torch.randn(batch, heads, seq, head_dim, device=device, dtype=dtype, generator=gen)
+    times = {}
+    for name, backend in _sdpa_backends().items():
+        if name == "math":
+            continue
+        try:
+            with sdpa_kernel([backend]):
+                for i in range(repeats + 2):
+                    if i == 2:
+                        torch.cuda.synchronize(device)
+                        t0 = time.perf_counter()
+                    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                    out.backward(grad)
+                torch.cuda.synchronize(device)
+            times[name] = (time.perf_counter() - t0) / repeats
+        except RuntimeError as e:  # not supported at these shapes / on this GPU
+            logger.info("SDPA probe: %s unavailable (%s)", name, str(e).splitlines()[0][:200])
+    del q, k, v, grad
+    if not times:
+        return None
+    best = min(times, key=times.get)
+    logger.info("SDPA probe (b%d h%d s%d d%d): %s -> %s", batch, heads, seq, head_dim,
+                ", ".join(f"{n} {t * 1e3:.3f} ms" for n, t in sorted(times.items())), best)
+    return best
+
+
+class _WithSDPABackend:
+    """A layer's forward run with the SDPA backend pinned (outside any compiled region, so the compiler
+    traces the chosen kernel). An object rather than a closure: copies of the model call their own layer."""
+
+    def __init__(self, layer: nn.Module, backend: str):
+        self.layer, self.backend = layer, backend
+        self.inner = layer.__dict__.get("forward")  # an instance forward (checkpoint, compile) or the class's
+
+    def __call__(self, *args, **kwargs):
+        from torch.nn.attention import sdpa_kernel
+
+        forward = self.inner if self.inner is not None else type(self.layer).forward.__get__(self.layer)
+        # the chosen backend first; the others stay allowed for shapes it cannot take (masks, odd head dims)
+        order = [self.backend] + [n for n in ("flash", "efficient", "cudnn", "math") if n != self.backend]
+        with sdpa_kernel([_sdpa_backends()[n] for n in order], set_priority=True):
+            return forward(*args, **kwargs)
+
+
+def _layers(model: nn.Module) -> List[nn.Module]:
+    out = []
+    for name, module in model.named_modules():
+        if name.rpartition(".")[2] in LAYER_LISTS and isinstance(module, nn.ModuleList):
+            out.extend(module)
+    return out
+
+
+def _layer_paths(sch) -> List[str]:
+    paths = []
+    for name, module in sch.mod.named_modules():
+        if name.rpartition(".")[2] in LAYER_LISTS and isinstance(module, nn.ModuleList):
+            paths.extend(f"{name}.{i}" for i in range(len(module)))
+    return paths
+
+
+def _attention_shapes(config) -> Dict[str, int]:
+    hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd")
+    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head")
+    seq = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", 1024)
+    return {"heads": heads, "head_dim": hidden // heads, "seq": min(seq, 2048)}
+
+
+# ----------------------------------------------------------------------------------------------- float8
+def float8_linear_like(recipe: str):
+    """``make_fn`` for ``replace_all(nn.Linear, ...)``: torchao's float8 training Linear of a Linear."""
+    from torchao.float8 import Float8LinearConfig
+    from torchao.float8.float8_linear import Float8Linear
+
+    config = Float8LinearConfig.from_recipe_name(recipe)
+
+    def make(path: str, old: nn.Linear) -> nn.Module:
+        return Float8Linear.from_float(old, config=config)
+
+    make.__qualname__ = f"float8_linear_like({recipe!r})"
+    return make
+
+
+# ------------------------------------------------------------------------------------------------- entry
+def optimize_model(sch, *, fused_kernels: bool = True, compile: Optional[str] = "layers", sdpa_backend: str = "auto",
+                   selective_checkpoint: Union[None, str, int] = None, float8: Optional[str] = None):
+    """Write the single-device speed-ups into ``sch`` (see the module docstring); returns ``sch``.
+
+    Arguments:
+        sch: schedule of a HF LLaMA-, GPT-2- or BERT-like model (any view; the whole model is used).
+        fused_kernels: fused RMSNorm and fused linear + cross-entropy loss from :mod:`schedlang.kernels`.
+        compile: ``"layers"`` (each decoder layer compiled on its own) or None.
+        sdpa_backend: ``"auto"`` (measured on the GPU; default on the CPU), ``"default"`` (leave it to
+            PyTorch), or one of ``"cudnn"``, ``"flash"``, ``"efficient"``, ``"math"``.
+        selective_checkpoint: None, ``"all"`` (every layer) or n (every n-th layer, from the first).
+        float8: None, ``"tensorwise"`` or ``"rowwise"`` (torchao float8 training of the layers' Linears).
+
+    What was applied and what was skipped (and why) is in ``sch.metadata["optimize"]``.
+
+    Example::
+
+        sch = schedlang.create_schedule(LlamaForCausalLM(config))
+        optimize_model(sch, sdpa_backend="auto")
+        model, opt = schedlang.build(sch, optimizer="adamw", lr=1e-4)
+    """
+    root = sch.root
+    if compile not in COMPILE_MODES:
+        raise ScheduleValueError(f"optimize_model: invalid compile {compile!r}: valid are 'layers' or None")
+    if sdpa_backend not in SDPA_BACKENDS:
+        raise ScheduleValueError(f"optimize_model: invalid sdpa_backend {sdpa_backend!r}: valid are "
+                                 f"{', '.join(SDPA_BACKENDS)}")
+    if float8 is not None and float8 not in FLOAT8_RECIPES:
+        raise ScheduleValueError(f"optimize_model: invalid float8 {float8!r}: valid are None, "
+                                 f"{', '.join(map(repr, FLOAT8_RECIPES))}")
+    every = _checkpoint_stride(selective_checkpoint)
+    layer_paths = _layer_paths(root)
+    if not layer_paths:
+        raise ScheduleValueError(f"optimize_model: no layer list ({', '.join(LAYER_LISTS)}) found in "
+                                 f"{type(root.mod).__name__}: expected a HF LLaMA-, GPT-2- or BERT-like model")
+    done: List[str] = []
+    skipped: Dict[str, str] = {}
+    with root.atomic():
+        if fused_kernels:
+            _fuse_norms(root, done, skipped)
+            _fuse_loss(root, done, skipped)
+        if float8 is not None:
+            _float8(root, layer_paths, float8, done, skipped)
+        if every:
+            for path in layer_paths[::every]:
+                root[path].checkpoint()
+            done.append(f"checkpoint: {len(layer_paths[::every])} of {len(layer_paths)} layers")
+    backend = _resolve_sdpa(root, sdpa_backend, skipped)
+    if compile == "layers":
+        from . import compile_layers
+
+        done.append(f"compile: {compile_layers(root.mod)} layers")
+    if backend is not None:
+        for layer in _layers(root.mod):
+            layer.forward = _WithSDPABackend(layer, backend)
+        done.append(f"sdpa: {backend}")
+    for part, why in skipped.items():
+        logger.info("optimize_model: %s skipped: %s", part, why)
+    root.metadata["optimize"] = {"applied": done, "skipped": skipped, "sdpa_backend": backend}
+    return sch
+
+
+def _checkpoint_stride(selective_checkpoint) -> int:
+    if selective_checkpoint is None:
+        return 0
+    if selective_checkpoint == "all":
+        return 1
+    if isinstance(selective_checkpoint, int) and not isinstance(selective_checkpoint, bool) and selective_checkpoint > 0:
+        return selective_checkpoint
+    raise ScheduleValueError(f"optimize_model: invalid selective_checkpoint {selective_checkpoint!r}: valid are None, "
+                             "'all' or a positive int n (every n-th layer)")
+
+
+def _float8(root, layer_paths: List[str], recipe: str, done: List[str], skipped: Dict[str, str]) -> None:
+    try:
+        make = float8_linear_like(recipe)
+    except ImportError as e:
+        skipped["float8"] = f"torchao is not installed ({e})"
+        return
+    count = 0
+    for path in layer_paths:
+        count += len(root[path].replace_all(nn.Linear, make))
+    done.append(f"float8 ({recipe}): {count} Linears")
+
+
+def _resolve_sdpa(root, sdpa_backend: str, skipped: Dict[str, str]) -> Optional[str]:
+    if sdpa_backend == "default":
+        return None
+    if sdpa_backend != "auto":
+        return sdpa_backend
+    param = next(iter(root.mod.parameters()), None)
+    on_gpu = torch.cuda.is_available() and param is not None and param.device.type in ("cuda", "meta")
+    config = getattr(root.mod, "config", None)
+    if not on_gpu or config is None:
+        skipped["sdpa"] = "not on a GPU: PyTorch's default backend"
+        return None
+    shapes = _attention_shapes(config)
+    choice = None
+    with contextlib.suppress(Exception):
+        choice = choose_sdpa_backend(batch=max(1, 8192 // shapes["seq"]), heads=shapes["heads"], seq=shapes["seq"],
+                                     head_dim=shapes["head_dim"])
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        # every rank takes rank 0's measurement, so that all compute attention the same way
+        box = [choice]
+        dist.broadcast_object_list(box, src=0)
+        choice = box[0]
+    if choice is None:
+        skipped["sdpa"] = "the probe found no faster backend: PyTorch's default"
+    return choice

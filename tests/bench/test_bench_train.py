@@ -1,0 +1,103 @@
+"""bench/bench_train.py --tiny: the benchmark's own code path on 2-layer models on the CPU (no timings checked)."""
+
+import builtins
+import json
+
+import pytest
+
+
+def _rows(path):
+    data = json.loads(path.read_text())
+    for key in ("git_sha", "date", "device", "gpus", "torch", "triton", "transformers"):
+        assert key in data, key
+    return data["rows"]
+
+
+def test_tiny_run_checks_every_variant_against_eager(bench, tmp_path):
+    train = bench("bench_train")
+    variants = ("eager", "titan-style", "schedlang-optimize")
+    rows = train.main(["--tiny", "--work", "llama-1.1b-1gpu,gpt2-medium-1gpu", "--variants", ",".join(variants),
+                       "--results-dir", str(tmp_path), "--repeats", "2", "--iters", "1"])
+    (path,) = tmp_path.glob("*-train-tiny.json")
+    assert _rows(path) == rows
+    assert {(r["work"], r["variant"]) for r in rows} == {
+        (w, v) for w in ("llama-1.1b-1gpu", "gpt2-medium-1gpu") for v in variants}
+    for r in rows:
+        assert r["check"] == "ok", r
+        assert r["role"] == ("schedlang" if r["variant"].startswith("schedlang") else "baseline")
+        assert r["baseline"] == "titan-style" and r["optimizer"] == "torch.optim.AdamW(fused=True)"
+        assert r["use_cache"] is False and r["dtype"] == "fp32"
+        assert len(r["ms_runs"]) == 2 and r["ms"] > 0 and r["host_ms"] > 0 and r["tokens_per_s"] > 0
+        assert len(r["losses"]) == 3 and r["loss"]
+    optimized = next(r for r in rows if r["variant"] == "schedlang-optimize")
+    assert optimized["loss"] == "fused linear + cross entropy (labels=)"
+    assert any(a.startswith("loss:") for a in optimized["optimize"]["applied"])
+
+
+def test_schedlang_optimizer_on_both_sides(bench, tmp_path):
+    train = bench("bench_train")
+    rows = train.main(["--tiny", "--work", "llama-1.1b-1gpu", "--variants", "schedlang-layers",
+                       "--optimizer", "schedlang-fused", "--results-dir", str(tmp_path), "--repeats", "1",
+                       "--iters", "1", "--warmup", "1"])
+    assert [r["variant"] for r in rows] == ["schedlang-layers+FusedAdamW"]
+    for r in rows:
+        assert r["check"] == "ok", r
+        assert r["optimizer"] == "schedlang.optim.FusedAdamW" and r["baseline"] == "titan-style+FusedAdamW"
+
+
+def test_float8_work_is_skipped_without_torchao(bench, tmp_path, monkeypatch, capsys):
+    train = bench("bench_train")
+    real_import = builtins.__import__
+
+    def no_torchao(name, *args, **kwargs):
+        if name == "torchao" or name.startswith("torchao."):
+            raise ImportError("No module named 'torchao'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_torchao)
+    rows = train.main(["--tiny", "--work", "llama-1.1b-1gpu-fp8", "--results-dir", str(tmp_path)])
+    assert "llama-1.1b-1gpu-fp8: skipped, torchao is not installed" in capsys.readouterr().out
+    assert [r["check"] for r in rows] == ["FAIL skipped: torchao is not installed"] * 2
+    assert all(r["ms"] is None for r in rows)
+
+
+def test_a_two_gpu_work_in_one_process_says_how_to_run_it(bench, capsys):
+    train = bench("bench_train")
+    with pytest.raises(SystemExit):
+        train.main(["--tiny", "--work", "llama-1.1b-tp2"])
+    assert ("llama-1.1b-tp2 runs on 2 GPU(s) and this is 1 process(es): torchrun --nproc_per_node=2 "
+            "bench/bench_train.py --work llama-1.1b-tp2") in capsys.readouterr().err
+
+
+def test_unknown_variant_is_a_failed_row_naming_the_valid_ones(bench, tmp_path):
+    train = bench("bench_train")
+    (row,) = train.main(["--tiny", "--work", "llama-1.1b-1gpu", "--variants", "turbo", "--results-dir", str(tmp_path)])
+    assert row["check"].startswith("FAIL ValueError: unknown variant 'turbo': valid are eager, compile, titan-style")
+
+
+def test_two_rank_works_on_gloo(tmp_path):
+    """The tensor-parallel and data-parallel variants under torchrun (2 CPU ranks, gloo)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "bench" / "bench_train.py"
+    variants = "fsdp2-titan,tp-titan,schedlang-tp,schedlang-fsdp-optimize"
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script), "--tiny",
+         "--work", "llama-1.1b-tp2,llama-1.1b-2gpu", "--variants", variants, "--results-dir", str(tmp_path),
+         "--repeats", "1", "--iters", "1", "--warmup", "2"],
+        capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    (path,) = tmp_path.glob("*-train-tiny.json")
+    data = json.loads(path.read_text())
+    rows = data["rows"]
+    assert data["ranks"] == 2 and len(rows) == 8
+    for r in rows:
+        assert r["check"] == "ok", r
+    layouts = {(r["work"], r["variant"]): r["layout"] for r in rows}
+    assert layouts[("llama-1.1b-tp2", "schedlang-tp")] == "dp=1 x tp=2"
+    assert layouts[("llama-1.1b-2gpu", "schedlang-fsdp-optimize")] == "dp=2 x tp=1"
+    tp = next(r for r in rows if r["variant"] == "schedlang-tp" and r["work"] == "llama-1.1b-tp2")
+    assert tp["batch"] == 2 and tp["baseline"] == "tp-titan"  # the group's batch, not per GPU

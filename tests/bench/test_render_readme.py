@@ -1,0 +1,109 @@
+"""bench/render_readme.py: the README's Performance table comes from the result files, and only from them."""
+
+import json
+
+import pytest
+
+README = """# project
+
+## Performance
+
+intro
+
+<!-- perf-table:start -->
+| old | hand-written | 99.5 ms |
+<!-- perf-table:end -->
+
+## Layout
+"""
+
+
+def _write(path, rows, date, sha, gpus=1, device="NVIDIA H100 80GB HBM3"):
+    path.write_text(json.dumps({"git_sha": sha, "date": date, "device": device, "gpus": gpus, "torch": "2.11.0",
+                                "triton": "3.6.0", "transformers": "5.17.0", "rows": rows}))
+
+
+def _row(work, variant, role, ms, tokens_per_s, baseline="titan-style", check="ok"):
+    return {"work": work, "variant": variant, "role": role, "ms": ms, "tokens_per_s": tokens_per_s, "mfu": 0.5,
+            "peak_mem_gib": 30.0, "check": check, "ms_runs": [ms, ms], "baseline": baseline,
+            "optimizer": "torch.optim.AdamW(fused=True)"}
+
+
+@pytest.fixture
+def results(tmp_path):
+    d = tmp_path / "results"
+    d.mkdir()
+    # an older run of the same work, which the newer one replaces
+    _write(d / "2026-11-20-train.json", [_row("llama-1.1b-1gpu", "titan-style", "baseline", 200.0, 40000.0)],
+           "2026-11-20", "0" * 40)
+    _write(d / "2026-11-30-train.json", [
+        _row("llama-1.1b-1gpu", "titan-style", "baseline", 130.0, 63000.0),
+        _row("llama-1.1b-1gpu", "schedlang-optimize", "schedlang", 104.0, 78750.0),
+        _row("llama-1.1b-1gpu", "eager", "baseline", 210.0, 39060.0, check="FAIL first loss 9.1 vs eager 10.4"),
+    ], "2026-11-30", "abcdef1234567890" + "0" * 24)
+    # CPU checks of the script never reach the README
+    _write(d / "2026-11-30-train-tiny.json", [_row("gpt2-medium-1gpu", "titan-style", "baseline", 3.0, 900.0)],
+           "2026-11-30", "1" * 40, gpus=0, device="cpu")
+    (d / "2026-11-21-tp.md").write_text("| LLaMA TP=2 | 99.5 ms (1.35x) |\n")  # hand-written: ignored
+    return d
+
+
+def test_table_from_json_only(bench, results, tmp_path):
+    render = bench("render_readme")
+    readme = tmp_path / "README.md"
+    readme.write_text(README)
+    assert render.main(["--results", str(results), "--readme", str(readme), "--no-chart"]) == 0
+    text = readme.read_text()
+    assert "99.5" not in text and "hand-written" not in text
+    lines = {line.split(" | ")[1]: line for line in text.splitlines() if line.startswith("| llama-1.1b-1gpu |")}
+    assert set(lines) == {"titan-style", "schedlang-optimize", "eager"}
+    # the ratio is to the named baseline of the newest file: 78750 / 63000
+    assert "| 1.25x titan-style |" in lines["schedlang-optimize"]
+    assert "| 1.00x titan-style |" in lines["titan-style"]
+    assert "| 0.62x titan-style |" in lines["eager"]
+    assert "FAIL first loss 9.1 vs eager 10.4" in lines["eager"]
+    for line in lines.values():
+        assert "| NVIDIA H100 80GB HBM3 x1 | 2026-11-30 | abcdef1234 |" in line
+    assert "| 104.0 | 78,750 | 50.0% |" in lines["schedlang-optimize"]
+    # works without a GPU result say so; the CPU file is not used
+    assert "| gpt2-medium-1gpu | no GPU results recorded for the current code yet |" in text
+    assert "| llama-1.1b-tp2 | no GPU results recorded for the current code yet |" in text
+    assert text.startswith("# project\n\n## Performance\n\nintro\n\n<!-- perf-table:start -->")
+    assert text.endswith("<!-- perf-table:end -->\n\n## Layout\n")
+    # rendering again changes nothing, and --check agrees
+    assert render.main(["--results", str(results), "--readme", str(readme), "--no-chart", "--check"]) == 0
+    readme.write_text(text.replace("1.25x", "1.35x"))
+    assert render.main(["--results", str(results), "--readme", str(readme), "--no-chart", "--check"]) == 1
+
+
+def test_micro_rows_compare_by_time(bench, results, tmp_path):
+    render, harness = bench("render_readme"), bench("harness")
+    rows = [harness.micro_row("adamw-445-tensors", "torch fused", "baseline", 2.9),
+            harness.micro_row("adamw-445-tensors", "schedlang FusedAdamW", "schedlang", 2.32, baseline="torch fused")]
+    _write(results / "2026-12-01-optim.json", rows, "2026-12-01", "2" * 40)
+    table = render.render_table(render.load_results(results))
+    line = next(x for x in table.splitlines() if "schedlang FusedAdamW" in x)
+    assert "| 1.25x torch fused |" in line and "| 2.320 |" in line
+
+
+def test_chart_is_written(bench, results, tmp_path):
+    pytest.importorskip("matplotlib")
+    render = bench("render_readme")
+    readme = tmp_path / "README.md"
+    readme.write_text(README)
+    chart = tmp_path / "perf.png"
+    assert render.main(["--results", str(results), "--readme", str(readme), "--chart", str(chart)]) == 0
+    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "![speed against the baselines](perf.png)" in readme.read_text()
+
+
+def test_missing_markers_are_named(bench, results, tmp_path):
+    render = bench("render_readme")
+    readme = tmp_path / "README.md"
+    readme.write_text("# no markers\n")
+    with pytest.raises(SystemExit, match="markers <!-- perf-table:start --> ... <!-- perf-table:end --> not found"):
+        render.main(["--results", str(results), "--readme", str(readme), "--no-chart"])
+
+
+def test_train_works_listed_in_the_renderer_are_the_harness_works(bench):
+    assert tuple(bench("bench_train").WORKS) == bench("render_readme").TRAIN_WORKS

@@ -1,0 +1,155 @@
+"""``schedlang.models.optimize_model`` on tiny LLaMA and GPT-2 models on the CPU.
+
+The optimized model trains like the plain one: the loss of each of three AdamW steps matches
+(fp32), whether the fused kernels from ``schedlang.kernels`` are there or their plain fallback runs.
+"""
+
+import copy
+import logging
+
+import pytest
+import torch
+
+import schedlang
+from schedlang.errors import SchedlangError
+from schedlang.models import optimize, optimize_model
+from schedlang.models.optimize import FusedLinearCrossEntropyHead
+
+SEQ = 13
+
+
+def _llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(num_hidden_layers=2, hidden_size=48, num_attention_heads=4, num_key_value_heads=2,
+                      intermediate_size=88, vocab_size=97, max_position_embeddings=32)
+    cfg._attn_implementation = "sdpa"
+    return LlamaForCausalLM(cfg)
+
+
+def _gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(n_layer=2, n_embd=48, n_head=4, vocab_size=97, n_positions=32, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0)
+    cfg._attn_implementation = "sdpa"
+    return GPT2LMHeadModel(cfg)
+
+
+def _batch(vocab):
+    ids = torch.randint(0, vocab, (3, SEQ))
+    labels = ids.clone()
+    labels[1, 5:] = -100  # padding-like positions count neither in the sum nor in the mean
+    return ids, labels
+
+
+def _train(model, ids, labels, steps=3):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(steps):
+        loss = model(input_ids=ids, labels=labels, use_cache=False).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+    return torch.stack(losses)
+
+
+@pytest.mark.parametrize("make", [_llama, _gpt2], ids=["llama", "gpt2"])
+def test_three_steps_match_the_plain_model(make):
+    model = make()
+    ids, labels = _batch(model.config.vocab_size)
+    reference = _train(copy.deepcopy(model), ids, labels)
+    sch = schedlang.create_schedule(model)
+    optimize_model(sch, compile=None, selective_checkpoint="all")
+    built, _ = schedlang.build(sch)
+    assert isinstance(built.lm_head, FusedLinearCrossEntropyHead)
+    if make is _gpt2:  # the head keeps its tie to the embedding
+        assert built.lm_head.weight is built.transformer.wte.weight
+    info = sch.metadata["optimize"]
+    assert any(a.startswith("loss:") for a in info["applied"]), info
+    assert any(a.startswith("checkpoint: 2 of 2") for a in info["applied"]), info
+    if make is _llama and optimize._kernel("FusedRMSNorm")[0] is not None:
+        assert "norms: 5 x LlamaRMSNorm -> FusedRMSNorm" in info["applied"], info
+    torch.testing.assert_close(_train(built, ids, labels), reference, rtol=1e-5, atol=1e-5)
+    # the user's model is untouched
+    assert not isinstance(model.lm_head, FusedLinearCrossEntropyHead)
+
+
+def test_logits_without_labels_and_none_with_them():
+    model = _llama()
+    ids, labels = _batch(model.config.vocab_size)
+    sch = schedlang.create_schedule(model)
+    optimize_model(sch, compile=None)
+    built, _ = schedlang.build(sch)
+    torch.testing.assert_close(built(input_ids=ids, use_cache=False).logits, model(input_ids=ids, use_cache=False).logits)
+    out = built(input_ids=ids, labels=labels, use_cache=False)
+    assert out.logits is None
+    torch.testing.assert_close(out.loss, model(input_ids=ids, labels=labels, use_cache=False).loss)
+    # the flag does not leak into the next call
+    assert built(input_ids=ids, use_cache=False).logits.shape == (3, SEQ, model.config.vocab_size)
+
+
+def test_parts_are_recorded_in_the_plan_and_compile_is_lazy():
+    model = _llama()
+    sch = schedlang.create_schedule(model)
+    optimize_model(sch, compile="layers")
+    steps = [step.primitive for step in sch.plan]
+    assert "replace" in steps  # the head
+    built, _ = schedlang.build(sch)
+    for layer in built.model.layers:
+        assert "forward" in layer.__dict__  # compiled on the first call
+    assert sch.metadata["optimize"]["sdpa_backend"] is None  # CPU: PyTorch's default
+    assert "sdpa" in sch.metadata["optimize"]["skipped"]
+
+
+def test_missing_kernels_fall_back_with_a_reason(monkeypatch, caplog):
+    monkeypatch.setattr(optimize, "_kernel", lambda name: (None, f"schedlang.kernels has no {name}"))
+    model = _llama()
+    ids, labels = _batch(model.config.vocab_size)
+    sch = schedlang.create_schedule(model)
+    with caplog.at_level(logging.INFO, logger="schedlang.models.optimize"):
+        optimize_model(sch, compile=None)
+        built, _ = schedlang.build(sch)
+        loss = built(input_ids=ids, labels=labels, use_cache=False).loss
+    assert sch.metadata["optimize"]["skipped"]["norms"] == "schedlang.kernels has no FusedRMSNorm"
+    assert "schedlang.kernels has no FusedRMSNorm" in caplog.text
+    torch.testing.assert_close(loss, model(input_ids=ids, labels=labels, use_cache=False).loss)
+    assert "loss: lm_head -> fused linear + cross entropy (fallback: schedlang.kernels has no " \
+           "fused_linear_cross_entropy)" in sch.metadata["optimize"]["applied"]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"compile": "model"}, "optimize_model: invalid compile 'model': valid are 'layers' or None"),
+    ({"sdpa_backend": "fast"}, "optimize_model: invalid sdpa_backend 'fast': valid are auto, default, cudnn, "
+                               "flash, efficient, math"),
+    ({"float8": "e4m3"}, "optimize_model: invalid float8 'e4m3': valid are None, 'tensorwise', 'rowwise'"),
+    ({"selective_checkpoint": 0}, "optimize_model: invalid selective_checkpoint 0: valid are None, 'all' or a "
+                                  "positive int n (every n-th layer)"),
+])
+def test_bad_options_are_refused_and_nothing_is_applied(kwargs, message):
+    sch = schedlang.create_schedule(_llama())
+    with pytest.raises(SchedlangError, match="^" + message.replace("(", r"\(").replace(")", r"\)") + "$") as info:
+        optimize_model(sch, **kwargs)
+    assert isinstance(info.value, ValueError)
+    assert len(sch.plan) == 0
+
+
+def test_a_model_without_layers_is_refused():
+    sch = schedlang.create_schedule(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+    with pytest.raises(SchedlangError, match="optimize_model: no layer list .* found in Sequential"):
+        optimize_model(sch)
+
+
+def test_under_autocast_the_head_projects_in_the_autocast_dtype():
+    model = _llama()
+    ids, labels = _batch(model.config.vocab_size)
+    sch = schedlang.create_schedule(model)
+    optimize_model(sch, compile=None)
+    built, _ = schedlang.build(sch)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = built(input_ids=ids, labels=labels, use_cache=False).loss
+        want = model(input_ids=ids, labels=labels, use_cache=False).loss
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    got.backward()
+    assert built.lm_head.weight.grad.dtype == torch.float32 and built.lm_head.weight.grad.abs().sum() > 0
