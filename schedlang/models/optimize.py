@@ -15,7 +15,7 @@ What it does, each part through the schedule where a primitive exists (so it is 
   decoder layer; on the CPU PyTorch's default is kept;
 * **checkpointing** (``selective_checkpoint``): ``checkpoint()`` on every layer or every n-th one;
 * **float8** (``float8="tensorwise"`` / ``"rowwise"``): the decoder layers' Linears become torchao's
-  float8 training Linears (``replace_all``);
+  float8 training Linears (the ``float8`` primitive, with its skip rules);
 * **compilation** (``compile="layers"``): every decoder layer's forward compiled on its own
   (:func:`schedlang.models.compile_layers`); ``torch.compile`` is lazy, so this costs nothing until
   the first step.
@@ -345,21 +345,6 @@ def _attention_shapes(config) -> Dict[str, int]:
     return {"heads": heads, "head_dim": hidden // heads, "seq": min(seq, 2048)}
 
 
-# ----------------------------------------------------------------------------------------------- float8
-def float8_linear_like(recipe: str):
-    """``make_fn`` for ``replace_all(nn.Linear, ...)``: torchao's float8 training Linear of a Linear."""
-    from torchao.float8 import Float8LinearConfig
-    from torchao.float8.float8_linear import Float8Linear
-
-    config = Float8LinearConfig.from_recipe_name(recipe)
-
-    def make(path: str, old: nn.Linear) -> nn.Module:
-        return Float8Linear.from_float(old, config=config)
-
-    make.__qualname__ = f"float8_linear_like({recipe!r})"
-    return make
-
-
 # ------------------------------------------------------------------------------------------------- entry
 def optimize_model(sch, *, fused_kernels: bool = True, compile: Optional[str] = "layers", sdpa_backend: str = "auto",
                    selective_checkpoint: Union[None, str, int] = None, float8: Optional[str] = None):
@@ -403,7 +388,7 @@ def optimize_model(sch, *, fused_kernels: bool = True, compile: Optional[str] = 
             _fuse_norms(root, done, skipped)
             _fuse_loss(root, done, skipped)
         if float8 is not None:
-            _float8(root, layer_paths, float8, done, skipped)
+            _float8(root, layer_paths, float8, done)
         if every:
             for path in layer_paths[::every]:
                 root[path].checkpoint()
@@ -434,15 +419,10 @@ def _checkpoint_stride(selective_checkpoint) -> int:
                              "'all' or a positive int n (every n-th layer)")
 
 
-def _float8(root, layer_paths: List[str], recipe: str, done: List[str], skipped: Dict[str, str]) -> None:
-    try:
-        make = float8_linear_like(recipe)
-    except ImportError as e:
-        skipped["float8"] = f"torchao is not installed ({e})"
-        return
-    count = 0
-    for path in layer_paths:
-        count += len(root[path].replace_all(nn.Linear, make))
+def _float8(root, layer_paths: List[str], recipe: str, done: List[str]) -> None:
+    # the float8 primitive picks the Linears (alignment, LM head, size) and says why it skips any;
+    # a missing torchao is an error here too: float8 was asked for, so it is not quietly dropped
+    count = sum(len(root[path].float8(recipe=recipe)["converted"]) for path in layer_paths)
     done.append(f"float8 ({recipe}): {count} Linears")
 
 
