@@ -168,6 +168,10 @@ class FlashAttentionOp(nn.Module):
 
     def forward(self, query_layer, key_layer, value_layer, attention_mask=None, p: float = 0.0):
         q, k, v = (t.transpose(1, 2) for t in (query_layer, key_layer, value_layer))  # (B, H, S, D)
+        if q.device.type == "cpu":
+            # the CPU flash kernel's backward (torch 2.13) returns wrong gradients for these transposed
+            # (non-contiguous) views, while its forward is right; dense copies are handled correctly
+            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         mask, causal = attention_mask, self.apply_causal_mask
         if mask is not None and causal:  # SDPA takes one or the other: fold the causal part into the mask
             if mask.dtype == torch.bool:

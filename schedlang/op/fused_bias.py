@@ -50,10 +50,11 @@ class BiasGeLUFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         inp, bias = ctx.saved_tensors
-        x = (inp + bias).float()
+        wide = torch.promote_types(inp.dtype, torch.float32)  # half precision computes in float32
+        x = (inp + bias).to(wide)
         t = torch.tanh(_SQRT_2_OVER_PI * (x + _CUBIC * x * x * x))
         slope = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * _SQRT_2_OVER_PI * (1.0 + 3.0 * _CUBIC * x * x)
-        grad = (grad_output.float() * slope)
+        grad = grad_output.to(wide) * slope
         grad_inp = grad.to(inp.dtype) if ctx.needs_input_grad[0] else None
         grad_bias = None
         if ctx.needs_input_grad[1]:
