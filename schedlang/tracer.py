@@ -97,7 +97,8 @@ def generate_hf_tracer_inputs(root: nn.Module, tracer=None, is_top: bool = True,
                               kwargs: Optional[Dict[str, Any]] = None) -> Tuple[Dict[str, Any], Dict[str, Any]]:
     """Example inputs for tracing ``root``: ``(concrete_args, dummy_inputs)``.
 
-    At the top (``is_top``), every ``forward`` parameter not in ``kwargs["concrete_args"]`` gets a
+    At the top (``is_top``), every ``forward`` parameter not in ``kwargs["concrete_args"]`` (by
+    default: the main input and the parameters without defaults) gets a
     ``(2, 8)`` example: token ids (``*_ids``, below the config's vocabulary size), ones for masks,
     zeros otherwise. Below the top, the tensor arguments of ``call_node`` get float examples and
     the other parameters are fixed at their defaults.
@@ -109,7 +110,12 @@ def generate_hf_tracer_inputs(root: nn.Module, tracer=None, is_top: bool = True,
     params = inspect.signature(root.forward).parameters
     device = next((p.device for p in root.parameters()), torch.device("cpu"))
     if is_top:
-        concrete_args = dict(kwargs.get("concrete_args", {}))
+        if "concrete_args" in kwargs:
+            concrete_args = dict(kwargs["concrete_args"])
+        else:  # the model's main input and the parameters without defaults; the rest keep their defaults
+            main = getattr(root, "main_input_name", "input_ids")
+            concrete_args = {n: p.default for n, p in params.items()
+                             if n != main and p.default is not inspect.Parameter.empty}
         config = getattr(root, "config", kwargs.get("config"))
         vocab = getattr(config, "vocab_size", 2) or 2
         dummy: Dict[str, Any] = {}
