@@ -91,6 +91,7 @@ def _two_ranks(rank, world, families):
     return out
 
 
+@pytest.mark.slow
 def test_every_family_verifies_tensor_parallel_on_two_ranks():
     results = run_distributed(_two_ranks, world_size=2, args=(FAMILIES,), timeout=600)
     for family in FAMILIES:
