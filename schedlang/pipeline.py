@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Set, Tuple
 
-import torch
 from torch import fx, nn
 
 from .errors import PipelineError

@@ -45,7 +45,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--config", required=True, help="python file defining update_space or get_bs_range")
     parser.add_argument("--db", help="JSON file caching the measurements (resumes an interrupted search)")
     parser.add_argument("--strategy", choices=["auto", "grid", "model"], default="auto",
-                        help="grid: every point; model: prune/order by the config's cost model (auto: model if defined)")
+                        help="grid: every point; model: prune and order by the config's cost model "
+                             "(auto: model when the config defines one)")
     parser.add_argument("--patience", type=int, default=None, help="stop after this many trials without improvement")
     parser.add_argument("--error-stop", default="none", choices=["none", "symbol", "all"],
                         help="accepted for compatibility; out-of-memory points count as failed, other errors stop")

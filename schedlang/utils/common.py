@@ -75,7 +75,9 @@ def transfer_hooks_for_fusion(sch, subgraphs: List[List[Any]], new_mod: nn.Modul
     if len(subgraphs) > 1:
         for sub in subgraphs:
             for _, node in sub:
-                if node.op == "call_module" and any(has_hook(_module_at(sch, node.target), k) for k in HOOK_TYPE_TO_ATTR):
+                hooked = node.op == "call_module" and any(has_hook(_module_at(sch, node.target), k)
+                                                          for k in HOOK_TYPE_TO_ATTR)
+                if hooked:
                     raise ScheduleValueError(f"{where}: cannot fuse {len(subgraphs)} subgraphs horizontally: module "
                                              f"{node.target} has hooks, which a horizontal fusion cannot keep")
         return

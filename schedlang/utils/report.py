@@ -8,7 +8,7 @@ from __future__ import annotations
 import gc
 import os
 import sys
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 import torch.distributed as dist

@@ -2,14 +2,13 @@
 points, early stopping, the command, and the cost model reaching the best point in fewer trials."""
 
 import json
-import sys
 import textwrap
 
 import pytest
 
 from schedlang.autotune import Database, Space, model_guided_search, grid_search, plot_best_so_far
 from schedlang.autotune import transformer_cost_model
-from schedlang.autotune.tune import convert_nargs_to_dict, main
+from schedlang.autotune.tune import convert_nargs_to_dict
 
 
 def update_space(args, space):
@@ -25,7 +24,8 @@ def test_space_enumerates_dependent_symbols():
     assert len(configs) == (2 * 1 + 2 * 3) * 3 * 2
     assert {c["ckpt_ratio"] for c in configs if c["batch_size"] == 4} == {0.0}
     space = update_space(None, Space())
-    with pytest.raises(ValueError, match=r"symbol 'batch_size' has no value yet: fix it first \(candidates \[4, 8, 16, 32\]\)"):
+    with pytest.raises(ValueError, match=r"symbol 'batch_size' has no value yet: fix it first "
+                                         r"\(candidates \[4, 8, 16, 32\]\)"):
         space["batch_size"].value
     assert not space["batch_size"] > 2  # unfixed symbols compare False
 

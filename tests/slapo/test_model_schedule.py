@@ -19,9 +19,9 @@ def _tiny(family):
     if family == "gpt2":
         model = tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=2, n_embd=32, n_head=4, n_positions=16, **common))
     elif family == "gpt_neo":
-        model = tf.GPTNeoForCausalLM(tf.GPTNeoConfig(num_layers=2, hidden_size=32, num_heads=4, max_position_embeddings=16,
-                                                     attention_types=[[["global", "local"], 1]], window_size=4,
-                                                     **common))
+        model = tf.GPTNeoForCausalLM(tf.GPTNeoConfig(
+            num_layers=2, hidden_size=32, num_heads=4, max_position_embeddings=16,
+            attention_types=[[["global", "local"], 1]], window_size=4, **common))
     elif family == "opt":
         model = tf.OPTForCausalLM(tf.OPTConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
                                                ffn_dim=64, max_position_embeddings=16, word_embed_proj_dim=32,

@@ -7,7 +7,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import schedlang as slapo
 from schedlang.errors import ScheduleKeyError, ScheduleValueError
 from schedlang.random import (CudaRNGStatesTracker, get_cuda_rng_tracker, is_random_seed_set,
                               model_parallel_cuda_manual_seed, set_random_seed)
