@@ -17,7 +17,7 @@ from .checkpoint import export_hf, load_checkpoint, save_checkpoint
 from .errors import (CheckpointError, DistributedError, LoweringError, MissingDependencyError, NotTracedError, PatternError, PipelineError,
                      PlanError, PlanSerializationError, ScheduleKeyError, ScheduleTypeError, ScheduleValueError,
                      SchedlangError, ShardError, SyncError, TraceError, VerificationError)
-from .init import init_empty_weights
+from .initialization import init_empty_weights  # Slapo's signature: (enable=True, include_buffers=False)
 from .plan import Plan, Step, replay
 from .pretrained import load_pretrained
 from .primitives.base import list_primitives
@@ -38,7 +38,19 @@ __all__ = [
     "VerificationError", "DistributedError", "CheckpointError", "PipelineError", "MissingDependencyError", "save_checkpoint", "load_checkpoint",
     "export_hf", "load_pretrained",
     "__version__",
+    # Slapo's names and module paths, imported on first use
+    "Pattern", "ModulePattern", "get_logger", "set_random_seed", "get_cuda_rng_tracker", "is_random_seed_set",
+    "Symbol", "Space", "Database", "register_primitive",
 ]
+
+# Slapo's module paths under schedlang (``import schedlang as slapo; slapo.op.FusedQKV``), loaded on first use
+_LAZY_MODULES = ("op", "pattern", "sharding", "random", "pipeline", "framework_dialect", "utils", "model_schedule",
+                 "autotune", "logger", "initialization", "tracer", "version")
+# Slapo's top-level names: name -> module that defines it
+_LAZY_NAMES = {"Pattern": "pattern", "ModulePattern": "pattern", "get_logger": "logger",
+               "set_random_seed": "random", "get_cuda_rng_tracker": "random", "is_random_seed_set": "random",
+               "Symbol": "autotune", "Space": "autotune", "Database": "autotune",
+               "register_primitive": "primitives.base"}
 
 
 def __getattr__(name):
@@ -51,8 +63,12 @@ def __getattr__(name):
         from .graph.tracer import PH
 
         return PH
-    if name in ("optim", "sparse", "lowering", "graph"):
+    if name in ("optim", "sparse", "lowering", "graph") or name in _LAZY_MODULES:
         import importlib
 
         return importlib.import_module(f".{name}", __name__)
+    if name in _LAZY_NAMES:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_LAZY_NAMES[name]}", __name__), name)
     raise AttributeError(f"module 'schedlang' has no attribute {name!r}")

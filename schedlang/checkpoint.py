@@ -806,3 +806,13 @@ def export_hf(model: nn.Module, dir, config=None, dtype: Optional[torch.dtype] =
     # every rank returns once the files exist, or raises rank 0's error
     _agree(problem if _rank() == 0 else None)
     return directory
+
+
+# Slapo's activation checkpointing names (``slapo.checkpoint.checkpoint``), which keep the
+# tensor-parallel random streams in step; they live in schedlang.utils.rng_checkpoint.
+def __getattr__(name):
+    if name in ("checkpoint", "CheckpointFunctionWithRNGTracker"):
+        from .utils import rng_checkpoint
+
+        return getattr(rng_checkpoint, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -201,6 +201,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         from .train import main as train_main
 
         return train_main(argv[1:], prog="schedlang train")
+    if argv[:1] == ["tune"]:  # the tuner parses its own flags (`schedlang tune --help`)
+        from .autotune.tune import main as tune_main
+
+        return tune_main(argv[1:])
     parser = argparse.ArgumentParser(prog="schedlang", description="A schedule language for optimizing PyTorch models")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("train", help="train a LLaMA / GPT-2 model on a pp x dp x tp layout (see schedlang train --help)",
@@ -221,6 +225,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     bench = sub.add_parser("bench", help="run the GPU benchmarks against their baselines")
     bench.add_argument("names", nargs="*", help="benchmarks to run (default: all)")
     bench.set_defaults(fn=cmd_bench)
+    sub.add_parser("tune", help="search schedule knobs by measured training steps (see schedlang tune --help)",
+                   add_help=False)
     prims = sub.add_parser("primitives", help="list the schedule primitives")
     prims.set_defaults(fn=cmd_primitives)
     ns = parser.parse_args(argv)
