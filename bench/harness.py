@@ -189,7 +189,12 @@ def failed_row(work: str, variant: str, role: str, error: BaseException | str, *
 
 # ------------------------------------------------------------------------------------------------- files
 def git_sha(root: Optional[Path] = None) -> str:
-    """HEAD of the repository holding the benchmarks, ``+dirty`` when tracked files differ from it."""
+    """HEAD of the repository holding the benchmarks, ``+dirty`` when tracked files differ from it.
+
+    ``SCHEDLANG_GIT_SHA`` overrides it, for a copy of the tree whose git metadata is not the checkout's
+    (a benchmark machine that receives the files only)."""
+    if os.environ.get("SCHEDLANG_GIT_SHA"):
+        return os.environ["SCHEDLANG_GIT_SHA"]
     root = root or Path(__file__).resolve().parent.parent
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
