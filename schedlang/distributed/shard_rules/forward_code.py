@@ -133,12 +133,13 @@ def first_parameter(klass: type) -> Optional[str]:
 
 
 class _Taint(ast.NodeVisitor):
-    """Follows which projection outputs each name of a function may hold (a may-analysis: a name's
-    set only grows, so both branches of an ``if`` count)."""
+    """Follows which projection outputs each name of a function may hold, statement by statement
+    (after an ``if``, a name holds what either branch gave it)."""
 
-    def __init__(self, self_name: str, projections: Set[str]):
+    def __init__(self, self_name: str, projections: Set[str], watched: Set[str] = frozenset()):
         self.me = self_name
         self.projections = projections
+        self.watched = watched  # children whose inputs are recorded, their outputs carrying the inputs' sets
         self.env: Dict[str, Set[str]] = {}
         self.inputs: Dict[str, Set[str]] = {}
         self.args: Dict[str, List[ast.AST]] = {}
@@ -157,6 +158,8 @@ class _Taint(ast.NodeVisitor):
                 self.inputs.setdefault(attr, set()).update(inputs)
                 self.args.setdefault(attr, []).extend(node.args[:1] or [k.value for k in node.keywords[:1]])
                 return {attr}
+            if attr in self.watched:
+                self.inputs.setdefault(attr, set()).update(inputs)
             return inputs | self.taint(node.func)
         if isinstance(node, (ast.Lambda, ast.FunctionDef)):
             return set()
@@ -165,10 +168,15 @@ class _Taint(ast.NodeVisitor):
             out |= self.taint(child)
         return out
 
-    def _bind(self, target: ast.AST, taint: Set[str]) -> None:
+    def _bind(self, target: ast.AST, taint: Set[str], replace: bool = True) -> None:
+        # a plain assignment replaces what a name held (``h = self.fc1(h)``: h now holds fc1's output only);
+        # what either branch of an ``if`` assigned is merged in visit_If
         for node in ast.walk(target):
             if isinstance(node, ast.Name):
-                self.env.setdefault(node.id, set()).update(taint)
+                if replace:
+                    self.env[node.id] = set(taint)
+                else:
+                    self.env.setdefault(node.id, set()).update(taint)
 
     def visit_Assign(self, node):
         t = self.taint(node.value)
@@ -180,10 +188,10 @@ class _Taint(ast.NodeVisitor):
             self._bind(node.target, self.taint(node.value))
 
     def visit_AugAssign(self, node):
-        self._bind(node.target, self.taint(node.value) | self.taint(node.target))
+        self._bind(node.target, self.taint(node.value), replace=False)
 
     def visit_For(self, node):
-        self._bind(node.target, self.taint(node.iter))
+        self._bind(node.target, self.taint(node.iter), replace=False)
         for stmt in node.body + node.orelse:
             self.visit(stmt)
 
@@ -232,6 +240,18 @@ def projection_dataflow(klass: type, projections) -> Optional[Dict[str, FrozenSe
     for stmt in fn.body:
         visitor.visit(stmt)
     return {name: frozenset(inputs - {name}) for name, inputs in visitor.inputs.items()}
+
+
+def child_inputs(klass: type, projections, watched) -> Optional[Dict[str, FrozenSet[str]]]:
+    """For each ``watched`` child that ``klass.forward`` calls, the projections its input may be computed
+    from (a norm applied to the heads of ``q_proj``'s output: ``{"q_proj"}``); ``None`` without source."""
+    fn = _function(klass, "forward")
+    if fn is None:
+        return None
+    visitor = _Taint(_self_name(fn), set(projections), set(watched))
+    for stmt in fn.body:
+        visitor.visit(stmt)
+    return {name: frozenset(visitor.inputs.get(name, ())) for name in watched}
 
 
 def projection_arguments(klass: type, projections) -> Dict[str, List[ast.AST]]:
