@@ -111,3 +111,43 @@ def test_automatic_plans_leave_the_model_unchanged_at_world_1(family):
     r = _family(family)()  # one process, no process group: a world of one
     T.assert_matches(r, tol=1e-6)
     assert r["local_vocab"] == T.VOCAB and r["grads_compared"] == r["n_params"]
+
+
+def test_register_family_and_automatic_plan_errors():
+    from schedlang.models import FAMILIES, register_family
+
+    with pytest.raises(schedlang.ScheduleValueError,
+                       match=r"^register_family: the prefix must be a non-empty class-name prefix, got ''$"):
+        register_family("", lambda sch: sch)
+    with pytest.raises(schedlang.ScheduleTypeError,
+                       match=r"^register_family: 3 for 'OPT' is not callable; pass fn\(sch, \*\*options\)$"):
+        register_family("OPT", 3)
+    model, _ = T.family_model("opt", layers=1)
+    calls = []
+    register_family("OPTFor", lambda sch, **options: calls.append(options))
+    try:
+        plan = shard_model(schedlang.create_schedule(model), gather_logits=True)
+    finally:
+        FAMILIES.pop("OPTFor")
+    assert calls == [{"gather_logits": True}] and plan.schedule == "<lambda>" and plan.steps == 0
+    with pytest.raises(schedlang.ScheduleValueError,
+                       match=r"^<root>: sequence_parallel=True is not supported by the automatic plan for "
+                             r"OPTForCausalLM; the LLaMA, GPT-2 and BERT schedules have it"):
+        shard_model(schedlang.create_schedule(model), sequence_parallel=True)
+
+
+def test_automatic_plan_is_all_or_nothing_and_names_what_it_cannot_split():
+    from unittest import mock
+
+    import schedlang.distributed.groups as groups
+
+    model, _ = T.family_model("gemma", layers=2)  # 2 key/value heads
+    sch = schedlang.create_schedule(model)
+    with mock.patch.object(groups, "world_size", lambda group=None: 4), \
+            mock.patch.object(groups, "rank", lambda group=None: 0):
+        with pytest.raises(schedlang.ShardError,
+                           match=r"^model.layers.0.self_attn.k_proj: cannot shard 'weight': the key/value projection "
+                                 r"has 2 heads, fewer than the 4 ranks"):
+            shard_model(sch)
+    assert len(sch.plan) == 0
+    assert not getattr(sch["model.layers.0.self_attn.q_proj"].mod, "_schedlang_shards", {})
