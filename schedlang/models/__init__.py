@@ -10,39 +10,72 @@ are recorded in its plan, checked by ``Verify`` and materialized per rank by ``b
     shard_llama(sch, sequence_parallel=True)
     model, opt = schedlang.build(sch, optimizer="adamw")
 
-:func:`shard_model` picks the schedule from the model's class.
+:func:`shard_model` picks the schedule from the model's class, and for families without one finds
+an automatic plan (:mod:`schedlang.models.auto`); :func:`register_family` adds a family's schedule.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 from torch import nn
 
 from ..errors import ScheduleTypeError, ScheduleValueError
+
+from .auto import TensorParallelPlan, plan_tensor_parallel, shard_auto
 from .bert import shard_bert
 from .gpt2 import shard_gpt2
 from .llama import shard_llama
 
-__all__ = ["shard_llama", "shard_gpt2", "shard_bert", "shard_model", "compile_layers", "optimize_model", "FAMILIES"]
+__all__ = ["shard_llama", "shard_gpt2", "shard_bert", "shard_auto", "shard_model", "plan_tensor_parallel",
+           "register_family", "compile_layers", "optimize_model", "FAMILIES", "TensorParallelPlan"]
 
-#: class-name prefix -> schedule function
+#: class-name prefix -> schedule function; :func:`register_family` adds to it
 FAMILIES = {"Llama": shard_llama, "Mistral": shard_llama, "Qwen2": shard_llama, "GPT2": shard_gpt2,
             "Bert": shard_bert}
 
 
-def shard_model(sch, **options):
-    """Apply the tensor-parallel schedule of ``sch``'s model family (see :data:`FAMILIES`); returns ``sch``.
+def register_family(prefix: str, fn: Callable) -> Callable:
+    """Make :func:`shard_model` use ``fn(sch, **options)`` for models whose class name starts with ``prefix``
+    (the longest registered prefix wins); returns ``fn``, so it works as a decorator factory's result too.
 
     Example::
 
-        shard_model(schedlang.create_schedule(GPT2LMHeadModel(config)), sequence_parallel=True)
+        def shard_opt(sch, gather_logits=False):
+            ...
+        register_family("OPT", shard_opt)
+    """
+    if not isinstance(prefix, str) or not prefix:
+        raise ScheduleValueError(f"register_family: the prefix must be a non-empty class-name prefix, got {prefix!r}")
+    if not callable(fn):
+        raise ScheduleTypeError(f"register_family: {fn!r} for {prefix!r} is not callable; pass fn(sch, **options)")
+    FAMILIES[prefix] = fn
+    return fn
+
+
+def shard_model(sch, **options) -> TensorParallelPlan:
+    """Write tensor parallelism for ``sch``'s model into it; returns the plan it chose (``print`` it).
+
+    A family registered in :data:`FAMILIES` (LLaMA, Mistral, Qwen2, GPT-2, BERT, and what
+    :func:`register_family` adds) uses its own schedule; any other model gets the automatic plan
+    (:func:`~schedlang.models.auto.shard_auto`), found from the model's structure and code.
+
+    Example::
+
+        print(shard_model(schedlang.create_schedule(OPTForCausalLM(config)), gather_logits=True))
     """
     name = type(sch.mod).__name__
-    for prefix, fn in FAMILIES.items():
-        if name.startswith(prefix):
-            return fn(sch, **options)
-    raise ScheduleTypeError(f"{sch.path or '<root>'}: no ready-made schedule for {name}; known families: "
-                            f"{', '.join(FAMILIES)}")
+    matches = [p for p in FAMILIES if name.startswith(p)]
+    if not matches:
+        return shard_auto(sch, **options)
+    prefix = max(matches, key=len)
+    fn = FAMILIES[prefix]
+    before = len(sch.root.plan)
+    fn(sch, **options)
+    return TensorParallelPlan(model=name, schedule=getattr(fn, "__name__", repr(fn)),
+                              logits="gathered" if options.get("gather_logits") else "split",
+                              steps=len(sch.root.plan) - before)
 
 
 #: names of the ModuleList holding the transformer layers, per family

@@ -126,3 +126,50 @@ def finish_lm_head(sch, base, final_norm: str, sequence_parallel: bool, gather_l
         from ..distributed.cross_entropy import use_vocab_parallel_loss
 
         use_vocab_parallel_loss(sch)
+
+
+class _GroupRef:
+    """Holds a process group; copies of a model share it (process groups cannot be deep-copied)."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+_GRAD_SUM_ATTR = "_schedlang_tensor_parallel_grad_group"
+_GRAD_SUMMED = {}
+
+
+def _grad_summed_forward(self, *args, **kwargs):
+    from ..distributed.collectives import reduce_backward
+
+    group = self.__dict__[_GRAD_SUM_ATTR].group
+    own = self.__dict__["_parameters"]
+    # the forward reads its parameters through an identity whose backward sums their gradients
+    self.__dict__["_parameters"] = {n: (reduce_backward(p, group) if p is not None and p.requires_grad else p)
+                                    for n, p in own.items()}
+    try:
+        return type(self).__mro__[1].forward(self, *args, **kwargs)
+    finally:
+        self.__dict__["_parameters"] = own
+
+
+def gradient_summed(module: nn.Module, group=None) -> nn.Module:
+    """A module computing as ``module`` (sharing its parameters) whose parameter gradients are summed over
+    ``group`` in backward: for replicated weights applied to a rank's own heads (Qwen3's ``q_norm``), whose
+    gradient on each rank covers only those heads."""
+    if _GRAD_SUM_ATTR in module.__dict__:
+        return module
+    base = type(module)
+    klass = _GRAD_SUMMED.get(base)
+    if klass is None:
+        klass = type(f"TensorParallel{base.__name__}", (base,), {"forward": _grad_summed_forward,
+                                                                 "__module__": __name__})
+        _GRAD_SUMMED[base] = klass
+        globals()[klass.__name__] = klass  # importable by name, so a scheduled model can be pickled
+    new = base.__new__(klass)
+    new.__dict__.update({k: (type(v)(v) if isinstance(v, dict) else v) for k, v in module.__dict__.items()})
+    new.__dict__[_GRAD_SUM_ATTR] = _GroupRef(group)
+    return new

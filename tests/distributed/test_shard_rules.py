@@ -320,3 +320,209 @@ def test_pre_syncs_apply_to_keyword_inputs():
     torch.testing.assert_close(sch.mod(hidden_states=x, scale=2.0), (x + 1) * 2)
     with pytest.raises(RuntimeError, match=r"_KeywordOnly: fwd_pre sync needs a tensor input"):
         sch.mod(scale=2.0)
+
+
+# --------------------------------------------------------------------------- the generic attention / MLP rule
+def _partial_sum(module, steps, world, x, row_bias=None, **call):
+    """Sum over ranks of each rank's output (what the all-reduce computes), and the ranks' modules."""
+    total, ranks = 0, []
+    for rank in range(world):
+        local = sharded(module, steps, world, rank).mod
+        out = local(x, **call)
+        out = out[0] if isinstance(out, tuple) else out
+        total = total + (out - (row_bias if row_bias is not None else 0)).detach()
+        ranks.append(local)
+    return total + (row_bias if row_bias is not None else 0), ranks
+
+
+def _rotary(cfg, x):
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    rope = LlamaRotaryEmbedding(cfg)
+    return rope(x, torch.arange(x.shape[1]).unsqueeze(0))
+
+
+def _random_weights(module):
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_(0, 0.3)
+    return module
+
+
+def test_generic_rule_makes_a_hand_written_opt_attention_local():
+    from transformers import OPTConfig
+    from transformers.models.opt.modeling_opt import OPTAttention
+
+    cfg = OPTConfig(hidden_size=64, num_attention_heads=4)
+    cfg._attn_implementation = "eager"
+    attn = _random_weights(OPTAttention(cfg, layer_idx=0).eval())
+    x = torch.randn(2, 7, 64)
+
+    def steps(s):
+        for n in ("q_proj", "k_proj", "v_proj"):
+            s[n].shard("weight", axis=0)
+            s[n].shard("bias", axis=0)
+        s["out_proj"].shard("weight", axis=1)
+
+    total, ranks = _partial_sum(attn, steps, 2, x, row_bias=attn.out_proj.bias)
+    torch.testing.assert_close(total, attn(x)[0])
+    assert [m.num_heads for m in ranks] == [2, 2] and attn.num_heads == 4
+
+
+def test_generic_rule_splits_phi3_fused_qkv_and_gate_up_per_part_with_a_local_config():
+    from transformers import Phi3Config
+    from transformers.models.phi3.modeling_phi3 import Phi3Attention, Phi3MLP
+
+    cfg = Phi3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, intermediate_size=40,
+                     pad_token_id=0)
+    cfg._attn_implementation = "eager"
+    attn = _random_weights(Phi3Attention(cfg, layer_idx=0).eval())
+    x = torch.randn(2, 7, 64)
+    call = dict(position_embeddings=_rotary(cfg, x), attention_mask=None)
+
+    def steps(s):
+        s["qkv_proj"].shard("weight", axis=0)
+        s["o_proj"].shard("weight", axis=1)
+
+    total, ranks = _partial_sum(attn, steps, 2, x, **call)
+    torch.testing.assert_close(total, attn(x, **call)[0])
+    for rank, local in enumerate(ranks):
+        assert local.qkv_proj._schedlang_shards["weight"].groups == 3
+        assert local.config.num_attention_heads == 2 and local.num_key_value_heads == 2
+        assert local.config is not attn.config and local.config.hidden_size == 64
+    assert attn.config.num_attention_heads == 4 and attn.num_key_value_heads == 4
+
+    mlp = _random_weights(Phi3MLP(cfg))
+
+    def mlp_steps(s):
+        s["gate_up_proj"].shard("weight", axis=0)
+        s["down_proj"].shard("weight", axis=1)
+
+    total, ranks = _partial_sum(mlp, mlp_steps, 2, x)
+    torch.testing.assert_close(total, mlp(x))
+    assert ranks[1].gate_up_proj._schedlang_shards["weight"].groups == 2
+
+
+def test_generic_rule_splits_gpt_neox_interleaved_qkv_contiguously():
+    from transformers import GPTNeoXConfig
+    from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXAttention, GPTNeoXRotaryEmbedding
+
+    cfg = GPTNeoXConfig(hidden_size=64, num_attention_heads=4, attention_dropout=0.0)
+    cfg._attn_implementation = "eager"
+    attn = _random_weights(GPTNeoXAttention(cfg, layer_idx=0).eval())
+    x = torch.randn(2, 7, 64)
+    call = dict(attention_mask=None, position_embeddings=GPTNeoXRotaryEmbedding(cfg)(x, torch.arange(7)[None]))
+
+    def steps(s):
+        s["query_key_value"].shard("weight", axis=0)
+        s["query_key_value"].shard("bias", axis=0)
+        s["dense"].shard("weight", axis=1)
+
+    total, ranks = _partial_sum(attn, steps, 2, x, row_bias=attn.dense.bias, **call)
+    torch.testing.assert_close(total, attn(x, **call)[0])
+    assert ranks[0].query_key_value._schedlang_shards["weight"].groups == 1
+
+
+def _gemma_attention(kv_heads=2):
+    from transformers import GemmaConfig
+    from transformers.models.gemma.modeling_gemma import GemmaAttention
+
+    return GemmaAttention(GemmaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=kv_heads,
+                                      head_dim=16), layer_idx=0)
+
+
+def test_generic_rule_errors():
+    hint = (r"register a rule for it: a ShardRule subclass with module_type_names = \('{}',\) whose "
+            r"check_child_shard / after_child_shard fix the module, decorated with "
+            r"schedlang.distributed.shard_rules.register_shard_rule \(tutorials/07_new_family.py shows one\)")
+    with pytest.raises(schedlang.ShardError,
+                       match=r"^k_proj: cannot shard 'weight': the key/value projection has 2 heads, fewer than the 4 "
+                             r"ranks; key/value heads are not replicated: use at most 2 ranks or a model with more "
+                             r"key/value heads; GemmaAttention.forward reads head_dim=16, layer_idx=0; "
+                             + hint.format("GemmaAttention") + "$"):
+        sharded(_gemma_attention(), lambda s: s["k_proj"].shard("weight", axis=0), 4, 0)
+    from transformers import OPTConfig
+    from transformers.models.opt.modeling_opt import OPTAttention
+
+    with pytest.raises(schedlang.ShardError,
+                       match=r"^q_proj: cannot shard 'weight': the projection has 4 heads over 8 ranks: every rank "
+                             r"must hold whole heads; valid world sizes: 1, 2, 4; OPTAttention.forward reads "
+                             r"head_dim=16, layer_idx=0, num_heads=4; "):
+        sharded(OPTAttention(OPTConfig(hidden_size=64, num_attention_heads=4), 0),
+                lambda s: s["q_proj"].shard("weight", axis=0), 8, 0)
+    from transformers import Phi3Config
+    from transformers.models.phi3.modeling_phi3 import Phi3Attention
+
+    gqa = Phi3Attention(Phi3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, pad_token_id=0), 0)
+    with pytest.raises(schedlang.ShardError,
+                       match=r"^qkv_proj: cannot shard 'weight': the fused q\|k\|v projection 'qkv_proj' stores parts "
+                             r"of unequal widths one after the other \(4 query and 2 key/value heads\), which a "
+                             r"block-wise split cannot express; Phi3Attention.forward reads config.num_attention_heads=4,"
+                             r" head_dim=16, layer_idx=0, num_key_value_heads=2; " + hint.format("Phi3Attention")):
+        sharded(gqa, lambda s: s["qkv_proj"].shard("weight", axis=0), 2, 0)
+    from transformers import StableLmConfig
+    from transformers.models.stablelm.modeling_stablelm import StableLmAttention
+
+    per_head = StableLmAttention(StableLmConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
+                                                qk_layernorm=True), 0)
+    with pytest.raises(schedlang.ShardError,
+                       match=r"^q_proj: cannot shard 'weight': its submodule 'q_layernorm.norms' holds one module per "
+                             r"head \(4\), which the generic rule does not split"):
+        sharded(per_head, lambda s: s["q_proj"].shard("weight", axis=0), 2, 0)
+    with pytest.raises(schedlang.ShardError,
+                       match=r"^proj: cannot shard 'weight': its forward reads groups_of_four=4, which matches the head "
+                             r"geometry \(4 query heads, 4 key/value heads of size 8\) but has no meaning the generic "
+                             r"rule knows; _Odd.forward reads groups_of_four=4, head_dim=8; "
+                             + hint.format("_Odd")):
+        sharded(_Odd(), lambda s: s["proj"].shard("weight", axis=0), 2, 0)
+    with pytest.raises(schedlang.ShardError,
+                       match=r"^fused: cannot shard 'weight': the layout of the fused q\|k\|v projection 'fused' cannot "
+                             r"be told from the forward \(neither reshaped into heads nor split into parts first\)"):
+        sharded(_Odd(), lambda s: s["fused"].shard("weight", axis=0), 2, 0)
+
+
+class _Odd(nn.Module):
+    """Test-only attention whose forward reads an integer the generic rule cannot interpret."""
+
+    def __init__(self):
+        super().__init__()
+        self.head_dim, self.groups_of_four, self.hidden_size = 8, 4, 32
+        self.proj = nn.Linear(32, 32)
+        self.fused = nn.Linear(32, 96)
+        self.out = nn.Linear(32, 32)
+
+    def forward(self, x):
+        y = self.proj(x).view(*x.shape[:-1], self.groups_of_four, self.head_dim)
+        z = torch.sigmoid(self.fused(x)).sum(-1, keepdim=True)
+        return self.out(y.flatten(-2) * z)
+
+
+def test_generic_rule_leaves_the_users_model_and_config_untouched_when_it_refuses():
+    attn = _gemma_attention()
+    before = {n: p.clone() for n, p in attn.named_parameters()}
+    with pytest.raises(schedlang.ShardError):
+        sharded(attn, lambda s: (s["q_proj"].shard("weight", axis=0), s["k_proj"].shard("weight", axis=0)), 4, 0)
+    assert all(torch.equal(before[n], p) for n, p in attn.named_parameters())
+    assert attn.config.num_attention_heads == 4 and attn.q_proj.out_features == 64
+
+
+def test_vocab_parallel_embedding_subclass_keeps_its_forward():
+    from transformers.models.gemma.modeling_gemma import GemmaTextScaledWordEmbedding
+
+    emb = GemmaTextScaledWordEmbedding(30, 8, padding_idx=0, embed_scale=3.0)
+    ids = torch.randint(0, 30, (2, 9))
+    total = sum(sharded(emb, lambda s: s.shard("weight", axis=0), 3, r).mod(ids).detach() for r in range(3))
+    torch.testing.assert_close(total, emb(ids))
+    local = sharded(emb, lambda s: s.shard("weight", axis=0), 3, 1).mod
+    assert isinstance(local, VocabParallelEmbedding) and isinstance(local, GemmaTextScaledWordEmbedding)
+
+    class _OwnLookup(nn.Embedding):
+        def forward(self, ids):
+            return F.embedding(ids, self.weight) * 2
+
+    import torch.nn.functional as F
+
+    with pytest.raises(schedlang.ShardError,
+                       match=r"^<root>: cannot shard 'weight' of _OwnLookup along the vocabulary \(axis 0\): its "
+                             r"forward does not look ids up through super\(\).forward"):
+        sharded(_OwnLookup(10, 4), lambda s: s.shard("weight", axis=0), 2, 0)

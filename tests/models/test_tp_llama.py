@@ -240,8 +240,10 @@ def test_model_schedule_errors():
                              r"within 4 levels"):
         shard_llama(schedlang.create_schedule(torch.nn.Sequential(torch.nn.Linear(2, 2))))
     with pytest.raises(schedlang.ScheduleTypeError,
-                       match=r"<root>: no ready-made schedule for Sequential; known families: Llama, Mistral, Qwen2, "
-                             r"GPT2, Bert"):
+                       match=r"<root>: no ready-made schedule for Sequential, and the automatic plan cannot handle it: "
+                             r"no ModuleList of same-class layers holding projections. Write a schedule for the family "
+                             r"\(tutorials/07_new_family.py shows how\) and register it with "
+                             r"schedlang.models.register_family\('Sequential', fn\)"):
         shard_model(schedlang.create_schedule(torch.nn.Sequential()))
     sch = schedlang.create_schedule(_model())
     sch["model.layers.0.self_attn"].replace(torch.nn.Identity())

@@ -152,3 +152,60 @@ def assert_matches(result: dict, tol: float = 2e-5) -> None:
     assert result["logits"] <= tol * max(1.0, result["logits_scale"]), result
     assert result["loss"] <= tol, result
     assert result["grad"] <= tol, result
+
+
+def family_config(family: str, layers: int = 2):
+    """A tiny config of a HF family (random weights, dropout off, SDPA attention); ``family`` names the
+    entry of :data:`FAMILY_CONFIGS`."""
+    import transformers
+
+    class_name, options = FAMILY_CONFIGS[family]
+    cfg = getattr(transformers, class_name)(**{**options, **_LAYERS.get(class_name, {"num_hidden_layers": layers})})
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+def family_model(family: str, layers: int = 2):
+    """``(model, config)``: the family's causal LM (or masked LM for BERT) with random weights."""
+    import transformers
+
+    cfg = family_config(family, layers)
+    head = {"bert": "BertForMaskedLM"}.get(family)
+    if head is None:
+        return transformers.AutoModelForCausalLM.from_config(cfg), cfg
+    return getattr(transformers, head)(cfg), cfg
+
+
+_LAYERS = {"GPT2Config": {"n_layer": 2}}
+_COMMON = dict(vocab_size=VOCAB, max_position_embeddings=64)
+#: family -> (config class, options): hidden 64, 4 query heads (2 key/value heads where the family has GQA)
+FAMILY_CONFIGS = {
+    "llama": ("LlamaConfig", dict(_COMMON, hidden_size=HIDDEN, num_attention_heads=4, num_key_value_heads=2,
+                                  intermediate_size=96)),
+    "mistral": ("MistralConfig", dict(_COMMON, hidden_size=HIDDEN, num_attention_heads=4, num_key_value_heads=2,
+                                      intermediate_size=96, head_dim=16)),
+    "qwen2": ("Qwen2Config", dict(_COMMON, hidden_size=HIDDEN, num_attention_heads=4, num_key_value_heads=2,
+                                  intermediate_size=96)),
+    "gpt2": ("GPT2Config", dict(vocab_size=VOCAB, n_positions=64, n_embd=HIDDEN, n_head=4, bos_token_id=0,
+                                eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
+    "bert": ("BertConfig", dict(_COMMON, hidden_size=HIDDEN, num_attention_heads=4, intermediate_size=96,
+                                hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)),
+    "opt": ("OPTConfig", dict(_COMMON, hidden_size=HIDDEN, num_attention_heads=4, ffn_dim=96, dropout=0.0,
+                              attention_dropout=0.0, word_embed_proj_dim=HIDDEN, pad_token_id=1)),
+    "gpt_neox": ("GPTNeoXConfig", dict(_COMMON, hidden_size=HIDDEN, num_attention_heads=4, intermediate_size=96,
+                                       attention_dropout=0.0, hidden_dropout=0.0)),
+    "gemma": ("GemmaConfig", dict(_COMMON, hidden_size=HIDDEN, num_attention_heads=4, num_key_value_heads=2,
+                                  head_dim=16, intermediate_size=96)),
+    "phi3": ("Phi3Config", dict(_COMMON, hidden_size=HIDDEN, num_attention_heads=4, num_key_value_heads=4,
+                                intermediate_size=96, pad_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
+                                attention_dropout=0.0)),
+    "qwen3": ("Qwen3Config", dict(_COMMON, hidden_size=HIDDEN, num_attention_heads=4, num_key_value_heads=2,
+                                  head_dim=16, intermediate_size=96)),
+    "stablelm": ("StableLmConfig", dict(_COMMON, hidden_size=HIDDEN, num_attention_heads=4, num_key_value_heads=2,
+                                        intermediate_size=96, hidden_dropout=0.0, attention_dropout=0.0)),
+    "falcon": ("FalconConfig", dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_attention_heads=4, multi_query=False,
+                                    new_decoder_architecture=False, alibi=False, hidden_dropout=0.0,
+                                    attention_dropout=0.0)),
+    "gptj": ("GPTJConfig", dict(vocab_size=VOCAB, n_positions=64, n_embd=HIDDEN, n_head=4, rotary_dim=8,
+                                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)),
+}

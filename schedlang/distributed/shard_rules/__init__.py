@@ -10,15 +10,17 @@ itself with :func:`register_shard_rule`. Modules without a rule may still be sha
 from __future__ import annotations
 
 import logging
-from typing import Dict, Optional, Type
+from typing import Dict, List, Optional, Type
 
 from torch import nn
 
-__all__ = ["ShardRule", "register_shard_rule", "find_shard_rule"]
+__all__ = ["ShardRule", "register_shard_rule", "register_fallback_rule", "find_shard_rule"]
 
 logger = logging.getLogger("schedlang.distributed.shard_rules")
 
 _RULES: Dict[object, Type["ShardRule"]] = {}
+# rules for modules of any class, asked in order when no rule is registered for the class itself
+_FALLBACKS: List[Type["ShardRule"]] = []
 
 
 class ShardRule:
@@ -29,6 +31,11 @@ class ShardRule:
     #: class names matched when the class cannot be imported here (e.g. transformers' Conv1D)
     module_type_names: tuple = ()
     match_subclasses: bool = False
+
+    @classmethod
+    def applies_to(cls, module: nn.Module) -> bool:
+        """For fallback rules (:func:`register_fallback_rule`): whether this rule handles ``module``."""
+        return False
 
     @classmethod
     def check(cls, path: str, module: nn.Module, tensor_name: str, axis: int, world_size: int) -> None:
@@ -61,8 +68,17 @@ def register_shard_rule(rule: Type[ShardRule]) -> Type[ShardRule]:
     return rule
 
 
+def register_fallback_rule(rule: Type[ShardRule]) -> Type[ShardRule]:
+    """Register a rule for modules of classes no rule names; it answers ``rule.applies_to(module)``
+    (the generic attention / MLP rule, which reads the module's ``forward``)."""
+    if rule not in _FALLBACKS:
+        _FALLBACKS.append(rule)
+    return rule
+
+
 def find_shard_rule(module: nn.Module) -> Optional[Type[ShardRule]]:
-    """The rule for ``module``'s class (or, for rules that allow it, a base class)."""
+    """The rule for ``module``'s class (or, for rules that allow it, a base class), else the first
+    fallback rule that applies to it."""
     _load_rules()
     klass = type(module)
     rule = _RULES.get(klass) or _RULES.get(klass.__name__)
@@ -71,6 +87,9 @@ def find_shard_rule(module: nn.Module) -> Optional[Type[ShardRule]]:
     for base in klass.__mro__[1:]:
         rule = _RULES.get(base)
         if rule is not None and rule.match_subclasses:
+            return rule
+    for rule in _FALLBACKS:
+        if rule.applies_to(module):
             return rule
     return None
 

@@ -49,6 +49,36 @@ class VocabParallelEmbedding(nn.Embedding):
         return f"{super().extra_repr()}, vocab_range=[{self.vocab_start_index}, {self.vocab_end_index})"
 
 
+def _overrides_forward(klass: type) -> bool:
+    return klass.forward is not nn.Embedding.forward and klass.forward is not VocabParallelEmbedding.forward
+
+
+def _forward_calls_super(klass: type) -> bool:
+    """Whether ``klass.forward`` looks its ids up through ``super().forward`` (GemmaTextScaledWordEmbedding
+    scales the result of ``super().forward(input_ids)``), so the masked lookup can take its place."""
+    import inspect
+    import textwrap
+
+    try:
+        source = textwrap.dedent(inspect.getsource(inspect.unwrap(klass.forward)))
+    except (OSError, TypeError):
+        return False
+    return "super().forward(" in source
+
+
+def vocab_parallel_class(klass: type) -> type:
+    """The vocabulary-parallel form of an Embedding class: :class:`VocabParallelEmbedding` itself for
+    ``nn.Embedding``, else a subclass of both whose own forward runs on the masked lookup."""
+    if klass is nn.Embedding or issubclass(klass, VocabParallelEmbedding):
+        return VocabParallelEmbedding if klass is nn.Embedding else klass
+    name = f"VocabParallel{klass.__name__}"
+    made = globals().get(name)
+    if made is None or made.__bases__ != (klass, VocabParallelEmbedding):
+        made = type(name, (klass, VocabParallelEmbedding), {"__module__": __name__})
+        globals()[name] = made  # importable by name, so a sharded model can be pickled
+    return made
+
+
 @register_shard_rule
 class EmbeddingShardRule(ShardRule):
     module_types = (nn.Embedding,)
@@ -66,6 +96,12 @@ class EmbeddingShardRule(ShardRule):
             raise ShardError(
                 f"{where}: cannot shard 'weight' of an Embedding with scale_grad_by_freq=True along the vocabulary "
                 "(axis 0): the masked ids would be counted as local row 0; shard along axis 1 instead")
+        klass = type(module)
+        if axis == 0 and _overrides_forward(klass) and not _forward_calls_super(klass):
+            raise ShardError(
+                f"{where}: cannot shard 'weight' of {klass.__name__} along the vocabulary (axis 0): its forward "
+                "does not look ids up through super().forward, so the masked vocabulary-parallel lookup cannot take "
+                "its place; shard along axis 1, or replace the module by an nn.Embedding first")
 
     @classmethod
     def after_shard(cls, module, tensor_name, axis, world_size, rank):
@@ -80,7 +116,7 @@ class EmbeddingShardRule(ShardRule):
         remember_unsharded(module, num_embeddings=full_rows, padding_idx=module.padding_idx)
         start = rank * rows
         padding = module.padding_idx
-        module.__class__ = VocabParallelEmbedding
+        module.__class__ = vocab_parallel_class(type(module))
         module.num_embeddings = rows
         module.vocab_start_index = start
         module.vocab_end_index = start + rows
