@@ -252,6 +252,8 @@ def write_results(name: str, rows: Iterable[dict], gpus: int, merge: bool = True
     kept = [r for r in old_rows if (r.get("work"), r.get("variant")) not in new_keys]
     data = environment(gpus)
     data.update(header)
+    # rows of earlier runs keep the revision and command that measured them (the header is the latest run's)
+    rows = [{"git_sha": data["git_sha"], "command": data.get("command"), **r} for r in rows]
     data["rows"] = kept + rows
     path.write_text(json.dumps(data, indent=2) + "\n")
     return path

@@ -201,12 +201,13 @@ def test_small_llama_trains_in_float8_like_bf16():
     models = {"bf16": base, "fp8": fp8_model}
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-3) for k, m in models.items()}
     gen = torch.Generator(device="cuda").manual_seed(1)
-    data = torch.randint(0, cfg.vocab_size, (50, 8, 128), device="cuda", generator=gen)
+    # eight batches seen again and again: a task the model can learn, so the curves fall and can be compared
+    data = torch.randint(0, cfg.vocab_size, (8, 8, 128), device="cuda", generator=gen)
     losses = {k: [] for k in models}
     for step in range(50):
         for k, m in models.items():
             with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = m(input_ids=data[step], labels=data[step]).loss
+                loss = m(input_ids=data[step % 8], labels=data[step % 8]).loss
             loss.backward()
             if step == 0:
                 grads = {n: p.grad.clone() for n, p in m.named_parameters()}
@@ -220,6 +221,7 @@ def test_small_llama_trains_in_float8_like_bf16():
     errors = {name: _rel(losses["grads"]["fp8"][name], g) for name, g in losses["grads"]["bf16"].items()}
     assert max(errors.values()) < 0.3, errors
     assert sorted(errors.values())[len(errors) // 2] < 0.1, errors
-    # the loss curve stays on bf16's: within 2% at every step of the last ten
-    for a, b in zip(losses["fp8"][-10:], losses["bf16"][-10:]):
-        assert abs(a - b) / b < 0.02
+    # both curves fall, and float8's stays on bf16's: the mean of the last ten steps within 5%
+    assert losses["bf16"][-1] < 0.7 * losses["bf16"][0], losses["bf16"]
+    tail = {k: sum(losses[k][-10:]) / 10 for k in ("bf16", "fp8")}
+    assert abs(tail["fp8"] - tail["bf16"]) / tail["bf16"] < 0.05, (losses["fp8"], losses["bf16"])
