@@ -14,13 +14,15 @@ checkpoint, trace, find, fuse ...), check it with ``Verify`` and ``build`` it::
 from . import distributed, env, primitives
 from .build import build
 from .checkpoint import export_hf, load_checkpoint, save_checkpoint
-from .errors import (CheckpointError, DistributedError, LoweringError, NotTracedError, PatternError, PipelineError,
-                     PlanError, PlanSerializationError, ScheduleKeyError, ScheduleTypeError, ScheduleValueError,
-                     SchedlangError, ShardError, SyncError, TraceError, VerificationError)
+from .errors import (ArgumentTypeError, CheckpointError, DistributedError, LoweringError, NotTracedError, PatternError,
+                     PipelineError, PlanError, PlanMismatchError, PlanSerializationError, ScheduleKeyError,
+                     ScheduleTypeError, ScheduleValueError, SchedlangError, ShardError, SyncError, TraceError,
+                     VerificationError)
 from .init import init_empty_weights
-from .plan import Plan, Step, replay
+from .plan import Plan, Step
 from .pretrained import load_pretrained
-from .primitives.base import list_primitives
+from .primitives.base import get_primitive, list_primitives, register_primitive
+from .replaying import replay
 from .schedule import Schedule, create_schedule
 from .verify import Verify
 
@@ -31,10 +33,11 @@ from .progress import register_torch_logs as _register_torch_logs  # noqa: E402
 _register_torch_logs()  # TORCH_LOGS=+schedlang, as for PyTorch's own components
 
 __all__ = [
-    "Schedule", "create_schedule", "Plan", "Step", "replay", "list_primitives", "build", "Verify",
+    "Schedule", "create_schedule", "Plan", "Step", "replay", "list_primitives", "get_primitive", "register_primitive",
+    "build", "Verify",
     "init_empty_weights", "call_module", "PH", "distributed", "env", "primitives",
     "SchedlangError", "ScheduleKeyError", "ScheduleValueError", "ScheduleTypeError", "ShardError", "SyncError",
-    "PlanError", "PlanSerializationError", "TraceError", "NotTracedError", "PatternError", "LoweringError",
+    "PlanError", "PlanSerializationError", "PlanMismatchError", "ArgumentTypeError", "TraceError", "NotTracedError", "PatternError", "LoweringError",
     "VerificationError", "DistributedError", "CheckpointError", "PipelineError", "save_checkpoint", "load_checkpoint",
     "export_hf", "load_pretrained",
     "__version__",
