@@ -93,7 +93,7 @@ _NOUNS = {bool: "bools", int: "ints", float: "numbers", str: "strings"}
 
 
 def _article(word: str) -> str:
-    return f"an {word}" if word[:1].lower() in "aeiou" else f"a {word}"
+    return f"an {word}" if word[:1].lower() in "aeiou" or word.startswith("nn.") else f"a {word}"
 
 
 def _class_name(cls: type) -> str:
@@ -230,11 +230,14 @@ class DecodeContext:
         if not isinstance(name, str) or "." not in name:
             raise self.error(f"expected a class name like 'package.module.Class', got {name!r}")
         parts = name.split(".")
-        for k in range(len(parts) - 1, 0, -1):
+        for k in range(len(parts) - 1, 0, -1):  # the longest module prefix that holds the class
             module_name = ".".join(parts[:k])
             if module_name in sys.modules or self._trusted(module_name):
-                return self.resolve_class(module_name, ".".join(parts[k:]), base)
-        return self.resolve_class(".".join(parts[:-1]), parts[-1], base)  # raises: not imported, not trusted
+                try:
+                    return self.resolve_class(module_name, ".".join(parts[k:]), base)
+                except PlanSerializationError:
+                    continue
+        return self.resolve_class(".".join(parts[:-1]), parts[-1], base)  # raises, naming the likely module
 
 
 # ---------------------------------------------------------------------------------------- codecs
