@@ -23,7 +23,7 @@ import functools
 import inspect
 import logging
 import re
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Type, Union
+from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple, Type, Union
 
 import torch.fx as fx
 from torch import nn

@@ -27,10 +27,9 @@ import inspect
 from typing import Any, ClassVar, Dict, List, Tuple, Type
 
 from ..errors import ArgumentTypeError, ScheduleKeyError
-from .params import DecodeContext, Param, check_type, encode_value, format_type, short_repr
+from .params import DecodeContext, Param, check_type, format_type, short_repr
 
-__all__ = ["Primitive", "Param", "register_primitive", "get_primitive", "list_primitives", "encode_value",
-           "signature_mismatch"]
+__all__ = ["Primitive", "Param", "register_primitive", "get_primitive", "list_primitives", "signature_mismatch"]
 
 _REGISTRY: Dict[str, Type["Primitive"]] = {}
 

@@ -140,6 +140,10 @@ def format_type(tp: Any) -> str:
     """``tp`` as it reads in a signature (for docs)."""
     if isinstance(tp, type) and _origin(tp) is None:
         return _class_name(tp) if tp.__module__ != "builtins" else tp.__name__
+    args = typing.get_args(tp)
+    if _origin(tp) is Union and type(None) in args:
+        rest = [a for a in args if a is not type(None)]
+        return f"Optional[{format_type(rest[0] if len(rest) == 1 else Union[tuple(rest)])}]"
     return inspect.formatannotation(tp).replace("torch.nn.modules.module.Module", "nn.Module")
 
 

@@ -7,7 +7,7 @@ failing ``make_fn`` changes nothing. A match inside a replaced module is not vis
 
 from __future__ import annotations
 
-from typing import Any, Callable, Type
+from typing import Callable, Type
 
 from torch import nn
 

@@ -38,7 +38,7 @@ def _tensor_names(module: nn.Module):
 class Shard(Primitive):
     """Split parameter or buffer ``tensor_name`` of this module along ``axis`` over the group.
 
-    Example (Megatron MLP)::
+    Example (a Megatron MLP)::
 
         sch["fc1"].shard("weight", axis=0); sch["fc1"].shard("bias", axis=0)
         sch["fc2"].shard("weight", axis=1)
