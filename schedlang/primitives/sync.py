@@ -32,7 +32,8 @@ logger = logging.getLogger("schedlang.primitives.sync")
 #: steps after which every module's input and output keep their rank, so a probe stays valid
 _RANK_PRESERVING = frozenset({"shard", "sync", "annotate", "fork_rng", "checkpoint", "decompose", "fully_shard",
                               "replicate", "cut_pipeline_stage"})
-_PROBES: "weakref.WeakKeyDictionary[Any, Tuple[int, Dict[str, Tuple[Optional[int], Optional[int]]]]]" = \
+#: per schedule state: (which model was probed, plan length then, {path: (input rank, output rank)})
+_PROBES: "weakref.WeakKeyDictionary[Any, Tuple[Any, int, Dict[str, Tuple[Optional[int], Optional[int]]]]]" = \
     weakref.WeakKeyDictionary()
 
 
