@@ -140,12 +140,13 @@ def _first_tensor(value: Any, output: bool) -> Optional[torch.Tensor]:
 
 
 def _hf_model_around(sch) -> Optional[Tuple[str, Any]]:
-    """``(path, module)`` of the nearest transformers model holding (or being) this module."""
+    """``(path, module)`` of the outermost transformers model holding (or being) this module (outermost,
+    so that one probe serves every module of the model)."""
     from ..graph.tracer import is_hf_model
 
     root = sch.root.mod
     parts = sch.path.split(".") if sch.path else []
-    for k in range(len(parts), -1, -1):
+    for k in range(len(parts) + 1):
         path = ".".join(parts[:k])
         module = root.get_submodule(path) if path else root
         if is_hf_model(module):
