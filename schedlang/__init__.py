@@ -14,13 +14,15 @@ checkpoint, trace, find, fuse ...), check it with ``Verify`` and ``build`` it::
 from . import distributed, env, primitives
 from .build import build
 from .checkpoint import export_hf, load_checkpoint, save_checkpoint
-from .errors import (CheckpointError, DistributedError, LoweringError, MissingDependencyError, NotTracedError, PatternError, PipelineError,
-                     PlanError, PlanSerializationError, ScheduleKeyError, ScheduleTypeError, ScheduleValueError,
-                     SchedlangError, ShardError, SyncError, TraceError, VerificationError)
+from .errors import (ArgumentTypeError, CheckpointError, DistributedError, LoweringError, MissingDependencyError,
+                     NotTracedError, PatternError, PipelineError, PlanError, PlanMismatchError, PlanSerializationError,
+                     ScheduleKeyError, ScheduleTypeError, ScheduleValueError, SchedlangError, ShardError, SyncError,
+                     TraceError, VerificationError)
 from .initialization import init_empty_weights  # Slapo's signature: (enable=True, include_buffers=False)
-from .plan import Plan, Step, replay
+from .plan import Plan, Step
 from .pretrained import load_pretrained
-from .primitives.base import list_primitives
+from .primitives.base import get_primitive, list_primitives, register_primitive
+from .replaying import replay
 from .schedule import Schedule, create_schedule
 from .verify import Verify
 
@@ -31,16 +33,18 @@ from .progress import register_torch_logs as _register_torch_logs  # noqa: E402
 _register_torch_logs()  # TORCH_LOGS=+schedlang, as for PyTorch's own components
 
 __all__ = [
-    "Schedule", "create_schedule", "Plan", "Step", "replay", "list_primitives", "build", "Verify",
+    "Schedule", "create_schedule", "Plan", "Step", "replay", "list_primitives", "get_primitive", "register_primitive",
+    "build", "Verify",
     "init_empty_weights", "call_module", "PH", "distributed", "env", "primitives",
     "SchedlangError", "ScheduleKeyError", "ScheduleValueError", "ScheduleTypeError", "ShardError", "SyncError",
-    "PlanError", "PlanSerializationError", "TraceError", "NotTracedError", "PatternError", "LoweringError",
-    "VerificationError", "DistributedError", "CheckpointError", "PipelineError", "MissingDependencyError", "save_checkpoint", "load_checkpoint",
+    "PlanError", "PlanSerializationError", "PlanMismatchError", "ArgumentTypeError", "TraceError", "NotTracedError",
+    "PatternError", "LoweringError", "VerificationError", "DistributedError", "CheckpointError", "PipelineError",
+    "MissingDependencyError", "save_checkpoint", "load_checkpoint",
     "export_hf", "load_pretrained",
     "__version__",
     # Slapo's names and module paths, imported on first use
     "Pattern", "ModulePattern", "get_logger", "set_random_seed", "get_cuda_rng_tracker", "is_random_seed_set",
-    "Symbol", "Space", "Database", "register_primitive",
+    "Symbol", "Space", "Database",
 ]
 
 # Slapo's module paths under schedlang (``import schedlang as slapo; slapo.op.FusedQKV``), loaded on first use
@@ -49,8 +53,7 @@ _LAZY_MODULES = ("op", "pattern", "sharding", "random", "pipeline", "framework_d
 # Slapo's top-level names: name -> module that defines it
 _LAZY_NAMES = {"Pattern": "pattern", "ModulePattern": "pattern", "get_logger": "logger",
                "set_random_seed": "random", "get_cuda_rng_tracker": "random", "is_random_seed_set": "random",
-               "Symbol": "autotune", "Space": "autotune", "Database": "autotune",
-               "register_primitive": "primitives.base"}
+               "Symbol": "autotune", "Space": "autotune", "Database": "autotune"}
 
 
 def __getattr__(name):

@@ -17,10 +17,12 @@ __all__ = [
     "ScheduleKeyError",
     "ScheduleValueError",
     "ScheduleTypeError",
+    "ArgumentTypeError",
     "ShardError",
     "SyncError",
     "PlanError",
     "PlanSerializationError",
+    "PlanMismatchError",
     "TraceError",
     "NotTracedError",
     "PatternError",
@@ -52,6 +54,14 @@ class ScheduleTypeError(SchedlangError, TypeError):
     """An argument of a primitive has the wrong type."""
 
 
+class ArgumentTypeError(ScheduleTypeError, ScheduleValueError):
+    """An argument of a primitive is not of its declared type.
+
+    Both a ``TypeError`` and a ``ValueError``: some primitives reported a wrong type as a bad
+    value before their arguments were declared, and ``except ValueError`` keeps working.
+    """
+
+
 class ShardError(ScheduleValueError):
     """A tensor cannot be sharded as asked (axis, divisibility, module type)."""
 
@@ -65,7 +75,12 @@ class PlanError(SchedlangError, ValueError):
 
 
 class PlanSerializationError(PlanError, TypeError):
-    """A step holds a Python object that cannot be written to JSON."""
+    """A step holds a Python object that cannot be written to JSON, or a plan's JSON is malformed
+    (missing key, wrong type, unknown primitive or version, a type name from a module not trusted)."""
+
+
+class PlanMismatchError(PlanError):
+    """A plan is replayed on a model whose structure differs from the one it was made for."""
 
 
 class TraceError(SchedlangError, RuntimeError):

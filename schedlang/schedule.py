@@ -8,23 +8,32 @@ always shows the module that is at that path *now*, after replacements and traci
 Each primitive call checks its arguments first, then changes the working copy; if the
 change itself fails, the tree is restored, so nothing is ever half-applied. A successful
 call is recorded as a :class:`~schedlang.plan.Step` of ``sch.plan``.
+
+Every primitive is a real method here, a stub whose signature is checked against the
+primitive's declaration when the class is defined (and by a test); the primitive's file
+holds everything else (docs, checks, JSON form). Layers import downward: primitives, then
+the plan, then this module, then :mod:`schedlang.replaying`, build and verify.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import functools
+import inspect
 import logging
 import re
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Type, Union
+from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple, Type, Union
 
-import torch
+import torch.fx as fx
 from torch import nn
 
+from . import primitives  # noqa: F401  (registers every primitive before the methods below are checked)
 from .distributed import groups
 from .errors import ScheduleKeyError, ScheduleTypeError
+from .fingerprint import ModelFingerprint
 from .plan import Plan, Step
-from .primitives.base import get_primitive
+from .primitives.base import get_primitive, signature_mismatch
 
 __all__ = ["Schedule", "create_schedule"]
 
@@ -41,36 +50,93 @@ class _RootState:
         self.original = original
         self.group = group
         self.mesh = mesh
-        self.plan = Plan()
+        self.plan = Plan(fingerprint=ModelFingerprint.of(original) if original is not None else None)
+        #: per-path notes of what primitives did (shards, syncs, graphs as traced ...), read by the report
         self.metadata: Dict[str, Dict[str, Any]] = {}
 
 
-class _TreeSnapshot:
-    """Shallow copy of every module's attribute dictionaries, to undo a failed primitive.
+def _copy_container(value: Any) -> Any:
+    if isinstance(value, dict):
+        return type(value)(value) if type(value) is not dict else dict(value)
+    if isinstance(value, list):
+        return list(value)
+    return value
 
-    Primitives never change tensors in place (they swap in new ``Parameter`` objects,
-    child modules and hooks), so restoring the dictionaries restores the tree.
+
+class _Undo:
+    """What it takes to put a schedule back as it was: every module's attribute dictionaries,
+    the plan's length and the metadata.
+
+    Primitives never change tensors in place (they swap in new ``Parameter`` objects, child
+    modules, hooks and graphs), so restoring the dictionaries restores the tree. Beyond them
+    it keeps the attributes set on parameters (``annotate``), a transformers config's
+    attributes (``trace`` turns ``use_cache`` off) and a traced module's generated
+    ``forward``, which FX stores on the module's own class.
     """
 
     def __init__(self, state: _RootState):
         self.state = state
         self.root = state.module
-        self.saved = []
+        self.plan_length = len(state.plan)
+        self.metadata = {path: {k: _copy_container(v) for k, v in entry.items()}
+                         for path, entry in state.metadata.items()}
+        self.modules = []
+        self.objects = []
+        seen = set()
         for m in self.root.modules():
-            d = dict(m.__dict__)
-            for key, value in d.items():
-                if isinstance(value, dict):
-                    d[key] = type(value)(value) if type(value) is not dict else dict(value)
-                elif isinstance(value, list):
-                    d[key] = list(value)
-            self.saved.append((m, m.__class__, d))
+            d = {key: _copy_container(value) for key, value in m.__dict__.items()}
+            forward = vars(type(m)).get("forward") if isinstance(m, fx.GraphModule) else None
+            self.modules.append((m, m.__class__, d, forward))
+            extra = list(m._parameters.values())
+            config = m.__dict__.get("config")
+            if config is not None and hasattr(config, "to_dict"):
+                extra.append(config)
+            for obj in extra:
+                if obj is not None and id(obj) not in seen:
+                    seen.add(id(obj))
+                    self.objects.append((obj, dict(obj.__dict__)))
 
     def restore(self) -> None:
-        self.state.module = self.root
-        for m, klass, d in self.saved:
+        state = self.state
+        state.module = self.root
+        for m, klass, d, forward in self.modules:
             m.__dict__.clear()
             m.__dict__.update(d)
             m.__class__ = klass
+            if forward is not None and vars(klass).get("forward") is not forward:
+                klass.forward = forward
+        for obj, d in self.objects:
+            obj.__dict__.clear()
+            obj.__dict__.update(d)
+        state.plan._truncate(self.plan_length)
+        state.metadata.clear()
+        state.metadata.update(self.metadata)
+
+
+def _primitive_method(fn: Callable) -> Callable:
+    """Make ``fn`` (a stub named after a registered primitive) the ``Schedule`` method that calls it.
+
+    The stub's signature must be the one the primitive declares (checked here, when the class
+    is defined); the docstring is the primitive's.
+    """
+    primitive = get_primitive(fn.__name__)
+    problem = signature_mismatch(fn, primitive)
+    if problem:
+        raise TypeError(f"Schedule.{fn.__name__} does not match its primitive's declaration: {problem}")
+    sig = inspect.signature(fn)
+    var_keyword = next((p.name for p in sig.parameters.values() if p.kind is p.VAR_KEYWORD), None)
+
+    @functools.wraps(fn)
+    def method(self, *args, **kwargs):
+        bound = sig.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        call = dict(bound.arguments)
+        del call["self"]
+        options = call.pop(var_keyword, {}) if var_keyword else {}
+        return self._run(primitive.name, **call, **options)
+
+    method.__doc__ = primitive.method_doc()
+    return method
 
 
 class Schedule:
@@ -207,34 +273,23 @@ class Schedule:
                 for i in range(n_layers):
                     shard_layer(sch[f"layers.{i}"])   # a failure at layer 7 leaves layers 0-6 unsharded too
         """
-        state = self._state
-        snapshot = _TreeSnapshot(state)
-        steps = len(state.plan)
-        metadata = {path: {k: (type(v)(v) if isinstance(v, (dict, list)) else v) for k, v in entry.items()}
-                    for path, entry in state.metadata.items()}
+        undo = _Undo(self._state)
         try:
             yield self
         except BaseException:
-            snapshot.restore()
-            state.plan._truncate(steps)
-            state.metadata.clear()
-            state.metadata.update(metadata)
+            undo.restore()
             raise
 
     # ------------------------------------------------------------------ running primitives
     def _run(self, _primitive: str, /, **kwargs: Any) -> Any:
-        name = _primitive
-        primitive = get_primitive(name)
-        args = primitive.validate(self, **kwargs)
-        snapshot = _TreeSnapshot(self._state)
-        try:
+        """Check the arguments (declared types, then the primitive's own checks), apply, record."""
+        primitive = get_primitive(_primitive)
+        args = primitive.validate(self, **primitive.bind(self, kwargs))
+        with self.atomic():
             result = primitive.apply(self, **args)
-        except BaseException:
-            snapshot.restore()
-            raise
-        if getattr(primitive, "records_step", True):
-            self._state.plan.append(Step(primitive=name, path=self._path, args=args))
-            logger.debug("step %d: %s at %s", len(self._state.plan) - 1, name, self._display())
+        if primitive.records_step:
+            self._state.plan.append(Step(primitive=primitive.name, path=self._path, args=args))
+            logger.debug("step %d: %s at %s", len(self._state.plan) - 1, primitive.name, self._display())
         return result
 
     def report(self, path: str, model: Optional[nn.Module] = None, verify=None, title: str = "") -> Optional[str]:
@@ -249,189 +304,70 @@ class Schedule:
         return write_report(self.root, path, model=model, verify=verify, title=title)
 
     # ------------------------------------------------------------------ graph-free primitives
-    def replace(self, new_mod_or_fn: Union[nn.Module, Callable], target_ops=None, name: Optional[str] = None):
-        """Replace this module by ``new_mod_or_fn``, or, with ``target_ops`` (subgraphs from
-        :meth:`find`), replace those subgraphs of the traced module by it.
+    # Each method's signature is checked against its primitive's declaration when this class is
+    # defined; its docstring is the primitive's, and its body is the call (see _primitive_method).
+    @_primitive_method
+    def replace(self, new_mod_or_fn: Callable[..., Any], target_ops: Any = None, name: Optional[str] = None): ...
 
-        Example::
+    @_primitive_method
+    def replace_all(self, module_type: Type[nn.Module], make_fn: Callable[[str, nn.Module], nn.Module]): ...
 
-            sch["mlp"].replace(FastMLP.from_module(sch["mlp"].mod))
-        """
-        return self._run("replace", new_mod_or_fn=new_mod_or_fn, target_ops=target_ops, name=name)
+    @_primitive_method
+    def shard(self, tensor_name: str, axis: int): ...
 
-    def replace_all(self, module_type: Type[nn.Module], make_fn: Callable[[str, nn.Module], nn.Module]):
-        """Replace every submodule of type ``module_type`` under this path by ``make_fn(path, old_module)``.
+    @_primitive_method
+    def sync(self, mode: str, sync_op_or_fn: Union[str, Callable[..., Any]] = "all_reduce", **options: Any): ...
 
-        Example::
+    @_primitive_method
+    def checkpoint(self, subgraph: Any = None, **options: Any): ...
 
-            sch.replace_all(nn.GELU, lambda name, old: FastGELU())
-        """
-        return self._run("replace_all", module_type=module_type, make_fn=make_fn)
+    @_primitive_method
+    def fork_rng(self): ...
 
-    def shard(self, tensor_name: str, axis: int):
-        """Split parameter or buffer ``tensor_name`` of this module along ``axis`` over the group.
+    @_primitive_method
+    def annotate(self, param_name: str, key: str, value: Any): ...
 
-        Example (Megatron MLP)::
+    @_primitive_method
+    def decompose(self): ...
 
-            sch["fc1"].shard("weight", axis=0); sch["fc1"].shard("bias", axis=0)
-            sch["fc2"].shard("weight", axis=1)
-        """
-        return self._run("shard", tensor_name=tensor_name, axis=axis)
-
-    def sync(self, mode: str, sync_op_or_fn: Union[str, Callable] = "all_reduce", **kwargs: Any):
-        """Insert a synchronization: ``mode`` in ``fwd_pre``, ``fwd_post``, ``bwd_post``;
-        op ``all_reduce``, ``all_gather`` (``axis=``), ``reduce_scatter`` (``axis=``) or a callable.
-
-        Example::
-
-            sch["fc2"].sync(mode="fwd_post", sync_op_or_fn="all_reduce")
-            sch["fc1"].sync(mode="bwd_post", sync_op_or_fn="all_reduce")
-        """
-        return self._run("sync", mode=mode, sync_op_or_fn=sync_op_or_fn, **kwargs)
-
-    def checkpoint(self, subgraph=None, **kwargs: Any):
-        """Recompute this module's activations in backward (``torch.utils.checkpoint``, non-reentrant);
-        with ``subgraph`` (from :meth:`find`), only that part of the traced module.
-
-        Example::
-
-            for i in range(n_layers): sch[f"layers.{i}"].checkpoint()
-        """
-        return self._run("checkpoint", subgraph=subgraph, **kwargs)
-
-    def fork_rng(self):
-        """Give this module's random ops (dropout) a per-rank random stream, as tensor-parallel
-        regions need, without disturbing the default stream the rest of the model uses."""
-        return self._run("fork_rng")
-
-    def annotate(self, param_name: str, key: str, value: Any):
-        """Attach ``key = value`` to parameter ``param_name`` (kept through build and replay)."""
-        return self._run("annotate", param_name=param_name, key=key, value=value)
-
-    def decompose(self):
-        """Turn an ``nn.Linear`` into a matmul followed by a separate bias add, so that the bias
-        add can be fused with what follows."""
-        return self._run("decompose")
-
-    def float8(self, recipe: str = "tensorwise", skip: Sequence[str] = (), filter: Optional[Callable] = None,
-               min_features: int = 128, fsdp_float8_all_gather: bool = False, emulate: Optional[bool] = None):
-        """Train the Linears under this module in float8 (``torchao.float8``; ``pip install 'schedlang[fp8]'``).
-
-        ``recipe``: ``"tensorwise"`` (one dynamic scale per tensor), ``"rowwise"`` or
-        ``"rowwise_with_gw_hp"``. Linears whose dimensions are not multiples of 16, the LM head and
-        Linears smaller than ``min_features`` on a side stay in their dtype (reasons are logged and
-        returned); ``skip`` (fnmatch patterns of module paths) and ``filter(path, module) -> bool``
-        exclude more. ``fsdp_float8_all_gather`` lets FSDP2 all-gather the weights in float8.
-        ``emulate`` (default: when the GPU has no float8 tensor cores) computes in high precision.
-        Call it after ``shard``, so tensor-parallel shards are checked as they will run.
-
-        Example::
-
-            for i in range(n_layers):
-                sch[f"model.layers.{i}"].float8()
-        """
-        return self._run("float8", recipe=recipe, skip=skip, filter=filter, min_features=min_features,
-                         fsdp_float8_all_gather=fsdp_float8_all_gather, emulate=emulate)
+    @_primitive_method
+    def float8(self, recipe: str = "tensorwise", skip: Sequence[str] = (),
+               filter: Optional[Callable[[str, nn.Module], bool]] = None, min_features: int = 128,
+               fsdp_float8_all_gather: bool = False, emulate: Optional[bool] = None): ...
 
     # ------------------------------------------------------------------ data parallelism
-    def fully_shard(self, reshard_after_forward: Optional[Union[bool, int]] = None, mp_policy=None,
-                    offload: bool = False):
-        """FSDP2 on the mesh's data-parallel dimension for this module's parameters, carried out by
-        :func:`schedlang.build` (see :mod:`schedlang.primitives.fully_shard` for the options).
+    @_primitive_method
+    def fully_shard(self, reshard_after_forward: Optional[Union[bool, int]] = None, mp_policy: Any = None,
+                    offload: bool = False): ...
 
-        Example::
-
-            for i in range(n_layers): sch[f"model.layers.{i}"].fully_shard()
-            sch.fully_shard()
-        """
-        return self._run("fully_shard", reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
-                         offload=offload)
-
-    def replicate(self, mp_policy=None):
-        """DDP on the mesh's ``dp`` dimension (gradients all-reduced), carried out by :func:`schedlang.build`.
-
-        Example::
-
-            sch.replicate()
-        """
-        return self._run("replicate", mp_policy=mp_policy)
+    @_primitive_method
+    def replicate(self, mp_policy: Any = None): ...
 
     # ------------------------------------------------------------------ pipeline parallelism
-    def cut_pipeline_stage(self):
-        """End a pipeline stage after this module; ``n`` cuts make ``n + 1`` stages, split and run on
-        the mesh's ``pp`` dimension by ``schedlang.build(sch, pipeline={...})`` (see
-        :mod:`schedlang.primitives.cut_pipeline_stage`).
-
-        Example::
-
-            sch["model.layers.1"].cut_pipeline_stage()   # stage 0: embeddings, layers 0-1; stage 1: the rest
-        """
-        return self._run("cut_pipeline_stage")
+    @_primitive_method
+    def cut_pipeline_stage(self): ...
 
     # ------------------------------------------------------------------ graph primitives
-    def trace(self, recursive: bool = True, flatten: bool = False, leaf_modules=None, tracer: str = "fx",
-              concrete_args: Optional[Dict[str, Any]] = None):
-        """Trace this submodule into an FX graph (hierarchy kept unless ``flatten``).
+    @_primitive_method
+    def trace(self, recursive: bool = True, flatten: bool = False,
+              leaf_modules: Optional[Union[str, Type[nn.Module], Sequence[Any]]] = None, tracer: str = "fx",
+              concrete_args: Optional[Dict[str, Any]] = None): ...
 
-        ``leaf_modules`` lists module types or qualified names to keep as calls. A tensor in
-        ``concrete_args`` is an example input (its shape guides Python control flow); any other
-        value is fixed in the graph; ``schedlang.graph.PH`` keeps an argument an input.
-        Failures raise :class:`schedlang.TraceError` naming the submodule and the cause.
+    @_primitive_method
+    def find(self, regex_or_pattern_fn: Union[str, Callable[..., Any]]): ...
 
-        Example::
+    @_primitive_method
+    def fuse(self, subgraph: Any, compiler: str = "triton", name: str = "FusedModule"): ...
 
-            sch["mlp"].trace(flatten=True)
-        """
-        return self._run("trace", recursive=recursive, flatten=flatten, leaf_modules=leaf_modules, tracer=tracer,
-                         concrete_args=concrete_args)
+    @_primitive_method
+    def horizontal_fuse(self, rules: Optional[Sequence[str]] = None, min_group_size: int = 2): ...
 
-    def find(self, regex_or_pattern_fn):
-        """Find nodes of the traced module: a regex over module names, or a pattern function
-        matched by dataflow (returns a list of subgraphs).
+    @_primitive_method
+    def combine_sparse_features(self, features: Sequence[Sequence[str]],
+                                names: Sequence[str] = ("sparse_indices", "sparse_lengths")): ...
 
-        Example::
-
-            subgraphs = sch["mlp"].find(lambda x, b: F.gelu(x + b))
-        """
-        return self._run("find", regex_or_pattern_fn=regex_or_pattern_fn)
-
-    def fuse(self, subgraph, compiler: str = "triton", name: str = "FusedModule"):
-        """Fuse a found subgraph into one submodule lowered by ``compiler`` (``triton``,
-        ``inductor`` or ``eager``).
-
-        Example::
-
-            sch["mlp"].fuse(subgraphs, compiler="triton", name="BiasGeLU")
-        """
-        return self._run("fuse", subgraph=subgraph, compiler=compiler, name=name)
-
-    def horizontal_fuse(self, rules: Optional[Sequence[str]] = None, min_group_size: int = 2):
-        """Apply the atomic horizontal-fusion rules to the traced module until nothing changes;
-        returns a report of what was fused."""
-        return self._run("horizontal_fuse", rules=rules, min_group_size=min_group_size)
-
-
-    def combine_sparse_features(self, features, names=("sparse_indices", "sparse_lengths")):
-        """Make the traced forward take its sparse inputs, given as (indices_input, lengths_input)
-        name pairs, as one combined (indices, lengths) pair split on the device; returns the layout.
-
-        Example::
-
-            layout = sch.combine_sparse_features([("user_ids", "user_lengths"), ("item_ids", "item_lengths")])
-            indices, lengths = layout.combine(batch, pin_memory=True)
-        """
-        return self._run("combine_sparse_features", features=features, names=names)
-
-    def overlap_communication(self, hoist: bool = True):
-        """Issue the traced module's forward collectives asynchronously and wait just before the
-        first use, so independent computation runs meanwhile; returns a report.
-
-        Example::
-
-            sch.trace(flatten=True)
-            print(sch.overlap_communication())
-        """
-        return self._run("overlap_communication", hoist=hoist)
+    @_primitive_method
+    def overlap_communication(self, hoist: bool = True): ...
 
 
 def _join(prefix: str, name: str) -> str:

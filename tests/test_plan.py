@@ -90,9 +90,10 @@ def test_bad_plan_json(text, message):
 def test_replay_on_a_different_model_names_the_step():
     sch = schedlang.create_schedule(Stack())
     sch["layers.0.mlp.fc1"].shard("weight", axis=0)
+    # the fingerprint check (tests/test_replaying.py) would refuse the model first
     with pytest.raises(schedlang.ScheduleKeyError, match=r"replaying step 0 \(shard at 'layers.0.mlp.fc1'\): "
                        r"<root>: no submodule 'layers'"):
-        schedlang.replay(sch.plan.to_json(), MLP())
+        schedlang.replay(sch.plan.to_json(), MLP(), check_fingerprint=False)
 
 
 def test_plan_slicing_and_iteration():

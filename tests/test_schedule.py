@@ -1,8 +1,11 @@
+import inspect
+
 import pytest
 import torch
 from torch import nn
 
 import schedlang
+from schedlang.primitives.base import get_primitive, signature_mismatch
 from schedlang.schedule import Schedule
 from tests.helpers.models import MLP, Stack, assert_unchanged, state_snapshot
 
@@ -65,6 +68,72 @@ def test_schedule_methods_match_registered_primitives():
     methods = {n for n, v in vars(Schedule).items() if callable(v) and not n.startswith("_")
                and n not in ("named_schedules", "atomic", "report")}
     assert methods == set(schedlang.list_primitives())
+
+
+@pytest.mark.parametrize("name", schedlang.list_primitives())
+def test_each_method_signature_and_docstring_come_from_the_declaration(name):
+    primitive = get_primitive(name)
+    method = getattr(Schedule, name)
+    assert signature_mismatch(method, primitive) == ""
+    actual = inspect.signature(method).parameters
+    declared = [p for p in primitive.params if not p.option]
+    assert [n for n, p in actual.items() if p.kind is not p.VAR_KEYWORD][1:] == [p.name for p in declared]
+    for p in declared:
+        assert actual[p.name].default == (inspect.Parameter.empty if p.required else p.default), p.name
+    assert any(p.kind is p.VAR_KEYWORD for p in actual.values()) == bool(primitive.options())
+    doc = method.__doc__
+    assert doc == primitive.method_doc() and doc.startswith(inspect.cleandoc(primitive.__doc__))
+    for p in primitive.params:
+        assert p.doc and f"{p.name} (" in doc or f"``{p.name}``" in doc, p.name
+
+
+def test_a_method_that_drifts_from_its_declaration_is_refused_when_defined():
+    from schedlang.schedule import _primitive_method
+
+    def shard(self, tensor_name: str, axis: int = 0): ...
+
+    with pytest.raises(TypeError, match=r"Schedule\.shard does not match its primitive's declaration: 'axis' "
+                                        r"defaults to 0, declared <class 'inspect\._empty'>"):
+        _primitive_method(shard)
+
+    def sync(self, mode: str, sync_op_or_fn: str = "all_reduce"): ...
+
+    with pytest.raises(TypeError, match=r"arguments \(mode: str, sync_op_or_fn: str = 'all_reduce'\) instead of "):
+        _primitive_method(sync)
+
+
+def test_arguments_are_type_checked_from_the_declaration():
+    sch = schedlang.create_schedule(MLP())
+    with pytest.raises(schedlang.ArgumentTypeError, match=r"^fc1: annotate param_name must be a str, got 3$") as info:
+        sch["fc1"].annotate(3, "k", 1)
+    assert isinstance(info.value, TypeError) and isinstance(info.value, ValueError)
+    with pytest.raises(schedlang.ArgumentTypeError, match=r"^<root>: fully_shard offload must be True or False, "
+                                                          r"got 'yes'$"):
+        sch.fully_shard(offload="yes")
+    with pytest.raises(schedlang.ArgumentTypeError, match=r"^<root>: fully_shard reshard_after_forward must be None, "
+                                                          r"a bool or an int \(ranks to reshard to\), got 1\.5$"):
+        sch.fully_shard(reshard_after_forward=1.5)
+    with pytest.raises(schedlang.ArgumentTypeError, match=r"^fc1: shard takes no argument\(s\) dim; its arguments are "
+                                                          r"tensor_name, axis$"):
+        sch["fc1"]._run("shard", tensor_name="weight", dim=0)
+    with pytest.raises(schedlang.ArgumentTypeError, match=r"^fc1: shard needs the argument 'axis' \(the dimension "):
+        sch["fc1"]._run("shard", tensor_name="weight")
+    assert len(sch.plan) == 0
+
+
+def test_failed_step_inside_atomic_undoes_a_fused_graph():
+    sch = schedlang.create_schedule(MLP(7, 13))
+    sch.trace(flatten=True)
+    x = torch.randn(5, 7)
+    expected = sch.mod(x)
+    code = sch.mod.code
+    with pytest.raises(schedlang.ShardError):
+        with sch.atomic():
+            sch.fuse(sch.find(lambda a: torch.nn.functional.gelu(a)), compiler="eager", name="Act")
+            assert "Act" in sch.mod.code
+            sch["fc1"].shard("weight", axis=9)
+    assert sch.mod.code == code and not hasattr(sch.mod, "Act_0")
+    torch.testing.assert_close(sch.mod(x), expected)
 
 
 def test_failed_primitive_leaves_the_tree_unchanged(monkeypatch):

@@ -7,8 +7,10 @@ parameters for an optimizer or a checkpoint converter (e.g. their original shape
 
 from __future__ import annotations
 
+from typing import Any
+
 from ..errors import ScheduleKeyError, ScheduleTypeError, ScheduleValueError
-from .base import Primitive, register_primitive
+from .base import Param, Primitive, register_primitive
 
 _RESERVED = {"data", "grad", "requires_grad", "shape", "dtype", "device"}
 
@@ -24,7 +26,20 @@ def apply_annotations(module) -> None:
 
 @register_primitive
 class Annotate(Primitive):
+    """Attach ``key = value`` to parameter ``param_name`` (kept through build and replay).
+
+    Example::
+
+        sch["fc1"].annotate("weight", "orig_shape", (20, 12))
+    """
+
     name = "annotate"
+    params = (
+        Param("param_name", str, doc="a parameter of this module"),
+        Param("key", str, doc="attribute name to set on the parameter (an identifier)",
+              type_error="{where}: annotation key must be an identifier string, got {value}"),
+        Param("value", Any, doc="the value (plain data, to be written to a plan's JSON)"),
+    )
 
     @classmethod
     def validate(cls, sch, param_name, key, value):
@@ -33,7 +48,7 @@ class Annotate(Primitive):
         if param_name not in params:
             raise ScheduleKeyError(f"{where}: no parameter '{param_name}' to annotate; valid names: "
                                    f"{', '.join(params) if params else 'none (it owns no parameters)'}")
-        if not isinstance(key, str) or not key.isidentifier():
+        if not key.isidentifier():
             raise ScheduleTypeError(f"{where}: annotation key must be an identifier string, got {key!r}")
         if key in _RESERVED or key.startswith("_"):
             raise ScheduleValueError(f"{where}: annotation key {key!r} would shadow a tensor attribute; choose "

@@ -14,10 +14,11 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 
-from ..errors import ScheduleValueError
-from .base import Primitive, register_primitive
+from typing import Any
 
-_OPTIONS = ("preserve_rng_state", "determinism_check")
+from ..errors import ScheduleValueError
+from .base import Param, Primitive, register_primitive
+from .params import SUBGRAPHS
 
 
 def _checkpointed_forward(self, *args, **kwargs):
@@ -31,15 +32,27 @@ def _checkpointed_forward(self, *args, **kwargs):
 
 @register_primitive
 class Checkpoint(Primitive):
+    """Recompute this module's activations in backward (``torch.utils.checkpoint``, non-reentrant);
+    with ``subgraph`` (from :meth:`find`), only that part of the traced module.
+
+    Example::
+
+        for i in range(n_layers): sch[f"layers.{i}"].checkpoint()
+    """
+
     name = "checkpoint"
+    params = (
+        Param("subgraph", Any, None, "subgraphs found in this traced module (None: the whole module)",
+              codec=SUBGRAPHS),
+        Param("preserve_rng_state", bool, True, "restore the RNG state when recomputing (torch's default)",
+              option=True),
+        Param("determinism_check", str, "default", "torch.utils.checkpoint's check of recomputed values",
+              option=True),
+    )
 
     @classmethod
     def validate(cls, sch, subgraph=None, **options):
         where = sch.path or "<root>"
-        unknown = sorted(set(options) - set(_OPTIONS))
-        if unknown:
-            raise ScheduleValueError(f"{where}: unknown checkpoint option(s) {', '.join(unknown)}: valid options are "
-                                     f"{', '.join(_OPTIONS)}")
         if subgraph is not None:
             from .. import graph
 
@@ -62,30 +75,3 @@ class Checkpoint(Primitive):
         module._schedlang_checkpoint_options = dict(options)
         module.forward = types.MethodType(_checkpointed_forward, module)
         return None
-
-    @classmethod
-    def replay_args(cls, args):
-        args = dict(args)
-        if args.get("subgraph") is not None:
-            from .. import graph
-
-            args["subgraph"] = graph.decode_subgraphs(graph.encode_subgraphs(args["subgraph"]))
-        return args
-
-    @classmethod
-    def encode_args(cls, args, step_index, path):
-        args = dict(args)
-        if args.get("subgraph") is not None:
-            from .. import graph
-
-            args["subgraph"] = graph.encode_subgraphs(args["subgraph"])
-        return super().encode_args(args, step_index, path)
-
-    @classmethod
-    def decode_args(cls, data):
-        data = dict(data)
-        if data.get("subgraph") is not None:
-            from .. import graph
-
-            data["subgraph"] = graph.decode_subgraphs(data["subgraph"])
-        return data

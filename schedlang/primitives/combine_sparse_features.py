@@ -17,8 +17,10 @@ Example::
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from ..errors import ScheduleKeyError, ScheduleTypeError, ScheduleValueError
-from .base import Primitive, register_primitive
+from .base import Param, Primitive, register_primitive
 from .horizontal_fuse import require_traced
 
 __all__ = ["CombineSparseFeatures"]
@@ -26,10 +28,25 @@ __all__ = ["CombineSparseFeatures"]
 
 @register_primitive
 class CombineSparseFeatures(Primitive):
+    """Make the traced forward take its sparse inputs, given as (indices_input, lengths_input)
+    name pairs, as one combined (indices, lengths) pair split on the device; returns the layout.
+
+    Example::
+
+        layout = sch.combine_sparse_features([("user_ids", "user_lengths"), ("item_ids", "item_lengths")])
+        indices, lengths = layout.combine(batch, pin_memory=True)
+    """
+
     name = "combine_sparse_features"
+    params = (
+        Param("features", Sequence[Sequence[str]], doc="(indices_input, lengths_input) name pairs of the forward",
+              expects="a non-empty list of (indices_input, lengths_input) name pairs"),
+        Param("names", Sequence[str], ("sparse_indices", "sparse_lengths"),
+              "names of the two combined inputs", expects="two different identifiers"),
+    )
 
     @classmethod
-    def validate(cls, sch, features=None, names=("sparse_indices", "sparse_lengths")):
+    def validate(cls, sch, features, names):
         where = sch.path or "<root>"
         gm = require_traced(sch, "combine_sparse_features")
         inputs = [n.target for n in gm.graph.nodes if n.op == "placeholder"]

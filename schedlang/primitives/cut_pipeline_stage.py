@@ -47,6 +47,15 @@ def _opaque_reason(module) -> str:
 
 @register_primitive
 class CutPipelineStage(Primitive):
+    """End a pipeline stage after this module; ``n`` cuts make ``n + 1`` stages, split and run on
+    the mesh's ``pp`` dimension by ``schedlang.build(sch, pipeline={...})`` (see
+    :mod:`schedlang.primitives.cut_pipeline_stage`).
+
+    Example::
+
+        sch["model.layers.1"].cut_pipeline_stage()   # stage 0: embeddings, layers 0-1; stage 1: the rest
+    """
+
     name = "cut_pipeline_stage"
 
     @classmethod

@@ -33,6 +33,14 @@ class LinearWithSeparateBias(nn.Linear):
 
 @register_primitive
 class Decompose(Primitive):
+    """Turn an ``nn.Linear`` into a matmul followed by a separate bias add, so that the bias
+    add can be fused with what follows.
+
+    Example::
+
+        sch["mlp.fc1"].decompose()
+    """
+
     name = "decompose"
 
     @classmethod

@@ -21,18 +21,32 @@ from __future__ import annotations
 
 import re
 
-from torch import nn
+from typing import Any, Callable, Union
 
-from ..errors import PatternError, ScheduleTypeError
-from .base import Primitive, register_primitive
+from ..errors import PatternError
+from .base import Param, Primitive, register_primitive
 
 __all__ = ["Find"]
 
 
 @register_primitive
 class Find(Primitive):
+    """Find nodes of the traced module: a regex over module names, or a pattern function
+    matched by dataflow (returns a list of subgraphs). A query: nothing is recorded.
+
+    Example::
+
+        subgraphs = sch["mlp"].find(lambda x, b: F.gelu(x + b))
+    """
+
     name = "find"
     records_step = False
+    params = (
+        Param("regex_or_pattern_fn", Union[str, Callable[..., Any]],
+              doc="a regex over module names, or a pattern function / nn.Module matched by dataflow",
+              type_error="{where}: find expects a regex string, a pattern function or an nn.Module, "
+                         "got {type_name}"),
+    )
 
     @classmethod
     def validate(cls, sch, regex_or_pattern_fn):
@@ -48,9 +62,6 @@ class Find(Primitive):
             except re.error as e:
                 raise PatternError(f"{where}: find got an invalid regex {pattern!r}: {e}") from e
             return {"regex_or_pattern_fn": pattern, "_pattern_graph": None}
-        if not (callable(pattern) or isinstance(pattern, nn.Module)):
-            raise ScheduleTypeError(f"{where}: find expects a regex string, a pattern function or an nn.Module, "
-                                    f"got {type(pattern).__name__}")
         try:
             traced = trace_pattern(pattern)
         except PatternError as e:

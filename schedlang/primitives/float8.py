@@ -31,13 +31,14 @@ from __future__ import annotations
 
 import fnmatch
 import logging
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
-from ..errors import MissingDependencyError, ScheduleTypeError, ScheduleValueError
-from .base import Primitive, register_primitive
+from ..errors import MissingDependencyError, ScheduleValueError
+from .base import Param, Primitive, register_primitive
+from .params import FUNCTION
 
 logger = logging.getLogger("schedlang.primitives.float8")
 
@@ -124,7 +125,32 @@ def _move_schedule_state(old: nn.Module, new: nn.Module) -> None:
 
 @register_primitive
 class Float8(Primitive):
+    """Train the Linears under this module in float8 (``torchao.float8``; ``pip install 'schedlang[fp8]'``).
+
+    Linears whose dimensions are not multiples of 16, the LM head and Linears smaller than
+    ``min_features`` on a side stay in their dtype (the reasons are logged and returned, with the
+    paths converted); ``skip`` and ``filter`` exclude more. Call it after ``shard``, so that
+    tensor-parallel shards are checked as they will run.
+
+    Example::
+
+        for i in range(n_layers):
+            sch[f"model.layers.{i}"].float8(recipe="tensorwise")
+    """
+
     name = "float8"
+    params = (
+        Param("recipe", str, "tensorwise", "tensorwise (one dynamic scale per tensor), rowwise or rowwise_with_gw_hp"),
+        Param("skip", Sequence[str], (), "fnmatch patterns of module paths that stay in their dtype",
+              type_error="{where}: float8 skip= takes module-path patterns (str), got {value}"),
+        Param("filter", Optional[Callable[[str, nn.Module], bool]], None,
+              "filter(path, module) -> bool; False keeps that Linear in its dtype", codec=FUNCTION,
+              type_error="{where}: float8 filter= must be a callable filter(path, module) -> bool, got {type_name}"),
+        Param("min_features", int, DEFAULT_MIN_FEATURES, "Linears smaller than this on a side stay in their dtype"),
+        Param("fsdp_float8_all_gather", bool, False, "FSDP2 all-gathers the weights in float8 (tensorwise only)"),
+        Param("emulate", Optional[bool], None,
+              "compute the float8 GEMMs in high precision (default: when the GPU has no float8 tensor cores)"),
+    )
 
     @classmethod
     def validate(cls, sch, recipe="tensorwise", skip: Sequence[str] = (), filter: Optional[Callable] = None,
@@ -133,18 +159,8 @@ class Float8(Primitive):
         where = sch.path or "<root>"
         if recipe not in RECIPES:
             raise ScheduleValueError(f"{where}: unknown float8 recipe {recipe!r}: valid recipes are {', '.join(RECIPES)}")
-        if isinstance(skip, str):
-            skip = (skip,)
-        if not all(isinstance(p, str) for p in skip):
-            raise ScheduleTypeError(f"{where}: float8 skip= takes module-path patterns (str), got {skip!r}")
-        if filter is not None and not callable(filter):
-            raise ScheduleTypeError(f"{where}: float8 filter= must be a callable filter(path, module) -> bool, "
-                                    f"got {type(filter).__name__}")
-        if isinstance(min_features, bool) or not isinstance(min_features, int) or min_features < 1:
+        if min_features < 1:
             raise ScheduleValueError(f"{where}: float8 min_features must be a positive int, got {min_features!r}")
-        for flag, value in (("fsdp_float8_all_gather", fsdp_float8_all_gather), ("emulate", emulate)):
-            if value is not None and not isinstance(value, bool):
-                raise ScheduleTypeError(f"{where}: float8 {flag} must be True or False, got {value!r}")
         float8 = torchao_float8()
         if fsdp_float8_all_gather and recipe != "tensorwise":
             raise ScheduleValueError(f"{where}: fsdp_float8_all_gather=True needs recipe='tensorwise' (torchao casts "
@@ -189,25 +205,6 @@ class Float8(Primitive):
         logger.info("float8 (%s%s): converted %d Linear(s) under %s", recipe, ", emulated" if emulate else "",
                     len(selected), sch.path or "<root>")
         return {"converted": selected, "skipped": skipped}
-
-    @classmethod
-    def encode_args(cls, args: Dict[str, Any], step_index: int, path: str) -> Dict[str, Any]:
-        if args.get("filter") is not None:
-            # a callable cannot be written: encode_value raises the error that says how to replay
-            return super().encode_args(args, step_index, path)
-        return super().encode_args({k: v for k, v in args.items() if k != "filter"}, step_index, path)
-
-    @classmethod
-    def decode_args(cls, data: Dict[str, Any]) -> Dict[str, Any]:
-        return {"filter": None, **data}
-
-    @classmethod
-    def describe_args(cls, args: Dict[str, Any]) -> str:
-        defaults = {"skip": [], "filter": None, "min_features": DEFAULT_MIN_FEATURES,
-                    "fsdp_float8_all_gather": False, "emulate": None}
-        shown = {k: v for k, v in args.items() if k not in defaults or (list(v) if isinstance(v, tuple) else v)
-                 != defaults[k]}
-        return super().describe_args(shown)
 
 
 def is_float8(module: nn.Module) -> bool:

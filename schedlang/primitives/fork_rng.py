@@ -18,8 +18,16 @@ _ATTR = "_schedlang_forked_rng"
 
 @register_primitive
 class ForkRng(Primitive):
-    name = "fork_rng"
+    """Give this module's random ops (dropout) a per-rank random stream, as tensor-parallel
+    regions need, without disturbing the default stream the rest of the model uses.
+
+    Example::
+
+        sch["layers.0.attn.drop"].fork_rng()
+    """
+
     # dropout differs by design after forking; Verify runs modules in eval mode where this is a no-op
+    name = "fork_rng"
 
     @classmethod
     def validate(cls, sch):

@@ -30,26 +30,43 @@ Example::
 
 from __future__ import annotations
 
+from typing import Any, Optional, Union
+
 from ..distributed.data_parallel import data_parallel_step_args
-from ..errors import ScheduleTypeError, ScheduleValueError
-from .base import Primitive, register_primitive
+from ..errors import ScheduleValueError
+from .base import Param, Primitive, register_primitive
+
+#: how ``mp_policy`` is declared for ``fully_shard`` and ``replicate``
+MP_POLICY = Param("mp_policy", Any, None, "mixed precision: None (bf16 on GPUs, fp32 on CPUs), 'bf16', 'fp32', "
+                                          "a dict of dtype names or a MixedPrecisionPolicy")
 
 
 @register_primitive
 class FullyShard(Primitive):
+    """FSDP2 on the mesh's data-parallel dimension for this module's parameters, carried out by
+    :func:`schedlang.build` (see :mod:`schedlang.primitives.fully_shard` for the options).
+
+    Example::
+
+        for i in range(n_layers): sch[f"model.layers.{i}"].fully_shard()
+        sch.fully_shard()
+    """
+
     name = "fully_shard"
+    params = (
+        Param("reshard_after_forward", Optional[Union[bool, int]], None,
+              "free gathered parameters after forward (True), keep them (False), or reshard to that many ranks",
+              expects="None, a bool or an int (ranks to reshard to)"),
+        MP_POLICY,
+        Param("offload", bool, False, "keep sharded parameters and optimizer state in CPU memory"),
+    )
 
     @classmethod
     def validate(cls, sch, reshard_after_forward=None, mp_policy=None, offload=False):
         where = sch.path or "<root>"
-        if reshard_after_forward is not None and not isinstance(reshard_after_forward, (bool, int)):
-            raise ScheduleTypeError(f"{where}: reshard_after_forward must be None, a bool or an int (ranks to "
-                                    f"reshard to), got {reshard_after_forward!r}")
         if type(reshard_after_forward) is int and reshard_after_forward < 1:
             raise ScheduleValueError(f"{where}: reshard_after_forward as a group size must be >= 1, got "
                                      f"{reshard_after_forward}")
-        if not isinstance(offload, bool):
-            raise ScheduleTypeError(f"{where}: offload must be True or False, got {offload!r}")
         return {"reshard_after_forward": reshard_after_forward, "offload": offload,
                 **data_parallel_step_args(sch, cls.name, mp_policy)}
 

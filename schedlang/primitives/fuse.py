@@ -20,14 +20,30 @@ Example::
 
 from __future__ import annotations
 
-from .base import Primitive, register_primitive
+from typing import Any
+
+from .base import Param, Primitive, register_primitive
+from .params import SUBGRAPHS
 
 __all__ = ["Fuse"]
 
 
 @register_primitive
 class Fuse(Primitive):
+    """Fuse a found subgraph into one submodule lowered by ``compiler`` (``triton``,
+    ``inductor`` or ``eager``).
+
+    Example::
+
+        sch["mlp"].fuse(subgraphs, compiler="triton", name="BiasGeLU")
+    """
+
     name = "fuse"
+    params = (
+        Param("subgraph", Any, doc="subgraphs found in this traced module by find()", codec=SUBGRAPHS),
+        Param("compiler", str, "triton", "'triton', 'inductor' or 'eager'"),
+        Param("name", str, "FusedModule", "name of the new submodules (name_0, name_1 ...)"),
+    )
 
     @classmethod
     def validate(cls, sch, subgraph, compiler="triton", name="FusedModule"):
@@ -46,30 +62,3 @@ class Fuse(Primitive):
 
         fuse_subgraphs(sch, subgraph, compiler, name)
         return None
-
-    @classmethod
-    def encode_args(cls, args, step_index, path):
-        from ..graph.subgraph import encode_subgraphs
-
-        return super().encode_args(dict(args, subgraph=encode_subgraphs(args["subgraph"])), step_index, path)
-
-    @classmethod
-    def decode_args(cls, data):
-        from ..graph.subgraph import decode_subgraphs
-
-        return dict(data, subgraph=decode_subgraphs(data["subgraph"]))
-
-    @classmethod
-    def replay_args(cls, args):
-        from ..graph.subgraph import decode_subgraphs, encode_subgraphs
-
-        return dict(args, subgraph=decode_subgraphs(encode_subgraphs(args["subgraph"])))
-
-    @classmethod
-    def describe_args(cls, args):
-        n = len(args["subgraph"])
-        nodes = ", ".join("+".join(node.name if hasattr(node, "name") else str(node) for _, node in sg)
-                          for sg in args["subgraph"][:3])
-        more = ", ..." if n > 3 else ""
-        return f"{n} subgraph{'s' if n != 1 else ''} [{nodes}{more}], compiler={args['compiler']!r}, " \
-               f"name={args['name']!r}"

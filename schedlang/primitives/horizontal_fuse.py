@@ -14,10 +14,12 @@ Example::
 
 from __future__ import annotations
 
+from typing import Optional, Sequence
+
 from torch import fx
 
 from ..errors import NotTracedError, ScheduleValueError
-from .base import Primitive, register_primitive
+from .base import Param, Primitive, register_primitive
 
 __all__ = ["HorizontalFuse"]
 
@@ -33,9 +35,28 @@ def require_traced(sch, primitive: str) -> fx.GraphModule:
     return module
 
 
+def _valid_rules() -> str:
+    from ..graph.passes.horizontal import RULES
+
+    return f"valid rules are {', '.join(RULES)}"
+
+
 @register_primitive
 class HorizontalFuse(Primitive):
+    """Apply the atomic horizontal-fusion rules to the traced module until nothing changes;
+    returns a report of what was fused.
+
+    Example::
+
+        print(sch["heads"].horizontal_fuse(rules=["linear_same_input"]))
+    """
+
     name = "horizontal_fuse"
+    params = (
+        Param("rules", Optional[Sequence[str]], None, "rule names to apply (None: all)",
+              expects="None or a list of rule names", valid=_valid_rules),
+        Param("min_group_size", int, 2, "fewest parallel ops worth fusing", expects="an int >= 2"),
+    )
 
     @classmethod
     def validate(cls, sch, rules=None, min_group_size=2):

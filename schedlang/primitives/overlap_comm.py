@@ -14,8 +14,7 @@ Example::
 
 from __future__ import annotations
 
-from ..errors import ScheduleTypeError
-from .base import Primitive, register_primitive
+from .base import Param, Primitive, register_primitive
 from .horizontal_fuse import require_traced
 
 __all__ = ["OverlapCommunication"]
@@ -23,14 +22,21 @@ __all__ = ["OverlapCommunication"]
 
 @register_primitive
 class OverlapCommunication(Primitive):
+    """Issue the traced module's forward collectives asynchronously and wait just before the
+    first use, so independent computation runs meanwhile; returns a report.
+
+    Example::
+
+        sch.trace(flatten=True)
+        print(sch.overlap_communication())
+    """
+
     name = "overlap_communication"
+    params = (Param("hoist", bool, True, "issue each collective as early as its input allows"),)
 
     @classmethod
     def validate(cls, sch, hoist=True):
         require_traced(sch, "overlap_communication")
-        if not isinstance(hoist, bool):
-            raise ScheduleTypeError(f"{sch.path or '<root>'}: overlap_communication hoist must be True or False, "
-                                    f"got {hoist!r}")
         return {"hoist": hoist}
 
     @classmethod

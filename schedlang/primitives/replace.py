@@ -13,11 +13,13 @@ when you passed it, not as later steps changed it.
 from __future__ import annotations
 
 import copy
+from typing import Any, Callable, Optional
 
 from torch import nn
 
 from ..errors import ScheduleTypeError, ScheduleValueError
-from .base import Primitive, register_primitive
+from .base import Param, Primitive, register_primitive
+from .params import SUBGRAPHS
 
 
 def _graph():
@@ -28,15 +30,27 @@ def _graph():
 
 @register_primitive
 class Replace(Primitive):
+    """Replace this module by ``new_mod_or_fn``, or, with ``target_ops`` (subgraphs from
+    :meth:`find`), replace those subgraphs of the traced module by it.
+
+    Example::
+
+        sch["mlp"].replace(FastMLP.from_module(sch["mlp"].mod))
+    """
+
     name = "replace"
+    params = (
+        Param("new_mod_or_fn", Callable[..., Any], doc="the new module (or, for subgraphs, a function)",
+              type_error="{where}: replace expects an nn.Module or a callable, got {type_name}"),
+        Param("target_ops", Any, None, "subgraphs found in this traced module (None: the whole module)",
+              codec=SUBGRAPHS),
+        Param("name", Optional[str], None, "name of the new submodule when replacing subgraphs"),
+    )
 
     @classmethod
     def validate(cls, sch, new_mod_or_fn, target_ops=None, name=None):
         where = sch.path or "<root>"
         if target_ops is not None:
-            if not (isinstance(new_mod_or_fn, nn.Module) or callable(new_mod_or_fn)):
-                raise ScheduleTypeError(f"{where}: replace expects an nn.Module or a callable, got "
-                                        f"{type(new_mod_or_fn).__name__}")
             target_ops = _graph().validate_subgraphs(sch, target_ops, "replace")
             return {"new_mod_or_fn": new_mod_or_fn, "target_ops": target_ops, "name": name}
         if not isinstance(new_mod_or_fn, nn.Module):
@@ -60,29 +74,7 @@ class Replace(Primitive):
 
     @classmethod
     def replay_args(cls, args):
-        args = dict(args)
-        if args.get("target_ops") is not None:
-            g = _graph()
-            args["target_ops"] = g.decode_subgraphs(g.encode_subgraphs(args["target_ops"]))
-        elif args.get("_pristine") is not None:
-            args["new_mod_or_fn"] = copy.deepcopy(args["_pristine"])
-        args.pop("_pristine", None)
-        return args
-
-    @classmethod
-    def encode_args(cls, args, step_index, path):
-        args = {k: v for k, v in args.items() if k != "_pristine"}
-        if args.get("target_ops") is not None:
-            args["target_ops"] = _graph().encode_subgraphs(args["target_ops"])
-        return super().encode_args(args, step_index, path)
-
-    @classmethod
-    def decode_args(cls, data):
-        data = dict(data)
-        if data.get("target_ops") is not None:
-            data["target_ops"] = _graph().decode_subgraphs(data["target_ops"])
-        return data
-
-    @classmethod
-    def describe_args(cls, args):
-        return super().describe_args({k: v for k, v in args.items() if k != "_pristine" and v is not None})
+        replayed = super().replay_args(args)
+        if args.get("_pristine") is not None:  # the module as it was when passed, not as later steps left it
+            replayed["new_mod_or_fn"] = copy.deepcopy(args["_pristine"])
+        return replayed

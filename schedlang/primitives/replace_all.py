@@ -7,12 +7,13 @@ failing ``make_fn`` changes nothing. A match inside a replaced module is not vis
 
 from __future__ import annotations
 
-import importlib
+from typing import Callable, Type
 
 from torch import nn
 
 from ..errors import ScheduleTypeError, ScheduleValueError
-from .base import Primitive, register_primitive
+from .base import Param, Primitive, register_primitive
+from .params import FUNCTION, ModuleTypeCodec
 
 
 def _matches(root: nn.Module, module_type):
@@ -30,17 +31,25 @@ def _matches(root: nn.Module, module_type):
 
 @register_primitive
 class ReplaceAll(Primitive):
+    """Replace every submodule of type ``module_type`` under this path by ``make_fn(path, old_module)``.
+
+    Example::
+
+        sch.replace_all(nn.GELU, lambda name, old: FastGELU())
+    """
+
     name = "replace_all"
+    params = (
+        Param("module_type", Type[nn.Module], doc="the type of the submodules to replace", codec=ModuleTypeCodec(),
+              type_error="{where}: replace_all expects an nn.Module subclass as module_type, got {value}"),
+        Param("make_fn", Callable[[str, nn.Module], nn.Module], doc="builds each replacement from (path, old module)",
+              codec=FUNCTION,
+              type_error="{where}: replace_all expects make_fn(path, old_module) -> nn.Module, got {type_name}"),
+    )
 
     @classmethod
     def validate(cls, sch, module_type, make_fn):
         where = sch.path or "<root>"
-        if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
-            raise ScheduleTypeError(f"{where}: replace_all expects an nn.Module subclass as module_type, got "
-                                    f"{module_type!r}")
-        if not callable(make_fn):
-            raise ScheduleTypeError(f"{where}: replace_all expects make_fn(path, old_module) -> nn.Module, got "
-                                    f"{type(make_fn).__name__}")
         paths = _matches(sch.mod, module_type)
         if not paths:
             raise ScheduleValueError(f"{where}: no submodule of type {module_type.__name__} to replace")
@@ -59,25 +68,3 @@ class ReplaceAll(Primitive):
             sch[path]._set_module(new)
         sch.metadata.setdefault("replaced", []).extend(_new_modules)
         return list(_new_modules)
-
-    @classmethod
-    def replay_args(cls, args):
-        return {"module_type": args["module_type"], "make_fn": args["make_fn"]}
-
-    @classmethod
-    def encode_args(cls, args, step_index, path):
-        t = args["module_type"]
-        out = {"module_type": f"{t.__module__}:{t.__qualname__}", "make_fn": args["make_fn"]}
-        return super().encode_args(out, step_index, path)
-
-    @classmethod
-    def decode_args(cls, data):
-        mod, _, qual = data["module_type"].partition(":")
-        obj = importlib.import_module(mod)
-        for part in qual.split("."):
-            obj = getattr(obj, part)
-        return {"module_type": obj, "make_fn": data["make_fn"]}
-
-    @classmethod
-    def describe_args(cls, args):
-        return f"module_type={args['module_type'].__name__}, make_fn={getattr(args['make_fn'], '__qualname__', '?')}"

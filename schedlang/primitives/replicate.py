@@ -20,11 +20,20 @@ from __future__ import annotations
 
 from ..distributed.data_parallel import data_parallel_step_args
 from .base import Primitive, register_primitive
+from .fully_shard import MP_POLICY
 
 
 @register_primitive
 class Replicate(Primitive):
+    """DDP on the mesh's ``dp`` dimension (gradients all-reduced), carried out by :func:`schedlang.build`.
+
+    Example::
+
+        sch.replicate()
+    """
+
     name = "replicate"
+    params = (MP_POLICY,)
 
     @classmethod
     def validate(cls, sch, mp_policy=None):

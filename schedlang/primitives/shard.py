@@ -24,8 +24,8 @@ from torch import nn
 
 from ..distributed.shard_rules import find_shard_rule
 from ..distributed.sharding import ShardSpec, record_shard_source, shard_tensor
-from ..errors import ScheduleKeyError, ScheduleTypeError, ShardError
-from .base import Primitive, register_primitive
+from ..errors import ScheduleKeyError, ShardError
+from .base import Param, Primitive, register_primitive
 
 logger = logging.getLogger("schedlang.primitives.shard")
 
@@ -36,13 +36,24 @@ def _tensor_names(module: nn.Module):
 
 @register_primitive
 class Shard(Primitive):
+    """Split parameter or buffer ``tensor_name`` of this module along ``axis`` over the group.
+
+    Example (a Megatron MLP)::
+
+        sch["fc1"].shard("weight", axis=0); sch["fc1"].shard("bias", axis=0)
+        sch["fc2"].shard("weight", axis=1)
+    """
+
     name = "shard"
+    params = (
+        Param("tensor_name", str, doc="a parameter or buffer of this module",
+              type_error="{where}: shard expects a tensor name (str), got {value}"),
+        Param("axis", int, doc="the dimension to split (negative counts from the end)"),
+    )
 
     @classmethod
     def validate(cls, sch, tensor_name, axis):
         module, where = sch.mod, sch.path or "<root>"
-        if not isinstance(tensor_name, str):
-            raise ScheduleTypeError(f"{where}: shard expects a tensor name (str), got {tensor_name!r}")
         names = _tensor_names(module)
         if tensor_name not in names:
             raise ScheduleKeyError(
@@ -50,8 +61,6 @@ class Shard(Primitive):
                 f"valid names: {', '.join(names) if names else 'none (it owns no tensors)'}")
         tensor = getattr(module, tensor_name)
         shape = tuple(tensor.shape)
-        if isinstance(axis, bool) or not isinstance(axis, int):
-            raise ScheduleTypeError(f"{where}: shard axis must be an int, got {axis!r}")
         ndim = len(shape)
         if not -ndim <= axis < ndim:
             valid = ", ".join(str(a) for a in range(ndim)) if ndim else "none (a 0-d tensor cannot be sharded)"

@@ -29,16 +29,16 @@ Example::
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import logging
-from typing import Any, Dict
+from typing import Any, Dict, Optional, Sequence, Type, Union
 
 import torch
 from torch import nn
 
 from ..errors import ScheduleKeyError, ScheduleTypeError, ScheduleValueError
-from .base import Primitive, encode_value, register_primitive
+from .base import Param, Primitive, register_primitive
+from .params import Codec, DecodeContext, encode_value
 
 __all__ = ["Trace", "TRACERS"]
 
@@ -48,36 +48,106 @@ logger = logging.getLogger("schedlang.primitives.trace")
 TRACERS = ("fx",)
 
 
-def _type_name(t: type) -> str:
-    return f"{t.__module__}.{t.__qualname__}"
+class _LeafModulesCodec(Codec):
+    """Module types as ``{"module_type": "package.module.Class"}``, submodule names as they are."""
+
+    def encode(self, value, where):
+        return [{"module_type": f"{t.__module__}.{t.__qualname__}"} if isinstance(t, type) else t for t in value]
+
+    def decode(self, data, ctx: DecodeContext):
+        if not isinstance(data, list):
+            raise ctx.error(f"expected a list of submodule names and {{\"module_type\": ...}} objects, got {data!r}")
+        out = []
+        for item in data:
+            if isinstance(item, dict) and set(item) == {"module_type"}:
+                out.append(ctx.resolve_dotted(item["module_type"]))
+            elif isinstance(item, str):
+                out.append(item)
+            else:
+                raise ctx.error(f"expected a submodule name or {{\"module_type\": \"package.module.Class\"}}, "
+                                f"got {item!r}")
+        return out
 
 
-def _import_type(name: str) -> type:
-    module_name, _, qualname = name.rpartition(".")
-    while module_name:
-        try:
-            obj = importlib.import_module(module_name)
-            for part in qualname.split("."):
-                obj = getattr(obj, part)
-            return obj
-        except (ImportError, AttributeError):
-            module_name, _, head = module_name.rpartition(".")
-            qualname = f"{head}.{qualname}"
-    raise ScheduleValueError(f"cannot import module type {name!r} named in the plan")
+class _ConcreteArgsCodec(Codec):
+    """Example tensors as their shape and dtype, ``PH`` as a placeholder flag, other values as they are."""
+
+    def encode(self, value, where):
+        from ..graph.tracer import PH
+
+        encoded = {}
+        for k, v in value.items():
+            if v is PH:
+                encoded[k] = {"placeholder": True}
+            elif isinstance(v, torch.Tensor):
+                encoded[k] = {"tensor_example": {"shape": list(v.shape), "dtype": str(v.dtype).split(".")[-1]}}
+            else:
+                encoded[k] = {"value": encode_value(v, f"{where}, concrete_args['{k}']")}
+        return encoded
+
+    def decode(self, data, ctx: DecodeContext):
+        from ..graph.tracer import PH
+
+        if not isinstance(data, dict):
+            raise ctx.error(f"expected an object of argument names to values, got {data!r}")
+        decoded = {}
+        for k, v in data.items():
+            if v == {"placeholder": True}:
+                decoded[k] = PH
+            elif isinstance(v, dict) and set(v) == {"tensor_example"}:
+                decoded[k] = _example_tensor(v["tensor_example"], ctx, k)
+            elif isinstance(v, dict) and set(v) == {"value"}:
+                decoded[k] = v["value"]
+            else:
+                raise ctx.error(f"concrete_args['{k}'] must be {{\"placeholder\": true}}, {{\"tensor_example\": "
+                                f"...}} or {{\"value\": ...}}, got {v!r}")
+        return decoded
+
+
+def _example_tensor(spec, ctx: DecodeContext, key: str) -> torch.Tensor:
+    dtype = getattr(torch, spec.get("dtype", ""), None) if isinstance(spec, dict) and isinstance(
+        spec.get("dtype"), str) else None
+    shape = spec.get("shape") if isinstance(spec, dict) else None
+    if not isinstance(dtype, torch.dtype) or not isinstance(shape, list) or not all(
+            type(d) is int and d >= 0 for d in shape):
+        raise ctx.error(f"concrete_args['{key}'] tensor_example must be {{\"shape\": [ints >= 0], \"dtype\": "
+                        f"\"float32\" (a torch dtype)}}, got {spec!r}")
+    return torch.empty(shape, dtype=dtype, device="meta")
 
 
 @register_primitive
 class Trace(Primitive):
+    """Trace this submodule into an FX graph (hierarchy kept unless ``flatten``).
+
+    ``leaf_modules`` lists module types or qualified names to keep as calls. A tensor in
+    ``concrete_args`` is an example input (its shape guides Python control flow); any other
+    value is fixed in the graph; ``schedlang.graph.PH`` keeps an argument an input.
+    Failures raise :class:`schedlang.TraceError` naming the submodule and the cause.
+
+    Example::
+
+        sch["mlp"].trace(flatten=True)
+    """
+
     name = "trace"
+    params = (
+        Param("recursive", bool, True, "trace children too (False: every child stays a call)"),
+        Param("flatten", bool, False, "one graph for the whole submodule, children inlined"),
+        Param("leaf_modules", Optional[Union[str, Type[nn.Module], Sequence[Any]]], None,
+              "module types, or submodule names relative to this path, kept as calls", codec=_LeafModulesCodec(),
+              expects="None, a submodule name, an nn.Module subclass or a list of them"),
+        Param("tracer", str, "fx", "the tracer ('fx')"),
+        Param("concrete_args", Optional[Dict[str, Any]], None,
+              "forward arguments to specialize on: example tensors, fixed values or schedlang.graph.PH",
+              codec=_ConcreteArgsCodec(),
+              type_error="{where}: concrete_args must be a dict from argument names to values, got {value}"),
+    )
 
     @classmethod
     def validate(cls, sch, recursive=True, flatten=False, leaf_modules=None, tracer="fx", concrete_args=None):
         from ..graph.tracer import forward_parameters
 
         where = sch.path or "<root>"
-        for arg, value in (("recursive", recursive), ("flatten", flatten)):
-            if not isinstance(value, bool):
-                raise ScheduleTypeError(f"{where}: trace {arg} must be True or False, got {value!r}")
         if tracer not in TRACERS:
             raise ScheduleValueError(f"{where}: unknown tracer {tracer!r}: valid tracers are "
                                      f"{', '.join(repr(t) for t in TRACERS)}")
@@ -99,9 +169,6 @@ class Trace(Primitive):
                     raise ScheduleTypeError(f"{where}: leaf_modules entries must be nn.Module subclasses or submodule "
                                             f"names, got {item!r}")
         if concrete_args is not None:
-            if not isinstance(concrete_args, dict) or not all(isinstance(k, str) for k in concrete_args):
-                raise ScheduleTypeError(f"{where}: concrete_args must be a dict from argument names to values, got "
-                                        f"{concrete_args!r}")
             params = forward_parameters(sch.mod)
             if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
                 names = [p.name for p in params if p.kind is not inspect.Parameter.VAR_POSITIONAL]
@@ -139,48 +206,6 @@ class Trace(Primitive):
             logger.info("%s: traced without a KV cache; set config.use_cache = False on %s", sch.path,
                         ancestor[0] or "<root>")
         return None
-
-    @classmethod
-    def encode_args(cls, args: Dict[str, Any], step_index: int, path: str) -> Dict[str, Any]:
-        from ..graph.tracer import PH
-
-        where = f"step {step_index} (trace at '{path or '<root>'}')"
-        out = dict(args)
-        if args.get("leaf_modules"):
-            out["leaf_modules"] = [{"module_type": _type_name(t)} if isinstance(t, type) else t
-                                   for t in args["leaf_modules"]]
-        if args.get("concrete_args") is not None:
-            encoded = {}
-            for k, v in args["concrete_args"].items():
-                if v is PH:
-                    encoded[k] = {"placeholder": True}
-                elif isinstance(v, torch.Tensor):
-                    encoded[k] = {"tensor_example": {"shape": list(v.shape), "dtype": str(v.dtype).split(".")[-1]}}
-                else:
-                    encoded[k] = {"value": encode_value(v, f"{where}, concrete_args['{k}']")}
-            out["concrete_args"] = encoded
-        return super().encode_args(out, step_index, path)
-
-    @classmethod
-    def decode_args(cls, data: Dict[str, Any]) -> Dict[str, Any]:
-        from ..graph.tracer import PH
-
-        out = dict(data)
-        if data.get("leaf_modules"):
-            out["leaf_modules"] = [_import_type(t["module_type"]) if isinstance(t, dict) else t
-                                   for t in data["leaf_modules"]]
-        if data.get("concrete_args") is not None:
-            decoded = {}
-            for k, v in data["concrete_args"].items():
-                if v.get("placeholder"):
-                    decoded[k] = PH
-                elif "tensor_example" in v:
-                    ex = v["tensor_example"]
-                    decoded[k] = torch.empty(ex["shape"], dtype=getattr(torch, ex["dtype"]), device="meta")
-                else:
-                    decoded[k] = v["value"]
-            out["concrete_args"] = decoded
-        return out
 
 
 def _hf_ancestor(sch, module: nn.Module):

@@ -71,3 +71,45 @@ def test_sync_error_is_a_value_error():
     sch = schedlang.create_schedule(MLP())
     with pytest.raises(ValueError):
         sch["fc1"].sync("nope", "all_reduce")
+
+
+def test_axis_out_of_range_fails_at_the_first_forward_before_any_collective():
+    sch = schedlang.create_schedule(MLP(7, 13))
+    sch["fc1"].sync("fwd_post", "all_gather", axis=7)  # the output's rank is not known yet
+    with pytest.raises(schedlang.SyncError, match=r"^fc1: cannot all_gather along axis 7 at fwd_post: the module's "
+                                                  r"output has shape \(5, 13\), so valid axes are 0, 1 "
+                                                  r"\(or -2, -1\)$"):
+        sch.mod(torch.randn(5, 7))
+    ok = schedlang.create_schedule(MLP(7, 13))
+    ok["fc1"].sync("fwd_pre", "reduce_scatter", axis=-2)
+    torch.testing.assert_close(ok.mod(torch.randn(5, 7)).shape, torch.Size([5, 7]))
+
+
+def _tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+
+
+@pytest.mark.parametrize("meta", [False, True])
+def test_axis_out_of_range_in_a_transformers_model_fails_at_call_time(meta):
+    pytest.importorskip("transformers")
+    if meta:
+        with schedlang.init_empty_weights():
+            model = _tiny_llama()
+    else:
+        model = _tiny_llama()
+    sch = schedlang.create_schedule(model)
+    sch["model.layers.0.mlp.up_proj"].shard("weight", axis=0)
+    with pytest.raises(schedlang.SyncError, match=r"^model\.layers\.0\.mlp\.down_proj: cannot all_gather along axis 7 "
+                                                  r"at fwd_post: the module's output has 3 dimensions, so valid axes "
+                                                  r"are 0, 1, 2 \(or -3, -2, -1\)$"):
+        sch["model.layers.0.mlp.down_proj"].sync("fwd_post", "all_gather", axis=7)
+    with pytest.raises(schedlang.SyncError, match=r"^model\.embed_tokens: cannot reduce_scatter along axis 2 at "
+                                                  r"bwd_post: the module's input \(whose gradient it applies to\) has 2 "
+                                                  r"dimensions, so valid axes are 0, 1 \(or -2, -1\)$"):
+        sch["model.embed_tokens"].sync("bwd_post", "reduce_scatter", axis=2)
+    assert len(sch.plan) == 1
+    sch["model.layers.0.mlp.down_proj"].sync("fwd_post", "all_gather", axis=-1)
+    assert len(sch.plan) == 2
