@@ -43,7 +43,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from ..errors import LoweringError
 from .fused_module import FusedSubgraph
 from .kernel_files import load_source
-from .translate import Specialization, specialize, unsupported_nodes, lowering_error
+from .translate import Specialization, fetch_attr, lowering_error, specialize, unsupported_nodes
 from .triton_codegen import backward_plan, forward_plan, module_source
 from .triton_launch import _TUNED, _Kernel  # noqa: F401  (_TUNED: read by the benchmarks)
 
@@ -222,11 +222,17 @@ class CompiledSubgraph:
         return outs
 
     def _forward_args(self, tensors, outs, seed: int) -> list:
+        return self._kernel_args(((self._forward_reads, tensors),), outs, self._sizes, self.forward_plan, seed)
+
+    def _kernel_args(self, reads, written, sizes, plan, seed: int) -> list:
+        """A kernel's positional arguments: for each ``(reads, tensors)`` of ``reads`` the tensors
+        read (with their row strides), then the tensors ``written``, the ``sizes`` and the seed."""
         args = []
-        _append_reads(args, self._forward_reads, tensors, self.spec, self.index64)
-        args += outs
-        args += self._sizes
-        if self.forward_plan.uses_seed:
+        for which, tensors in reads:
+            _append_reads(args, which, tensors, self.spec, self.index64)
+        args += written
+        args += sizes
+        if plan.uses_seed:
             args.append(seed)
         return args
 
@@ -284,14 +290,8 @@ class CompiledSubgraph:
         return buffers, shared
 
     def _backward_args(self, launch: _BackwardLaunch, saved, grad_outputs, sink_buffers, seed: int) -> list:
-        args = []
-        _append_reads(args, launch.reads, saved, self.spec, self.index64)
-        _append_reads(args, launch.grad_reads, grad_outputs, self.spec, self.index64)
-        args += sink_buffers
-        args += launch.sizes
-        if launch.plan.uses_seed:
-            args.append(seed)
-        return args
+        return self._kernel_args(((launch.reads, saved), (launch.grad_reads, grad_outputs)), sink_buffers,
+                                 launch.sizes, launch.plan, seed)
 
     def _backward_finish(self, launch: _BackwardLaunch, buffers, device) -> list:
         buffers, shared = buffers
@@ -393,10 +393,7 @@ class TritonFusedSubgraph(FusedSubgraph):
                 yield t
 
     def _fetch(self, qualname: str):
-        obj = self
-        for part in qualname.split("."):
-            obj = getattr(obj, part)
-        return obj
+        return fetch_attr(self, qualname)
 
     def specialize(self, metas, device=None) -> CompiledSubgraph:
         """Generate (or fetch) the kernels for inputs of the given ``(shape, dtype)`` pairs

@@ -7,6 +7,7 @@ import bisect
 import contextlib
 import dataclasses
 import logging
+import operator
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
@@ -132,10 +133,7 @@ def _examples(gm: fx.GraphModule, model: nn.Module, example_inputs: Optional[Seq
 
 
 def _lookup(root: Any, target: str) -> Any:
-    obj = root
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
+    return operator.attrgetter(target)(root)
 
 
 # ------------------------------------------------------------------------------------------------ partition
