@@ -89,13 +89,16 @@ def test_bias_correction_is_accurate_at_the_first_steps():
 def test_non_contiguous_and_unaligned_tensors():
     base = torch.randn(2000)
     unaligned = base[1:1001]  # 4 bytes past an aligned address: no 16-byte vector hint
-    strided = torch.randn(13, 7).t()  # not contiguous: updated by the reference
+    strided = torch.randn(13, 7).t()  # (7, 13), not contiguous: updated by the reference
     params = [unaligned, strided, torch.randn(37)]
-    grads = [torch.randn(1000), torch.randn(13, 7).t(), torch.randn(37)]
+    # the strided parameter's gradient is contiguous, so its memory order differs from the parameter's:
+    # an update that walked both as flat ranges would pair elements with other elements' gradients
+    grads = [torch.randn(1000), torch.randn(7, 13), torch.randn(37)]
     ours = ([t.clone() if t.is_contiguous() else t.clone().t().contiguous().t() for t in params],
             [torch.zeros_like(t) for t in params], [torch.zeros_like(t) for t in params], [],
             [torch.zeros(()) for _ in params])
     ours[0][0] = torch.zeros(2000)[1:1001].copy_(unaligned)
+    assert not ours[0][1].is_contiguous() and ours[0][0].data_ptr() % 16
     ref = _state(params, False)
     kw = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled_weight_decay=True)
     tables = ChunkTables()
@@ -104,8 +107,9 @@ def test_non_contiguous_and_unaligned_tensors():
     for _ in range(3):
         launcher(grads, **kw)
         reference(ref[0], grads, *ref[1:], **kw)
-    for got, want in zip(ours[0], ref[0]):
-        torch.testing.assert_close(got, want)
+    for lists in zip(ours[:3], ref[:3]):  # parameters, exp_avg, exp_avg_sq
+        for got, want in zip(*lists):
+            torch.testing.assert_close(got, want)
     assert [float(s) for s in ours[4]] == [3.0, 3.0, 3.0]
 
 
