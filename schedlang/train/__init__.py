@@ -35,11 +35,12 @@ Example::
         --compile --global-batch 32 --seq 2048 --steps 1000 --checkpoint-dir ckpt --save-every 200
 """
 
+# ``schedlang.train.<name>`` keeps working for every name below; each lives in the module it is imported from
 from .checkpoints import latest_checkpoint
 from .command import main
-from .configs import _model_class, model_config, model_dims, validate_model
+from .configs import Dims, _model_class, model_config, model_dims, validate_model
 from .data import TokenBatches, lr_at
-from .flags import TrainError, build_parser, validate
+from .flags import MODELS, OPTIMIZERS, PP_SCHEDULES, TrainError, build_parser, validate
 from .loop import PEAK_FLOPS_PER_GPU, train
 
 __all__ = ["main", "TrainError", "build_parser", "model_config", "TokenBatches", "PEAK_FLOPS_PER_GPU"]

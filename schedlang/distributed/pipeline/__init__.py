@@ -96,6 +96,8 @@ Example::
     opt.step(); opt.zero_grad()
 """
 
+# transport: what crosses a cut at run time; partition: tracing and the split of the graph; stages: the
+# stage modules; tied: weights shared by stages; runtime: options, torch's schedules, PipelinedModel
 from .runtime import SCHEDULES, PipelinedModel, build_pipeline
 from .stages import split_model
 
