@@ -7,9 +7,7 @@ import torch
 from schedlang.kernels.multi_tensor_adam import AdamLauncher, multi_tensor_adam, reference
 from schedlang.kernels.multi_tensor_apply import ChunkTables
 
-SHAPES = [(7, 13), (1000,), (1,), (3, 5, 7)]
-# small chunks and blocks: several chunks per tensor, full blocks and a masked tail
-SMALL = {"chunk_size": 256, "block_size": 64, "num_warps": 4}
+from .common import SHAPES, SMALL, step_torch_optim
 
 
 def _state(params, amsgrad):
@@ -64,10 +62,7 @@ def test_reference_matches_torch_optim(amsgrad, decoupled):
     topt = cls(tparams, lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1, amsgrad=amsgrad, foreach=False)
     state = _state(params, amsgrad)
     for _ in range(5):
-        grads = [torch.randn(s) for s in SHAPES]
-        for tp, g in zip(tparams, grads):
-            tp.grad = g.clone()
-        topt.step()
+        grads = step_torch_optim(topt, tparams)
         reference(state[0], grads, *state[1:], lr=1e-2, beta1=0.8, beta2=0.99, eps=1e-6, weight_decay=0.1,
                   amsgrad=amsgrad, decoupled_weight_decay=decoupled)
     for got, want in zip(state[0], tparams):
