@@ -49,11 +49,12 @@ import os
 import re
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
 
+from .checkpoint.ranks import _agree, _all_gather, _names, _rank
 from .errors import CheckpointError
 
 __all__ = ["load_pretrained", "PretrainedWeights", "SAFETENSORS_INDEX", "local_regions", "read_index"]
@@ -63,32 +64,6 @@ logger = logging.getLogger("schedlang.pretrained")
 #: the index file of a checkpoint split over several safetensors files
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
-_SHOWN = 8
-
-
-# ------------------------------------------------------------------------------------------------ ranks
-def _agree(problem: Optional[str]) -> None:
-    from .checkpoint import _agree as agree
-
-    agree(problem)
-
-
-def _rank() -> int:
-    from .checkpoint import _rank as rank
-
-    return rank()
-
-
-def _all_gather(obj) -> list:
-    from .checkpoint import _all_gather as gather
-
-    return gather(obj)
-
-
-def _names(keys: Iterable[str]) -> str:
-    keys = sorted(keys)
-    shown = ", ".join(repr(k) for k in keys[:_SHOWN])
-    return shown + (f" ... and {len(keys) - _SHOWN} more" if len(keys) > _SHOWN else "")
 
 
 def _shape(shape) -> str:

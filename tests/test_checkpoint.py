@@ -20,6 +20,7 @@ from torch import nn
 
 import schedlang
 from schedlang.distributed.launch import run_distributed
+from tests.helpers.hf_models import gpt2_config, llama, llama_config, token_batches
 from tests.helpers.models import MLP, Stack
 
 LR = 1e-2
@@ -27,25 +28,15 @@ BATCH, SEQ, VOCAB = 4, 10, 256
 
 
 def _llama_config(tie=False):
-    from transformers import LlamaConfig
-
-    cfg = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-                      intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=128,
-                      tie_word_embeddings=tie)
-    cfg._attn_implementation = "sdpa"
-    return cfg
+    return llama_config(tie_word_embeddings=tie)
 
 
 def _llama(seed=0, tie=False):
-    from transformers import LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(_llama_config(tie))
+    return llama(seed, tie_word_embeddings=tie)
 
 
 def _batches(n=4):
-    g = torch.Generator().manual_seed(7)
-    return [torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g) for _ in range(n)]
+    return token_batches(n, BATCH, SEQ, VOCAB, seed=7)
 
 
 def _train(model, opt, batches, rows=slice(None)):
@@ -145,10 +136,7 @@ def _stage_state(model, opt):
 
 
 def _gpt2_config():
-    from transformers import GPT2Config
-
-    return GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=64, n_positions=32, attn_implementation="eager",
-                      bos_token_id=0, eos_token_id=0)
+    return gpt2_config(attn="eager", dropout=0.1, n_embd=32, n_layer=1, vocab_size=64, n_positions=32)
 
 
 def _spawned(rank, world, root):

@@ -17,30 +17,18 @@ import torch.nn.functional as F
 
 import schedlang
 from schedlang.distributed.launch import run_distributed
+from tests.helpers.hf_models import gpt2_config, llama_config
 
 BATCH, SEQ = 4, 9
 
 
 def _llama_config(**kw):
-    from transformers import LlamaConfig
-
-    base = dict(hidden_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                intermediate_size=80, vocab_size=96, max_position_embeddings=64, tie_word_embeddings=True)
-    base.update(kw)
-    cfg = LlamaConfig(**base)
-    cfg._attn_implementation = "sdpa"
-    return cfg
+    return llama_config(**{**dict(hidden_size=48, num_key_value_heads=2, intermediate_size=80, vocab_size=96,
+                                  max_position_embeddings=64, tie_word_embeddings=True), **kw})
 
 
 def _gpt2_config(**kw):
-    from transformers import GPT2Config
-
-    base = dict(n_embd=32, n_layer=2, n_head=4, n_inner=72, vocab_size=64, n_positions=32, bos_token_id=0,
-                eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    base.update(kw)
-    cfg = GPT2Config(**base)
-    cfg._attn_implementation = "eager"
-    return cfg
+    return gpt2_config(attn="eager", **{**dict(n_embd=32, n_inner=72, vocab_size=64, n_positions=32), **kw})
 
 
 FAMILIES = {"llama": (_llama_config, "model.layers.0"), "gpt2": (_gpt2_config, "transformer.h.0")}

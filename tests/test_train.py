@@ -20,6 +20,7 @@ import torch
 
 from schedlang import cli
 from schedlang import train as trainer
+from tests.helpers.hf_models import llama_config
 
 STEPS = 4
 COMMON = ["--model", "llama", "--config", "tiny", "--steps", str(STEPS), "--global-batch", "4", "--seq", "32",
@@ -203,10 +204,7 @@ def test_bad_flags_fail_with_a_clear_message(flags, message, capsys, tmp_path, m
 
 
 def test_kv_heads_must_divide_tp(tmp_path, capsys):
-    from transformers import LlamaConfig
-
-    cfg = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
-                      intermediate_size=128, vocab_size=256, max_position_embeddings=128)
+    cfg = llama_config(attn=None, num_key_value_heads=1)
     cfg.save_pretrained(tmp_path)
     assert trainer.main(COMMON + ["--config", str(tmp_path), "--nproc", "2", "--tp", "2"]) == 2
     assert "--tp 2 must divide the model's key/value heads (1)" in capsys.readouterr().err

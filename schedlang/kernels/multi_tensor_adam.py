@@ -44,7 +44,7 @@ import triton.language as tl
 
 from schedlang.kernels.multi_tensor_adam_reference import multi_tensor_adam_reference
 from schedlang.kernels.multi_tensor_apply import ROW_WIDTH, ChunkTables, is_dense, use_triton
-from schedlang.kernels.multi_tensor_chunks import chunk_extent, chunk_pointer, learning_rate, program_chunk
+from schedlang.kernels.multi_tensor_chunks import chunk_pointer, learning_rate, program_param_and_grad
 
 __all__ = ["multi_tensor_adam", "AdamLauncher", "reference", "DEFAULT_CONFIG", "INTERPRETER_CONFIG"]
 
@@ -130,10 +130,8 @@ def _multi_tensor_adam_kernel(
     HAS_WEIGHT_DECAY: tl.constexpr, ALIGNED: tl.constexpr,
     CHUNK: tl.constexpr, BLOCK: tl.constexpr, ROW: tl.constexpr,
 ):
-    row, chunk, numel = program_chunk(tensor_table, chunk_map, ROW)
-    start, size, full = chunk_extent(chunk, numel, CHUNK, BLOCK)
-    p_ptr = chunk_pointer(row, 0, PARAM_DTYPE, ALIGNED, start)
-    g_ptr = chunk_pointer(row, 1, GRAD_DTYPE, ALIGNED, start)
+    row, start, size, full, p_ptr, g_ptr = program_param_and_grad(tensor_table, chunk_map, PARAM_DTYPE, GRAD_DTYPE,
+                                                                  ALIGNED, CHUNK, BLOCK, ROW)
     m_ptr = chunk_pointer(row, 2, tl.float32, ALIGNED, start)
     v_ptr = chunk_pointer(row, 3, tl.float32, ALIGNED, start)
     vmax_ptr = chunk_pointer(row, 4, tl.float32, ALIGNED, start)

@@ -52,3 +52,16 @@ def chunk_pointer(row, COLUMN: tl.constexpr, DTYPE: tl.constexpr, ALIGNED: tl.co
     if ALIGNED:
         ptr = tl.multiple_of(ptr, 16)
     return ptr + start
+
+
+@triton.jit
+def program_param_and_grad(tensor_table, chunk_map, PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr,
+                           ALIGNED: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, ROW: tl.constexpr):
+    """What every optimizer program starts from: (its table row, the chunk's first element, its
+    length, the length covered by whole BLOCKs, the chunk's parameter and gradient addresses).
+    Columns 0 and 1 of a row hold the parameter and the gradient; the optimizer's state follows."""
+    row, chunk, numel = program_chunk(tensor_table, chunk_map, ROW)
+    start, size, full = chunk_extent(chunk, numel, CHUNK, BLOCK)
+    p_ptr = chunk_pointer(row, 0, PARAM_DTYPE, ALIGNED, start)
+    g_ptr = chunk_pointer(row, 1, GRAD_DTYPE, ALIGNED, start)
+    return row, start, size, full, p_ptr, g_ptr

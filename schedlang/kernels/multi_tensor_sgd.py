@@ -28,7 +28,7 @@ import triton.language as tl
 
 from schedlang.kernels.multi_tensor_adam import DEFAULT_CONFIG, INTERPRETER_CONFIG, _store_rounded
 from schedlang.kernels.multi_tensor_apply import ROW_WIDTH, ChunkTables, is_dense, use_triton
-from schedlang.kernels.multi_tensor_chunks import chunk_extent, chunk_pointer, learning_rate, program_chunk
+from schedlang.kernels.multi_tensor_chunks import chunk_pointer, learning_rate, program_param_and_grad
 from schedlang.kernels.multi_tensor_sgd_reference import multi_tensor_sgd_reference
 
 __all__ = ["multi_tensor_sgd", "SGDLauncher", "reference"]
@@ -72,10 +72,8 @@ def _multi_tensor_sgd_kernel(
     HAS_WEIGHT_DECAY: tl.constexpr, ALIGNED: tl.constexpr,
     CHUNK: tl.constexpr, BLOCK: tl.constexpr, ROW: tl.constexpr,
 ):
-    row, chunk, numel = program_chunk(tensor_table, chunk_map, ROW)
-    start, size, full = chunk_extent(chunk, numel, CHUNK, BLOCK)
-    p_ptr = chunk_pointer(row, 0, PARAM_DTYPE, ALIGNED, start)
-    g_ptr = chunk_pointer(row, 1, GRAD_DTYPE, ALIGNED, start)
+    row, start, size, full, p_ptr, g_ptr = program_param_and_grad(tensor_table, chunk_map, PARAM_DTYPE, GRAD_DTYPE,
+                                                                  ALIGNED, CHUNK, BLOCK, ROW)
     b_ptr = chunk_pointer(row, 2, tl.float32, ALIGNED, start)
     fresh = tl.load(row + 3) != 0
     lr = learning_rate(lr_ptr, lr_value, LR_ON_DEVICE)

@@ -169,6 +169,14 @@ class Graph:
     def _is(v: Value, c: float) -> bool:
         return v.is_const and not v.is_bool and v.const_value == c
 
+    def _binary(self, op: str, a, b):
+        """``(a, b, folded)``: both operands as values, and ``op`` of them when both are constants
+        (computed, or the op itself where folding fails, e.g. 1 / 0), else None."""
+        a, b = self._num(a), self._num(b)
+        if a.is_const and b.is_const:
+            return a, b, self._fold(IR_OPS[op].fold, a, b) or self._make(op, (a, b))
+        return a, b, None
+
     def _fold(self, fn, *args):
         try:
             return self.const(fn(*(a.const_value for a in args)))
@@ -177,33 +185,28 @@ class Graph:
 
     # ------------------------------------------------------------------ arithmetic
     def add(self, a, b) -> Value:
-        a, b = self._num(a), self._num(b)
-        if a.is_const and b.is_const:
-            return self._fold(IR_OPS["add"].fold, a, b) or self._make("add", (a, b))
-        if self._is(b, 0.0):
-            return a
-        if self._is(a, 0.0):
-            return b
-        if b.op == "neg":
-            return self.sub(a, b.args[0])
-        return self._make("add", (a, b))
+        return self._add_or_sub("add", a, b)
 
     def sub(self, a, b) -> Value:
-        a, b = self._num(a), self._num(b)
-        if a.is_const and b.is_const:
-            return self._fold(IR_OPS["sub"].fold, a, b) or self._make("sub", (a, b))
+        return self._add_or_sub("sub", a, b)
+
+    def _add_or_sub(self, op: str, a, b) -> Value:
+        """``a + b`` or ``a - b``: x +- 0 is x, 0 + x is x, 0 - x is -x, x +- (-y) is x -+ y."""
+        a, b, folded = self._binary(op, a, b)
+        if folded is not None:
+            return folded
         if self._is(b, 0.0):
             return a
         if self._is(a, 0.0):
-            return self.neg(b)
+            return b if op == "add" else self.neg(b)
         if b.op == "neg":
-            return self.add(a, b.args[0])
-        return self._make("sub", (a, b))
+            return self._add_or_sub("sub" if op == "add" else "add", a, b.args[0])
+        return self._make(op, (a, b))
 
     def mul(self, a, b) -> Value:
-        a, b = self._num(a), self._num(b)
-        if a.is_const and b.is_const:
-            return self._fold(IR_OPS["mul"].fold, a, b) or self._make("mul", (a, b))
+        a, b, folded = self._binary("mul", a, b)
+        if folded is not None:
+            return folded
         if a.is_const and not b.is_const:  # constants on the right: "x * 2.0"
             a, b = b, a
         if self._is(b, 1.0):
@@ -221,9 +224,9 @@ class Graph:
         return self._make("mul", (a, b))
 
     def div(self, a, b) -> Value:
-        a, b = self._num(a), self._num(b)
-        if a.is_const and b.is_const:
-            return self._fold(IR_OPS["div"].fold, a, b) or self._make("div", (a, b))
+        a, b, folded = self._binary("div", a, b)
+        if folded is not None:
+            return folded
         if self._is(b, 1.0):
             return a
         if self._is(a, 0.0) and not a.attr("neg_zero"):

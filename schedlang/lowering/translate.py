@@ -18,6 +18,7 @@ from __future__ import annotations
 import keyword
 import logging
 import math
+import operator
 import re
 from dataclasses import dataclass, field
 
@@ -227,7 +228,7 @@ class _Translator:
     def attr_input(self, qualname: str) -> Value:
         spec = self._attr_inputs.get(qualname)
         if spec is None:
-            tensor = _fetch_attr(self.owner, qualname)
+            tensor = fetch_attr(self.owner, qualname)
             if not isinstance(tensor, torch.Tensor):
                 raise op_table.Unsupported(f"attribute {qualname!r} is not a tensor")
             spec = self._add_input(("attr", qualname), qualname, tuple(tensor.shape), tensor.dtype)
@@ -266,7 +267,7 @@ class _Translator:
         graph_nodes = list(self.gm.graph.nodes)
         for node in graph_nodes:
             if node.op == "get_attr":
-                t = _fetch_attr(self.owner, node.target)
+                t = fetch_attr(self.owner, node.target)
                 if isinstance(t, torch.Tensor):
                     tensor_shapes.append(tuple(t.shape))
         try:
@@ -417,11 +418,9 @@ def _shape_agrees(shape: tuple, full: tuple, value: Value) -> bool:
     return True
 
 
-def _fetch_attr(owner, qualname: str):
-    obj = owner
-    for part in qualname.split("."):
-        obj = getattr(obj, part)
-    return obj
+def fetch_attr(owner, qualname: str):
+    """``owner.a.b.c`` for ``qualname`` ``"a.b.c"`` (a get_attr node's target)."""
+    return operator.attrgetter(qualname)(owner)
 
 
 def specialize(gm: torch.fx.GraphModule, owner: torch.nn.Module, arg_metas, name: str,

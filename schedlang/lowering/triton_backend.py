@@ -3,8 +3,9 @@
 The fused module specializes on the shapes and dtypes of its inputs (and on whether its
 dropout modules are in training mode): the first call with a new signature translates
 the subgraph (:mod:`~schedlang.lowering.translate`), generates the kernels
-(:mod:`~schedlang.lowering.triton_codegen`), writes them to a Python file and imports it,
-so ``inspect``, tracebacks and Triton's JIT see ordinary source. Kernels are cached by
+(:mod:`~schedlang.lowering.triton_codegen`), writes them to a Python file and imports it
+(:mod:`~schedlang.lowering.kernel_files`; the files are removed at exit), so ``inspect``,
+tracebacks and Triton's JIT see ordinary source. Kernels are cached by
 their text; Triton caches the compiled binaries.
 
 Autograd: a ``torch.autograd.Function`` saves only the inputs the backward kernel reads
@@ -30,14 +31,9 @@ Example::
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import logging
 import operator
 import os
-import sys
-import tempfile
-import threading
 
 import torch
 import torch.fx
@@ -46,17 +42,14 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from ..errors import LoweringError
 from .fused_module import FusedSubgraph
-from .translate import Specialization, specialize, unsupported_nodes, lowering_error
+from .kernel_files import load_source
+from .translate import Specialization, fetch_attr, lowering_error, specialize, unsupported_nodes
 from .triton_codegen import backward_plan, forward_plan, module_source
+from .triton_launch import _TUNED, _Kernel  # noqa: F401  (_TUNED: read by the benchmarks)
 
 __all__ = ["TritonFusedSubgraph", "lower"]
 
 logger = logging.getLogger("schedlang.lowering.triton")
-
-_MODULE_CACHE: dict[str, object] = {}
-_TUNED: dict[tuple, tuple] = {}
-_LOCK = threading.Lock()
-_KERNEL_DIR = None
 
 
 def _interpreting() -> bool:
@@ -66,239 +59,6 @@ def _interpreting() -> bool:
 def _host_mode(tensors) -> tuple:
     """What a call off CUDA depends on besides shapes and dtypes."""
     return (_interpreting(),) + tuple(t.device.type for t in tensors)
-
-
-def load_source(source: str, stem: str):
-    """Import generated source from a file (Triton's JIT reads kernel source with ``inspect``)."""
-    global _KERNEL_DIR
-    digest = hashlib.sha256(source.encode()).hexdigest()[:16]
-    with _LOCK:
-        module = _MODULE_CACHE.get(digest)
-        if module is not None:
-            return module
-        if _KERNEL_DIR is None:
-            _KERNEL_DIR = tempfile.mkdtemp(prefix="schedlang_kernels_")
-        path = os.path.join(_KERNEL_DIR, f"{stem}_{digest}.py")
-        with open(path, "w") as f:
-            f.write(source)
-        spec = importlib.util.spec_from_file_location(f"schedlang_generated.{stem}_{digest}", path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-        _MODULE_CACHE[digest] = module
-        logger.debug("loaded generated kernels %s", path)
-        return module
-
-
-_SM_COUNT: dict = {}
-
-
-def _sm_count(device) -> int:
-    count = _SM_COUNT.get(device.index)
-    if count is None:
-        count = _SM_COUNT[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
-    return count
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
-
-
-def _num_warps(elements: int) -> int:
-    # about 16 elements per thread, between 4 and 16 warps
-    return max(4, min(16, _next_pow2(max(1, elements // 512))))
-
-
-def _candidates(plan, spec: Specialization) -> list[tuple[int, int, int]]:
-    """(BLOCK_R, BLOCK_N, num_warps) choices: the heuristic first, then a few neighbours."""
-    R, N = max(spec.n_rows, 1), max(spec.n_cols, 1)
-    max_r = _next_pow2(R)
-    if plan.whole_row:
-        bn = _next_pow2(N)
-        target = 4096 if bn <= 4096 else bn
-        br = max(1, min(max_r, target // bn))
-        first = (br, bn, _num_warps(br * bn))
-        # 2 to 16 elements per thread and tile: a whole-row backward keeps about ten tiles
-        # live (inputs, the prefetched next block, recomputed statistics), so more spills
-        rest = [(r, bn, w) for r in (1, 2, 4, 8, 16) for w in (4, 8, 16)
-                if r <= max_r and w * 64 <= max(r * bn, 256) and r * bn <= w * 512]
-    else:
-        bn = min(_next_pow2(N), 1024)
-        br = max(1, min(max_r, 4096 // bn))
-        first = (br, bn, _num_warps(br * bn))
-        rest = [(r, c, w) for r, c, w in ((2, 1024, 4), (4, 1024, 4), (4, 1024, 8), (8, 1024, 8), (4, 2048, 8),
-                                          (8, 512, 4))
-                if c <= _next_pow2(N) and r <= max_r]
-    out = [first]
-    for cand in rest:
-        if cand not in out:
-            out.append(cand)
-    return out
-
-
-class _Kernel:
-    """One generated kernel with its launch logic.
-
-    On CUDA the first launch for a given argument specialization goes through Triton's JIT
-    (``fn[grid](...)``), which compiles or fetches the binary and returns it; later launches
-    with the same specialization call that binary's launcher directly. That skips the JIT's
-    per-call work (binding the arguments to the signature, hashing the specialization,
-    reading options and launch hooks), which costs more host time than the kernels of a
-    fused pointwise op take on the GPU. The key of a binary holds everything the JIT
-    specializes on: each tensor's dtype and 16-byte alignment, the integer arguments
-    (sizes and strides; for the dropout seed whether it is 1 or a multiple of 16), the
-    launch constants and the current device.
-    """
-
-    def __init__(self, plan, fn, spec: Specialization, interpret: bool):
-        self.plan, self.fn, self.spec, self.interpret = plan, fn, spec, interpret
-        self._chosen: dict = {}  # device -> (config, grid)
-        self._binaries: dict = {}  # specialization key -> compiled kernel
-        # False when the JIT does not return a launchable binary (or SCHEDLANG_DIRECT_LAUNCH=0)
-        self._direct = not interpret and os.environ.get("SCHEDLANG_DIRECT_LAUNCH", "1") != "0"
-
-    def grid_and_programs(self, br: int, bn: int, device, warps: int = 4) -> tuple:
-        row_blocks = -(-self.spec.n_rows // br)
-        col_blocks = 1 if self.plan.whole_row else -(-self.spec.n_cols // bn)
-        if self.plan.persistent:
-            # as many programs as the GPU holds at once (64 warps per multiprocessor), so
-            # that loads of many programs are in flight; but at most one program per 16
-            # rows, which keeps the partial sums (one row of n_cols per program, written
-            # and summed again) to a few percent of the traffic
-            if device.type == "cuda":
-                cap = _sm_count(device) * max(1, 64 // warps)
-            else:
-                cap = 8
-            row_blocks = min(row_blocks, max(1, cap // col_blocks), max(1, self.spec.n_rows // 16))
-        return (row_blocks, col_blocks)
-
-    def chosen(self, build_args, device) -> tuple:
-        """``((BLOCK_R, BLOCK_N, num_warps), grid)`` for ``device``; the first call picks
-        them (timing candidates with ``build_args(grid) -> (args, finish)`` where tuned)."""
-        chosen = self._chosen.get(device)
-        if chosen is None:
-            config = self._choose(build_args, device)
-            chosen = self._chosen[device] = (config, self.grid_and_programs(config[0], config[1], device, config[2]))
-        return chosen
-
-    def launch(self, build_args, device):
-        """``build_args(grid)`` returns (positional args, post-processing callback)."""
-        config, grid = self.chosen(build_args, device)
-        args, finish = build_args(grid)
-        self.call(grid, args, config)
-        return finish()
-
-    def call(self, grid, args: list, config: tuple):
-        """Launch on ``grid`` with the kernel's positional ``args`` (without the constants)."""
-        br, bn, warps = config
-        if self.interpret:
-            self._launch_interpreted(grid, args, br, bn, warps)
-            return
-        if self._direct and _launch_hooks_idle(self.fn):
-            device = _current_device()
-            key = self._binary_key(device, args, config)
-            binary = self._binaries.get(key)
-            if binary is not None:
-                # what the JIT does once it has the binary (no launch hooks are installed)
-                try:
-                    binary.run(grid[0], grid[1], 1, _current_stream(device), binary.function,
-                               binary.packed_metadata, None, None, None, *args, br, bn)
-                    return
-                except Exception as exc:  # a launcher of another form: launch through the JIT from now on
-                    logger.debug("direct launch of %s failed (%s); launching through the JIT",
-                                 self.plan.kernel_name, exc)
-                    self._direct = False
-            binary = self.fn[grid](*args, BLOCK_R=br, BLOCK_N=bn, num_warps=warps)
-            if all(hasattr(binary, a) for a in ("run", "function", "packed_metadata")):
-                self._binaries[key] = binary
-            else:  # another Triton: always launch through the JIT
-                self._direct = False
-            return
-        self.fn[grid](*args, BLOCK_R=br, BLOCK_N=bn, num_warps=warps)
-
-    def _binary_key(self, device: int, args: list, config: tuple) -> tuple:
-        key = [device, config]
-        for a in args:
-            if type(a) is int:
-                key.append(a)
-            else:
-                key.append(a.dtype)
-                key.append(a.data_ptr() % 16 == 0)
-        if self.plan.uses_seed:  # the seed changes at every call: keep what the JIT specializes on
-            seed = key[-1]
-            key[-1] = (seed == 1, seed % 16 == 0, seed < 2 ** 31)
-        return tuple(key)
-
-    def _launch_interpreted(self, grid, args, br, bn, warps):
-        import numpy as np
-
-        # padded lanes may divide 0 by 0 in numpy; they are masked out of every result
-        with np.errstate(all="ignore"):
-            self.fn[grid](*args, BLOCK_R=br, BLOCK_N=bn, num_warps=warps)
-
-    def _run(self, build_args, config, device):
-        br, bn, warps = config
-        grid = self.grid_and_programs(br, bn, device, warps)
-        args, finish = build_args(grid)
-        if self.interpret:
-            self._launch_interpreted(grid, args, br, bn, warps)
-        else:
-            self.fn[grid](*args, BLOCK_R=br, BLOCK_N=bn, num_warps=warps)
-        return finish()
-
-    def _choose(self, build_args, device):
-        candidates = _candidates(self.plan, self.spec)
-        size = self.spec.n_rows * self.spec.n_cols
-        if (device.type != "cuda" or self.interpret or len(candidates) == 1 or size < 2 ** 20
-                or os.environ.get("SCHEDLANG_AUTOTUNE", "1") == "0"):
-            return candidates[0]
-        key = (self.plan.kernel_name, id(self.fn), self.spec.n_rows, self.spec.n_cols, device.index)
-        choice = _TUNED.get(key)
-        if choice is None:
-            from triton.testing import do_bench
-
-            timings = {}
-            for cand in candidates:
-                try:
-                    timings[cand] = do_bench(lambda: self._run(build_args, cand, device), warmup=5, rep=20,
-                                             return_mode="median")
-                except Exception as exc:  # a configuration that does not compile (resources)
-                    logger.debug("config %s of %s failed: %s", cand, self.plan.kernel_name, exc)
-            choice = min(timings, key=timings.get) if timings else candidates[0]
-            _TUNED[key] = choice
-            logger.info("%s at %dx%d: BLOCK_R=%d BLOCK_N=%d num_warps=%d (%.4f ms)", self.plan.kernel_name,
-                        self.spec.n_rows, self.spec.n_cols, *choice, timings.get(choice, float("nan")))
-        return choice
-
-
-_RUNTIME_KNOBS = None
-
-
-def _launch_hooks_idle(fn) -> bool:
-    """True when nothing observes launches (profilers install launch hooks), so a binary's
-    launcher may be called without them."""
-    global _RUNTIME_KNOBS
-    if getattr(fn, "pre_run_hooks", None):
-        return False
-    if _RUNTIME_KNOBS is None:
-        try:
-            from triton import knobs
-
-            _RUNTIME_KNOBS = knobs.runtime
-        except ImportError:  # no knobs module: no direct launches
-            return False
-    for hook in (_RUNTIME_KNOBS.launch_enter_hook, _RUNTIME_KNOBS.launch_exit_hook):
-        if hook is not None and getattr(hook, "calls", True):
-            return False
-    return True
-
-
-def _current_device() -> int:
-    return torch.cuda.current_device()
-
-
-def _current_stream(device: int) -> int:
-    return torch._C._cuda_getCurrentRawStream(device)
 
 
 def _prepare(inp_kind: str, expand: bool, t: torch.Tensor, spec: Specialization, index64: bool) -> torch.Tensor:
@@ -462,11 +222,17 @@ class CompiledSubgraph:
         return outs
 
     def _forward_args(self, tensors, outs, seed: int) -> list:
+        return self._kernel_args(((self._forward_reads, tensors),), outs, self._sizes, self.forward_plan, seed)
+
+    def _kernel_args(self, reads, written, sizes, plan, seed: int) -> list:
+        """A kernel's positional arguments: for each ``(reads, tensors)`` of ``reads`` the tensors
+        read (with their row strides), then the tensors ``written``, the ``sizes`` and the seed."""
         args = []
-        _append_reads(args, self._forward_reads, tensors, self.spec, self.index64)
-        args += outs
-        args += self._sizes
-        if self.forward_plan.uses_seed:
+        for which, tensors in reads:
+            _append_reads(args, which, tensors, self.spec, self.index64)
+        args += written
+        args += sizes
+        if plan.uses_seed:
             args.append(seed)
         return args
 
@@ -524,14 +290,8 @@ class CompiledSubgraph:
         return buffers, shared
 
     def _backward_args(self, launch: _BackwardLaunch, saved, grad_outputs, sink_buffers, seed: int) -> list:
-        args = []
-        _append_reads(args, launch.reads, saved, self.spec, self.index64)
-        _append_reads(args, launch.grad_reads, grad_outputs, self.spec, self.index64)
-        args += sink_buffers
-        args += launch.sizes
-        if launch.plan.uses_seed:
-            args.append(seed)
-        return args
+        return self._kernel_args(((launch.reads, saved), (launch.grad_reads, grad_outputs)), sink_buffers,
+                                 launch.sizes, launch.plan, seed)
 
     def _backward_finish(self, launch: _BackwardLaunch, buffers, device) -> list:
         buffers, shared = buffers
@@ -633,10 +393,7 @@ class TritonFusedSubgraph(FusedSubgraph):
                 yield t
 
     def _fetch(self, qualname: str):
-        obj = self
-        for part in qualname.split("."):
-            obj = getattr(obj, part)
-        return obj
+        return fetch_attr(self, qualname)
 
     def specialize(self, metas, device=None) -> CompiledSubgraph:
         """Generate (or fetch) the kernels for inputs of the given ``(shape, dtype)`` pairs

@@ -17,6 +17,7 @@ from torch import nn
 import schedlang
 from schedlang.distributed.launch import run_distributed
 from schedlang.distributed.pipeline import PipelinedModel, build_pipeline, split_model
+from tests.helpers.hf_models import gpt2, llama, token_batches
 
 transformers = pytest.importorskip("transformers")
 
@@ -26,21 +27,11 @@ GRAD_TOL = dict(rtol=1e-4, atol=1e-6)
 
 
 def _llama(seed=0, layers=4):
-    config = transformers.LlamaConfig(hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
-                                      num_key_value_heads=4, intermediate_size=128, vocab_size=VOCAB,
-                                      max_position_embeddings=128)
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(seed)
-    return transformers.LlamaForCausalLM(config)
+    return llama(seed, num_hidden_layers=layers)
 
 
 def _gpt2(seed=0):
-    config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=4, n_head=4, n_positions=128,
-                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
-                                     eos_token_id=0)
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(seed)
-    return transformers.GPT2LMHeadModel(config)
+    return gpt2(seed, n_layer=4)
 
 
 def _loss_fn(logits, labels):
@@ -49,7 +40,7 @@ def _loss_fn(logits, labels):
 
 def _batches(seed):
     """The same random batch every step, so that the loss falls when every stage learns."""
-    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(seed))
+    (tokens,) = token_batches(1, BATCH, SEQ, VOCAB, seed)
     return [(tokens[:, :-1], tokens[:, 1:])] * STEPS
 
 

@@ -7,9 +7,7 @@ import torch
 from schedlang.kernels.multi_tensor_adam import AdamLauncher, multi_tensor_adam, reference
 from schedlang.kernels.multi_tensor_apply import ChunkTables
 
-SHAPES = [(7, 13), (1000,), (1,), (3, 5, 7)]
-# small chunks and blocks: several chunks per tensor, full blocks and a masked tail
-SMALL = {"chunk_size": 256, "block_size": 64, "num_warps": 4}
+from .common import SHAPES, SMALL, step_torch_optim
 
 
 def _state(params, amsgrad):
@@ -64,10 +62,7 @@ def test_reference_matches_torch_optim(amsgrad, decoupled):
     topt = cls(tparams, lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1, amsgrad=amsgrad, foreach=False)
     state = _state(params, amsgrad)
     for _ in range(5):
-        grads = [torch.randn(s) for s in SHAPES]
-        for tp, g in zip(tparams, grads):
-            tp.grad = g.clone()
-        topt.step()
+        grads = step_torch_optim(topt, tparams)
         reference(state[0], grads, *state[1:], lr=1e-2, beta1=0.8, beta2=0.99, eps=1e-6, weight_decay=0.1,
                   amsgrad=amsgrad, decoupled_weight_decay=decoupled)
     for got, want in zip(state[0], tparams):
@@ -89,13 +84,16 @@ def test_bias_correction_is_accurate_at_the_first_steps():
 def test_non_contiguous_and_unaligned_tensors():
     base = torch.randn(2000)
     unaligned = base[1:1001]  # 4 bytes past an aligned address: no 16-byte vector hint
-    strided = torch.randn(13, 7).t()  # not contiguous: updated by the reference
+    strided = torch.randn(13, 7).t()  # (7, 13), not contiguous: updated by the reference
     params = [unaligned, strided, torch.randn(37)]
-    grads = [torch.randn(1000), torch.randn(13, 7).t(), torch.randn(37)]
+    # the strided parameter's gradient is contiguous, so its memory order differs from the parameter's:
+    # an update that walked both as flat ranges would pair elements with other elements' gradients
+    grads = [torch.randn(1000), torch.randn(7, 13), torch.randn(37)]
     ours = ([t.clone() if t.is_contiguous() else t.clone().t().contiguous().t() for t in params],
             [torch.zeros_like(t) for t in params], [torch.zeros_like(t) for t in params], [],
             [torch.zeros(()) for _ in params])
     ours[0][0] = torch.zeros(2000)[1:1001].copy_(unaligned)
+    assert not ours[0][1].is_contiguous() and ours[0][0].data_ptr() % 16
     ref = _state(params, False)
     kw = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled_weight_decay=True)
     tables = ChunkTables()
@@ -104,8 +102,9 @@ def test_non_contiguous_and_unaligned_tensors():
     for _ in range(3):
         launcher(grads, **kw)
         reference(ref[0], grads, *ref[1:], **kw)
-    for got, want in zip(ours[0], ref[0]):
-        torch.testing.assert_close(got, want)
+    for lists in zip(ours[:3], ref[:3]):  # parameters, exp_avg, exp_avg_sq
+        for got, want in zip(*lists):
+            torch.testing.assert_close(got, want)
     assert [float(s) for s in ours[4]] == [3.0, 3.0, 3.0]
 
 

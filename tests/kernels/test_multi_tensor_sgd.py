@@ -7,8 +7,8 @@ import torch
 from schedlang.kernels.multi_tensor_apply import ChunkTables
 from schedlang.kernels.multi_tensor_sgd import multi_tensor_sgd, reference
 
-SHAPES = [(7, 13), (1000,), (1,), (3, 5, 7)]
-SMALL = {"chunk_size": 256, "block_size": 64, "num_warps": 4}
+from .common import SHAPES, SMALL, step_torch_optim
+
 
 
 def _run(fn, params, grads_per_step, lrs, momentum, **kw):
@@ -52,10 +52,7 @@ def test_reference_matches_torch_optim(variant):
     ours = [p.clone() for p in params]
     buffers = [torch.empty(s) for s in SHAPES]
     for k in range(4):
-        grads = [torch.randn(s) for s in SHAPES]
-        for tp, g in zip(tparams, grads):
-            tp.grad = g.clone()
-        topt.step()
+        grads = step_torch_optim(topt, tparams)
         reference(ours, grads, buffers, [k == 0] * len(SHAPES), lr=0.05, weight_decay=0.01,
                   dampening=variant.get("dampening", 0.0), **{k_: v for k_, v in variant.items() if k_ != "dampening"})
     for got, want in zip(ours, tparams):

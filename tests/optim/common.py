@@ -32,3 +32,19 @@ def set_grads(*param_lists, skip=(), in_place=False):
 def assert_params_close(ours, ref, **tol):
     for a, b in zip(ours, ref):
         torch.testing.assert_close(a.detach(), b.detach(), **tol)
+
+
+def step_side_by_side(steps, *params_and_optimizers):
+    """``steps`` steps of every ``(params, optimizer)`` pair, each step with the same fresh gradients."""
+    for _ in range(steps):
+        set_grads(*(params for params, _ in params_and_optimizers))
+        for _, optimizer in params_and_optimizers:
+            optimizer.step()
+
+
+def warm_up_then_copy(ref, ref_opt, ours, steps=3):
+    """Step ``ref_opt`` alone (so that it has state to hand over), then give ``ours`` its values."""
+    step_side_by_side(steps, (ref, ref_opt))
+    with torch.no_grad():
+        for a, b in zip(ours, ref):
+            a.copy_(b)

@@ -9,7 +9,7 @@ import torch
 from schedlang.kernels.multi_tensor_adam import reference
 from schedlang.optim import FusedAdam, FusedAdamW
 
-from .common import assert_params_close, set_grads, twin_params
+from .common import assert_params_close, set_grads, step_side_by_side, twin_params, warm_up_then_copy
 
 STEPS = 12
 
@@ -60,9 +60,7 @@ def test_lr_scheduler(lr_tensor):
     ref_opt = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1, foreach=False)
     scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.5) for o in (opt, ref_opt)]
     for _ in range(STEPS):
-        set_grads(ours, ref)
-        opt.step()
-        ref_opt.step()
+        step_side_by_side(1, (ours, opt), (ref, ref_opt))
         for s in scheds:
             s.step()
     assert float(opt.param_groups[0]["lr"]) == pytest.approx(1e-2 * 0.5**4)
@@ -96,18 +94,10 @@ def test_bf16_params_keep_fp32_state_and_match_the_reference():
 def test_state_dict_from_torch_loads_into_fused_and_back():
     ours, ref = twin_params()
     ref_opt = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1, amsgrad=True)
-    for _ in range(3):
-        set_grads(ref)
-        ref_opt.step()
-    with torch.no_grad():
-        for a, b in zip(ours, ref):
-            a.copy_(b)
+    warm_up_then_copy(ref, ref_opt, ours)
     opt = FusedAdamW(ours, lr=1e-2, weight_decay=0.1, amsgrad=True)
     opt.load_state_dict(ref_opt.state_dict())
-    for _ in range(3):
-        set_grads(ours, ref)
-        opt.step()
-        ref_opt.step()
+    step_side_by_side(3, (ours, opt), (ref, ref_opt))
     assert_params_close(ours, ref)
     assert float(opt.state[ours[0]]["step"]) == 6.0
     # and back: our state dict (fp32 step tensor, same keys) loads into torch.optim
@@ -115,10 +105,7 @@ def test_state_dict_from_torch_loads_into_fused_and_back():
     torch_again = torch.optim.AdamW(again, lr=1e-2, weight_decay=0.1, amsgrad=True)
     torch_again.load_state_dict(copy.deepcopy(opt.state_dict()))  # torch.optim aliases what it loads
     assert set(torch_again.state[again[0]]) == {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"}
-    for _ in range(3):
-        set_grads(ours, again)
-        opt.step()
-        torch_again.step()
+    step_side_by_side(3, (ours, opt), (again, torch_again))
     assert_params_close(ours, again)
 
 

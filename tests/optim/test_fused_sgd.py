@@ -8,7 +8,7 @@ import torch
 from schedlang.kernels.multi_tensor_sgd import reference
 from schedlang.optim import FusedSGD
 
-from .common import assert_params_close, set_grads, twin_params
+from .common import assert_params_close, set_grads, step_side_by_side, twin_params, warm_up_then_copy
 
 
 @pytest.mark.parametrize("kw", [
@@ -57,24 +57,13 @@ def test_state_dict_round_trips_with_torch():
     ours, ref = twin_params()
     kw = dict(lr=0.05, momentum=0.9, nesterov=True)
     ref_opt = torch.optim.SGD(ref, **kw)
-    for _ in range(3):
-        set_grads(ref)
-        ref_opt.step()
-    with torch.no_grad():
-        for a, b in zip(ours, ref):
-            a.copy_(b)
+    warm_up_then_copy(ref, ref_opt, ours)
     opt = FusedSGD(ours, **kw)
     opt.load_state_dict(copy.deepcopy(ref_opt.state_dict()))
-    for _ in range(3):
-        set_grads(ours, ref)
-        opt.step()
-        ref_opt.step()
+    step_side_by_side(3, (ours, opt), (ref, ref_opt))
     assert_params_close(ours, ref)
     back = [p.detach().clone().requires_grad_(True) for p in ours]
     back_opt = torch.optim.SGD(back, **kw)
     back_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
-    for _ in range(2):
-        set_grads(ours, back)
-        opt.step()
-        back_opt.step()
+    step_side_by_side(2, (ours, opt), (back, back_opt))
     assert_params_close(ours, back)

@@ -1,11 +1,14 @@
 """``Schedule.horizontal_fuse`` as a primitive: on a schedule, recorded, replayable, errors."""
 
+import inspect
+
 import pytest
 import torch
 from torch import fx, nn
 
 import schedlang
 from schedlang.primitives.base import get_primitive
+from schedlang.primitives.horizontal_fuse import HorizontalFuse
 from tests.graph.passes.models import ParallelBranches, SplitLayerNormTanhCat, count_calls, randomize
 
 
@@ -26,11 +29,8 @@ def _schedule_with_traced_heads(model):
 
 
 def _call(sch, **kwargs):
-    # through the Schedule method when it exists, else through the registry (same validation and recording)
-    method = getattr(type(sch), "horizontal_fuse", None)
-    if method is not None:
-        return sch.horizontal_fuse(**kwargs)
-    return sch._run("horizontal_fuse", **kwargs)
+    # always through the Schedule method: a missing or miswired method fails every test here
+    return sch.horizontal_fuse(**kwargs)
 
 
 def test_fuses_the_traced_submodule_and_records_a_step():
@@ -101,5 +101,13 @@ def test_bad_arguments_change_nothing(kwargs, error, message):
 
 def test_registered_under_its_name():
     assert "horizontal_fuse" in schedlang.list_primitives()
-    assert get_primitive("horizontal_fuse").name == "horizontal_fuse"
-    assert "horizontal_fuse" in dir(schedlang.Schedule)
+    # the registry holds the primitive this package defines (not some other class under that name)
+    assert get_primitive("horizontal_fuse") is HorizontalFuse
+    # and the Schedule method takes the same arguments that the step records
+    method = inspect.signature(schedlang.Schedule.horizontal_fuse)
+    assert list(method.parameters) == ["self", "rules", "min_group_size"]
+    sch = _schedule_with_traced_heads(randomize(Model()))
+    sch["heads"].horizontal_fuse(rules=["linear_same_input"], min_group_size=3)
+    step = sch.plan[-1]
+    assert (step.primitive, step.path, step.args) == ("horizontal_fuse", "heads",
+                                                      {"rules": ["linear_same_input"], "min_group_size": 3})

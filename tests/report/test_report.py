@@ -16,6 +16,7 @@ import schedlang
 import schedlang.verify
 from schedlang.distributed.launch import run_distributed
 from schedlang.report import SECTIONS, collect, render
+from tests.helpers.hf_models import llama
 
 
 
@@ -24,12 +25,8 @@ def _swiglu(g, u):
 
 
 def _tiny_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
-    return LlamaForCausalLM(cfg)
+    return llama(0, attn=None, intermediate_size=96, num_key_value_heads=2, vocab_size=128,
+                 max_position_embeddings=64)
 
 
 def _scheduled(world_tp: bool = False):

@@ -310,12 +310,11 @@ class Rule:
     candidate key) and
     :meth:`rewrite` (one group into one op). ``needs_independence`` says whether members of
     a group may depend on each other (the driver then splits groups by reachability).
-    A simplification rule (``kind = "simplify"``) implements :meth:`matches` and
+    A simplification rule (a :class:`SimplifyRule`) implements :meth:`matches` and
     :meth:`rewrite` on one match at a time.
     """
 
     name: str = ""
-    kind: str = "fuse"
     description: str = ""
     needs_independence: bool = True
 
@@ -347,9 +346,8 @@ class Rule:
 
 class SimplifyRule(Rule):
     """A simplification rule that plans one node at a time: :meth:`plan` says whether (and how)
-    a node is rewritten, :meth:`apply` rewrites it following that plan."""
-
-    kind = "simplify"
+    a node is rewritten, :meth:`apply` rewrites it following that plan (an instance of a plan
+    type of the rule, e.g. :class:`~schedlang.graph.passes._roundtrip.WholePieces`)."""
 
     def plan(self, node: fx.Node) -> Any:
         raise NotImplementedError

@@ -20,7 +20,8 @@ from ._nodes import (
     tensor_shape,
 )
 
-__all__ = ["Run", "runs", "same_dim", "tensor_list", "CAT_FUNCTIONS", "run_source"]
+__all__ = ["Run", "runs", "same_dim", "tensor_list", "CAT_FUNCTIONS", "run_source", "WholePieces", "PieceRuns",
+           "ReturnedPieces", "StackedInput"]
 
 CAT_FUNCTIONS = (torch.cat, torch.concat, torch.concatenate)
 
@@ -46,6 +47,38 @@ class Run:
         total = num_pieces(self.spec)
         return self.first == 0 and total is not None and self.count == total
 
+
+
+# ------------------------------------------------------------------ plans of the round-trip rules
+@dataclass
+class WholePieces:
+    """Plan: the listed tensors are all the pieces of ``spec``, in order, joined along ``dim``."""
+
+    spec: SplitSpec
+    dim: Optional[int] = None
+
+
+@dataclass
+class PieceRuns:
+    """Plan: in ``tensors`` (joined along ``dim``), each run of ``runs`` is replaced by its source."""
+
+    tensors: Sequence[Any]
+    dim: int
+    runs: List[Run]
+
+
+@dataclass
+class ReturnedPieces:
+    """Plan: the graph returns every piece of ``spec``, in order: it returns the split's tuple instead."""
+
+    spec: SplitSpec
+
+
+@dataclass
+class StackedInput:
+    """Plan: the node is a piece of an unbind of a stack, which is this input of the stack."""
+
+    source: fx.Node
 
 def runs(items: Sequence[Any], min_length: int = 2) -> List[Run]:
     """Maximal runs of consecutive pieces of one split/unbind inside ``items``."""

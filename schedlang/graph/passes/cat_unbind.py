@@ -15,7 +15,7 @@ from torch import fx
 
 from . import group_ops
 from ._context import RewriteContext, SimplifyRule
-from ._roundtrip import CAT_FUNCTIONS, listed_pieces, runs, unbind_run_source
+from ._roundtrip import CAT_FUNCTIONS, PieceRuns, WholePieces, listed_pieces, runs, unbind_run_source
 
 __all__ = ["CatUnbind"]
 
@@ -41,20 +41,20 @@ class CatUnbind(SimplifyRule):
             return None
         tensors, dim, whole = found
         if whole is not None:
-            return ("whole", whole, dim) if whole.kind == "unbind" else None
+            return WholePieces(whole, dim) if whole.kind == "unbind" else None
         usable = [r for r in runs(tensors) if r.spec.kind == "unbind"]
-        return ("runs", tensors, dim, usable) if usable else None
+        return PieceRuns(tensors, dim, usable) if usable else None
 
     def apply(self, ctx: RewriteContext, node: fx.Node, plan) -> bool:
         with ctx.graph.inserting_before(node):
-            if plan[0] == "whole":
-                spec, dim = plan[1], plan[2]
+            if isinstance(plan, WholePieces):
+                spec, dim = plan.spec, plan.dim
                 result = merge(ctx, spec.base, spec.dim, dim)
                 n_in = "all"
             else:
-                _, tensors, dim, usable = plan
+                tensors, dim = plan.tensors, plan.dim
                 items = list(tensors)
-                for run in reversed(usable):
+                for run in reversed(plan.runs):
                     items[run.start:run.stop] = [merge(ctx, unbind_run_source(ctx, run), run.spec.dim, dim)]
                 result = items[0] if len(items) == 1 else ctx.call(node.target, items, dim)
                 n_in = str(len(tensors))

@@ -50,6 +50,7 @@ from ._context import (
     ParamSource,
     RewriteContext,
     Rule,
+    SimplifyRule,
 )
 from ._grouping import Reachability, SweepGuard, independent_sets
 from .activation import ActivationGroup
@@ -123,10 +124,10 @@ def resolve_rules(rules: Optional[Sequence[str]], where: str = "<root>") -> List
     if isinstance(rules, str) or not isinstance(rules, (list, tuple)):
         raise ScheduleTypeError(f"{where}: horizontal_fuse rules must be None or a list of rule names, got {rules!r}; "
                                 f"valid rules are {', '.join(RULES)}")
-    for r in rules:
-        if r not in RULES:
-            raise ScheduleValueError(f"{where}: unknown horizontal fusion rule {r!r}: valid rules are "
-                                     f"{', '.join(RULES)}")
+    unknown = [r for r in rules if r not in RULES]
+    if unknown:
+        raise ScheduleValueError(f"{where}: unknown horizontal fusion rule {unknown[0]!r}: valid rules are "
+                                 f"{', '.join(RULES)}")
     return [name for name in RULES if name in rules]
 
 
@@ -177,7 +178,7 @@ def horizontal_fuse(gm: fx.GraphModule, rules: Optional[Sequence[str]] = None, m
 def _apply(ctx: RewriteContext, rule: Rule) -> int:
     """One sweep of one rule over the whole graph; returns the number of rewrites."""
     done = 0
-    if rule.kind == "simplify":
+    if isinstance(rule, SimplifyRule):
         for match in rule.matches(ctx):
             if getattr(match, "_erased", False):
                 continue

@@ -24,18 +24,16 @@ from torch import fx
 
 from . import group_ops
 from ._build import fuse_tensors, group_key, stack, stack_dim_for, unstack
-from ._context import RewriteContext, Rule
-from .linear_same_input import linear_operands, linear_signature
+from ._context import RewriteContext
+from .linear_same_input import LinearRule, linear_operands, linear_signature
 
 __all__ = ["LinearBatched"]
 
 
-class LinearBatched(Rule):
+class LinearBatched(LinearRule):
     name = "linear_batched"
     description = "same-shape linears on different inputs -> one batched matmul (baddbmm)"
     needs_independence = True
-
-    operands = staticmethod(linear_operands)
 
     def group_of(self, ctx: RewriteContext, x, weight, bias) -> Optional[Hashable]:
         key = group_key(ctx, x, weight.value.shape[1])

@@ -29,7 +29,7 @@ from ._build import TensorRef, attr_ref, fuse_tensors, module_ref
 from ._context import RewriteContext, Rule
 from ._nodes import arg, is_call, module_of, plain_module
 
-__all__ = ["LinearSameInput", "linear_operands"]
+__all__ = ["LinearSameInput", "LinearRule", "linear_operands"]
 
 
 def linear_operands(ctx: RewriteContext, node: fx.Node) -> Optional[Tuple[fx.Node, TensorRef, Optional[TensorRef]]]:
@@ -63,12 +63,16 @@ def linear_signature(weight: TensorRef, bias: Optional[TensorRef]) -> Tuple:
     return (w.shape[1], w.dtype, w.device, w.requires_grad, bias is not None)
 
 
-class LinearSameInput(Rule):
+class LinearRule(Rule):
+    """A rule over linears (``nn.Linear`` modules, ``F.linear`` calls): operands ``(x, weight, bias)``."""
+
+    operands = staticmethod(linear_operands)
+
+
+class LinearSameInput(LinearRule):
     name = "linear_same_input"
     description = "linears sharing an input -> one GEMM on concatenated weights + split"
     needs_independence = False
-
-    operands = staticmethod(linear_operands)
 
     def group_of(self, ctx: RewriteContext, x, weight, bias) -> Optional[Hashable]:
         return (x,) + linear_signature(weight, bias)

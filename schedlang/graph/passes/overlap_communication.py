@@ -157,6 +157,26 @@ def _tensor_nodes(value: Any) -> List[fx.Node]:
     return out
 
 
+@dataclass(frozen=True)
+class _OverlapPlan:
+    """A collective of the graph to run asynchronously: its ``node`` and the ``op`` the report names."""
+
+    node: fx.Node
+    op: Any
+
+
+class _SyncModulePlan(_OverlapPlan):
+    """A sync module (a forward sync point): started where it stands, waited for at its first use."""
+
+
+class _AsyncCollectivePlan(_OverlapPlan):
+    """A ``torch.distributed`` collective whose result is unused: called with ``async_op=True``."""
+
+
+class _WaitTensorPlan(_OverlapPlan):
+    """A functional collective's ``wait_tensor``: moved down to the first use of its result."""
+
+
 def overlap_communication(gm: fx.GraphModule, path: str = "", hoist: bool = True,
                           root: Optional[torch.nn.Module] = None) -> OverlapReport:
     """Rewrite ``gm`` so its forward collectives run asynchronously; returns the report.
@@ -174,7 +194,7 @@ def overlap_communication(gm: fx.GraphModule, path: str = "", hoist: bool = True
     graph = copy.deepcopy(gm.graph)
     report = OverlapReport(path)
     unhook = _explicit_sync_nodes(gm, graph, root if root is not None else gm, report) if sync_cls else []
-    plans = []
+    plans: List[_OverlapPlan] = []
     for node in list(graph.nodes):
         if node.op == "call_module" and sync_cls is not None:
             module = gm.get_submodule(node.target)
@@ -186,16 +206,17 @@ def overlap_communication(gm: fx.GraphModule, path: str = "", hoist: bool = True
                                       f"forward" if module.mode == "bwd_post" else
                                       f"'{node.name}': a user function, which cannot be made asynchronous")
                 continue
-            plans.append(("sync", node, module.op))
+            plans.append(_SyncModulePlan(node, module.op))
         elif node.op == "call_function" and node.target in DIST_COLLECTIVES:
             if node.users or node.kwargs.get("async_op"):
                 report.skipped.append(f"'{node.name}': its return value is used")
                 continue
-            plans.append(("dist", node, DIST_COLLECTIVES[node.target]))
+            plans.append(_AsyncCollectivePlan(node, DIST_COLLECTIVES[node.target]))
         elif _is_wait_tensor(node):
-            plans.append(("wait_tensor", node, "wait_tensor"))
-    for kind, node, op in plans:
-        if kind == "sync":
+            plans.append(_WaitTensorPlan(node, "wait_tensor"))
+    for plan in plans:
+        node, op = plan.node, plan.op
+        if isinstance(plan, _SyncModulePlan):
             with graph.inserting_before(node):
                 handle = graph.get_attr(node.target)
                 start = graph.call_function(start_sync, (handle, node.args[0]))
@@ -208,7 +229,7 @@ def overlap_communication(gm: fx.GraphModule, path: str = "", hoist: bool = True
                 _hoist(start, sync_cls, handle)
             _pull_independent_work(gm, wait, {wait}, sync_cls)
             report.records.append(OverlapRecord(op, node.name, start.name, wait.name, _between(start, wait)))
-        elif kind == "dist":
+        elif isinstance(plan, _AsyncCollectivePlan):
             node.kwargs = {**node.kwargs, "async_op": True}
             touched = _aliases(_tensor_nodes((node.args, {k: v for k, v in node.kwargs.items()})))
             first_use = _first_use(node, touched)

@@ -18,7 +18,7 @@ from __future__ import annotations
 from torch import fx
 
 from ._context import RewriteContext, SimplifyRule
-from ._roundtrip import CAT_FUNCTIONS, listed_pieces, run_source, runs, same_dim
+from ._roundtrip import CAT_FUNCTIONS, PieceRuns, ReturnedPieces, WholePieces, listed_pieces, run_source, runs, same_dim
 
 __all__ = ["SplitCat"]
 
@@ -33,20 +33,20 @@ class SplitCat(SimplifyRule):
             if isinstance(value, tuple) and value:
                 found = runs(value, min_length=1)
                 if len(found) == 1 and found[0].start == 0 and found[0].stop == len(value) and found[0].covers_all():
-                    return ("output", found[0].spec)
+                    return ReturnedPieces(found[0].spec)
             return None
         found = listed_pieces(node, CAT_FUNCTIONS)
         if found is None:
             return None
         tensors, dim, spec = found
         if spec is not None:
-            return ("whole", spec) if spec.kind == "split" and same_dim(spec.dim, dim, spec.base) else None
+            return WholePieces(spec) if spec.kind == "split" and same_dim(spec.dim, dim, spec.base) else None
         usable = [r for r in runs(tensors) if r.spec.kind == "split" and same_dim(r.spec.dim, dim, r.spec.base)]
-        return ("runs", tensors, dim, usable) if usable else None
+        return PieceRuns(tensors, dim, usable) if usable else None
 
     def apply(self, ctx: RewriteContext, node: fx.Node, plan) -> bool:
-        if plan[0] == "output":
-            spec = plan[1]
+        if isinstance(plan, ReturnedPieces):
+            spec = plan.spec
             pieces = list(node.args[0])
             node.args = (spec.node,) + tuple(node.args[1:])
             for p in pieces:
@@ -54,11 +54,12 @@ class SplitCat(SimplifyRule):
             ctx.record(self.name, pieces, spec.node, f"returns all {len(pieces)} pieces of '{spec.node.name}' -> "
                                                      f"returns its tuple")
             return True
-        if plan[0] == "whole":
-            ctx.record(self.name, [node], plan[1].base, f"cat(split('{plan[1].base.name}')) -> '{plan[1].base.name}'")
-            ctx.replace(node, plan[1].base)
+        if isinstance(plan, WholePieces):
+            base = plan.spec.base
+            ctx.record(self.name, [node], base, f"cat(split('{base.name}')) -> '{base.name}'")
+            ctx.replace(node, base)
             return True
-        _, tensors, dim, usable = plan
+        tensors, dim, usable = plan.tensors, plan.dim, plan.runs
         items = list(tensors)
         changed = False
         with ctx.graph.inserting_before(node):

@@ -17,7 +17,8 @@ from torch import fx
 
 from ._context import RewriteContext, SimplifyRule
 from ._nodes import piece_of
-from ._roundtrip import listed_pieces, runs, same_dim, tensor_list, unbind_run_source
+from ._roundtrip import PieceRuns, StackedInput, WholePieces, listed_pieces, runs, same_dim, tensor_list
+from ._roundtrip import unbind_run_source
 
 __all__ = ["StackUnbind"]
 
@@ -32,14 +33,14 @@ class StackUnbind(SimplifyRule):
             found = tensor_list(piece.spec.base, (torch.stack,))
             if found is not None and isinstance(found[0], (list, tuple)) and \
                     same_dim(found[1], piece.spec.dim, piece.spec.base) and piece.index < len(found[0]):
-                return ("unstack", found[0][piece.index])
+                return StackedInput(found[0][piece.index])
             return None
         found = listed_pieces(node, (torch.stack,))
         if found is None:
             return None
         tensors, dim, whole = found
         if whole is not None:
-            return ("whole", whole, dim) if whole.kind == "unbind" else None
+            return WholePieces(whole, dim) if whole.kind == "unbind" else None
         found_runs = runs(tensors)
         if len(found_runs) != 1 or found_runs[0].start != 0 or found_runs[0].stop != len(tensors):
             return None
@@ -49,19 +50,19 @@ class StackUnbind(SimplifyRule):
             # a valid stack has equal shapes, so an int split's possibly shorter last piece is whole here
             if len(sizes) != 1 or run.pieces[0].offset is None:
                 return None
-        return ("run", run, dim)
+        return PieceRuns(tensors, dim, [run])
 
     def apply(self, ctx: RewriteContext, node: fx.Node, plan) -> bool:
-        if plan[0] == "unstack":
-            ctx.record(self.name, [node], plan[1], f"unbind(stack(...))[i] -> '{plan[1].name}'")
-            ctx.replace(node, plan[1])
+        if isinstance(plan, StackedInput):
+            ctx.record(self.name, [node], plan.source, f"unbind(stack(...))[i] -> '{plan.source.name}'")
+            ctx.replace(node, plan.source)
             return True
         with ctx.graph.inserting_before(node):
-            if plan[0] == "whole":
-                spec, dim = plan[1], plan[2]
+            if isinstance(plan, WholePieces):
+                spec, dim = plan.spec, plan.dim
                 result = self._move(ctx, spec.base, spec.dim, dim)
             else:
-                run, dim = plan[1], plan[2]
+                (run,), dim = plan.runs, plan.dim
                 spec = run.spec
                 if spec.kind == "unbind":
                     result = self._move(ctx, unbind_run_source(ctx, run), spec.dim, dim)
@@ -73,7 +74,7 @@ class StackUnbind(SimplifyRule):
                     grouped = ctx.method("unflatten", source, spec.dim, (run.count, size))
                     group_dim = spec.dim - 1 if spec.dim < 0 else spec.dim
                     result = self._move(ctx, grouped, group_dim, dim)
-        ctx.record(self.name, [node], result, f"stack of {plan[0]} pieces -> view of '{result.name}'")
+        ctx.record(self.name, [node], result, f"stack of {'whole' if isinstance(plan, WholePieces) else 'run'} pieces -> view of '{result.name}'")
         ctx.replace(node, result)
         return True
 

@@ -1,0 +1,327 @@
+"""``save_checkpoint`` / ``load_checkpoint``: distributed checkpoints (``torch.distributed.checkpoint``)
+that reshard across layouts, with the optimizer state keyed by parameter name."""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import time
+import warnings
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from ..errors import CheckpointError
+from .ranks import _agree, _all_gather, _dist, _names, _rank, _world
+from .state import (_STATE, _dcp_ready, _model_state, _OptimView, _optimizer_is_empty, _options, _reset_optimizer,
+                    _restore_strided, _stages, _zero_step)
+
+logger = logging.getLogger("schedlang.checkpoint")
+
+#: version of the ``schedlang`` record inside a checkpoint
+FORMAT_VERSION = 1
+_MODEL, _OPTIM, _META = "model", "optim", "schedlang"
+
+
+def _meta_blob(step, extra, optimizer) -> bytes:
+    record = {"format": FORMAT_VERSION, "step": step, "extra": extra, "world_size": _world(),
+              "torch": str(torch.__version__), "optimizer": type(optimizer).__name__ if optimizer is not None else None}
+    buf = io.BytesIO()
+    torch.save(record, buf)
+    blob = buf.getvalue()
+    try:  # loading uses weights_only=True: refuse at save what could not be read back
+        torch.load(io.BytesIO(blob), weights_only=True)
+    except Exception as e:
+        # torch names the offending class on a line of its own ("Unsupported global: GLOBAL pathlib.PosixPath ...")
+        why = next((line.strip() for line in str(e).splitlines() if "Unsupported" in line), type(e).__name__)
+        raise CheckpointError(
+            f"save_checkpoint: extra must hold plain Python values (dict, list, tuple, str, int, float, bool, "
+            f"None) and tensors; {why}") from None
+    return blob
+
+
+def _read_meta(blob) -> dict:
+    if isinstance(blob, (bytes, bytearray)):
+        return torch.load(io.BytesIO(bytes(blob)), weights_only=True)
+    return {}
+
+
+# ------------------------------------------------------------------------------------------------ DCP calls
+def _dcp_call(fn, state, path: str) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    no_dist = _dist() is None
+    with warnings.catch_warnings():
+        # DCP warns about single-process use; that is intended here
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        if fn is dcp.save:  # saving over an older checkpoint replaces it, as torch.save does a file
+            fn(state, storage_writer=dcp.FileSystemWriter(path, overwrite=True), no_dist=no_dist)
+        else:
+            fn(state, checkpoint_id=path, no_dist=no_dist)
+
+
+# ------------------------------------------------------------------------------------------------ save
+def save_checkpoint(path, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
+                    step: Optional[int] = None, extra: Any = None) -> None:
+    """Write ``model``'s (and ``optimizer``'s) state to the directory ``path`` as a DCP checkpoint.
+
+    Every rank must call it (it is collective); each writes the shards it holds. Works under any
+    layout schedlang builds (DTensor tensor parallelism, FSDP2, pipeline stages, one process,
+    with or without torch.distributed initialized) and with ``torch.optim`` and schedlang's fused
+    optimizers. ``step`` and ``extra`` (plain Python values and tensors, e.g. a data position or an
+    LR scheduler's state dict) come back from :func:`load_checkpoint`.
+
+    Example::
+
+        schedlang.save_checkpoint("ckpt/step-100", model, optimizer, step=100, extra={"seed": 0})
+    """
+    import torch.distributed.checkpoint as dcp
+
+    started = time.perf_counter()
+    path = os.fspath(path)
+    blob = _meta_blob(step, extra, optimizer)
+    problem = None
+    if os.path.exists(path) and not os.path.isdir(path):
+        problem = f"save_checkpoint: {path!r} exists and is not a directory"
+    else:
+        os.makedirs(path, exist_ok=True)
+        if _rank() == 0 and os.path.exists(os.path.join(path, ".metadata")):
+            # an older checkpoint here: without its .metadata it cannot pass for complete if this save stops midway
+            os.remove(os.path.join(path, ".metadata"))
+    _agree(problem)  # also keeps every rank from writing before the old .metadata is gone
+
+    model_state, _ = _dcp_ready(_model_state(model))
+    state: Dict[str, Any] = {_MODEL: model_state, _META: blob}
+    was_empty = _optimizer_is_empty(optimizer)
+    try:
+        if optimizer is not None:
+            optim_state = _OptimView(model).fetch(optimizer)
+            if was_empty:
+                # the state torch just created stands for "no step taken yet": save it so (see _reset_optimizer)
+                optim_state = {k: _zero_step(v) if k.startswith(_STATE) and k.endswith(".step") else v
+                               for k, v in optim_state.items()}
+            state[_OPTIM], _ = _dcp_ready(optim_state)
+        _dcp_call(dcp.save, state, path)
+    finally:
+        if was_empty:
+            _reset_optimizer(optimizer)
+    logger.info("saved checkpoint %s (%d model tensors%s, step %s) in %.2f s", path, len(model_state),
+                f", {len(state[_OPTIM])} optimizer entries" if _OPTIM in state else "", step,
+                time.perf_counter() - started)
+
+
+# ------------------------------------------------------------------------------------------------ load
+def _read_metadata(path: str):
+    import torch.distributed.checkpoint as dcp
+
+    if not os.path.isdir(path):
+        return None, f"load_checkpoint: no checkpoint directory at {path!r}"
+    if not os.path.isfile(os.path.join(path, ".metadata")):
+        return None, (f"load_checkpoint: {path!r} is not a complete checkpoint: its .metadata file is missing "
+                      f"(written last by save_checkpoint; the save may have been interrupted)")
+    try:
+        return dcp.FileSystemReader(path).read_metadata(), None
+    except Exception as e:  # a truncated or foreign file
+        return None, f"load_checkpoint: cannot read {os.path.join(path, '.metadata')}: {e}"
+
+
+def _tensor_meta(md, key):
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    entry = md.state_dict_metadata.get(key)
+    return entry if isinstance(entry, TensorStorageMetadata) else None
+
+
+def _check_tensors(kind: str, state: Dict[str, Any], md, prefix: str, path: str) -> List[str]:
+    """Problems of ``state`` against the checkpoint: missing entries, other shapes."""
+    problems, missing = [], []
+    for key, value in state.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        entry = md.state_dict_metadata.get(prefix + key)
+        if entry is None:
+            missing.append(key)
+            continue
+        meta = _tensor_meta(md, prefix + key)
+        if meta is None:
+            problems.append(f"{kind} {key!r} is a tensor in the model but not in the checkpoint")
+        elif tuple(meta.size) != tuple(value.shape):
+            problems.append(f"shape mismatch for {kind} {key!r}: checkpoint {tuple(meta.size)}, "
+                            f"model {tuple(value.shape)}")
+    if missing:
+        problems.insert(0, f"{len(missing)} {kind} tensor(s) of the model are missing from the checkpoint: "
+                           f"{_names(missing)}")
+    return problems
+
+
+def _optim_template(optim_state: Dict[str, Any], md) -> Tuple[Dict[str, Any], List[str], set]:
+    """What to read for the optimizer: its tensors, and the hyperparameters the checkpoint has.
+
+    A hyperparameter the checkpoint lacks (another optimizer class saved it) keeps its value; one
+    stored as a number in one and a tensor in the other is read in the checkpoint's kind.
+    """
+    read, skipped = {}, []
+    # a parameter without any state in the checkpoint had no gradient when it was saved: it gets none here
+    # either (torch created some for every parameter to build this template)
+    head = f"{_OPTIM}.{_STATE}"
+    saved = {k[len(head):].rpartition(".")[0] for k in md.state_dict_metadata if k.startswith(head)}
+    stateless = {k[len(_STATE):].rpartition(".")[0] for k in optim_state if k.startswith(_STATE)} - saved
+    for key, value in optim_state.items():
+        full = f"{_OPTIM}.{key}"
+        if key.startswith(_STATE):
+            if key[len(_STATE):].rpartition(".")[0] not in stateless:
+                read[key] = value
+            continue
+        entry = md.state_dict_metadata.get(full)
+        if entry is None:
+            skipped.append(key)
+            continue
+        meta = _tensor_meta(md, full)
+        if meta is not None and not isinstance(value, torch.Tensor):
+            read[key] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+        elif meta is None and isinstance(value, torch.Tensor):
+            read[key] = None  # bytes in the checkpoint: DCP puts the value in
+        else:
+            read[key] = value
+    return read, skipped, stateless
+
+
+def _merge_hyperparameters(optimizer, before: List[dict]) -> None:
+    """Keep tensor hyperparameters (a device ``lr``) as the same tensor objects, holding the loaded value.
+
+    A fused optimizer's kernel, a CUDA graph or an LR scheduler may hold the tensor itself.
+    """
+    for group, old in zip(optimizer.param_groups, before):
+        for name, was in old.items():
+            now = group.get(name)
+            if isinstance(was, torch.Tensor):
+                if now is not was and (isinstance(now, (int, float)) or (isinstance(now, torch.Tensor)
+                                                                          and now.numel() == was.numel())):
+                    with torch.no_grad():
+                        was.copy_(torch.as_tensor(now).reshape(was.shape).to(was.dtype))
+                    group[name] = was
+            elif isinstance(now, torch.Tensor) and now.numel() == 1 and isinstance(was, (int, float)):
+                group[name] = type(was)(now.item())
+
+
+def load_checkpoint(path, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> dict:
+    """Load a checkpoint written by :func:`save_checkpoint` into ``model`` (and ``optimizer``), in place.
+
+    The model may be laid out differently from the one that saved it (tensor parallel, FSDP2,
+    pipeline stages, one process, another number of ranks); every rank reads the chunks its own
+    shards cover. Before anything is read, the checkpoint's ``.metadata`` is checked against the
+    model and the optimizer on every rank: missing or unexpected tensors and shape mismatches raise
+    :class:`~schedlang.CheckpointError` on all ranks, with nothing loaded. Returns
+    ``{"step": ..., "extra": ...}`` as given to :func:`save_checkpoint`.
+
+    Example::
+
+        info = schedlang.load_checkpoint("ckpt/step-100", model, optimizer)
+        start = info["step"] + 1
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    started = time.perf_counter()
+    path = os.fspath(path)
+    md, problem = _read_metadata(path)
+    _agree(problem)
+    ckpt_keys = set(md.state_dict_metadata)
+    ckpt_model = {k[len(_MODEL) + 1:] for k in ckpt_keys if k.startswith(_MODEL + ".")}
+    has_optim = any(k.startswith(_OPTIM + ".") for k in ckpt_keys)
+    meta = _load_meta(path, ckpt_keys, optimizer)
+
+    stage_keys: List[List[str]] = []
+    model_state = _model_state(model, stage_keys)
+    problems = _check_tensors("model", model_state, md, _MODEL + ".", path)
+    was_empty = _optimizer_is_empty(optimizer)
+    view, optim_read, skipped, optim_state, stateless = None, {}, [], {}, set()
+    try:
+        if optimizer is not None:
+            if not has_optim:
+                problems.append(f"load_checkpoint: {path!r} holds no optimizer state (saved without an optimizer); "
+                                f"pass optimizer=None to load the model only")
+            else:
+                view = _OptimView(model)
+                optim_state = view.fetch(optimizer)
+                optim_read, skipped, stateless = _optim_template(optim_state, md)
+                problems += _check_tensors("optimizer state", {k: v for k, v in optim_read.items()
+                                                               if k.startswith(_STATE)}, md, _OPTIM + ".", path)
+        # names in the checkpoint that no rank's model holds (each pipeline rank holds some)
+        everyone = set().union(*_all_gather(sorted(k for k, v in model_state.items() if isinstance(v, torch.Tensor))))
+        unexpected = {k for k in ckpt_model if _tensor_meta(md, f"{_MODEL}.{k}") is not None} - everyone
+        if unexpected:
+            problems.insert(0, f"{len(unexpected)} tensor(s) in the checkpoint are not in the model: "
+                               f"{_names(unexpected)}")
+        local = None
+        if problems:
+            local = f"load_checkpoint: {path!r} does not fit the model:\n  " + "\n  ".join(problems)
+        _agree(local)
+    except BaseException:
+        if was_empty:
+            _reset_optimizer(optimizer)
+        raise
+
+    if skipped:
+        logger.info("the checkpoint has no value for %d optimizer hyperparameter(s) (%s); they keep their values",
+                    len(skipped), _names(skipped))
+    model_read, model_strided = _dcp_ready({k: v for k, v in model_state.items() if f"{_MODEL}.{k}" in ckpt_keys})
+    state: Dict[str, Any] = {_MODEL: model_read}
+    optim_strided = {}
+    if view is not None:
+        optim_read, optim_strided = _dcp_ready(optim_read)
+        state[_OPTIM] = optim_read
+    _dcp_call(dcp.load, state, path)
+
+    _restore_strided(state[_MODEL], model_strided)
+    merged = dict(model_state)
+    merged.update(state[_MODEL])
+    # DCP wrote into the tensors that the state dicts share with the parameters; set_model_state_dict
+    # covers layouts whose state dicts hold copies
+    for stage, keys in zip(_stages(model), stage_keys):
+        set_model_state_dict(stage, {k: merged[k] for k in keys}, options=_options(strict=False))
+    if view is not None:
+        _restore_strided(state[_OPTIM], optim_strided)
+        optim_state.update(state[_OPTIM])
+        before = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        view.store(optimizer, optim_state)
+        _merge_hyperparameters(optimizer, before)
+        _drop_state(model, optimizer, stateless)
+    logger.info("loaded checkpoint %s (%d model tensors, step %s) in %.2f s", path, len(model_read),
+                meta.get("step"), time.perf_counter() - started)
+    return {"step": meta.get("step"), "extra": meta.get("extra")}
+
+
+def _load_meta(path: str, ckpt_keys, optimizer) -> dict:
+    """The ``schedlang`` record (step, extra, format), read before anything else."""
+    import torch.distributed.checkpoint as dcp
+
+    if _META not in ckpt_keys:
+        _agree(f"load_checkpoint: {path!r} was not written by save_checkpoint (it has no {_META!r} record)")
+    state = {_META: b""}
+    _dcp_call(dcp.load, state, path)
+    meta = _read_meta(state[_META])
+    problem = None
+    if meta.get("format", 0) > FORMAT_VERSION:
+        problem = (f"load_checkpoint: {path!r} has format {meta.get('format')}, newer than this schedlang reads "
+                   f"({FORMAT_VERSION}); upgrade schedlang")
+    _agree(problem)
+    saved, now = meta.get("optimizer"), type(optimizer).__name__ if optimizer is not None else None
+    if saved and now and saved.removeprefix("Fused") != now.removeprefix("Fused"):
+        logger.warning("load_checkpoint: the optimizer state was saved from %s and is loaded into %s", saved, now)
+    return meta
+
+
+def _drop_state(model: nn.Module, optimizer, names) -> None:
+    """Forget the state of parameters that had none when saved (they had no gradient yet)."""
+    if not names:
+        return
+    by_name = {n: p for stage in _stages(model) for n, p in stage.named_parameters()}
+    for name in names:
+        p = by_name.get(name)
+        if p is not None:
+            optimizer.state.pop(p, None)
+    for key in ("_schedlang_plans", "_schedlang_chunk_tables"):
+        optimizer.__dict__.pop(key, None)

@@ -1,0 +1,57 @@
+"""Agreement between ranks for checkpoint and pretrained-weight I/O: a problem one rank finds is
+raised on every rank, so that none is left waiting in the next collective."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from ..errors import CheckpointError
+
+#: keys named in an error before "... and N more"
+_NAMES_SHOWN = 8
+
+
+def _dist():
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def _rank() -> int:
+    dist = _dist()
+    return dist.get_rank() if dist is not None else 0
+
+
+def _world() -> int:
+    dist = _dist()
+    return dist.get_world_size() if dist is not None else 1
+
+
+def _all_gather(obj) -> list:
+    """Every rank's ``obj``, by rank (a list of one without torch.distributed)."""
+    dist = _dist()
+    if dist is None or dist.get_world_size() == 1:
+        return [obj]
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _agree(problem: Optional[str]) -> None:
+    """Raise the same :class:`CheckpointError` on every rank if any rank found a problem.
+
+    A rank that raised alone would leave the others waiting in the next collective.
+    """
+    found = [(r, p) for r, p in enumerate(_all_gather(problem)) if p]
+    if not found:
+        return
+    messages = list(dict.fromkeys(p for _, p in found))
+    if len(messages) == 1:
+        raise CheckpointError(messages[0])
+    raise CheckpointError("\n".join(f"rank {r}: {p}" for r, p in found))
+
+
+def _names(keys) -> str:
+    keys = sorted(keys)
+    shown = ", ".join(repr(k) for k in keys[:_NAMES_SHOWN])
+    return shown + (f" ... and {len(keys) - _NAMES_SHOWN} more" if len(keys) > _NAMES_SHOWN else "")

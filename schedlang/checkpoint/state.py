@@ -1,0 +1,204 @@
+"""The tensors of a built model and its optimizer as DCP reads and writes them: pipeline stages,
+state dicts by original name, optimizer views, and FSDP2's strided shards of tensor-parallel shards."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from .ranks import _rank
+
+logger = logging.getLogger("schedlang.checkpoint")
+
+#: prefixes of the optimizer's keys in a flattened optimizer state dict
+_STATE, _GROUPS = "state.", "param_groups."
+
+
+def _stages(model: nn.Module) -> List[nn.Module]:
+    """The modules whose state this rank holds: a pipeline's stage modules, else the model itself.
+
+    Pipeline stage modules keep the original model's names (no prefix), so the union of their
+    state dicts over all ranks is the original model's state dict.
+    """
+    stages = getattr(model, "stage_modules", None)
+    if stages is None:
+        return [model]
+    return list(stages)
+
+
+def _is_dtensor(t) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        return False
+    return isinstance(t, DTensor)
+
+
+def _options(**kw):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(**kw)
+
+
+def _model_state(model: nn.Module, stage_keys: Optional[list] = None) -> Dict[str, Any]:
+    """The union of the stage modules' sharded state dicts (DTensors stay DTensors).
+
+    ``stage_keys``, if given, receives each stage module's names.
+    """
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    out: Dict[str, Any] = {}
+    for stage in _stages(model):
+        own = get_model_state_dict(stage)
+        if stage_keys is not None:
+            stage_keys.append(list(own))
+        for key, value in own.items():
+            if key in out and out[key] is not value:
+                logger.warning("two stage modules on rank %d hold %r; the first one's is used", _rank(), key)
+                continue
+            out[key] = value
+    return out
+
+
+class _OptimView:
+    """The optimizer state dict of a model's stage modules, under the original parameter names.
+
+    ``get_optimizer_state_dict`` names each parameter by its path in the module it is given; for a
+    pipeline with several stage modules on one rank that module is a ``ModuleList`` of them, whose
+    paths start with the stage index; ``fetch`` drops it and ``store`` puts it back.
+    """
+
+    def __init__(self, model: nn.Module):
+        stages = _stages(model)
+        self.single = len(stages) == 1
+        self.module = stages[0] if self.single else nn.ModuleList(stages)
+        self._prefixed: Dict[str, str] = {}
+
+    def _strip_key(self, key: str) -> str:
+        for head in (_STATE, _GROUPS):
+            if key.startswith(head):
+                _, _, rest = key[len(head):].partition(".")  # drop the stage index
+                return head + rest
+        return key
+
+    def fetch(self, optimizer) -> Dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        raw = get_optimizer_state_dict(self.module, optimizer, options=_options(flatten_optimizer_state_dict=True))
+        if self.single:
+            return dict(raw)
+        out = {}
+        for key, value in raw.items():
+            short = self._strip_key(key)
+            self._prefixed[short] = key
+            out[short] = value
+        return out
+
+    def store(self, optimizer, state: Dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        if not self.single:
+            state = {self._prefixed.get(k, k): v for k, v in state.items()}
+        set_optimizer_state_dict(self.module, optimizer, state, options=_options(flatten_optimizer_state_dict=True))
+
+
+def _optimizer_is_empty(optimizer) -> bool:
+    return optimizer is not None and not optimizer.state
+
+
+def _reset_optimizer(optimizer) -> None:
+    """Forget the state ``get_optimizer_state_dict`` created on an optimizer that had none.
+
+    torch initializes missing state with one zero-learning-rate step, which leaves ``step`` at 1:
+    a later real step would then use the bias correction of step 2. Dropping the state again
+    leaves the optimizer exactly as it was (the parameters are unchanged by an lr=0 step).
+    """
+    optimizer.state.clear()
+    for key in ("_schedlang_plans", "_schedlang_chunk_tables"):  # schedlang's fused optimizers cache them
+        optimizer.__dict__.pop(key, None)
+
+
+def _zero_step(value):
+    return torch.zeros_like(value) if isinstance(value, torch.Tensor) else type(value)(0)
+
+
+# ------------------------------------------------------------------------------------------------ strided shards
+def _strided(t) -> bool:
+    """A DTensor on a 1-D mesh sharded block-wise (a fused q|k|v tensor): DCP cannot address it.
+
+    Each rank holds part r of every block, i.e. several separate chunks of the global tensor,
+    while DCP records one chunk per rank. On multi-dimensional meshes FSDP2 uses the same
+    placement class for a contiguous chunk, which DCP does handle.
+    """
+    if not _is_dtensor(t) or t.device_mesh.ndim != 1:
+        return False
+    return type(t.placements[0]).__name__ == "_StridedShard"
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The unsharded value of ``t`` (a DTensor or a plain tensor); collective over a DTensor's mesh.
+
+    Block-wise shards on a 1-D mesh (a fused q|k|v weight: rank r holds part r of every block) are
+    gathered here, because DTensor's own ``full_tensor`` cannot reassemble them on every torch
+    version this runs on (2.11 refuses that placement).
+
+    Example::
+
+        w = full_tensor(model.transformer.h[0].attn.c_attn.weight)   # same on every rank
+    """
+    if not _strided(t):
+        return t.full_tensor() if _is_dtensor(t) else t
+    import torch.distributed as dist
+
+    mesh, placement = t.device_mesh, t.placements[0]
+    dim, blocks = placement.dim, placement.split_factor
+    local = t.to_local().contiguous()
+    parts = [torch.empty_like(local) for _ in range(mesh.size())]
+    dist.all_gather(parts, local, group=mesh.get_group())
+    pieces = [part.chunk(blocks, dim) for part in parts]  # pieces[r][b]: part r of block b
+    return torch.cat([pieces[r][b] for b in range(blocks) for r in range(len(parts))], dim)
+
+
+def _to_contiguous_shards(t):
+    """``t`` (strided, see :func:`_strided`) re-laid as ``Shard(axis)``: one chunk per rank."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh, dim = t.device_mesh, t.placements[0].dim
+    full = full_tensor(t)
+    local = full.chunk(mesh.size(), dim)[mesh.get_local_rank()].clone()
+    return DTensor.from_local(local, mesh, [Shard(dim)], run_check=False, shape=full.shape, stride=full.stride())
+
+
+def _to_strided_like(plain, like):
+    """The inverse of :func:`_to_contiguous_shards`: ``plain`` laid out as ``like``."""
+    from torch.distributed.tensor import DTensor
+
+    mesh, placement = like.device_mesh, like.placements[0]
+    dim, n, r = placement.dim, mesh.size(), mesh.get_local_rank()
+    full = plain.full_tensor()
+    # rank r holds part r of each of split_factor equal blocks (schedlang's ShardSpec.groups)
+    local = torch.cat([block.chunk(n, dim)[r] for block in full.chunk(placement.split_factor, dim)], dim)
+    return DTensor.from_local(local.to(like.dtype), mesh, [placement], run_check=False, shape=full.shape,
+                              stride=full.stride())
+
+
+def _dcp_ready(state: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """``state`` with strided DTensors re-laid for DCP, and the originals of those entries."""
+    out, originals = {}, {}
+    for key, value in state.items():
+        if _strided(value):
+            originals[key] = value
+            value = _to_contiguous_shards(value)
+        out[key] = value
+    return out, originals
+
+
+def _restore_strided(state: Dict[str, Any], originals: Dict[str, Any]) -> None:
+    for key, like in originals.items():
+        value = _to_strided_like(state[key], like)
+        with torch.no_grad():
+            like.copy_(value)  # the optimizer's or the module's own tensor, updated in place
+        state[key] = like

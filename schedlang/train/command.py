@@ -1,0 +1,139 @@
+"""The command line: checks before any rank starts, then a single process, ``--nproc`` local
+ranks or this rank of a ``torchrun`` launch; failures read as one line per failed rank."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+import os
+import re
+import sys
+import traceback
+from typing import Any, Dict, Optional, Sequence
+
+import torch
+
+from ..errors import DistributedError, SchedlangError
+from .checkpoints import _CKPT_PREFIX, latest_checkpoint
+from .configs import model_config, model_dims, validate_model
+from .data import TokenBatches
+from .flags import _device_type, _fail, _world_from_env, build_parser, validate
+from .loop import train
+
+logger = logging.getLogger("schedlang.train")
+
+
+def _rank_main(rank: int, world: int, options: Dict[str, Any]):
+    """Entry point of a rank spawned by ``--nproc`` (process group set up by ``run_distributed``)."""
+    logging.basicConfig(level=options.pop("_log_level", logging.WARNING), format="%(name)s: %(message)s")
+    return train(argparse.Namespace(**options), rank, world)
+
+
+def _torchrun_main(ns: argparse.Namespace, world: int) -> int:
+    import torch.distributed as dist
+
+    rank = int(os.environ["RANK"])
+    backend = "nccl" if _device_type(ns) == "cuda" else "gloo"
+    if _device_type(ns) == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=ns.timeout))
+    try:
+        train(ns, rank, world)
+        return 0
+    except SchedlangError as e:
+        print(f"schedlang train: rank {rank}: error: {e}", file=sys.stderr)
+        return 2
+    except BaseException:
+        print(f"schedlang train: rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr)
+        return 1
+    finally:
+        # a rank that fails leaves: torchrun stops the others once one exits non-zero
+        try:
+            dist.destroy_process_group()
+        except Exception:  # pragma: no cover
+            pass
+
+
+_OWN_ERRORS = ("TrainError", "CheckpointError", "ScheduleValueError", "ScheduleTypeError", "ShardError")
+
+
+def _failure_summary(error: DistributedError) -> str:
+    """One line per failed rank (its exception), from the launcher's tracebacks."""
+    text = str(error)
+    lines = []
+    for block in text.split("rank ")[1:]:
+        head, _, body = block.partition(" failed:\n")
+        if not body:
+            continue
+        body_lines = [l for l in body.rstrip().splitlines() if l.strip()]
+        # the exception starts at the last unindented "SomeError: ..." line; its message may span lines
+        starts = [i for i, l in enumerate(body_lines) if re.match(r"[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b", l)]
+        last = [" ".join(l.strip() for l in body_lines[starts[-1]:])] if starts else body_lines[-1:]
+        if last:
+            message = last[-1].strip()
+            kind, sep, rest = message.partition(": ")
+            if sep and (kind.startswith("schedlang.") or kind in _OWN_ERRORS):  # our own errors read as their message
+                message = rest
+            lines.append(f"rank {head}: {message}")
+    if not lines:
+        return text.splitlines()[-1] if text else "distributed run failed"
+    # the same error on every rank reads once
+    messages = {l.split(": ", 1)[1] for l in lines}
+    return lines[0].split(": ", 1)[1] if len(messages) == 1 else "; ".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None, prog: Optional[str] = None) -> int:
+    """The command line; returns the exit status (0 done, 2 bad flags or files, 1 a failed run)."""
+    parser = build_parser(prog)
+    ns = parser.parse_args(list(argv) if argv is not None else None)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    env_world = _world_from_env()
+    if ns.nproc is not None and env_world is not None and env_world > 1:
+        print("schedlang train: error: --nproc spawns its own ranks; do not combine it with torchrun", file=sys.stderr)
+        return 2
+    world = ns.nproc if ns.nproc is not None else (env_world or 1)
+    try:
+        validate(ns, world)
+        cfg = model_config(ns.model, ns.config)
+        validate_model(ns, model_dims(ns.model, cfg))
+        TokenBatches(ns.data, model_dims(ns.model, cfg).vocab, ns.seed, ns.global_batch, ns.seq)
+        if ns.init_from is not None:
+            from ..pretrained import read_index
+
+            read_index(ns.init_from)  # readable safetensors, before any rank starts
+        if ns.resume:
+            saved = latest_checkpoint(ns.checkpoint_dir)
+            if saved is None:
+                _fail(f"--resume: no complete checkpoint in {ns.checkpoint_dir}")
+            at = int(saved.name[len(_CKPT_PREFIX):])
+            if at >= (ns.stop_after or ns.steps):
+                _fail(f"--resume: the latest checkpoint ({saved}) is at step {at}; nothing is left to run up to step "
+                      f"{ns.stop_after or ns.steps} (raise --steps)")
+    except SchedlangError as e:
+        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank finds it: say it once
+            print(f"schedlang train: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        if env_world is not None and env_world > 1:
+            return _torchrun_main(ns, env_world)
+        if world == 1:
+            train(ns)
+            return 0
+        from ..distributed.launch import run_distributed
+
+        options = dict(vars(ns), _log_level=logging.getLogger("schedlang").getEffectiveLevel())
+        backend = "nccl" if _device_type(ns) == "cuda" else "gloo"
+        if backend == "nccl" and torch.cuda.device_count() < world:
+            _fail(f"--nproc {world} on cuda needs {world} GPUs, found {torch.cuda.device_count()}")
+        run_distributed(_rank_main, world_size=world, args=(options,), backend=backend, timeout=365 * 86400.0,
+                        collective_timeout=ns.timeout)
+        return 0
+    except SchedlangError as e:
+        if isinstance(e, DistributedError):
+            logger.debug("%s", e)
+            print(f"schedlang train: error: {_failure_summary(e)}", file=sys.stderr)
+            return 1
+        print(f"schedlang train: error: {e}", file=sys.stderr)
+        return 2

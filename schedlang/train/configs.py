@@ -1,0 +1,149 @@
+"""The models the trainer builds: HF configs (``tiny``, ``1b`` or a config.json), their dimensions
+and the checks of a layout against them, and the facts the run reads off a model."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List
+
+from .flags import MODELS, _fail
+
+logger = logging.getLogger("schedlang.train")
+
+
+_TINY = {
+    "llama": dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+                  intermediate_size=128, vocab_size=256, max_position_embeddings=128),
+    "gpt2": dict(n_embd=64, n_layer=4, n_head=4, n_inner=128, vocab_size=256, n_positions=128, bos_token_id=255,
+                 eos_token_id=255),
+}
+#: pretraining runs without dropout (GPT-2's configs default to 0.1); layouts then compute the same thing
+_NO_DROPOUT = {"gpt2": dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0), "llama": {}}
+_1B = {
+    # LLaMA-1.1B (TinyLlama's depth and width, with full multi-head attention)
+    "llama": dict(hidden_size=2048, num_hidden_layers=22, num_attention_heads=16, num_key_value_heads=16,
+                  intermediate_size=5632, vocab_size=32000, max_position_embeddings=2048, rms_norm_eps=1e-5),
+    # GPT-2 has no 1B size whose heads split over 2, 4 and 8 ranks: GPT-2 medium (355M), vocabulary padded
+    # from 50257 to 50304 so that it divides by the tensor-parallel sizes
+    "gpt2": dict(n_embd=1024, n_layer=24, n_head=16, vocab_size=50304, n_positions=1024),
+}
+
+
+def _config_class(model: str):
+    if model == "llama":
+        from transformers import LlamaConfig
+
+        return LlamaConfig
+    from transformers import GPT2Config
+
+    return GPT2Config
+
+
+def model_config(model: str, config: str):
+    """The HF config of ``--model`` / ``--config`` (``tiny``, ``1b`` or a config.json path or its directory)."""
+    if model not in MODELS:
+        _fail(f"unknown --model {model!r}: valid models are {', '.join(MODELS)}")
+    klass = _config_class(model)
+    if config in ("tiny", "1b"):
+        cfg = klass(**(_TINY if config == "tiny" else _1B)[model], **_NO_DROPOUT[model])
+        if config == "1b" and model == "gpt2":
+            logger.info("--model gpt2 --config 1b is GPT-2 medium (355M parameters)")
+    else:
+        path = Path(config)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            _fail(f"--config {config!r} is neither 'tiny', '1b' nor an existing HF config.json (or its directory)")
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            _fail(f"--config {config}: cannot read a JSON config ({e})")
+        kind = raw.get("model_type")
+        if kind is not None and kind != klass.model_type:
+            _fail(f"--config {config} describes a {kind!r} model but --model is {model!r} (model_type "
+                  f"{klass.model_type!r})")
+        cfg = klass.from_dict(raw)
+    cfg._attn_implementation = "sdpa"
+    cfg.use_cache = False
+    return cfg
+
+
+@dataclass
+class Dims:
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+    positions: int
+
+
+def model_dims(model: str, cfg) -> Dims:
+    if model == "llama":
+        return Dims(cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads,
+                    cfg.num_key_value_heads or cfg.num_attention_heads, cfg.intermediate_size, cfg.vocab_size,
+                    cfg.max_position_embeddings)
+    return Dims(cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.n_head, cfg.n_inner or 4 * cfg.n_embd, cfg.vocab_size,
+                cfg.n_positions)
+
+
+def validate_model(ns, dims: Dims) -> None:
+    if ns.seq > dims.positions:
+        _fail(f"--seq {ns.seq} exceeds the model's {dims.positions} positions; use --seq <= {dims.positions}")
+    tp = ns.tp
+    for what, n in (("attention heads", dims.heads), ("key/value heads", dims.kv_heads),
+                    ("MLP intermediate size", dims.intermediate), ("vocabulary size", dims.vocab)):
+        if n % tp:
+            _fail(f"--tp {tp} must divide the model's {what} ({n}); valid --tp values divide {n}")
+    if ns.sp and ns.seq % tp:
+        _fail(f"--sp splits the sequence over --tp {tp} ranks: --seq {ns.seq} must be divisible by {tp}")
+    stages = ns.pp * ns.stages_per_rank
+    if stages > 1 and dims.layers < stages:
+        _fail(f"--pp {ns.pp} x --stages-per-rank {ns.stages_per_rank} = {stages} pipeline stages but the model has "
+              f"only {dims.layers} layers")
+
+
+def _model_class(model: str):
+    if model == "llama":
+        from transformers import LlamaForCausalLM
+
+        return LlamaForCausalLM
+    from transformers import GPT2LMHeadModel
+
+    return GPT2LMHeadModel
+
+
+def _tied_names(model) -> Dict[str, str]:
+    """``{name: first name}`` for every name of a parameter the model holds under several names (tied weights)."""
+    names: Dict[int, List[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return {n: group[0] for group in names.values() if len(group) > 1 for n in group}
+
+
+def _layers_path(model: str) -> str:
+    return "model.layers" if model == "llama" else "transformer.h"
+
+
+def _flops_params(model) -> int:
+    """Parameters that cost 6 flops per token in a train step: all but the input (and position) embeddings; a
+    tied embedding counts once, as the output head."""
+    total = sum(p.numel() for p in model.parameters())
+    inp = model.get_input_embeddings().weight
+    out = model.get_output_embeddings()
+    if out is None or out.weight is not inp:
+        total -= inp.numel()
+    for name, p in model.named_parameters():
+        if name.endswith("wpe.weight"):
+            total -= p.numel()
+    return total
+
+
+def _stage_cuts(layers: int, stages: int) -> List[int]:
+    """Indices of the layers after which a stage ends: ``stages`` near-equal runs of layers."""
+    bounds = [round(layers * (i + 1) / stages) for i in range(stages - 1)]
+    return [b - 1 for b in bounds]

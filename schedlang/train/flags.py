@@ -1,0 +1,181 @@
+"""The trainer's flags: the parser and every check that needs no process group."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from ..errors import SchedlangError
+
+logger = logging.getLogger("schedlang.train")
+
+MODELS = ("llama", "gpt2")
+PP_SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B", "ZeroBubble")
+OPTIMIZERS = ("adamw", "fused-adamw", "sgd")
+
+
+class TrainError(SchedlangError, ValueError):
+    """A trainer flag, file or layout that cannot work; the message says what would."""
+
+
+# ------------------------------------------------------------------------------------------------ flags
+def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog or "schedlang train",
+        description="Train a HF causal LM (LLaMA or GPT-2) with tensor, sequence, data and pipeline parallelism "
+                    "written as schedules. Run under torchrun, or spawn local ranks with --nproc N.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    m = p.add_argument_group("model")
+    m.add_argument("--model", default=None, help=f"model family: {', '.join(MODELS)} (default: llama, or the "
+                   "family of --init-from)")
+    m.add_argument("--config", default=None,
+                   help="'tiny' (hidden 64, 4 layers, vocab 256), '1b' (LLaMA-1.1B; GPT-2 medium for gpt2) or the "
+                        "path of a HF config.json (default: tiny, or the config.json of --init-from)")
+    m.add_argument("--init-from", default=None, metavar="DIR",
+                   help="fine-tune: start from the weights of a HF safetensors checkpoint (a directory written by "
+                        "save_pretrained or --export-hf); each rank reads only its shards")
+    m.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"],
+                   help="bf16: mixed precision (fp32 master weights; bf16 compute via FSDP2's policy or autocast)")
+    m.add_argument("--compile", action="store_true", help="torch.compile every transformer layer")
+    m.add_argument("--activation-checkpoint", action="store_true", help="recompute each layer in backward")
+    lay = p.add_argument_group("layout (world size = pp x dp x tp)")
+    lay.add_argument("--dp", type=int, default=1, help="data-parallel ranks")
+    lay.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
+    lay.add_argument("--pp", type=int, default=1, help="pipeline stages (ranks)")
+    lay.add_argument("--sp", action="store_true", help="sequence parallelism on the tp ranks")
+    lay.add_argument("--dp-mode", default="fsdp", choices=["fsdp", "ddp"], help="FSDP2 (fully_shard) or DDP "
+                     "(replicate) on the dp ranks")
+    lay.add_argument("--pp-schedule", default="1F1B", help=f"pipeline schedule: {', '.join(PP_SCHEDULES)}")
+    lay.add_argument("--stages-per-rank", type=int, default=None,
+                     help="pipeline stages each pp rank holds (default 2 for Interleaved1F1B / ZeroBubble, else 1)")
+    lay.add_argument("--microbatches", type=int, default=None,
+                     help="microbatches per step (default: pp x stages-per-rank with pipelining, else 1: with pp=1 "
+                          "they are accumulated)")
+    lay.add_argument("--nproc", type=int, default=None, help="spawn this many local ranks (without torchrun)")
+    lay.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when available")
+    lay.add_argument("--timeout", type=float, default=1800.0,
+                     help="seconds a collective may wait before the run fails")
+    t = p.add_argument_group("training")
+    t.add_argument("--steps", type=int, default=10, help="steps of the run (the learning-rate schedule spans them)")
+    t.add_argument("--stop-after", type=int, default=None, help="stop after this step (resume later with --resume)")
+    t.add_argument("--global-batch", type=int, default=8, help="sequences per step over all dp ranks")
+    t.add_argument("--seq", type=int, default=64, help="tokens per sequence")
+    t.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+    t.add_argument("--lr-schedule", default="cosine", choices=["cosine", "constant"],
+                   help="after warmup: cosine decay to 10%% of --lr, or constant")
+    t.add_argument("--warmup", type=int, default=0, help="linear warmup steps")
+    t.add_argument("--weight-decay", type=float, default=0.1)
+    t.add_argument("--grad-clip", type=float, default=1.0, help="clip the global gradient norm (0: off)")
+    t.add_argument("--optimizer", default="adamw", help="adamw (torch.optim.AdamW), fused-adamw (schedlang's fused "
+                   "Triton AdamW), sgd (torch.optim.SGD, momentum 0.9)")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--data", default="synthetic", help="'synthetic', or a .npy / raw .bin file of token ids "
+                   "(.bin: uint16 if the vocabulary is < 65536, else uint32)")
+    io = p.add_argument_group("checkpoints and output")
+    io.add_argument("--checkpoint-dir", default=None, help="directory of distributed checkpoints (step-NNNNNNNN/)")
+    io.add_argument("--save-every", type=int, default=0, help="save a checkpoint every K steps (0: only at the end)")
+    io.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
+    io.add_argument("--export-hf", default=None, metavar="DIR", help="write the trained model as a HF model here")
+    io.add_argument("--metrics", default=None, metavar="FILE", help="append one JSON line per step to FILE")
+    io.add_argument("--log-every", type=int, default=1, help="print progress every K steps")
+    return p
+
+
+def _fail(msg: str) -> None:
+    raise TrainError(msg)
+
+
+def _world_from_env() -> Optional[int]:
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    return None
+
+
+def _resolve_init_from(ns: argparse.Namespace) -> None:
+    """``--model`` and ``--config`` from ``--init-from``'s config.json where they are not given."""
+    if ns.init_from is not None:
+        directory = Path(ns.init_from)
+        if not directory.is_dir():
+            _fail(f"--init-from {ns.init_from!r}: no such directory (expected a HF checkpoint directory holding "
+                  f"config.json and model.safetensors, as save_pretrained or --export-hf write it)")
+        if ns.config is None:
+            if not (directory / "config.json").is_file():
+                _fail(f"--init-from {ns.init_from}: it has no config.json; give the model's config with --config")
+            ns.config = str(directory)
+        if ns.model is None:
+            try:
+                kind = json.loads((directory / "config.json").read_text()).get("model_type")
+            except (OSError, ValueError):
+                kind = None
+            ns.model = kind if kind in MODELS else None
+    ns.model = ns.model or "llama"
+    ns.config = ns.config or "tiny"
+
+
+def validate(ns: argparse.Namespace, world: int) -> None:
+    """Every check that needs no process group; raises :class:`TrainError` naming the flag and what would work."""
+    _resolve_init_from(ns)
+    if ns.model not in MODELS:
+        _fail(f"unknown --model {ns.model!r}: valid models are {', '.join(MODELS)}")
+    if ns.pp_schedule not in PP_SCHEDULES:
+        _fail(f"unknown --pp-schedule {ns.pp_schedule!r}: valid schedules are {', '.join(PP_SCHEDULES)}")
+    if ns.optimizer not in OPTIMIZERS:
+        _fail(f"unknown --optimizer {ns.optimizer!r}: valid optimizers are {', '.join(OPTIMIZERS)}")
+    for flag in ("dp", "tp", "pp", "steps", "global_batch", "seq"):
+        value = getattr(ns, flag)
+        if value < 1:
+            _fail(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
+    if ns.nproc is not None and ns.nproc < 1:
+        _fail(f"--nproc must be at least 1, got {ns.nproc}")
+    if ns.lr <= 0 or not math.isfinite(ns.lr):
+        _fail(f"--lr must be a positive number, got {ns.lr}")
+    if ns.warmup < 0 or ns.save_every < 0 or ns.grad_clip < 0 or ns.log_every < 1:
+        _fail("--warmup, --save-every and --grad-clip must be >= 0 and --log-every >= 1")
+    if ns.stop_after is not None and not 1 <= ns.stop_after <= ns.steps:
+        _fail(f"--stop-after must be a step of the run, 1..{ns.steps} (--steps), got {ns.stop_after}")
+    layout = ns.dp * ns.tp * ns.pp
+    if layout != world:
+        how = f"--nproc {ns.nproc}" if ns.nproc is not None else (
+            f"WORLD_SIZE={world} (torchrun)" if _world_from_env() is not None else "a single process")
+        _fail(f"--dp {ns.dp} x --tp {ns.tp} x --pp {ns.pp} = {layout} ranks, but the run has {world} ({how}); "
+              f"launch {layout} ranks (--nproc {layout} or torchrun --nproc_per_node={layout}) or change the layout")
+    if ns.sp and ns.tp < 2:
+        _fail("--sp (sequence parallelism) splits the sequence over the tp ranks: it needs --tp >= 2")
+    ns.stages_per_rank = ns.stages_per_rank or (2 if ns.pp > 1 and ns.pp_schedule in ("Interleaved1F1B", "ZeroBubble")
+                                                else 1)
+    if ns.stages_per_rank < 1:
+        _fail(f"--stages-per-rank must be at least 1, got {ns.stages_per_rank}")
+    if ns.pp == 1 and ns.stages_per_rank > 1:
+        _fail("--stages-per-rank > 1 needs pipeline parallelism (--pp >= 2)")
+    if ns.pp > 1 and ns.pp_schedule in ("1F1B", "GPipe") and ns.stages_per_rank != 1:
+        _fail(f"--pp-schedule {ns.pp_schedule} holds one stage per rank; use Interleaved1F1B or ZeroBubble for "
+              f"--stages-per-rank {ns.stages_per_rank}")
+    if ns.microbatches is None:
+        ns.microbatches = ns.pp * ns.stages_per_rank if ns.pp > 1 else 1
+    if ns.microbatches < 1:
+        _fail(f"--microbatches must be at least 1, got {ns.microbatches}")
+    if ns.global_batch % (ns.dp * ns.microbatches):
+        _fail(f"--global-batch {ns.global_batch} must be divisible by --dp x --microbatches = {ns.dp} x "
+              f"{ns.microbatches} = {ns.dp * ns.microbatches} (each dp rank splits its rows into microbatches)")
+    if ns.pp > 1 and ns.pp_schedule in ("Interleaved1F1B", "ZeroBubble") and ns.microbatches % ns.pp:
+        _fail(f"--pp-schedule {ns.pp_schedule} needs --microbatches divisible by --pp {ns.pp}, got {ns.microbatches}")
+    if ns.resume and not ns.checkpoint_dir:
+        _fail("--resume needs --checkpoint-dir (the directory the checkpoints were saved to)")
+    if ns.save_every and not ns.checkpoint_dir:
+        _fail("--save-every needs --checkpoint-dir")
+    if ns.device == "cuda" and not torch.cuda.is_available():
+        _fail("--device cuda but no CUDA device is available; use --device cpu")
+    if ns.optimizer == "fused-adamw" and _device_type(ns) == "cpu":
+        logger.warning("--optimizer fused-adamw on the CPU runs its Triton kernel under the interpreter (slow); "
+                       "--optimizer adamw is torch's")
+
+
+def _device_type(ns) -> str:
+    return ns.device or ("cuda" if torch.cuda.is_available() else "cpu")

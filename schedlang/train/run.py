@@ -1,0 +1,284 @@
+"""One rank's run: the mesh, the model built through a schedule (tensor, sequence, data and pipeline
+parallelism), the optimizer, one training step with its loss and gradient clipping, checkpoints."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from .checkpoints import _CKPT_PREFIX, _TRAINER_STATE, _checkpoint_path, latest_checkpoint
+from .configs import (_flops_params, _layers_path, _model_class, _stage_cuts, _tied_names, model_config, model_dims,
+                      validate_model)
+from .data import _mix, lr_at
+from .flags import TrainError, _fail
+
+logger = logging.getLogger("schedlang.train")
+
+
+class _Run:
+    """One rank's view of the run: mesh, model, optimizer, data slice."""
+
+    def __init__(self, ns, rank: int, world: int, device: torch.device):
+        self.ns, self.rank, self.world, self.device = ns, rank, world, device
+        self.mesh = None
+        self.dp_rank = 0
+        self.tp_group = None
+        self.pipelined = ns.pp > 1
+
+    # -- layout
+    def make_mesh(self) -> None:
+        if self.world == 1:
+            return
+        from ..distributed.mesh import make_mesh
+
+        ns = self.ns
+        self.mesh = make_mesh(pp=ns.pp, dp=ns.dp, tp=ns.tp, device_type=self.device.type)
+        self.dp_rank = self.mesh.get_local_rank("dp")
+        self.tp_group = self.mesh["tp"].get_group() if ns.tp > 1 else None
+        self.pp_rank = self.mesh.get_local_rank("pp")
+
+    def layout(self) -> str:
+        ns = self.ns
+        s = f"pp={ns.pp} dp={ns.dp} tp={ns.tp}"
+        extras = []
+        if ns.sp:
+            extras.append("sp")
+        if ns.dp > 1:
+            extras.append(ns.dp_mode)
+        if ns.pp > 1:
+            extras.append(f"{ns.pp_schedule} x{ns.microbatches} mb")
+        return s + (f" ({', '.join(extras)})" if extras else "")
+
+    # -- model
+    def build(self) -> None:
+        import schedlang
+        from ..models import compile_layers, shard_model
+
+        ns = self.ns
+        self.cfg = model_config(ns.model, ns.config)
+        self.dims = model_dims(ns.model, self.cfg)
+        validate_model(ns, self.dims)
+        with schedlang.init_empty_weights():
+            model = _model_class(ns.model)(self.cfg)
+        self.flops_params = _flops_params(model)
+        tied = _tied_names(model)
+        self.n_params = sum(p.numel() for p in model.parameters())
+        sch = schedlang.create_schedule(model, mesh=self.mesh) if self.mesh is not None else \
+            schedlang.create_schedule(model)
+        del model
+        layers = _layers_path(ns.model)
+        if ns.tp > 1:
+            shard_model(sch, sequence_parallel=ns.sp, gather_logits=False)
+        if ns.activation_checkpoint:
+            for i in range(self.dims.layers):
+                sch[f"{layers}.{i}"].checkpoint()
+        pipeline = None
+        if self.pipelined:
+            stages = ns.pp * ns.stages_per_rank
+            for cut in _stage_cuts(self.dims.layers, stages):
+                sch[f"{layers}.{cut}"].cut_pipeline_stage()
+            pipeline = {"schedule": ns.pp_schedule, "n_microbatches": ns.microbatches, "loss_fn": self._pipeline_loss}
+        bf16 = ns.dtype == "bf16"
+        if ns.dp > 1:
+            policy = "bf16" if bf16 else "fp32"
+            if ns.dp_mode == "fsdp":
+                for i in range(self.dims.layers):
+                    sch[f"{layers}.{i}"].fully_shard(mp_policy=policy)
+                sch.fully_shard(mp_policy=policy)
+            else:
+                sch.replicate(mp_policy=policy)
+        # FSDP2 / DDP cast to bf16 themselves; otherwise autocast does (master weights stay fp32)
+        self.autocast = bf16 and ns.dp == 1
+        opt_cls, opt_kw = self._optimizer()
+        torch.manual_seed(ns.seed)  # build initializes from the default generator: the same weights on every layout
+        self.model, self.optimizer = schedlang.build(sch, optimizer=opt_cls, device=self.device, pipeline=pipeline,
+                                                     pretrained=ns.init_from, **opt_kw)
+        self.sch = sch
+        self.grad_weight = self._tied_weights(tied) if self.pipelined and tied else {}
+        if ns.compile:
+            for module in self._modules():
+                if any(isinstance(m, torch.nn.ModuleList) for m in module.modules()):  # a stage may hold no layer
+                    compile_layers(module)
+        logger.info("rank %d: built %s (%d parameters) as %s", self.rank, type(self.model).__name__, self.n_params,
+                    self.layout())
+
+    def _modules(self) -> List[torch.nn.Module]:
+        stages = getattr(self.model, "stage_modules", None)  # a pipeline: the stages this rank holds
+        return list(stages) if stages is not None else [self.model]
+
+    def _tied_weights(self, tied: Dict[str, str]) -> Dict[int, float]:
+        """A tied weight used by stages on several pp ranks has a copy on each (with the same summed gradient):
+        per copy, the share that counts it once in the gradient norm."""
+        import torch.distributed as dist
+
+        mine: Dict[int, str] = {}
+        for module in self._modules():
+            for name, p in module.named_parameters(remove_duplicate=False):
+                if name in tied:
+                    mine[id(p)] = tied[name]
+        everyone: List[Any] = [None] * self.world
+        dist.all_gather_object(everyone, (self.pp_rank, sorted(set(mine.values()))))
+        holders = {g: len({pp for pp, groups in everyone if g in groups}) for g in set(mine.values())}
+        return {pid: 1.0 / holders[g] for pid, g in mine.items()}
+
+    def _optimizer(self):
+        ns = self.ns
+        if ns.optimizer == "sgd":
+            return torch.optim.SGD, {"lr": ns.lr, "momentum": 0.9, "weight_decay": ns.weight_decay}
+        kw = {"lr": ns.lr, "betas": (0.9, 0.95), "weight_decay": ns.weight_decay}
+        if ns.optimizer == "fused-adamw":
+            return "adamw", kw
+        return torch.optim.AdamW, kw
+
+    # -- loss
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Mean token cross entropy of this rank's rows; vocabulary-parallel when the logits stay split."""
+        if self.ns.tp > 1 and logits.shape[-1] != self.dims.vocab:
+            from ..distributed.cross_entropy import vocab_parallel_cross_entropy
+
+            return vocab_parallel_cross_entropy(logits.flatten(0, -2), labels.flatten(), group=self.tp_group)
+        return torch.nn.functional.cross_entropy(logits.flatten(0, -2).float(), labels.flatten())
+
+    def _pipeline_loss(self, output, target):
+        logits = output.logits if hasattr(output, "logits") else (output[0] if isinstance(output, (tuple, list))
+                                                                 else output)
+        return self._loss(logits, target)
+
+    # -- one step
+    def step(self, step: int, tokens: torch.Tensor) -> Dict[str, float]:
+        ns = self.ns
+        lr = lr_at(ns, step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        torch.manual_seed(_mix(ns.seed, step, 2))  # dropout and any other draws: a function of the step
+        rows = ns.global_batch // ns.dp
+        local = tokens[self.dp_rank * rows:(self.dp_rank + 1) * rows].to(self.device, non_blocking=True)
+        inputs, labels = local[:, :-1], local[:, 1:]
+        autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast)
+        if self.pipelined:
+            losses: List[torch.Tensor] = []
+            with autocast:
+                self.model.step(inputs, target=labels, losses=losses)
+            # the last stage holds one mean loss per microbatch (equal token counts): their mean is the rows' mean
+            local_loss = torch.stack([l.detach().float() for l in losses]).mean() if losses else None
+        else:
+            local_loss = torch.zeros((), device=self.device)
+            m = ns.microbatches
+            for x, y in zip(inputs.chunk(m), labels.chunk(m)):
+                with autocast:
+                    logits = self.model(input_ids=x, use_cache=False).logits
+                loss = self._loss(logits, y) / m
+                loss.backward()
+                local_loss += loss.detach().float()
+        grad_norm = self._clip()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"loss": self._global_loss(local_loss), "lr": lr, "grad_norm": grad_norm}
+
+    def _holds_loss(self) -> bool:
+        return not self.pipelined or self.pp_rank == self.ns.pp - 1
+
+    def _global_loss(self, local_loss: Optional[torch.Tensor]) -> float:
+        """Mean over the global batch: every rank that holds a loss adds loss / (ranks holding one); a sum over all."""
+        if self.world == 1:
+            return float(local_loss)
+        import torch.distributed as dist
+
+        holders = self.ns.dp * self.ns.tp  # tp ranks hold the same value: each counted 1 / tp
+        value = local_loss / holders if (local_loss is not None and self._holds_loss()) else None
+        buf = value.reshape(1).to(self.device) if value is not None else torch.zeros(1, device=self.device)
+        dist.all_reduce(buf)
+        return float(buf)
+
+    def _params(self) -> List[torch.nn.Parameter]:
+        seen, out = set(), []
+        for m in self._modules():  # two stages of one rank may share a tied weight: once
+            for p in m.parameters():
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    out.append(p)
+        return out
+
+    def _clip(self) -> float:
+        """Global gradient norm over every rank's shards (each distinct element counted once); clips to --grad-clip."""
+        params = [p for p in self._params() if p.grad is not None]
+        try:
+            from torch.distributed.tensor import DTensor
+        except ImportError:  # pragma: no cover
+            DTensor = ()
+        per_stage = self.world // self.ns.pp  # ranks of one pipeline stage each hold a piece or a copy
+        total = torch.zeros((), device=self.device, dtype=torch.float32)
+        for p in params:
+            g = p.grad
+            pieces = self.grad_weight.get(id(p), 1.0)
+            if DTensor and isinstance(g, DTensor):
+                for dim, placement in enumerate(g.placements):
+                    if placement.is_partial():  # pragma: no cover - gradients are reduced by now
+                        raise TrainError(f"gradient of shape {tuple(g.shape)} is still a partial sum")
+                    if not placement.is_replicate():  # Shard, and FSDP2's strided shards of TP shards
+                        pieces *= g.device_mesh.size(dim)
+                g = g.to_local()
+            total += g.detach().float().pow(2).sum() * (pieces / per_stage)
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(total)
+        norm = float(total.sqrt())
+        clip = self.ns.grad_clip
+        if clip and norm > clip and math.isfinite(norm):
+            scale = clip / (norm + 1e-6)
+            with torch.no_grad():
+                for p in params:
+                    p.grad.mul_(scale)
+        return norm
+
+    # -- checkpoints
+    def save(self, step: int) -> Path:
+        import schedlang
+
+        ns = self.ns
+        path = _checkpoint_path(ns.checkpoint_dir, step)
+        extra = {"seed": ns.seed, "data": ns.data, "global_batch": ns.global_batch, "seq": ns.seq,
+                 "steps": ns.steps, "model": ns.model, "config": ns.config, "layout": self.layout()}
+        schedlang.save_checkpoint(str(path), self.model, self.optimizer, step=step, extra=extra)
+        self._barrier()
+        if self.rank == 0:  # written last: its presence marks the checkpoint complete
+            (path / _TRAINER_STATE).write_text(json.dumps({"step": step, **extra}, indent=1) + "\n")
+        self._barrier()
+        logger.info("saved checkpoint %s", path)
+        return path
+
+    def load(self) -> int:
+        import schedlang
+
+        ns = self.ns
+        path = latest_checkpoint(ns.checkpoint_dir)
+        if path is None:
+            _fail(f"--resume: no complete checkpoint in {ns.checkpoint_dir} (expected {_CKPT_PREFIX}NNNNNNNN/ "
+                  f"directories holding {_TRAINER_STATE})")
+        state = json.loads((path / _TRAINER_STATE).read_text())
+        for key in ("seed", "data", "global_batch", "seq", "model"):
+            if state.get(key) != getattr(ns, key):
+                logger.warning("resuming a run saved with --%s %s under --%s %s: the continuation is not the same run",
+                               key.replace("_", "-"), state.get(key), key.replace("_", "-"), getattr(ns, key))
+        info = schedlang.load_checkpoint(str(path), self.model, self.optimizer)
+        step = int(info.get("step", state["step"])) if isinstance(info, dict) else int(state["step"])
+        logger.info("resumed from %s (step %d, saved as %s)", path, step, state.get("layout"))
+        return step
+
+    def export(self, directory: str) -> None:
+        import schedlang
+
+        schedlang.export_hf(self.model, directory)
+        self._barrier()
+
+    def _barrier(self) -> None:
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
