@@ -350,8 +350,9 @@ def _make_optimizer(optimizer, params, optimizer_kwargs):
     return optimizer(params, **optimizer_kwargs)
 
 
-def _check_optimizer(optimizer, optimizer_kwargs, device: torch.device) -> None:
-    """Make the optimizer over one stand-in parameter, so a bad name or option fails before the model changes."""
+def _check_optimizer(optimizer, optimizer_kwargs, device: torch.device, dtypes) -> None:
+    """Make the optimizer over stand-in parameters (one per dtype the model's will have), so that a bad name,
+    option or dtype fails before the model changes."""
     if optimizer is None:
         if optimizer_kwargs:
             raise ScheduleValueError(f"build: optimizer options {sorted(optimizer_kwargs)} given without optimizer=")
@@ -365,10 +366,11 @@ def _check_optimizer(optimizer, optimizer_kwargs, device: torch.device) -> None:
     elif not (isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer)):
         raise ScheduleTypeError(f"build: optimizer must be a name ('adamw', 'adam', 'sgd') or a "
                                 f"torch.optim.Optimizer class, got {optimizer!r}")
-    stand_in = nn.Parameter(torch.zeros(1, device="cpu" if device.type == "meta" else device))
+    where = "cpu" if device.type == "meta" else device
+    stand_ins = [nn.Parameter(torch.zeros(1, device=where, dtype=d)) for d in dtypes]
     name = optimizer if isinstance(optimizer, str) else optimizer.__name__
     try:
-        _make_optimizer(optimizer, [stand_in], optimizer_kwargs)
+        _make_optimizer(optimizer, stand_ins, optimizer_kwargs)
     except SchedlangError as e:
         raise type(e)(f"build: optimizer {name!r} rejects its options {optimizer_kwargs}: {e}") from e
     except (TypeError, ValueError) as e:
@@ -389,7 +391,9 @@ def _check_arguments(model: nn.Module, init_weights, optimizer, optimizer_kwargs
         else _model_device(model))
     if dev is None and target.type == "meta":
         target = torch.device("cpu")
-    _check_optimizer(optimizer, optimizer_kwargs, target)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    dtypes = [dtype] if dtype is not None and trained else sorted({p.dtype for p in trained}, key=str)
+    _check_optimizer(optimizer, optimizer_kwargs, target, dtypes or [torch.float32])
     return target
 
 
