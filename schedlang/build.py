@@ -17,8 +17,9 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from .distributed.agreement import agreement, check_same_plan
 from .distributed.sharding import shard_tensor, unsharded_view
-from .errors import ScheduleTypeError, ScheduleValueError
+from .errors import SchedlangError, ScheduleTypeError, ScheduleValueError
 from .init import has_meta_tensors
 
 __all__ = ["build"]
@@ -300,6 +301,102 @@ def _parallelize(root, model: nn.Module, pipeline: Optional[Dict[str, Any]]) -> 
     return model
 
 
+def _agreement_group(root):
+    """The ranks that build this schedule together: the mesh's, else the schedule's group (None: the world)."""
+    return root.mesh if root.mesh is not None else root.group
+
+
+def _check_device(device) -> Optional[torch.device]:
+    if device is None:
+        return None
+    if not isinstance(device, (str, torch.device, int)) or isinstance(device, bool):
+        raise ScheduleTypeError(f"build: device must be a string such as 'cpu' or 'cuda:0', a torch.device or a "
+                                f"GPU index, got {device!r}")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError, TypeError):
+        raise ScheduleValueError(f"build: device {device!r} is not a device: valid are 'cpu', 'cuda', 'cuda:N', "
+                                 "'meta' or a torch.device") from None
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ScheduleValueError(f"build: device {device!r} asks for CUDA, but no CUDA device is available; "
+                                     "use device='cpu'")
+        if dev.index is not None and dev.index >= count:
+            raise ScheduleValueError(f"build: device {device!r} does not exist: valid CUDA indices are 0..{count - 1}")
+    elif dev.type not in ("cpu", "meta"):
+        backend = getattr(torch, dev.type, None)
+        if backend is None or not callable(getattr(backend, "is_available", None)) or not backend.is_available():
+            raise ScheduleValueError(f"build: device {device!r} is not available here: use 'cpu'"
+                                     + (" or 'cuda'" if torch.cuda.is_available() else ""))
+    return dev
+
+
+def _check_dtype(dtype) -> None:
+    if dtype is None:
+        return
+    if not isinstance(dtype, torch.dtype):
+        raise ScheduleTypeError(f"build: dtype must be a torch.dtype such as torch.bfloat16, got {dtype!r}")
+    if not (dtype.is_floating_point or dtype.is_complex):
+        raise ScheduleValueError(f"build: dtype {dtype} is not a floating-point dtype: parameters can be cast to "
+                                 "torch.float32, torch.bfloat16, torch.float16 or torch.float64")
+
+
+def _make_optimizer(optimizer, params, optimizer_kwargs):
+    if isinstance(optimizer, str):
+        from .optim import make_optimizer
+
+        return make_optimizer(optimizer, params, **optimizer_kwargs)
+    return optimizer(params, **optimizer_kwargs)
+
+
+def _check_optimizer(optimizer, optimizer_kwargs, device: torch.device, dtypes) -> None:
+    """Make the optimizer over stand-in parameters (one per dtype the model's will have), so that a bad name,
+    option or dtype fails before the model changes."""
+    if optimizer is None:
+        if optimizer_kwargs:
+            raise ScheduleValueError(f"build: optimizer options {sorted(optimizer_kwargs)} given without optimizer=")
+        return
+    if isinstance(optimizer, str):
+        from .optim import OPTIMIZERS
+
+        if optimizer.lower() not in OPTIMIZERS:
+            raise ScheduleValueError(f"build: unknown optimizer {optimizer!r}: valid names are "
+                                     f"{', '.join(repr(n) for n in OPTIMIZERS)}, or pass a torch.optim.Optimizer class")
+    elif not (isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer)):
+        raise ScheduleTypeError(f"build: optimizer must be a name ('adamw', 'adam', 'sgd') or a "
+                                f"torch.optim.Optimizer class, got {optimizer!r}")
+    where = "cpu" if device.type == "meta" else device
+    stand_ins = [nn.Parameter(torch.zeros(1, device=where, dtype=d)) for d in dtypes]
+    name = optimizer if isinstance(optimizer, str) else optimizer.__name__
+    try:
+        _make_optimizer(optimizer, stand_ins, optimizer_kwargs)
+    except SchedlangError as e:
+        raise type(e)(f"build: optimizer {name!r} rejects its options {optimizer_kwargs}: {e}") from e
+    except (TypeError, ValueError) as e:
+        kind = ScheduleTypeError if isinstance(e, TypeError) else ScheduleValueError
+        raise kind(f"build: optimizer {name!r} rejects its options {optimizer_kwargs}: {e}") from e
+
+
+def _check_arguments(model: nn.Module, init_weights, optimizer, optimizer_kwargs, device, dtype) -> torch.device:
+    """Every check of build's arguments, before anything is cast, moved or initialized; returns the device
+    meta tensors are materialized on."""
+    if init_weights not in (None, True, False) and not callable(init_weights):
+        raise ScheduleTypeError(f"build: init_weights must be None, a bool or a callable fn(module), got "
+                                f"{init_weights!r}")
+    dev = _check_device(device)
+    _check_dtype(dtype)
+    target = dev if dev is not None else (
+        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() and has_meta_tensors(model)
+        else _model_device(model))
+    if dev is None and target.type == "meta":
+        target = torch.device("cpu")
+    trained = [p for p in model.parameters() if p.requires_grad]
+    dtypes = [dtype] if dtype is not None and trained else sorted({p.dtype for p in trained}, key=str)
+    _check_optimizer(optimizer, optimizer_kwargs, target, dtypes or [torch.float32])
+    return target
+
+
 def build(sch, init_weights: Union[None, bool, Callable[[nn.Module], None]] = None, optimizer: Any = None,
           device: Union[None, str, torch.device] = None, dtype: Optional[torch.dtype] = None,
           pipeline: Optional[Dict[str, Any]] = None, pretrained: Any = None,
@@ -341,47 +438,42 @@ def build(sch, init_weights: Union[None, bool, Callable[[nn.Module], None]] = No
     """
     root = sch.root
     model: nn.Module = root.mod
-    if init_weights not in (None, True, False) and not callable(init_weights):
-        raise ScheduleTypeError(f"build: init_weights must be None, a bool or a callable fn(module), got "
-                                f"{init_weights!r}")
-    if optimizer_kwargs and optimizer is None:
-        raise ScheduleValueError(f"build: optimizer options {sorted(optimizer_kwargs)} given without optimizer=")
-    weights = None
-    if pretrained is not None:
-        from .pretrained import PretrainedWeights
+    group = _agreement_group(root)
+    # every phase ends in an agreement: a rank that fails makes every rank fail within seconds (naming
+    # it), instead of leaving the others blocked in the next collective
+    with agreement(group, phase="build: checking the arguments"):
+        target = _check_arguments(model, init_weights, optimizer, optimizer_kwargs, device, dtype)
+        weights = None
+        if pretrained is not None:
+            from .pretrained import PretrainedWeights
 
-        weights = PretrainedWeights.for_build(model, pretrained, init_weights, dtype)
-    if has_meta_tensors(model):
-        target = torch.device(device) if device is not None else (
-            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
-        init = None if init_weights is False else (init_weights if callable(init_weights) else _DEFAULT)
-        if weights is not None:
-            weights.materialize(model, target)
-        else:
-            _Materializer(target, init, _default_inits(model) if init is _DEFAULT else {}).run(model)
-        logger.info("materialized meta tensors on %s", target)
-    elif callable(init_weights) and weights is None:
-        with torch.no_grad():
-            model.apply(init_weights)
-    if device is not None or dtype is not None:
-        model.to(device=device, dtype=dtype)
-    from .primitives.annotate import apply_annotations
+            weights = PretrainedWeights.for_build(model, pretrained, init_weights, dtype)
+    # before any collective of the plan runs: ranks with different plans would pair up different collectives
+    check_same_plan(root.plan, group, phase="build: plan comparison")
+    with agreement(group, phase="build: initializing the weights"):
+        if has_meta_tensors(model):
+            init = None if init_weights is False else (init_weights if callable(init_weights) else _DEFAULT)
+            if weights is not None:
+                weights.materialize(model, target)
+            else:
+                _Materializer(target, init, _default_inits(model) if init is _DEFAULT else {}).run(model)
+            logger.info("materialized meta tensors on %s", target)
+        elif callable(init_weights) and weights is None:
+            with torch.no_grad():
+                model.apply(init_weights)
+        if device is not None or dtype is not None:
+            model.to(device=device, dtype=dtype)
+        from .primitives.annotate import apply_annotations
 
-    for module in model.modules():
-        apply_annotations(module)
-    model = _parallelize(root, model, pipeline)
-    if weights is not None:
-        weights.load(model)
+        for module in model.modules():
+            apply_annotations(module)
+    with agreement(group, phase="build: tensor, pipeline and data parallelism"):
+        model = _parallelize(root, model, pipeline)
     opt = None
-    if optimizer is not None:
-        params = [p for p in model.parameters() if p.requires_grad]
-        if isinstance(optimizer, str):
-            from .optim import make_optimizer
-
-            opt = make_optimizer(optimizer, params, **optimizer_kwargs)
-        elif isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
-            opt = optimizer(params, **optimizer_kwargs)
-        else:
-            raise ScheduleTypeError(f"build: optimizer must be a name ('adamw', 'adam', 'sgd') or a "
-                                    f"torch.optim.Optimizer class, got {optimizer!r}")
+    with agreement(group, phase="build: loading the weights and making the optimizer"):
+        if weights is not None:
+            weights.load(model)
+        if optimizer is not None:
+            params = [p for p in model.parameters() if p.requires_grad]
+            opt = _make_optimizer(optimizer, params, optimizer_kwargs)
     return model, opt

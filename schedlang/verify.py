@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .distributed import groups
+from .distributed.agreement import RankFailureError, agreement, check_same_plan
 from .distributed.sharding import shard_source
 from .errors import ScheduleValueError, VerificationError
 from .plan import Plan, apply_steps
@@ -250,6 +251,7 @@ class Verify:
                                      "the schedule on a small real instance, then replay its plan on the meta model")
         device = self._device()
         reference = copy.deepcopy(original).to(device)
+        check_same_plan(self.sch.plan, group, phase="verify: plan comparison")
         if groups.world_size(group) > 1:
             src = dist.get_global_rank(group, 0) if group is not None else 0
             with torch.no_grad():
@@ -264,14 +266,18 @@ class Verify:
         from .schedule import Schedule, _RootState
 
         replayed = Schedule(_RootState(base, reference, group, state.mesh))
-        apply_steps(replayed, Plan(self.sch.plan.steps))
+        with agreement(group, phase="verify: replaying the plan"):
+            apply_steps(replayed, Plan(self.sch.plan.steps))
         scheduled = replayed._state.module
         reference.eval()
         scheduled.eval()
         failure: Optional[str] = None
         try:
-            ref_out, ref_grads = self._run_model(reference, device)
-            out, grads = self._run_model(scheduled, device)
+            with agreement(group, phase="verify: running the original and the scheduled model"):
+                ref_out, ref_grads = self._run_model(reference, device)
+                out, grads = self._run_model(scheduled, device)
+        except RankFailureError:  # only some ranks failed: every rank raises it, naming them
+            raise
         except Exception as e:  # report it on every rank instead of leaving the others waiting
             failure = f"running the models raised {type(e).__name__}: {e}"
             ref_out = out = ref_grads = grads = []

@@ -59,3 +59,66 @@ def test_build_materializes_meta_model_with_equal_values_for_the_same_seed():
 def test_build_errors(kwargs, error, message):
     with pytest.raises(error, match=message):
         schedlang.build(schedlang.create_schedule(MLP()), **kwargs)
+
+
+# build is all-or-nothing: every argument is checked before anything is cast, moved or initialized
+
+_BAD_ARGUMENTS = [
+    (dict(optimizer="lamb", lr=0.1, dtype=torch.float64), schedlang.ScheduleValueError,
+     r"^build: unknown optimizer 'lamb': valid names are 'adamw', 'adam', 'sgd', or pass a torch.optim.Optimizer "
+     r"class$"),
+    (dict(optimizer="adamw", lr=-1.0, dtype=torch.float64), schedlang.ScheduleValueError,
+     r"^build: optimizer 'adamw' rejects its options \{'lr': -1.0\}: "),
+    (dict(optimizer=torch.optim.SGD, lr=0.1, momentun=0.9, dtype=torch.float64), schedlang.ScheduleTypeError,
+     r"^build: optimizer 'SGD' rejects its options \{'lr': 0.1, 'momentun': 0.9\}: .*momentun"),
+    (dict(optimizer="sgd", lr=0.1, dtype=torch.float64), schedlang.ScheduleTypeError,
+     r"^build: optimizer 'sgd' rejects its options \{'lr': 0.1\}: FusedSGD: parameter 0 has dtype torch.float64; the "
+     r"fused kernels update float32, bfloat16, float16 parameters$"),
+    (dict(optimizer="sgd", lr=0.1, dtype=torch.int32), schedlang.ScheduleValueError,
+     r"^build: dtype torch.int32 is not a floating-point dtype: parameters can be cast to torch.float32, "
+     r"torch.bfloat16, torch.float16 or torch.float64$"),
+    (dict(optimizer="sgd", lr=0.1, dtype="float16"), schedlang.ScheduleTypeError,
+     r"^build: dtype must be a torch.dtype such as torch.bfloat16, got 'float16'$"),
+    (dict(optimizer="sgd", lr=0.1, dtype=torch.float64, device="gpu0"), schedlang.ScheduleValueError,
+     r"^build: device 'gpu0' is not a device: valid are 'cpu', 'cuda', 'cuda:N', 'meta' or a torch.device$"),
+    (dict(optimizer="sgd", lr=0.1, dtype=torch.float64, device="cuda:64"), schedlang.ScheduleValueError,
+     r"^build: device 'cuda:64' (asks for CUDA, but no CUDA device is available; use device='cpu'|does not exist: "
+     r"valid CUDA indices are 0\.\.\d+)$"),
+    (dict(device=[0]), schedlang.ScheduleTypeError,
+     r"^build: device must be a string such as 'cpu' or 'cuda:0', a torch.device or a GPU index, got \[0\]$"),
+]
+
+
+@pytest.mark.parametrize("kwargs,error,message", _BAD_ARGUMENTS)
+def test_build_checks_every_argument_before_it_changes_anything(kwargs, error, message):
+    from tests.helpers.models import assert_unchanged, state_snapshot
+
+    original = MLP(7, 13)
+    user_model = state_snapshot(original)
+    sch = schedlang.create_schedule(original)
+    sch["fc1"].shard("weight", axis=0)
+    sch["fc2"].decompose()
+    plan = sch.plan.to_json()
+    scheduled = state_snapshot(sch.mod)
+    with pytest.raises(error, match=message):
+        schedlang.build(sch, init_weights=lambda m: [p.data.fill_(3.0) for p in m.parameters(recurse=False)],
+                        **kwargs)
+    assert_unchanged(sch.mod, scheduled)  # not cast, not moved, not re-initialized
+    assert_unchanged(original, user_model)
+    assert sch.plan.to_json() == plan
+    # a correct build afterwards works
+    model, opt = schedlang.build(sch, optimizer=torch.optim.SGD, lr=0.1, dtype=torch.float64)
+    assert model.fc1.weight.dtype == torch.float64 and isinstance(opt, torch.optim.SGD)
+    x = torch.randn(5, 7, dtype=torch.float64)
+    torch.testing.assert_close(model(x), original.double()(x))
+
+
+def test_build_of_a_meta_model_with_a_bad_optimizer_allocates_nothing():
+    with schedlang.init_empty_weights():
+        meta = MLP(7, 13)
+    sch = schedlang.create_schedule(meta)
+    with pytest.raises(schedlang.ScheduleValueError, match=r"^build: unknown optimizer 'adamx'"):
+        schedlang.build(sch, optimizer="adamx")
+    assert all(p.is_meta for p in sch.mod.parameters())
+    model, _ = schedlang.build(sch, optimizer="adamw", device="cpu")
+    assert not any(p.is_meta for p in model.parameters())

@@ -1,12 +1,95 @@
-"""Process-group helpers: world size and rank that also work when torch.distributed is off."""
+"""Process-group helpers: world size and rank that also work when torch.distributed is off, and the
+timeout and backend of every process group schedlang creates.
+
+A collective that one rank never joins blocks the others until the group's timeout; PyTorch's
+default is 30 minutes (10 for NCCL). Every group schedlang creates uses :func:`pg_timeout`
+instead: ``SCHEDLANG_PG_TIMEOUT`` seconds (default 120), or the ``timeout`` its caller passes.
+"""
 
 from __future__ import annotations
 
-from typing import Optional
+import datetime
+import logging
+import os
+from typing import Optional, Union
 
+import torch
 import torch.distributed as dist
 
-__all__ = ["is_distributed", "world_size", "rank", "group_description", "SINGLE_RANK", "SingleRankGroup"]
+from ..errors import ScheduleValueError
+
+__all__ = ["is_distributed", "world_size", "rank", "group_description", "SINGLE_RANK", "SingleRankGroup",
+           "PG_TIMEOUT_ENV", "DEFAULT_PG_TIMEOUT_S", "pg_timeout", "default_backend", "set_group_timeout",
+           "new_group"]
+
+logger = logging.getLogger("schedlang.distributed.groups")
+
+#: environment variable holding the timeout, in seconds, of the process groups schedlang creates
+PG_TIMEOUT_ENV = "SCHEDLANG_PG_TIMEOUT"
+#: the timeout when neither an argument nor SCHEDLANG_PG_TIMEOUT gives one
+DEFAULT_PG_TIMEOUT_S = 120.0
+
+Seconds = Union[None, int, float, datetime.timedelta]
+
+
+def pg_timeout(timeout: Seconds = None) -> datetime.timedelta:
+    """The timeout of a process group: ``timeout`` (seconds or a timedelta) when given, else
+    ``$SCHEDLANG_PG_TIMEOUT`` seconds, else 120 s.
+
+    Example::
+
+        dist.init_process_group("gloo", timeout=pg_timeout())
+    """
+    if isinstance(timeout, datetime.timedelta):
+        seconds = timeout.total_seconds()
+        where = "timeout"
+    elif timeout is not None:
+        seconds, where = timeout, "timeout"
+    else:
+        raw = os.environ.get(PG_TIMEOUT_ENV)
+        if raw is None or not raw.strip():
+            return datetime.timedelta(seconds=DEFAULT_PG_TIMEOUT_S)
+        where = f"${PG_TIMEOUT_ENV}"
+        try:
+            seconds = float(raw)
+        except ValueError:
+            raise ScheduleValueError(f"{where}={raw!r} is not a number of seconds; set it to a positive number "
+                                     f"such as 120") from None
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0 or seconds != seconds:
+        raise ScheduleValueError(f"process-group {where} must be a positive number of seconds, got {seconds!r}")
+    return datetime.timedelta(seconds=float(seconds))
+
+
+def default_backend(world: int = 1) -> str:
+    """The backend string for a process group of ``world`` local ranks.
+
+    With a GPU per rank, ``"cpu:gloo,cuda:nccl"``: collectives on CUDA tensors use NCCL and
+    those on CPU tensors gloo, so the same group serves both (object collectives go over gloo).
+    Without enough GPUs, ``"gloo"``.
+    """
+    if torch.cuda.is_available() and torch.cuda.device_count() >= world and dist.is_nccl_available():
+        return "cpu:gloo,cuda:nccl"
+    return "gloo"
+
+
+def set_group_timeout(group, timeout: Seconds = None) -> None:
+    """Give an existing process group the timeout :func:`pg_timeout` names (no-op without one)."""
+    if group is None or isinstance(group, SingleRankGroup) or not is_distributed():
+        return
+    value = pg_timeout(timeout)
+    setter = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    try:
+        if setter is not None:
+            setter(value, group)
+        elif hasattr(group, "set_timeout"):
+            group.set_timeout(value)
+    except Exception as e:  # a backend without a settable timeout keeps the one it was created with
+        logger.debug("could not set the timeout of %s: %s", group, e)
+
+
+def new_group(ranks=None, timeout: Seconds = None, backend: Optional[str] = None):
+    """``torch.distributed.new_group`` with schedlang's finite timeout (every rank must call it)."""
+    return dist.new_group(ranks=ranks, timeout=pg_timeout(timeout), backend=backend)
 
 
 class SingleRankGroup:

@@ -30,7 +30,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 
 from ..errors import ScheduleTypeError, ScheduleValueError
-from .groups import SINGLE_RANK, is_distributed
+from .groups import SINGLE_RANK, is_distributed, set_group_timeout
 
 __all__ = ["MESH_DIMS", "DATA_DIMS", "make_mesh", "check_mesh", "tp_group", "dim_size", "data_parallel_mesh",
            "pipeline_mesh", "tensor_parallel_mesh", "mesh_from_group", "describe_mesh"]
@@ -47,12 +47,15 @@ def _default_device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def make_mesh(pp: int = 1, dp: int = 1, tp: int = 1, dp_replicate: int = 1, device_type: Optional[str] = None):
+def make_mesh(pp: int = 1, dp: int = 1, tp: int = 1, dp_replicate: int = 1, device_type: Optional[str] = None,
+              timeout=None):
     """A ``DeviceMesh`` over the world with dimensions ``("pp", "dp", "tp")`` (sizes may be 1).
 
     With ``dp_replicate > 1`` the data dimension is split in two for HSDP: ``("pp", "dp_replicate",
     "dp_shard", "tp")``, where ``dp`` is the shard size. torch.distributed must be initialized and
-    the product of the sizes must be the world size.
+    the product of the sizes must be the world size. The process group of every dimension gets a
+    finite timeout: ``timeout`` seconds, else ``$SCHEDLANG_PG_TIMEOUT``, else 120 s (see
+    :func:`schedlang.distributed.groups.pg_timeout`).
 
     Example::
 
@@ -79,7 +82,14 @@ def make_mesh(pp: int = 1, dp: int = 1, tp: int = 1, dp_replicate: int = 1, devi
         shape, names = (pp, dp_replicate, dp, tp), ("pp", "dp_replicate", "dp_shard", "tp")
     else:
         shape, names = (pp, dp, tp), ("pp", "dp", "tp")
-    return init_device_mesh(device_type or _default_device_type(), shape, mesh_dim_names=names)
+    from .groups import pg_timeout
+
+    pg_timeout(timeout)  # a bad value fails before any group is created
+    mesh = init_device_mesh(device_type or _default_device_type(), shape, mesh_dim_names=names)
+    # DeviceMesh creates its sub-groups with PyTorch's default timeout (30 minutes)
+    for i in range(mesh.ndim):
+        set_group_timeout(mesh.get_group(i), timeout)
+    return mesh
 
 
 def check_mesh(mesh, where: str = "create_schedule") -> None:
@@ -155,9 +165,10 @@ def mesh_from_group(group, device_type: Optional[str] = None):
 
 
 def _device_type_of(group) -> str:
+    """``cuda`` for a pure NCCL group; a mixed ``cpu:gloo,cuda:nccl`` or gloo group serves CPU tensors."""
     import torch.distributed as dist
 
-    return "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+    return "cuda" if str(dist.get_backend(group)) == "nccl" else "cpu"
 
 
 def describe_mesh(mesh) -> str:
