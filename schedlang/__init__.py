@@ -13,6 +13,7 @@ checkpoint, trace, find, fuse ...), check it with ``Verify`` and ``build`` it::
 
 from . import distributed, env, primitives
 from .build import build
+from .distributed.agreement import RankFailureError
 from .checkpoint import export_hf, load_checkpoint, save_checkpoint
 from .errors import (ArgumentTypeError, CheckpointError, DistributedError, LoweringError, MissingDependencyError,
                      NotTracedError, PatternError, PipelineError, PlanError, PlanMismatchError, PlanSerializationError,
@@ -39,7 +40,7 @@ __all__ = [
     "SchedlangError", "ScheduleKeyError", "ScheduleValueError", "ScheduleTypeError", "ShardError", "SyncError",
     "PlanError", "PlanSerializationError", "PlanMismatchError", "ArgumentTypeError", "TraceError", "NotTracedError",
     "PatternError", "LoweringError", "VerificationError", "DistributedError", "CheckpointError", "PipelineError",
-    "MissingDependencyError", "save_checkpoint", "load_checkpoint",
+    "MissingDependencyError", "RankFailureError", "save_checkpoint", "load_checkpoint",
     "export_hf", "load_pretrained",
     "__version__",
     # Slapo's names and module paths, imported on first use

@@ -421,7 +421,9 @@ def build(sch, init_weights: Union[None, bool, Callable[[nn.Module], None]] = No
             them) to load the weights from; each rank reads only the slices it holds and the tensors
             it loads are never initialized (see :mod:`schedlang.pretrained`). Names and shapes are
             checked before anything is allocated.
-        **optimizer_kwargs: passed to the optimizer (``lr=...``).
+        **optimizer_kwargs: passed to the optimizer (``lr=...``). Slapo's ``target="deepspeed"`` (and any
+            target registered in :mod:`schedlang.framework_dialect`) hands the built model to that
+            framework's engine instead.
 
     The layers of a parallel model, in the order they are put on:
 
@@ -436,6 +438,13 @@ def build(sch, init_weights: Union[None, bool, Callable[[nn.Module], None]] = No
 
         model, opt = schedlang.build(sch, optimizer="adamw", lr=1e-4)
     """
+    target_framework = optimizer_kwargs.pop("target", None)
+    if target_framework not in (None, "schedlang", "torch", "native"):
+        from .framework_dialect import build_with_target
+
+        given = {k: v for k, v in (("optimizer", optimizer), ("device", device), ("dtype", dtype),
+                                   ("pipeline", pipeline), ("pretrained", pretrained)) if v is not None}
+        return build_with_target(sch, target_framework, init_weights=init_weights, **given, **optimizer_kwargs)
     root = sch.root
     model: nn.Module = root.mod
     group = _agreement_group(root)
