@@ -1,16 +1,13 @@
 """OPT: per decoder layer, ``self_attn.{q,k,v}_proj`` column parallel and ``out_proj`` row parallel
-(the head count follows the shard), ``fc1`` column and ``fc2`` row parallel, bias + activation of
+(the head count follows the shard, through the generic attention rule), ``fc1`` column and ``fc2`` row parallel, bias + activation of
 ``fc1`` fused with ``fuse=True``. Embeddings and the LM head stay whole."""
 
 from __future__ import annotations
 
-from ._base import finish, fuse_bias_act, prepare, register_head_count_rule, shard_block, shard_column, shard_row
+from ._base import finish, fuse_bias_act, prepare, shard_block, shard_column, shard_row
 from .registry import register_schedule
 
 __all__ = ["apply"]
-
-register_head_count_rule("OPTAttention", "q_proj", "num_heads", "head_dim")
-
 
 @register_schedule()
 def apply(model, **sch_config):
