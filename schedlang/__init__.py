@@ -13,6 +13,7 @@ checkpoint, trace, find, fuse ...), check it with ``Verify`` and ``build`` it::
 
 from . import distributed, env, primitives
 from .build import build
+from .captured_step import CapturedStep
 from .distributed.agreement import RankFailureError
 from .checkpoint import export_hf, load_checkpoint, save_checkpoint
 from .errors import (ArgumentTypeError, CheckpointError, DistributedError, LoweringError, MissingDependencyError,
@@ -34,7 +35,7 @@ from .progress import register_torch_logs as _register_torch_logs  # noqa: E402
 _register_torch_logs()  # TORCH_LOGS=+schedlang, as for PyTorch's own components
 
 __all__ = [
-    "Schedule", "create_schedule", "Plan", "Step", "replay", "list_primitives", "get_primitive", "register_primitive",
+    "Schedule", "create_schedule", "Plan", "Step", "replay", "CapturedStep", "list_primitives", "get_primitive", "register_primitive",
     "build", "Verify",
     "init_empty_weights", "call_module", "PH", "distributed", "env", "primitives",
     "SchedlangError", "ScheduleKeyError", "ScheduleValueError", "ScheduleTypeError", "ShardError", "SyncError",
