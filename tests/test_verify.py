@@ -110,7 +110,7 @@ def test_verify_argument_errors():
 
 def test_verify_reports_running_errors_as_mismatch():
     sch = schedlang.create_schedule(MLP())
-    with pytest.raises(schedlang.VerificationError, match=r"running the models raised RuntimeError"):
+    with pytest.raises(schedlang.VerificationError, match=r"running the scheduled model \(eval mode\) raised RuntimeError"):
         with schedlang.Verify(sch, example_inputs=[torch.randn(2, 12)]):
             sch["fc1"].replace(nn.Linear(3, 20))
 
