@@ -91,7 +91,7 @@ class _Run:
 
     outputs: List[Tuple[str, torch.Tensor]]
     input_grads: List[Tuple[str, torch.Tensor]]
-    rng_after_forward: List[torch.Tensor]
+    rng_after_forward: List[Tuple[str, torch.Tensor]]
 
 
 @contextlib.contextmanager
@@ -107,11 +107,40 @@ def _rng_preserved(device: torch.device):
             torch.cuda.set_rng_state(cuda, device)
 
 
-def _rng_state(device: torch.device) -> List[torch.Tensor]:
-    states = [torch.get_rng_state()]
+def _rng_state(device: torch.device, model: nn.Module) -> List[Tuple[str, torch.Tensor]]:
+    """Where every random stream the model draws from stands: the default ones and each forked one."""
+    states = [("default cpu", torch.get_rng_state())]
     if device.type == "cuda":
-        states.append(torch.cuda.get_rng_state(device))
+        states.append(("default cuda", torch.cuda.get_rng_state(device)))
+    for path, module in model.named_modules():
+        forked = getattr(module, _FORK_ATTRIBUTE, None)
+        if forked is not None:
+            states += [(f"forked {path} {key}", state.clone()) for key, state in sorted(forked._states.items())]
     return states
+
+
+def _fresh_forked_streams(scheduled: nn.Module, reference: nn.Module) -> List[str]:
+    """Restart every forked stream of ``scheduled`` from its seed, and give the module at the same path
+    of ``reference`` the same stream, so that both draw the same masks where the shapes agree.
+    Returns the forked paths."""
+    from ..distributed.rng import ForkedRNG, ForkRngPostHook, ForkRngPreHook
+
+    ref_modules = dict(reference.named_modules())
+    paths = []
+    for path, module in scheduled.named_modules():
+        forked = getattr(module, _FORK_ATTRIBUTE, None)
+        if forked is None:
+            continue
+        paths.append(path or "<root>")
+        setattr(module, _FORK_ATTRIBUTE, ForkedRNG(forked.seed))
+        twin = ref_modules.get(path)
+        if twin is None:
+            continue
+        if not hasattr(twin, _FORK_ATTRIBUTE):
+            twin.register_forward_pre_hook(ForkRngPreHook(_FORK_ATTRIBUTE))
+            twin.register_forward_hook(ForkRngPostHook(_FORK_ATTRIBUTE), always_call=True)
+        setattr(twin, _FORK_ATTRIBUTE, ForkedRNG(forked.seed))
+    return paths
 
 
 class Verify:
@@ -208,7 +237,7 @@ class Verify:
         args, kwargs = self._prepare(args, kwargs, device)
         out: List[Tuple[str, torch.Tensor]] = []
         flatten_outputs(model(*args, **kwargs), "output", out)
-        rng = _rng_state(device)
+        rng = _rng_state(device, model)
         if self.check_backward:
             gen = torch.Generator().manual_seed(self.seed)
             total = None
@@ -468,42 +497,45 @@ class _Pass:
         return self._replicated_module_outputs(rec, ref_rec)
 
     def training_mode(self, replicated_paths: Optional[List[str]]) -> None:
-        """Compare in training mode: with the original where the random streams match, else across ranks."""
+        """Compare in training mode: with the original where the random streams match; across ranks too."""
         self._zero_grads()
         self.reference.train()
         self.scheduled.train()
+        forked = _fresh_forked_streams(self.scheduled, self.reference)
         torch.manual_seed(self.v.seed)
         expected, ref_rec = self.v._run_reference(self.reference, self.args, self.kwargs, self.device, "training")
         torch.manual_seed(self.v.seed)
         actual, rec = self._run_scheduled("training")
-        forked = [path or "<root>" for path, m in self.scheduled.named_modules() if hasattr(m, _FORK_ATTRIBUTE)]
-        same_draws = actual is not None and all(
-            a.shape == b.shape and torch.equal(a, b) for a, b in zip(actual.rng_after_forward, expected.rng_after_forward))
-        streams_match = ranks.all_ranks_agree(not forked and same_draws, self.group)
+        same_draws = actual is not None and len(actual.rng_after_forward) == len(expected.rng_after_forward) and all(
+            na == nb and a.shape == b.shape and torch.equal(a, b)
+            for (na, a), (nb, b) in zip(actual.rng_after_forward, expected.rng_after_forward))
+        streams_match = ranks.all_ranks_agree(same_draws, self.group)
         prefix = "training mode: "
         before = len(self.report.mismatches)
         if streams_match:
-            self.report.notes.append(f"training mode compared with the original under seed {self.v.seed}")
+            self.report.notes.append(f"training mode compared with the original under seed {self.v.seed}"
+                                     + (f" (forked streams at {', '.join(forked)} mirrored)" if forked else ""))
             self._compare_runs(prefix, expected, actual, warn=False)
+            why = "replicated tensors"
         else:
-            why = (f"forked random streams at {', '.join(repr(p) for p in forked)}" if forked else
-                   "the scheduled model draws other random numbers than the original (a dropout on a split "
-                   "activation)")
-            self._cross_rank(prefix, why, expected, actual, rec, replicated_paths)
+            why = ("the scheduled model draws other random numbers than the original (a dropout on a split "
+                   "activation" + (f", forked streams at {', '.join(forked)})" if forked else ")"))
+        compared_with_reference = len(self.report.mismatches)
+        self._cross_rank(prefix, why, streams_match, expected, actual, rec, replicated_paths)
         if actual is not None:
             self.report.mismatches += [prefix + m for m in rec.recompute_mismatches(self.tol_for)]
-            if len(self.report.mismatches) > before:
+            # a divergence from the original only means something where the random streams match
+            if streams_match and compared_with_reference > before:
                 self._localize(prefix, rec, ref_rec)
 
-    def _cross_rank(self, prefix: str, why: str, expected: _Run, actual: Optional[_Run], rec: ModuleRecorder,
-                    replicated_paths: List[str]) -> None:
+    def _cross_rank(self, prefix: str, why: str, streams_match: bool, expected: _Run, actual: Optional[_Run],
+                    rec: ModuleRecorder, replicated_paths: Optional[List[str]]) -> None:
         """Every replicated tensor of the training pass must agree across ranks (a cross-rank step:
         every rank calls it, even one whose run failed)."""
         if groups.world_size(self.group) <= 1:
-            if actual is None:
-                return
-            self.report.warnings.append(f"training mode: {why}; training outputs and gradients could not be compared "
-                                        f"with the original's (only recomputed regions were checked)")
+            if actual is not None and not streams_match:
+                self.report.warnings.append(f"training mode: {why}; training outputs and gradients could not be "
+                                            f"compared with the original's (only recomputed regions were checked)")
             return
         tensors: Dict[str, torch.Tensor] = {}
         if actual is not None:
@@ -523,8 +555,11 @@ class _Pass:
                     for i, t in enumerate(calls[0]):
                         tensors[f"output of module '{path}'" + (f"[{i}]" if len(calls[0]) > 1 else "")] = t
         messages, compared = ranks.replicated_disagreements(tensors, self.group, self.tol_for, prefix)
-        self.report.notes.append(f"training mode: {why}; checked that {compared} replicated tensors agree across "
-                                 f"ranks instead of comparing with the original")
+        if streams_match:
+            self.report.notes.append(f"training mode: {compared} replicated tensors agree across ranks")
+        else:
+            self.report.notes.append(f"training mode: {why}; checked that {compared} replicated tensors agree across "
+                                     f"ranks instead of comparing with the original")
         self.report.compared += [prefix + n + " (across ranks)" for n in tensors]
         self.report.mismatches += messages
 
