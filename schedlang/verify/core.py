@@ -301,6 +301,7 @@ class Verify:
             base = copy.deepcopy(reference)
             base_params = {id(p): n for n, p in base.named_parameters()}
             base_buffers = {id(b): n for n, b in base.named_buffers()}
+            initial_buffers = {n: b.detach().clone() for n, b in reference.named_buffers()}
             keep_alive = list(base.parameters()) + list(base.buffers())  # shard sources are weakly referenced
             from ..schedule import Schedule, _RootState
 
@@ -314,7 +315,7 @@ class Verify:
             # after a failed run only ranks that must stay in step with the others go on
             if self.check_training and (replicated_paths is not None or groups.world_size(group) > 1):
                 pass_.training_mode(replicated_paths)
-            pass_.compare_buffers(base_buffers)
+            pass_.compare_buffers(base_buffers, initial_buffers)
             del keep_alive
         self._finish(report, group)
         return report
@@ -563,10 +564,10 @@ class _Pass:
         self.report.compared += [prefix + n + " (across ranks)" for n in tensors]
         self.report.mismatches += messages
 
-    def compare_buffers(self, base_buffers: Dict[int, str]) -> None:
+    def compare_buffers(self, base_buffers: Dict[int, str], initial: Dict[str, torch.Tensor]) -> None:
         """Buffers (running statistics, caches) must equal the original's after both passes."""
         ref_buffers = dict(self.reference.named_buffers())
-        finder = CounterpartFinder("buffer", base_buffers, ref_buffers)
+        finder = CounterpartFinder("buffer", base_buffers, ref_buffers, initial)
         for name, b in self.scheduled.named_buffers():
             parts = finder.find(name, b)
             if parts is None:

@@ -5,8 +5,10 @@ The scheduled model is the plan replayed on a copy (``base``) of the reference, 
 * a tensor the plan left alone is the very object it was in ``base``;
 * a shard remembers its source tensor and its slice (:func:`~schedlang.distributed.sharding.shard_source`);
 * a parameter made by horizontal fusion remembers which part came from which parameter;
-* a replaced module holds new tensors: one whose values equal exactly one tensor of the
-  original (the replacement was built from the original's weights) is matched by value.
+* a replaced module holds new tensors: one with the name of an original tensor and its value,
+  or whose value equals exactly one tensor of the original (the replacement was built from
+  the original's weights), is matched by value. Values are those before the models ran
+  (running statistics change as they run).
 
 Anything else has no counterpart and is reported, never skipped in silence.
 """
@@ -46,13 +48,16 @@ class CounterpartFinder:
     """Maps tensors of the scheduled model back to the reference model's names.
 
     ``base_tensors`` are id -> name of ``base``'s parameters (or buffers) before the replay;
-    ``reference_tensors`` name -> tensor of the reference model (same values as ``base``).
+    ``reference_tensors`` name -> tensor of the reference model; ``initial_values`` name -> value of
+    each reference tensor before the models ran (default: the tensors themselves).
     """
 
-    def __init__(self, kind: str, base_tensors: Dict[int, str], reference_tensors: Dict[str, torch.Tensor]):
+    def __init__(self, kind: str, base_tensors: Dict[int, str], reference_tensors: Dict[str, torch.Tensor],
+                 initial_values: Optional[Dict[str, torch.Tensor]] = None):
         self.kind = kind
         self.base_tensors = base_tensors
         self.reference = reference_tensors
+        self.initial = initial_values if initial_values is not None else reference_tensors
         self.claimed: set = set()
 
     def find(self, name: str, t: torch.Tensor) -> Optional[List[Counterpart]]:
@@ -78,15 +83,21 @@ class CounterpartFinder:
                 self.claimed.add(ref)
                 out.append(Counterpart(f"{label} (the part that is '{ref}')", ref, part.take, _identity, whole=False))
             return out
-        return self._by_value(label, t)
+        return self._by_value(name, label, t)
 
-    def _by_value(self, label: str, t: torch.Tensor) -> Optional[List[Counterpart]]:
+    def _by_value(self, name: str, label: str, t: torch.Tensor) -> Optional[List[Counterpart]]:
         local = getattr(t, "to_local", None)
-        value = (local() if callable(local) else t).detach()
+        value = (local() if callable(local) else t).detach().cpu()
+
+        def same(ref: torch.Tensor) -> bool:
+            return ref.shape == value.shape and ref.dtype == value.dtype and torch.equal(ref.detach().cpu(), value)
+
+        if name in self.initial and same(self.initial[name]):
+            self.claimed.add(name)
+            return [Counterpart(f"{label} (matched by name and value)", name, _identity, _identity, whole=True)]
         if value.numel() < 2:  # a scalar equals too many things by chance
             return None
-        equal = [n for n, r in self.reference.items()
-                 if r.shape == value.shape and r.dtype == value.dtype and torch.equal(r.detach().cpu(), value.cpu())]
+        equal = [n for n, r in self.initial.items() if same(r)]
         if len(equal) != 1:
             return None
         self.claimed.add(equal[0])
