@@ -312,9 +312,12 @@ class Verify:
             tol_for = functools.partial(tolerance_for, rtol=self.rtol, atol=self.atol, reduction_size=size)
             pass_ = _Pass(self, report, reference, scheduled, base_params, tol_for, group, device, args, kwargs)
             replicated_paths = pass_.eval_mode()
-            # after a failed run only ranks that must stay in step with the others go on
-            if self.check_training and (replicated_paths is not None or groups.world_size(group) > 1):
-                pass_.training_mode(replicated_paths)
+            if self.check_training:
+                # decided together, so that every rank takes the same cross-rank steps
+                if ranks.all_ranks_agree(replicated_paths is not None and report.passed, group):
+                    pass_.training_mode(replicated_paths)
+                else:
+                    report.notes.append("training mode not checked: eval mode already differs")
             pass_.compare_buffers(base_buffers, initial_buffers)
             del keep_alive
         self._finish(report, group)
