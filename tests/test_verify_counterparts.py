@@ -74,6 +74,12 @@ def test_parameters_without_counterpart_warn_both_ways():
                and "its gradient was not compared" in t for t in texts)
     assert "not compared (no counterpart in the original model): fc1.gate" in str(v.report)
     assert "gradient of parameter 'fc1.inner.weight' (matched by value to 'fc1.weight')" in v.report.compared
+    from schedlang.report.collect import collect
+    from schedlang.report.page import render
+
+    data = collect(sch, verify_report=v.report)
+    assert any("'fc1.gate'" in w for w in data.verify["warnings"])
+    assert "warning: parameter &#x27;fc1.gate&#x27; (3, 13) of the scheduled model has no counterpart" in render(data)
 
 
 def test_an_original_parameter_left_without_counterpart_is_warned_about():
