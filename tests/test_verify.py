@@ -37,7 +37,17 @@ def test_verify_passes_on_a_correct_schedule_and_reports():
     assert v.report.passed
     assert "output" in v.report.compared and "input[0] gradient" in v.report.compared
     assert any("shard 0/1 along axis 0 of 'layers.0.mlp.fc1.weight'" in c for c in v.report.compared)
+    assert "training mode: gradient of parameter 'layers.1.mlp.fc2.weight'" in v.report.compared  # dropout on
     assert "Verify passed" in str(v.report)
+    # the same schedule with one wrong step is caught, in forward and in both modes
+    sch = schedlang.create_schedule(Stack())
+    with pytest.raises(schedlang.VerificationError) as info:
+        with schedlang.Verify(sch, example_inputs=[x]):
+            sch["layers.0.mlp.fc1"].decompose()
+            sch["layers.1"].checkpoint()
+            sch["layers.1.mlp.act"].replace(nn.SiLU())
+    assert "first diverging module (in execution order): 'layers.1.mlp.act' (SiLU)" in str(info.value)
+    assert len(sch.plan) == 0
 
 
 def test_verify_catches_a_replacement_that_only_breaks_backward():
@@ -94,6 +104,15 @@ def test_verify_bf16_tolerances_and_kwargs():
     with schedlang.Verify(sch, example_inputs=[x], example_kwargs={"scale": s}) as v:
         sch["lin"].decompose()
     assert "input 'scale' gradient" in v.report.compared
+    assert "gradient of parameter 'lin.weight'" in v.report.compared
+    # a bias off by one bf16 step on every element is outside the bf16 tolerance
+    wrong = nn.Linear(16, 16).to(torch.bfloat16)
+    wrong.load_state_dict(model.lin.state_dict())
+    with torch.no_grad():
+        wrong.bias.add_(0.25)
+    with pytest.raises(schedlang.VerificationError, match=r"output: max abs diff .* relative error of the whole tensor"):
+        with schedlang.Verify(sch, example_inputs=[x], example_kwargs={"scale": s}):
+            sch["lin"].replace(wrong)
 
 
 def test_verify_argument_errors():
@@ -147,3 +166,4 @@ def test_verify_compares_horizontally_fused_parameters_part_by_part():
     assert v.report.passed and not v.report.not_compared
     assert any("(the part that is 'a.weight')" in c for c in v.report.compared)
     assert any("(the part that is 'b.bias')" in c for c in v.report.compared)
+
