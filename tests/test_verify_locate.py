@@ -94,8 +94,41 @@ def _opt(rank, world):
     return error, heads, len(sch.plan)
 
 
+class Fold(nn.Module):
+    """Softmax within 4 groups of the features: the group count is fixed, so a split input is regrouped."""
+
+    def forward(self, x):
+        return x.view(*x.shape[:-1], 4, -1).softmax(-1).flatten(-2)
+
+
+class FoldNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+        self.fold = Fold()
+        self.out = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.out(self.fold(self.proj(x)))
+
+
+def _split(rank, world):
+    torch.manual_seed(0)
+    sch = schedlang.create_schedule(FoldNet())
+    try:
+        with schedlang.Verify(sch, example_inputs=[torch.randn(3, 16)]):
+            sch["proj"].shard("weight", axis=0)
+            sch["proj"].shard("bias", axis=0)
+            sch["out"].shard("weight", axis=1)
+            sch["out"].sync(mode="fwd_post", sync_op_or_fn="all_reduce")
+            sch["proj"].sync(mode="bwd_post", sync_op_or_fn="all_reduce")
+    except schedlang.VerificationError as e:
+        return str(e)
+    return None
+
+
 def _both(rank, world):
-    return _toy(rank, world), _opt(rank, world)
+    return _toy(rank, world), _opt(rank, world), _split(rank, world)
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +137,7 @@ def world2():
 
 
 def test_stale_head_count_is_localized_with_a_hint(world2):
-    for toy, _ in world2:
+    for toy, _, _ in world2:
         assert toy is not None, "Verify accepted an attention that splits heads with the global head count"
         assert "first diverging module (in execution order): 'attn.out_proj' (" in toy
         assert "output shapes (2, 6, 64) here and (2, 6, 64) in the original; output: max abs diff" in toy
@@ -113,7 +146,7 @@ def test_stale_head_count_is_localized_with_a_hint(world2):
 
 
 def test_opt_sharded_by_hand_without_fixing_num_heads(world2):
-    for _, (error, heads, plan_length) in world2:
+    for _, (error, heads, plan_length), _ in world2:
         if heads == 2:  # a shard rule for OPT attention set the local head count: then the schedule is right
             assert error is None
             continue
@@ -122,6 +155,14 @@ def test_opt_sharded_by_hand_without_fixing_num_heads(world2):
         assert ("hint: attention 'model.decoder.layers.0.self_attn' (OPTAttention) reads num_heads=4 but its "
                 "projections hold 2 heads per rank") in error
         assert plan_length == 0
+
+
+def test_a_reshape_of_a_split_activation_gets_a_hint(world2):
+    for _, _, text in world2:
+        assert text is not None, "Verify accepted a fixed group count over a split activation"
+        assert "first diverging module (in execution order): 'out' (" in text
+        assert ("hint: 'out' runs after 'fold' (Fold), whose output is this rank's part ((3, 8) here, (3, 16) in the "
+                "original): a reshape or view in between that assumes the full size") in text
 
 
 def test_a_wrong_activation_is_the_first_divergence_at_world_1():

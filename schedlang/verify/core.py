@@ -38,7 +38,7 @@ from ..plan import Plan, apply_steps
 from . import ranks
 from .compare import compare_tensors, nonfinite_summary, reduction_size_of, tolerance_for
 from .counterparts import CounterpartFinder
-from .locate import ModuleRecorder, attention_hint, first_divergence, flatten_outputs
+from .locate import ModuleRecorder, attention_hint, first_divergence, flatten_outputs, split_input_hint
 
 __all__ = ["Verify", "VerifyReport", "ExampleInputError", "VerifyWarning"]
 
@@ -468,6 +468,8 @@ class _Pass:
                 hint = attention_hint(self.scheduled, self.reference, other) if other else None
                 if hint:
                     break
+        if hint is None and found is not None:
+            hint = split_input_hint(found)
         if hint:
             self.report.localization.append(f"hint: {hint}")
 

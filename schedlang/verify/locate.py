@@ -19,7 +19,7 @@ from torch import nn
 
 from .compare import Tolerance, compare_tensors
 
-__all__ = ["ModuleRecorder", "first_divergence", "attention_hint", "flatten_outputs"]
+__all__ = ["ModuleRecorder", "first_divergence", "attention_hint", "split_input_hint", "flatten_outputs"]
 
 _HEAD_ATTRIBUTES = ("num_heads", "num_attention_heads", "n_head", "n_heads", "num_key_value_heads", "num_kv_heads",
                     "n_kv_heads")
@@ -127,22 +127,36 @@ def first_divergence(scheduled: ModuleRecorder, reference: ModuleRecorder, tol_f
     """The first module (in the order the scheduled model's calls finished) whose output has the
     shape of the original's and differs from it; None if every comparable output agrees.
 
-    Returns ``{"path", "type", "message", "shapes"}``. Modules whose outputs have another shape
-    than the original's (this rank's shard of a split activation) cannot be compared and are
-    passed over."""
+    Returns ``{"path", "type", "message", "shapes", "split_before"}``. Modules whose outputs have
+    another shape than the original's (this rank's shard of a split activation) cannot be compared
+    and are passed over; ``split_before`` is the last of them before the divergence, with its
+    shapes (a reshape of a split activation that assumes the full size goes wrong right after it)."""
+    split_before = None
     for path, call in scheduled.order:
         ref_calls = reference.forward.get(path)
         if not ref_calls or call >= len(ref_calls):
             continue
         mine, theirs = scheduled.forward[path][call], ref_calls[call]
         if len(mine) != len(theirs) or any(a.shape != b.shape for a, b in zip(mine, theirs)):
+            split_before = (path, scheduled.types.get(path, "?"), _shapes(mine), _shapes(theirs))
             continue
         for i, (a, b) in enumerate(zip(mine, theirs)):
             msg = compare_tensors(f"output {i}" if len(mine) > 1 else "output", a, b, tol_for(b.dtype))
             if msg:
                 return {"path": path, "type": scheduled.types.get(path, "?"), "message": msg,
-                        "shapes": (_shapes(mine), _shapes(theirs))}
+                        "shapes": (_shapes(mine), _shapes(theirs)), "split_before": split_before}
     return None
+
+
+def split_input_hint(found: Dict[str, Any]) -> Optional[str]:
+    """A hint when the diverging module runs right after a module whose output is split on this rank."""
+    split = found.get("split_before")
+    if split is None:
+        return None
+    path, kind, ours, theirs = split
+    return (f"'{found['path']}' runs after '{path}' ({kind}), whose output is this rank's part ({ours} here, "
+            f"{theirs} in the original): a reshape or view in between that assumes the full size (a head count, a "
+            f"hidden size) reads the split activation wrongly")
 
 
 def _out_features(module: nn.Module) -> Optional[int]:
