@@ -462,12 +462,8 @@ class _Pass:
                 f"{prefix}first diverging module (in execution order): '{found['path']}' ({found['type']}), output "
                 f"shapes {ours} here and {theirs} in the original; {found['message']}")
             path = found["path"]
-        hint = attention_hint(self.scheduled, self.reference, path) if path is not None else None
-        if hint is None:
-            for other, _ in self.scheduled.named_modules():
-                hint = attention_hint(self.scheduled, self.reference, other) if other else None
-                if hint:
-                    break
+        # the diverging module's own attention first, else any attention of the model
+        hint = attention_hint(self.scheduled, self.reference, path)
         if hint is None and found is not None:
             hint = split_input_hint(found)
         if hint:

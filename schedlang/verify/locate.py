@@ -206,14 +206,16 @@ def _attention_hint_for(path: str, module: nn.Module, original: Optional[nn.Modu
     return None
 
 
-def attention_hint(scheduled: nn.Module, reference: nn.Module, path: str) -> Optional[str]:
+def attention_hint(scheduled: nn.Module, reference: nn.Module, path: Optional[str]) -> Optional[str]:
     """A hint if ``path`` or one of its ancestors is an attention whose head count disagrees with its
-    sharded q / k / v projections."""
+    sharded q / k / v projections; failing that (or with ``path`` None), the first such attention of
+    the model."""
     modules = dict(scheduled.named_modules())
     ref_modules = dict(reference.named_modules())
     parts = path.split(".") if path else []
-    for depth in range(len(parts), -1, -1):
-        at = ".".join(parts[:depth])
+    candidates = [".".join(parts[:depth]) for depth in range(len(parts), -1, -1)] if path is not None else []
+    candidates += [p for p in modules if p not in candidates]
+    for at in candidates:
         module = modules.get(at)
         if module is None:
             continue
