@@ -111,8 +111,9 @@ def test_verify_bf16_tolerances_and_kwargs():
     with torch.no_grad():
         wrong.bias.add_(0.25)
     with pytest.raises(schedlang.VerificationError, match=r"output: max abs diff .* relative error of the whole tensor"):
-        with schedlang.Verify(sch, example_inputs=[x], example_kwargs={"scale": s}):
-            sch["lin"].replace(wrong)
+        with pytest.warns(schedlang.verify.VerifyWarning, match="parameter 'lin.bias'"):
+            with schedlang.Verify(sch, example_inputs=[x], example_kwargs={"scale": s}):
+                sch["lin"].replace(wrong)
 
 
 def test_verify_argument_errors():
