@@ -186,3 +186,15 @@ def test_tensor_parallel_mlp_without_fork_draws_shard_sized_masks(world2):
     # the masks are drawn at the shard's size, so the original's stream cannot be matched
     for r in world2:
         assert any("draws other random numbers than the original" in n for n in r["tp_plain_notes"])
+
+
+@pytest.mark.gpu
+def test_training_mode_on_cuda_draws_from_the_cuda_stream():
+    x = torch.randn(6, 12, device="cuda")
+    sch = schedlang.create_schedule(Net().cuda())
+    with schedlang.Verify(sch, example_inputs=[x]) as v:
+        sch["layer"].checkpoint()
+    assert "training mode compared with the original under seed 0" in v.report.notes
+    with pytest.raises(schedlang.VerificationError, match="training mode: recomputed module 'layer.mlp.drop'"):
+        with schedlang.Verify(sch, example_inputs=[x]):
+            sch["layer"].checkpoint(preserve_rng_state=False)
