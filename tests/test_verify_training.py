@@ -195,6 +195,7 @@ def test_training_mode_on_cuda_draws_from_the_cuda_stream():
     with schedlang.Verify(sch, example_inputs=[x]) as v:
         sch["layer"].checkpoint()
     assert "training mode compared with the original under seed 0" in v.report.notes
+    sch = schedlang.create_schedule(Net().cuda())
     with pytest.raises(schedlang.VerificationError, match="training mode: recomputed module 'layer.mlp.drop'"):
         with schedlang.Verify(sch, example_inputs=[x]):
             sch["layer"].checkpoint(preserve_rng_state=False)
