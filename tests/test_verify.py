@@ -168,3 +168,24 @@ def test_verify_compares_horizontally_fused_parameters_part_by_part():
     assert any("(the part that is 'a.weight')" in c for c in v.report.compared)
     assert any("(the part that is 'b.bias')" in c for c in v.report.compared)
 
+
+
+def test_a_failed_block_is_undone_and_the_schedule_still_builds():
+    model = Stack()
+    sch = schedlang.create_schedule(model)
+    sch["layers.0.mlp.fc1"].decompose()  # before the block: stays
+    x = torch.randn(4, 12)
+    with pytest.raises(schedlang.VerificationError):
+        with schedlang.Verify(sch, example_inputs=[x]):
+            sch["layers.1"].checkpoint()
+            sch["layers.1.mlp.act"].replace(nn.ReLU())  # wrong
+    assert [s.primitive for s in sch.plan] == ["decompose"]
+    assert type(sch["layers.1.mlp.act"].mod) is nn.GELU
+    assert not getattr(sch["layers.1"].mod, "_schedlang_checkpointed", False)
+    built, _ = schedlang.build(sch)
+    model.eval()
+    built.eval()
+    torch.testing.assert_close(built(x), model(x), rtol=1e-5, atol=1e-5)
+    with schedlang.Verify(sch, example_inputs=[x]) as v:  # and the schedule goes on
+        sch["layers.1"].checkpoint()
+    assert v.report.passed and [s.primitive for s in sch.plan] == ["decompose", "checkpoint"]
