@@ -11,7 +11,6 @@ At world size 2 they are drawn first and then all run in one pair of spawned ran
 
 import copy
 
-import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, Phase, given, settings
@@ -42,7 +41,8 @@ def _paths(model_spec):
         return {"mlp": [""], "attn": [], "linear": ["fc1", "fc2"], "act": ["act"], "checkpoint": ["fc1", "act", "fc2"],
                 "fork": ["act"]}
     return {"mlp": ["blocks.0.mlp"], "attn": ["blocks.0.attn"],
-            "linear": ["blocks.0.mlp.fc1", "blocks.0.mlp.fc2", "blocks.0.attn.q_proj", "blocks.0.attn.out_proj", "head"],
+            "linear": ["blocks.0.mlp.fc1", "blocks.0.mlp.fc2", "blocks.0.attn.q_proj", "blocks.0.attn.out_proj",
+                       "head"],
             "act": ["blocks.0.mlp.act"], "checkpoint": ["blocks.0", "blocks.0.mlp", "blocks.0.attn"],
             "fork": ["blocks.0.drop", "blocks.0.mlp"]}
 

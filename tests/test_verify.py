@@ -110,7 +110,8 @@ def test_verify_bf16_tolerances_and_kwargs():
     wrong.load_state_dict(model.lin.state_dict())
     with torch.no_grad():
         wrong.bias.add_(0.25)
-    with pytest.raises(schedlang.VerificationError, match=r"output: max abs diff .* relative error of the whole tensor"):
+    whole_tensor = r"output: max abs diff .* relative error of the whole tensor"
+    with pytest.raises(schedlang.VerificationError, match=whole_tensor):
         with pytest.warns(schedlang.verify.VerifyWarning, match="parameter 'lin.bias'"):
             with schedlang.Verify(sch, example_inputs=[x], example_kwargs={"scale": s}):
                 sch["lin"].replace(wrong)
@@ -118,7 +119,8 @@ def test_verify_bf16_tolerances_and_kwargs():
 
 def test_verify_argument_errors():
     sch = schedlang.create_schedule(MLP())
-    with pytest.raises(schedlang.ScheduleValueError, match="example_inputs must be a list or tuple of inputs, got Tensor"):
+    with pytest.raises(schedlang.ScheduleValueError,
+                       match="example_inputs must be a list or tuple of inputs, got Tensor"):
         schedlang.Verify(sch, example_inputs=torch.randn(2, 12))
     with schedlang.init_empty_weights():
         meta = MLP()
@@ -130,7 +132,8 @@ def test_verify_argument_errors():
 
 def test_verify_reports_running_errors_as_mismatch():
     sch = schedlang.create_schedule(MLP())
-    with pytest.raises(schedlang.VerificationError, match=r"running the scheduled model \(eval mode\) raised RuntimeError"):
+    with pytest.raises(schedlang.VerificationError,
+                       match=r"running the scheduled model \(eval mode\) raised RuntimeError"):
         with schedlang.Verify(sch, example_inputs=[torch.randn(2, 12)]):
             sch["fc1"].replace(nn.Linear(3, 20))
 

@@ -119,7 +119,9 @@ def compare_tensors(what: str, actual: torch.Tensor, expected: torch.Tensor, tol
     if n_bad == 0:
         return None
     err = torch.where(matched, torch.zeros_like(act), act - exp)
-    rel = float(err[finite & ~matched].norm()) / max(float(exp[finite].norm()), 1e-30) if bool(finite.any()) else math.inf
+    rel = math.inf
+    if bool(finite.any()):
+        rel = float(err[finite & ~matched].norm()) / max(float(exp[finite].norm()), 1e-30)
     if tol.outlier_fraction > 0:
         allowed = max(1, int(tol.outlier_fraction * exp.numel()))
         worst_ratio = float((diff[bad] / bound[bad].clamp_min(1e-300)).max())

@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from .compare import Tolerance, compare_tensors
+from .compare import compare_tensors
 
 __all__ = ["ModuleRecorder", "first_divergence", "attention_hint", "split_input_hint", "flatten_outputs"]
 
