@@ -37,7 +37,17 @@ def test_verify_passes_on_a_correct_schedule_and_reports():
     assert v.report.passed
     assert "output" in v.report.compared and "input[0] gradient" in v.report.compared
     assert any("shard 0/1 along axis 0 of 'layers.0.mlp.fc1.weight'" in c for c in v.report.compared)
+    assert "training mode: gradient of parameter 'layers.1.mlp.fc2.weight'" in v.report.compared  # dropout on
     assert "Verify passed" in str(v.report)
+    # the same schedule with one wrong step is caught, in forward and in both modes
+    sch = schedlang.create_schedule(Stack())
+    with pytest.raises(schedlang.VerificationError) as info:
+        with schedlang.Verify(sch, example_inputs=[x]):
+            sch["layers.0.mlp.fc1"].decompose()
+            sch["layers.1"].checkpoint()
+            sch["layers.1.mlp.act"].replace(nn.SiLU())
+    assert "first diverging module (in execution order): 'layers.1.mlp.act' (SiLU)" in str(info.value)
+    assert len(sch.plan) == 0
 
 
 def test_verify_catches_a_replacement_that_only_breaks_backward():
@@ -94,11 +104,23 @@ def test_verify_bf16_tolerances_and_kwargs():
     with schedlang.Verify(sch, example_inputs=[x], example_kwargs={"scale": s}) as v:
         sch["lin"].decompose()
     assert "input 'scale' gradient" in v.report.compared
+    assert "gradient of parameter 'lin.weight'" in v.report.compared
+    # a bias off by one bf16 step on every element is outside the bf16 tolerance
+    wrong = nn.Linear(16, 16).to(torch.bfloat16)
+    wrong.load_state_dict(model.lin.state_dict())
+    with torch.no_grad():
+        wrong.bias.add_(0.25)
+    whole_tensor = r"output: max abs diff .* relative error of the whole tensor"
+    with pytest.raises(schedlang.VerificationError, match=whole_tensor):
+        with pytest.warns(schedlang.verify.VerifyWarning, match="parameter 'lin.bias'"):
+            with schedlang.Verify(sch, example_inputs=[x], example_kwargs={"scale": s}):
+                sch["lin"].replace(wrong)
 
 
 def test_verify_argument_errors():
     sch = schedlang.create_schedule(MLP())
-    with pytest.raises(schedlang.ScheduleValueError, match="example_inputs must be a list or tuple of inputs, got Tensor"):
+    with pytest.raises(schedlang.ScheduleValueError,
+                       match="example_inputs must be a list or tuple of inputs, got Tensor"):
         schedlang.Verify(sch, example_inputs=torch.randn(2, 12))
     with schedlang.init_empty_weights():
         meta = MLP()
@@ -110,7 +132,8 @@ def test_verify_argument_errors():
 
 def test_verify_reports_running_errors_as_mismatch():
     sch = schedlang.create_schedule(MLP())
-    with pytest.raises(schedlang.VerificationError, match=r"running the models raised RuntimeError"):
+    with pytest.raises(schedlang.VerificationError,
+                       match=r"running the scheduled model \(eval mode\) raised RuntimeError"):
         with schedlang.Verify(sch, example_inputs=[torch.randn(2, 12)]):
             sch["fc1"].replace(nn.Linear(3, 20))
 
@@ -147,3 +170,25 @@ def test_verify_compares_horizontally_fused_parameters_part_by_part():
     assert v.report.passed and not v.report.not_compared
     assert any("(the part that is 'a.weight')" in c for c in v.report.compared)
     assert any("(the part that is 'b.bias')" in c for c in v.report.compared)
+
+
+
+def test_a_failed_block_is_undone_and_the_schedule_still_builds():
+    model = Stack()
+    sch = schedlang.create_schedule(model)
+    sch["layers.0.mlp.fc1"].decompose()  # before the block: stays
+    x = torch.randn(4, 12)
+    with pytest.raises(schedlang.VerificationError):
+        with schedlang.Verify(sch, example_inputs=[x]):
+            sch["layers.1"].checkpoint()
+            sch["layers.1.mlp.act"].replace(nn.ReLU())  # wrong
+    assert [s.primitive for s in sch.plan] == ["decompose"]
+    assert type(sch["layers.1.mlp.act"].mod) is nn.GELU
+    assert not getattr(sch["layers.1"].mod, "_schedlang_checkpointed", False)
+    built, _ = schedlang.build(sch)
+    model.eval()
+    built.eval()
+    torch.testing.assert_close(built(x), model(x), rtol=1e-5, atol=1e-5)
+    with schedlang.Verify(sch, example_inputs=[x]) as v:  # and the schedule goes on
+        sch["layers.1"].checkpoint()
+    assert v.report.passed and [s.primitive for s in sch.plan] == ["decompose", "checkpoint"]

@@ -157,6 +157,7 @@ def _verify(report) -> Optional[Dict[str, Any]]:
     return {"passed": bool(getattr(report, "passed", False)), "text": str(report),
             "compared": list(getattr(report, "compared", [])), "mismatches": list(getattr(report, "mismatches", [])),
             "not_compared": list(getattr(report, "not_compared", [])),
+            "warnings": list(getattr(report, "warnings", [])),
             "rows": [dict(r) if isinstance(r, dict) else dataclasses.asdict(r)
                      for r in getattr(report, "rows", []) or []]}
 

@@ -178,8 +178,10 @@ def test_a_rank_raising_inside_verify_fails_every_rank_within_seconds(monkeypatc
     results = run_distributed(_fails_inside_verify, world_size=2, timeout=150, collective_timeout=collective_timeout)
     for rank, (message, seconds, still_initialized) in enumerate(results):
         assert message is not None, f"rank {rank} did not raise"
+        # rank 1's original model rejects the example inputs: Verify says so, and every rank hears it
         assert message.startswith("rank 1 failed during 'verify: running the original and the scheduled model': "
-                                  "ValueError: boom on rank 1 (at test_agreement.py:")
+                                  "ExampleInputError: Verify: the original model itself fails on the example inputs "
+                                  "(eval mode): ValueError: boom on rank 1"), message
         assert "rank 1 waited 2 s for rank 0 (blocked in a collective, or slower), then destroyed its process " \
                "groups" in message
         # released by rank 1 giving up, not by the group timeout

@@ -1,0 +1,590 @@
+"""The :class:`Verify` context manager: runs the original and the scheduled model, compares.
+
+On exit it builds two models from the same weights: the *reference* (a copy of the original
+model) and the *scheduled* model (the whole plan replayed on another copy, so every shard is
+cut from the same full tensor). When distributed, the weights and the inputs are first
+broadcast from rank 0. Then two passes, each forward and backward from the same random
+output gradients:
+
+1. **eval mode** (dropout off): outputs, input gradients and parameter gradients must equal
+   the original's (a shard against its slice of the full gradient);
+2. **training mode** (dropout on), both models seeded alike. Where the random streams can
+   match (no forked stream, the same number of random draws) the same comparison is made;
+   otherwise (a dropout on this rank's shard of an activation) every replicated tensor and
+   gradient must agree across ranks.
+
+In both, a module that activation checkpointing recomputes in backward must reproduce its
+forward output. On a mismatch the report names the first module, in execution order, whose
+output diverges, and a hint when it is an attention with a stale head count. A failed block
+leaves no step in the plan (see :meth:`~schedlang.Schedule.atomic`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import functools
+import logging
+import warnings
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from ..distributed import groups
+from ..distributed.agreement import agreement, check_same_plan
+from ..errors import ScheduleValueError, VerificationError
+from ..plan import Plan, apply_steps
+from . import ranks
+from .compare import compare_tensors, nonfinite_summary, reduction_size_of, tolerance_for
+from .counterparts import CounterpartFinder
+from .locate import ModuleRecorder, attention_hint, first_divergence, flatten_outputs, split_input_hint
+
+__all__ = ["Verify", "VerifyReport", "ExampleInputError", "VerifyWarning"]
+
+logger = logging.getLogger("schedlang.verify")
+
+_FORK_ATTRIBUTE = "_schedlang_forked_rng"
+
+
+class ExampleInputError(ScheduleValueError):
+    """The example inputs cannot check a schedule: the original model fails on them, or gives
+    non-finite outputs or gradients."""
+
+
+class VerifyWarning(UserWarning):
+    """Something Verify could not compare (a tensor with no counterpart in the original model)."""
+
+
+@dataclasses.dataclass
+class VerifyReport:
+    """What a verification compared and found."""
+
+    compared: List[str] = dataclasses.field(default_factory=list)
+    mismatches: List[str] = dataclasses.field(default_factory=list)
+    not_compared: List[str] = dataclasses.field(default_factory=list)
+    warnings: List[str] = dataclasses.field(default_factory=list)
+    notes: List[str] = dataclasses.field(default_factory=list)
+    localization: List[str] = dataclasses.field(default_factory=list)
+    steps: List[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return not self.mismatches
+
+    def __str__(self) -> str:
+        head = "passed" if self.passed else f"FAILED ({len(self.mismatches)} mismatches)"
+        lines = [f"Verify {head}: compared {len(self.compared)} tensors (outputs, input and parameter gradients, "
+                 f"eval and training mode)"]
+        lines += [f"  mismatch: {m}" for m in self.mismatches]
+        lines += [f"  where: {m}" for m in self.localization]
+        if self.not_compared:
+            lines.append(f"  not compared (no counterpart in the original model): {', '.join(self.not_compared)}")
+        lines += [f"  warning: {w}" for w in self.warnings]
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+@dataclasses.dataclass
+class _Run:
+    """The results of one forward and backward pass of one model."""
+
+    outputs: List[Tuple[str, torch.Tensor]]
+    input_grads: List[Tuple[str, torch.Tensor]]
+    rng_after_forward: List[Tuple[str, torch.Tensor]]
+
+
+@contextlib.contextmanager
+def _rng_preserved(device: torch.device):
+    """Leave the caller's random streams as they were (Verify seeds them for the training pass)."""
+    cpu = torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    try:
+        yield
+    finally:
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, device)
+
+
+def _rng_state(device: torch.device, model: nn.Module) -> List[Tuple[str, torch.Tensor]]:
+    """Where every random stream the model draws from stands: the default ones and each forked one."""
+    states = [("default cpu", torch.get_rng_state())]
+    if device.type == "cuda":
+        states.append(("default cuda", torch.cuda.get_rng_state(device)))
+    for path, module in model.named_modules():
+        forked = getattr(module, _FORK_ATTRIBUTE, None)
+        if forked is not None:
+            states += [(f"forked {path} {key}", state.clone()) for key, state in sorted(forked._states.items())]
+    return states
+
+
+def _fresh_forked_streams(scheduled: nn.Module, reference: nn.Module) -> List[str]:
+    """Restart every forked stream of ``scheduled`` from its seed, and give the module at the same path
+    of ``reference`` the same stream, so that both draw the same masks where the shapes agree.
+    Returns the forked paths."""
+    from ..distributed.rng import ForkedRNG, ForkRngPostHook, ForkRngPreHook
+
+    ref_modules = dict(reference.named_modules())
+    paths = []
+    for path, module in scheduled.named_modules():
+        forked = getattr(module, _FORK_ATTRIBUTE, None)
+        if forked is None:
+            continue
+        paths.append(path or "<root>")
+        setattr(module, _FORK_ATTRIBUTE, ForkedRNG(forked.seed))
+        twin = ref_modules.get(path)
+        if twin is None:
+            continue
+        if not hasattr(twin, _FORK_ATTRIBUTE):
+            twin.register_forward_pre_hook(ForkRngPreHook(_FORK_ATTRIBUTE))
+            twin.register_forward_hook(ForkRngPostHook(_FORK_ATTRIBUTE), always_call=True)
+        setattr(twin, _FORK_ATTRIBUTE, ForkedRNG(forked.seed))
+    return paths
+
+
+class Verify:
+    """Context manager that checks the primitives applied inside it (forward and backward, in eval and
+    training mode).
+
+    Arguments:
+        sch: the schedule (any view of it).
+        example_inputs: positional inputs of the model (tensors or other values).
+        example_kwargs: keyword inputs.
+        rtol, atol: override the per-dtype elementwise tolerances
+            (:data:`~schedlang.verify.DEFAULT_TOLERANCES`; an override also turns off the
+            half-precision outlier allowance).
+        check_backward: compare input and parameter gradients too (default True).
+        check_training: run the training-mode pass too (dropout on; default True).
+        seed: seeds the random output gradients and the training pass (identical on every rank).
+        reduction_size: the longest reduction behind outputs and gradients, which widens the
+            half-precision norm bound (default: estimated from the weights and inputs).
+        enable: set False to skip the check (e.g. in production runs).
+
+    Raises :class:`~schedlang.VerificationError` (an ``AssertionError``) on every rank if any rank
+    found a difference, and :class:`ExampleInputError` if the original model itself fails on the
+    example inputs. Either way no step of the block stays in the plan.
+
+    Example::
+
+        with schedlang.Verify(sch, example_inputs=[torch.randn(8, 32)]):
+            sch["fc2"].shard("weight", axis=1)
+            sch["fc2"].sync(mode="fwd_post", sync_op_or_fn="all_reduce")
+    """
+
+    def __init__(self, sch, example_inputs: Sequence[Any] = (), example_kwargs: Optional[Dict[str, Any]] = None,
+                 rtol: Optional[float] = None, atol: Optional[float] = None, check_backward: bool = True,
+                 seed: int = 0, enable: bool = True, check_training: bool = True,
+                 reduction_size: Optional[int] = None):
+        if not isinstance(example_inputs, (list, tuple)):
+            raise ScheduleValueError(f"Verify: example_inputs must be a list or tuple of inputs, got "
+                                     f"{type(example_inputs).__name__}")
+        self.sch = sch.root
+        self.example_inputs = list(example_inputs)
+        self.example_kwargs = dict(example_kwargs or {})
+        self.rtol, self.atol = rtol, atol
+        self.check_backward = check_backward
+        self.check_training = check_training
+        self.seed = seed
+        self.enable = enable
+        self.reduction_size = reduction_size
+        self.start = 0
+        self.report: Optional[VerifyReport] = None
+        self._atomic = None
+
+    def __enter__(self) -> "Verify":
+        self.start = len(self.sch.plan)
+        self._atomic = self.sch.atomic()
+        self._atomic.__enter__()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        atomic, self._atomic = self._atomic, None
+        if exc_type is not None:
+            return bool(atomic.__exit__(exc_type, exc, tb))  # undoes the block, re-raises
+        if self.enable:
+            try:
+                self.run()
+            except BaseException as error:
+                atomic.__exit__(type(error), error, error.__traceback__)  # undoes the block
+                raise
+        atomic.__exit__(None, None, None)
+        return False
+
+    # ------------------------------------------------------------------ running the models
+    def _block_steps(self) -> List[str]:
+        plan = self.sch.plan
+        return [f"#{i} {plan[i].primitive} at '{plan[i].path or '<root>'}' ({plan[i].describe()})"
+                for i in range(self.start, len(plan))]
+
+    def _device(self) -> torch.device:
+        for x in list(self.example_inputs) + list(self.example_kwargs.values()):
+            if isinstance(x, torch.Tensor):
+                return x.device
+        return torch.device("cpu")
+
+    def _prepare(self, args, kwargs, device):
+        def prep(x):
+            if isinstance(x, torch.Tensor):
+                x = x.detach().clone().to(device)
+                if x.is_floating_point() and self.check_backward:
+                    x.requires_grad_(True)
+            return x
+
+        return [prep(x) for x in args], {k: prep(v) for k, v in kwargs.items()}
+
+    def _run_model(self, model: nn.Module, args, kwargs, device, recorder: Optional[ModuleRecorder] = None) -> _Run:
+        args, kwargs = self._prepare(args, kwargs, device)
+        out: List[Tuple[str, torch.Tensor]] = []
+        flatten_outputs(model(*args, **kwargs), "output", out)
+        rng = _rng_state(device, model)
+        if self.check_backward:
+            gen = torch.Generator().manual_seed(self.seed)
+            total = None
+            for _, t in out:
+                if t.is_floating_point() and t.requires_grad:
+                    cot = torch.randn(t.shape, generator=gen, dtype=torch.float32, device="cpu").to(t.device, t.dtype)
+                    term = (t * cot).sum()
+                    total = term if total is None else total + term
+            if total is not None:
+                if recorder is not None:
+                    recorder.recomputing = True
+                try:
+                    total.backward()
+                finally:
+                    if recorder is not None:
+                        recorder.recomputing = False
+        grads = [(f"input[{i}] gradient", a.grad) for i, a in enumerate(args)
+                 if isinstance(a, torch.Tensor) and a.grad is not None]
+        grads += [(f"input '{k}' gradient", v.grad) for k, v in kwargs.items()
+                  if isinstance(v, torch.Tensor) and v.grad is not None]
+        return _Run([(n, t.detach()) for n, t in out], grads, rng)
+
+    def _run_reference(self, reference, args, kwargs, device, mode: str) -> Tuple[_Run, ModuleRecorder]:
+        with ModuleRecorder(reference) as recorder:
+            try:
+                run = self._run_model(reference, args, kwargs, device)
+            except Exception as e:
+                raise ExampleInputError(
+                    f"Verify: the original model itself fails on the example inputs ({mode} mode): "
+                    f"{type(e).__name__}: {e}; pass inputs the unscheduled model accepts") from e
+        bad = [f"{name} ({summary})" for name, t in run.outputs + run.input_grads
+               if (summary := nonfinite_summary(t)) is not None]
+        bad += [f"gradient of parameter '{n}' ({summary})" for n, p in reference.named_parameters()
+                if p.grad is not None and (summary := nonfinite_summary(p.grad)) is not None]
+        if bad:
+            raise ExampleInputError(
+                f"Verify: the original model gives non-finite values on the example inputs ({mode} mode): "
+                f"{'; '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}; nothing can be compared against them. Use "
+                f"smaller inputs or weights, or a wider dtype")
+        return run, recorder
+
+    # ------------------------------------------------------------------ the check
+    def run(self) -> VerifyReport:
+        """Run the check now; returns the report or raises VerificationError."""
+        state = self.sch._state
+        group = state.group
+        report = VerifyReport(steps=self._block_steps())
+        original = state.original
+        if any(t.is_meta for t in list(original.parameters()) + list(original.buffers())):
+            raise ScheduleValueError("Verify needs a model with real weights; this one is on the meta device. Verify "
+                                     "the schedule on a small real instance, then replay its plan on the meta model")
+        device = self._device()
+        # ranks agree before and after each phase with collectives inside it: a rank that fails makes
+        # every rank raise within seconds, naming it, instead of leaving the others blocked
+        check_same_plan(self.sch.plan, group, phase="verify: plan comparison")
+        with _rng_preserved(device):
+            reference = copy.deepcopy(original).to(device)
+            args, kwargs = list(self.example_inputs), dict(self.example_kwargs)
+            if groups.world_size(group) > 1:
+                # tensor parallelism needs the same weights and inputs everywhere: use rank 0's
+                ranks.broadcast_reference(reference, group)
+                args = ranks.broadcast_inputs(args, group, device)
+                kwargs = dict(zip(kwargs, ranks.broadcast_inputs(list(kwargs.values()), group, device)))
+            base = copy.deepcopy(reference)
+            base_params = {id(p): n for n, p in base.named_parameters()}
+            base_buffers = {id(b): n for n, b in base.named_buffers()}
+            initial_buffers = {n: b.detach().clone() for n, b in reference.named_buffers()}
+            keep_alive = list(base.parameters()) + list(base.buffers())  # shard sources are weakly referenced
+            from ..schedule import Schedule, _RootState
+
+            replayed = Schedule(_RootState(base, reference, group, state.mesh))
+            with agreement(group, phase="verify: replaying the plan"):
+                apply_steps(replayed, Plan(self.sch.plan.steps))
+            scheduled = replayed._state.module
+            size = self.reduction_size or reduction_size_of(reference, list(args) + list(kwargs.values()))
+            tol_for = functools.partial(tolerance_for, rtol=self.rtol, atol=self.atol, reduction_size=size)
+            pass_ = _Pass(self, report, reference, scheduled, base_params, tol_for, group, device, args, kwargs)
+            with agreement(group, phase="verify: running the original and the scheduled model"):
+                replicated_paths = pass_.eval_mode()
+                if self.check_training:
+                    # decided together, so that every rank takes the same cross-rank steps
+                    if ranks.all_ranks_agree(replicated_paths is not None and report.passed, group):
+                        pass_.training_mode(replicated_paths)
+                    else:
+                        report.notes.append("training mode not checked: eval mode already differs")
+                pass_.compare_buffers(base_buffers, initial_buffers)
+            del keep_alive
+        self._finish(report, group)
+        return report
+
+    def _finish(self, report: VerifyReport, group) -> None:
+        self.report = report
+        for text in report.warnings:
+            logger.warning("Verify: %s", text)
+            warnings.warn(f"Verify: {text}", VerifyWarning, stacklevel=3)
+        world = groups.world_size(group)
+        per_rank = ranks.gather_mismatches(report.mismatches + [f"where: {w}" for w in report.localization], group)
+        failing = [(r, m) for r, m in per_rank if any(not x.startswith("where: ") for x in m)]
+        if not failing:
+            logger.info("verification passed: %d tensors compared", len(report.compared))
+            return
+        lines = ["the scheduled model does not match the original model"]
+        for r, found in failing:
+            where = f" on rank {r}" if world > 1 else ""
+            mismatches = [m for m in found if not m.startswith("where: ")]
+            lines += [f"  {m}{where}" for m in mismatches[:10]]
+            if len(mismatches) > 10:
+                lines.append(f"  ... and {len(mismatches) - 10} more{where}")
+        seen = set()
+        for r, found in failing:
+            for m in found:
+                if m.startswith("where: ") and m not in seen:
+                    seen.add(m)
+                    lines.append(f"  {m[len('where: '):]}{f' (rank {r})' if world > 1 else ''}")
+        if report.steps:
+            lines.append("steps applied inside this Verify block:")
+            lines += [f"  {s}" for s in report.steps]
+            lines.append("(the block is undone: the plan is as it was before it)")
+        else:
+            lines.append("no steps were applied inside this Verify block; an earlier step broke it")
+        raise VerificationError("\n".join(lines))
+
+
+class _Pass:
+    """The comparisons of one verification, shared by the eval and the training pass."""
+
+    def __init__(self, verify: Verify, report: VerifyReport, reference: nn.Module, scheduled: nn.Module,
+                 base_params: Dict[int, str], tol_for, group, device, args, kwargs):
+        self.v, self.report = verify, report
+        self.reference, self.scheduled = reference, scheduled
+        self.base_params = base_params
+        self.tol_for = tol_for
+        self.group, self.device = group, device
+        self.args, self.kwargs = args, kwargs
+
+    # -------------------------------------------------------------- helpers
+    def _compare(self, what: str, actual, expected) -> None:
+        self.report.compared.append(what)
+        msg = compare_tensors(what, actual, expected, self.tol_for(expected.dtype))
+        if msg:
+            self.report.mismatches.append(msg)
+
+    def _run_scheduled(self, mode: str) -> Tuple[Optional[_Run], ModuleRecorder]:
+        with ModuleRecorder(self.scheduled) as recorder:
+            try:
+                return self.v._run_model(self.scheduled, self.args, self.kwargs, self.device, recorder), recorder
+            except Exception as e:  # report it on every rank instead of leaving the others waiting
+                self.report.mismatches.append(f"running the scheduled model ({mode} mode) raised "
+                                              f"{type(e).__name__}: {e}")
+                return None, recorder
+
+    def _zero_grads(self) -> None:
+        self.reference.zero_grad(set_to_none=True)
+        self.scheduled.zero_grad(set_to_none=True)
+
+    def _compare_runs(self, prefix: str, expected: _Run, actual: _Run, warn: bool) -> None:
+        report = self.report
+        if len(actual.outputs) != len(expected.outputs):
+            report.mismatches.append(f"{prefix}the scheduled model returns {len(actual.outputs)} tensors, the "
+                                     f"original {len(expected.outputs)}")
+        for (name, exp), (_, act) in zip(expected.outputs, actual.outputs):
+            self._compare(prefix + name, act, exp)
+        if len(expected.input_grads) != len(actual.input_grads):
+            report.mismatches.append(f"{prefix}{len(actual.input_grads)} input gradients, the original has "
+                                     f"{len(expected.input_grads)}")
+        for (name, exp), (_, act) in zip(expected.input_grads, actual.input_grads):
+            self._compare(prefix + name, act, exp)
+        self._compare_parameters(prefix, warn)
+
+    def _compare_parameters(self, prefix: str, warn: bool) -> None:
+        report = self.report
+        ref_params = dict(self.reference.named_parameters())
+        finder = CounterpartFinder("parameter", self.base_params, ref_params)
+        for name, p in self.scheduled.named_parameters():
+            parts = finder.find(name, p)
+            if parts is None:
+                if warn:
+                    report.not_compared.append(name)
+                    report.warnings.append(f"parameter '{name}' {tuple(p.shape)} of the scheduled model has no "
+                                           f"counterpart in the original model (not the same tensor, a shard, a "
+                                           f"fused part, nor equal in value to exactly one original parameter): "
+                                           f"its gradient was not compared")
+                continue
+            for part in parts:
+                ref = ref_params[part.reference_name]
+                if p.requires_grad != ref.requires_grad:
+                    state = "trainable" if p.requires_grad else "frozen"
+                    other = "frozen" if p.requires_grad else "trainable"
+                    report.mismatches.append(f"{prefix}{part.description} is {state} but the original's is {other}")
+                    continue
+                if not p.requires_grad:
+                    self._compare(f"{prefix}value of frozen {part.description}", part.take_local(p.detach()),
+                                  part.take_reference(ref.detach()))
+                    continue
+                if not self.v.check_backward:
+                    continue
+                what = f"{prefix}gradient of {part.description}"
+                got = None if p.grad is None else part.take_local(p.grad)
+                expected = None if ref.grad is None else part.take_reference(ref.grad)
+                report.compared.append(what)
+                if got is None and expected is None:
+                    continue
+                if got is None or expected is None:
+                    present = "has no gradient" if got is None else "has a gradient"
+                    other = "the original's has one" if got is None else "the original's has none"
+                    report.mismatches.append(f"{what}: {present} but {other}")
+                    continue
+                msg = compare_tensors(what, got, expected, self.tol_for(expected.dtype))
+                if msg:
+                    report.mismatches.append(msg)
+        if warn:
+            for name in finder.unclaimed():
+                report.warnings.append(f"parameter '{name}' of the original model has no counterpart in the scheduled "
+                                       f"model: its gradient was not compared")
+
+    def _localize(self, prefix: str, scheduled_rec: ModuleRecorder, reference_rec: ModuleRecorder) -> None:
+        found = first_divergence(scheduled_rec, reference_rec, self.tol_for)
+        if found is None:
+            where = ("every module output that can be compared agrees with the original's; the difference arises in "
+                     "backward" if self.v.check_backward else
+                     "no module output with the original's shape diverges; the difference is in a split activation")
+            self.report.localization.append(f"{prefix}{where}")
+            path = None
+        else:
+            ours, theirs = found["shapes"]
+            self.report.localization.append(
+                f"{prefix}first diverging module (in execution order): '{found['path']}' ({found['type']}), output "
+                f"shapes {ours} here and {theirs} in the original; {found['message']}")
+            path = found["path"]
+        # the diverging module's own attention first, else any attention of the model
+        hint = attention_hint(self.scheduled, self.reference, path)
+        if hint is None and found is not None:
+            hint = split_input_hint(found)
+        if hint:
+            self.report.localization.append(f"hint: {hint}")
+
+    def _replicated_module_outputs(self, scheduled_rec: ModuleRecorder, reference_rec: ModuleRecorder) -> List[str]:
+        """Paths whose (first) output has the original's shape and value: replicated activations."""
+        paths = []
+        for path, calls in scheduled_rec.forward.items():
+            ref_calls = reference_rec.forward.get(path)
+            if not ref_calls or len(calls[0]) != len(ref_calls[0]):
+                continue
+            if all(a.shape == b.shape and compare_tensors("", a, b, self.tol_for(b.dtype)) is None
+                   for a, b in zip(calls[0], ref_calls[0])):
+                paths.append(path)
+        return paths
+
+    # -------------------------------------------------------------- the passes
+    def eval_mode(self) -> Optional[List[str]]:
+        """Compare in eval mode; returns the module paths whose outputs are replicated activations (None if
+        the scheduled model failed to run)."""
+        self.reference.eval()
+        self.scheduled.eval()
+        expected, ref_rec = self.v._run_reference(self.reference, self.args, self.kwargs, self.device, "eval")
+        actual, rec = self._run_scheduled("eval")
+        if actual is None:
+            return None
+        before = len(self.report.mismatches)
+        self._compare_runs("", expected, actual, warn=True)
+        self.report.mismatches += rec.recompute_mismatches(self.tol_for)
+        if len(self.report.mismatches) > before:
+            self._localize("", rec, ref_rec)
+        return self._replicated_module_outputs(rec, ref_rec)
+
+    def training_mode(self, replicated_paths: Optional[List[str]]) -> None:
+        """Compare in training mode: with the original where the random streams match; across ranks too."""
+        self._zero_grads()
+        self.reference.train()
+        self.scheduled.train()
+        forked = _fresh_forked_streams(self.scheduled, self.reference)
+        torch.manual_seed(self.v.seed)
+        expected, ref_rec = self.v._run_reference(self.reference, self.args, self.kwargs, self.device, "training")
+        torch.manual_seed(self.v.seed)
+        actual, rec = self._run_scheduled("training")
+        same_draws = actual is not None and len(actual.rng_after_forward) == len(expected.rng_after_forward) and all(
+            na == nb and a.shape == b.shape and torch.equal(a, b)
+            for (na, a), (nb, b) in zip(actual.rng_after_forward, expected.rng_after_forward))
+        streams_match = ranks.all_ranks_agree(same_draws, self.group)
+        prefix = "training mode: "
+        before = len(self.report.mismatches)
+        if streams_match:
+            self.report.notes.append(f"training mode compared with the original under seed {self.v.seed}"
+                                     + (f" (forked streams at {', '.join(forked)} mirrored)" if forked else ""))
+            self._compare_runs(prefix, expected, actual, warn=False)
+            why = "replicated tensors"
+        else:
+            why = ("the scheduled model draws other random numbers than the original (a dropout on a split "
+                   "activation" + (f", forked streams at {', '.join(forked)})" if forked else ")"))
+        compared_with_reference = len(self.report.mismatches)
+        self._cross_rank(prefix, why, streams_match, expected, actual, rec, replicated_paths)
+        if actual is not None:
+            self.report.mismatches += [prefix + m for m in rec.recompute_mismatches(self.tol_for)]
+            # a divergence from the original only means something where the random streams match
+            if streams_match and compared_with_reference > before:
+                self._localize(prefix, rec, ref_rec)
+
+    def _cross_rank(self, prefix: str, why: str, streams_match: bool, expected: _Run, actual: Optional[_Run],
+                    rec: ModuleRecorder, replicated_paths: Optional[List[str]]) -> None:
+        """Every replicated tensor of the training pass must agree across ranks (a cross-rank step:
+        every rank calls it, even one whose run failed)."""
+        if groups.world_size(self.group) <= 1:
+            if actual is not None and not streams_match:
+                self.report.warnings.append(f"training mode: {why}; training outputs and gradients could not be "
+                                            f"compared with the original's (only recomputed regions were checked)")
+            return
+        tensors: Dict[str, torch.Tensor] = {}
+        if actual is not None:
+            reference_shapes = {n: t.shape for n, t in expected.outputs + expected.input_grads}
+            for name, t in actual.outputs + actual.input_grads:
+                if reference_shapes.get(name) == t.shape:
+                    tensors[name] = t
+            ref_params = dict(self.reference.named_parameters())
+            finder = CounterpartFinder("parameter", self.base_params, ref_params)
+            for name, p in self.scheduled.named_parameters():
+                parts = finder.find(name, p)
+                if parts and len(parts) == 1 and parts[0].whole and p.grad is not None:
+                    tensors[f"gradient of parameter '{name}'"] = p.grad
+            for path in replicated_paths or ():
+                calls = rec.forward.get(path)
+                if calls:
+                    for i, t in enumerate(calls[0]):
+                        tensors[f"output of module '{path}'" + (f"[{i}]" if len(calls[0]) > 1 else "")] = t
+        messages, compared = ranks.replicated_disagreements(tensors, self.group, self.tol_for, prefix)
+        if streams_match:
+            self.report.notes.append(f"training mode: {compared} replicated tensors agree across ranks")
+        else:
+            self.report.notes.append(f"training mode: {why}; checked that {compared} replicated tensors agree across "
+                                     f"ranks instead of comparing with the original")
+        self.report.compared += [prefix + n + " (across ranks)" for n in tensors]
+        self.report.mismatches += messages
+
+    def compare_buffers(self, base_buffers: Dict[int, str], initial: Dict[str, torch.Tensor]) -> None:
+        """Buffers (running statistics, caches) must equal the original's after both passes."""
+        ref_buffers = dict(self.reference.named_buffers())
+        finder = CounterpartFinder("buffer", base_buffers, ref_buffers, initial)
+        for name, b in self.scheduled.named_buffers():
+            parts = finder.find(name, b)
+            if parts is None:
+                self.report.not_compared.append(name)
+                self.report.warnings.append(f"buffer '{name}' {tuple(b.shape)} of the scheduled model has no "
+                                            f"counterpart in the original model: its value was not compared")
+                continue
+            for part in parts:
+                self._compare(f"value of {part.description}", part.take_local(b.detach()),
+                              part.take_reference(ref_buffers[part.reference_name].detach()))
+        for name in finder.unclaimed():
+            self.report.warnings.append(f"buffer '{name}' of the original model has no counterpart in the scheduled "
+                                        f"model: its value was not compared")
