@@ -30,7 +30,8 @@ from torch import nn
 
 from . import primitives  # noqa: F401  (registers every primitive before the methods below are checked)
 from .distributed import groups
-from .errors import ScheduleKeyError, ScheduleTypeError
+from .errors import (ArgumentTypeError, PatternError, ScheduleKeyError, ScheduleTypeError, ScheduleValueError,
+                     TraceError)
 from .fingerprint import ModelFingerprint
 from .plan import Plan, Step
 from .primitives.base import get_primitive, signature_mismatch
@@ -40,6 +41,9 @@ __all__ = ["Schedule", "create_schedule"]
 logger = logging.getLogger("schedlang.schedule")
 
 _INTERNAL_CHILD = re.compile(r"^_schedlang_")
+
+#: Slapo's tracer names: both mean schedlang's one tracer
+_SLAPO_TRACERS = ("pytorch", "huggingface")
 
 
 class _RootState:
@@ -303,6 +307,186 @@ class Schedule:
 
         return write_report(self.root, path, model=model, verify=verify, title=title)
 
+    # ------------------------------------------------------------------ Slapo's tree and graph queries
+    # Plain methods, not primitives: they look at the schedule and record nothing, except that
+    # the graph queries trace a module not traced yet (a ``trace`` step, as ``find`` does), and
+    # update_submodule, which changes the model through ``replace``.
+    def get_top_schedule(self) -> "Schedule":
+        """The schedule of the whole model (Slapo's name for :attr:`root`).
+
+        Example::
+
+            sch["layers.0.mlp"].get_top_schedule() is not None   # same plan as sch
+        """
+        return self.root
+
+    @staticmethod
+    def tokenize_module_path(module_path: str) -> list:
+        """Split a dotted path into Slapo's child names: an index joins the name before it, as
+        Slapo names the children of a ``ModuleList`` (``"layers.0"``). ``""`` has no tokens.
+
+        Example::
+
+            Schedule.tokenize_module_path("layers.0.mlp.fc1")   # ['layers.0', 'mlp', 'fc1']
+        """
+        if not isinstance(module_path, str):
+            raise ScheduleTypeError(f"tokenize_module_path expects a dotted module path like 'layers.0.mlp', got "
+                                    f"{type(module_path).__name__} {module_path!r}")
+        if not module_path:
+            return []
+        tokens: list = []
+        for part in module_path.split("."):
+            if part.isdigit():
+                if not tokens:
+                    raise ScheduleValueError(
+                        f"tokenize_module_path: {module_path!r} starts with the index '{part}'; a path starts with "
+                        "a submodule name, e.g. 'layers.0' (an index follows the ModuleList it indexes)")
+                tokens[-1] = f"{tokens[-1]}.{part}"
+            else:
+                tokens.append(part)
+        return tokens
+
+    def get_module(self, name: str) -> nn.Module:
+        """The submodule called ``name`` relative to this schedule (``""``: :attr:`mod` itself),
+        e.g. the module a ``call_module`` node of this traced module calls.
+
+        Example::
+
+            node = sch["mlp"].find_node(r"fc1")[0][1]
+            sch["mlp"].get_module(node.target)   # the Linear
+        """
+        if not isinstance(name, str):
+            raise ScheduleTypeError(f"{self._display()}: get_module expects a submodule name like 'mlp.fc1', got "
+                                    f"{type(name).__name__} {name!r}")
+        module = self.mod
+        if not name:
+            return module
+        try:
+            return module.get_submodule(name)
+        except AttributeError:
+            valid = [n for n, _ in module.named_modules() if n and not any(_INTERNAL_CHILD.match(p)
+                                                                             for p in n.split("."))]
+            shown = ", ".join(valid[:20]) + (", ..." if len(valid) > 20 else "") if valid else "none (a leaf module)"
+            raise ScheduleKeyError(f"{self._display()}: get_module: no submodule '{name}' here (names are relative "
+                                   f"to this schedule's path); valid names: {shown}") from None
+
+    def find_node(self, regex_or_pattern_fn: Union[str, Callable[[fx.Node], bool]]) -> list:
+        """Nodes of this module's graphs, as ``[(path, node), ...]`` (``path``: the traced module
+        holding ``node``, relative to this schedule). A regex selects the ``call_module`` nodes
+        whose target matches it from the start (``re.match``); a function ``node -> bool``
+        selects the nodes it accepts. A module not traced yet is traced first (see ``find``).
+
+        Example::
+
+            sch.find_node(r"fc\\d")                                          # the Linear calls
+            sch.find_node(lambda n: n.op == "call_function" and n.target is torch.add)
+        """
+        from .graph.pattern import graph_modules
+        from .primitives.find import trace_on_demand
+
+        where = self._display()
+        query = regex_or_pattern_fn
+        if isinstance(query, str):
+            try:
+                compiled = re.compile(query)
+            except re.error as e:
+                raise PatternError(f"{where}: find_node got an invalid regex {query!r}: {e}") from e
+
+            def accepts(node: fx.Node) -> bool:
+                return node.op == "call_module" and compiled.match(str(node.target)) is not None
+        elif callable(query) and not isinstance(query, (type, nn.Module)):
+            accepts = query
+        else:
+            raise ArgumentTypeError(f"{where}: find_node expects a regex string or a function node -> bool, got "
+                                    f"{type(query).__name__} {query!r}; to match a subgraph pattern use "
+                                    "find_subgraph")
+        trace_on_demand(self, "find_node")
+        found = []
+        for path, gm in graph_modules(self.mod):
+            for node in gm.graph.nodes:
+                try:
+                    hit = accepts(node)
+                except Exception as e:
+                    raise PatternError(f"{where}: find_node's function raised {type(e).__name__}: {e} on node "
+                                       f"'{node.name}' (op {node.op}) of the graph at '{path or '<root>'}'; it "
+                                       "must return True or False for every node") from e
+                if hit:
+                    found.append((path, node))
+        return found
+
+    def find_subgraph(self, pattern_fn: Callable[..., Any]) -> list:
+        """Subgraphs computing what ``pattern_fn`` computes (a function or ``nn.Module``), matched by
+        dataflow: ``[[(path, node), ...], ...]``, as ``find`` returns for a pattern. A module not
+        traced yet is traced first.
+
+        Example::
+
+            sch.find_subgraph(lambda x, bias: F.gelu(bias + x))
+        """
+        if isinstance(pattern_fn, str) or not callable(pattern_fn):
+            raise ArgumentTypeError(f"{self._display()}: find_subgraph expects a pattern function or an nn.Module, "
+                                    f"got {type(pattern_fn).__name__} {pattern_fn!r}; to select nodes by a regex "
+                                    "over module names use find_node")
+        return self.find(pattern_fn)
+
+    def trace_until(self, paths: Union[str, Sequence[str]], **kwargs: Any) -> None:
+        """Trace this module down to the submodules at ``paths`` (relative to this schedule, ``""``
+        for this module): they are traced too, and their children stay calls. Slapo uses it to
+        expose a model's layers, e.g. as pipeline cut points. Recorded as one ``trace`` step
+        (``leaf_modules`` = those children); ``leaf_modules`` and ``concrete_args`` may be given,
+        ``tracer`` may be Slapo's ``"pytorch"`` or ``"huggingface"`` (both the same tracer here).
+
+        Example::
+
+            sch.trace_until("layers")          # root and 'layers' traced, 'layers.0', ... stay calls
+            sch["layers.3"].cut_pipeline_stage()
+        """
+        where = self._display()
+        if isinstance(self.mod, fx.GraphModule):
+            raise TraceError(f"{where}: trace_until traces a module not traced yet, but this one is traced already "
+                             f"({type(self.mod).__name__}); call trace_until before trace on this schedule")
+        if isinstance(paths, str):
+            paths = [paths]
+        elif not (isinstance(paths, (list, tuple)) and paths and all(isinstance(p, str) for p in paths)):
+            raise ScheduleTypeError(f"{where}: trace_until expects a submodule path or a non-empty list of paths "
+                                    f"(strings relative to this schedule), got {paths!r}")
+        unknown = sorted(set(kwargs) - {"leaf_modules", "concrete_args", "tracer", "config"})
+        if unknown:
+            raise ScheduleTypeError(f"{where}: trace_until got unknown options {', '.join(unknown)}; valid options "
+                                    "are leaf_modules, concrete_args, tracer")
+        leaves: list = []
+        for path in paths:
+            for child in self[path].child:
+                leaves.append(_join(path, child))
+        extra = kwargs.get("leaf_modules")
+        if extra is not None:
+            leaves.extend([extra] if isinstance(extra, (str, type)) else list(extra))
+        tracer = kwargs.get("tracer", "fx")
+        self.trace(recursive=True, flatten=False, leaf_modules=leaves or None,
+                   tracer="fx" if tracer in _SLAPO_TRACERS else tracer, concrete_args=kwargs.get("concrete_args"))
+
+    def update_submodule(self, mod: nn.Module, submod_name: str, new_submod: nn.Module) -> None:
+        """Put ``new_submod`` in place of the child ``submod_name`` (a dotted path, e.g. ``"layers.0"``)
+        of ``mod``, a module of this schedule's model (``sch.mod``, ``sch.parent.mod`` ...). The
+        change is a ``replace`` step of the plan, so it is checked, recorded and replayed like
+        any other.
+
+        Example::
+
+            sch.update_submodule(sch["mlp"].mod, "act", nn.ReLU())   # == sch["mlp.act"].replace(nn.ReLU())
+        """
+        where = self._display()
+        if not isinstance(submod_name, str) or not submod_name:
+            raise ScheduleTypeError(f"{where}: update_submodule expects the child's name (a non-empty dotted path "
+                                    f"like 'layers.0'), got {submod_name!r}")
+        owner = next((p for p, m in self._state.module.named_modules(remove_duplicate=False) if m is mod), None)
+        if owner is None:
+            raise ScheduleValueError(
+                f"{where}: update_submodule got a {type(mod).__name__} that is not part of this schedule's model; "
+                "pass sch.mod or a module under it (the schedule works on a copy: the model given to "
+                "create_schedule is never changed)")
+        self.root[_join(owner, submod_name)].replace(new_submod)
+
     # ------------------------------------------------------------------ graph-free primitives
     # Each method's signature is checked against its primitive's declaration when this class is
     # defined; its docstring is the primitive's, and its body is the call (see _primitive_method).
@@ -382,7 +566,8 @@ def _get_submodule(root: nn.Module, path: str) -> nn.Module:
     return module
 
 
-def create_schedule(model: nn.Module, group=None, mesh=None) -> Schedule:
+def create_schedule(model: nn.Module = None, name: str = "", path: str = "", parent: Optional[Schedule] = None,
+                    group=None, mesh=None, **kwargs: Any) -> Schedule:
     """Wrap ``model`` in a root :class:`Schedule`.
 
     ``group`` is the torch.distributed process group to shard and sync over (default: the
@@ -393,6 +578,13 @@ def create_schedule(model: nn.Module, group=None, mesh=None) -> Schedule:
     and ``replicate`` on its data dimensions, ``cut_pipeline_stage`` on ``pp``. Give one or the
     other. The schedule works on a deep copy of ``model``; the model you pass is never changed.
 
+    The arguments before ``group`` are Slapo's (``root`` is accepted for ``model``): ``name``
+    and ``path`` say where ``model`` sits in a larger model. Without ``parent`` they are kept
+    as labels (``sch.path`` stays relative to ``model``: ``""`` at the root, so plans replay on
+    ``model`` alone). With ``parent`` (a schedule), ``model`` must be the module at ``path``
+    of the parent's model, and the result is ``parent.get_top_schedule()[path]``: a view that
+    shares the parent's plan.
+
     Example::
 
         sch = schedlang.create_schedule(model)
@@ -401,8 +593,20 @@ def create_schedule(model: nn.Module, group=None, mesh=None) -> Schedule:
         mesh = schedlang.distributed.mesh.make_mesh(dp=2, tp=2)   # under torchrun, 4 ranks
         sch = schedlang.create_schedule(model, mesh=mesh)
     """
+    if model is None and "root" in kwargs:
+        model = kwargs.pop("root")
+    if kwargs:
+        raise ScheduleTypeError(f"create_schedule got unknown arguments {', '.join(sorted(kwargs))}; valid "
+                                "arguments are model (or root), name, path, parent, group, mesh")
     if not isinstance(model, nn.Module):
         raise ScheduleTypeError(f"create_schedule expects a torch.nn.Module, got {type(model).__name__}")
+    for label, value in (("name", name), ("path", path)):
+        if not isinstance(value, str):
+            raise ScheduleTypeError(
+                f"create_schedule: {label} must be a string (Slapo's module {label}, '' for a whole model), got "
+                f"{type(value).__name__} {value!r}; pass a process group as group=, a DeviceMesh as mesh=")
+    if parent is not None:
+        return _view_in_parent(model, path, parent, group, mesh)
     if mesh is not None:
         from .distributed.mesh import check_mesh, tp_group
 
@@ -411,4 +615,35 @@ def create_schedule(model: nn.Module, group=None, mesh=None) -> Schedule:
                                     "mesh= (a DeviceMesh with named pp/dp/tp dimensions), not both")
         check_mesh(mesh)
         group = tp_group(mesh)
-    return Schedule(_RootState(copy.deepcopy(model), model, group, mesh))
+    state = _RootState(copy.deepcopy(model), model, group, mesh)
+    #: Slapo's labels of where ``model`` sits in a larger model (paths here stay relative to it)
+    state.slapo_name, state.slapo_path = name, path
+    return Schedule(state)
+
+
+def _view_in_parent(model: nn.Module, path: str, parent: Any, group: Any, mesh: Any) -> Schedule:
+    """Slapo's ``create_schedule(..., parent=sch)``: the view of ``model`` inside the parent's schedule."""
+    if not isinstance(parent, Schedule):
+        raise ScheduleTypeError(f"create_schedule: parent must be a Schedule (or None for a new schedule), got "
+                                f"{type(parent).__name__}")
+    if group is not None or mesh is not None:
+        raise ScheduleValueError("create_schedule: a schedule made with parent= uses the parent's process group "
+                                 "and mesh; leave group= and mesh= out")
+    top = parent.get_top_schedule()
+    if path:
+        view = top[path]
+    else:
+        found = [p for p, m in top.mod.named_modules() if m is model]
+        found += [p for p, m in top._state.original.named_modules() if m is model and p in top]
+        if not found:
+            raise ScheduleValueError(
+                f"create_schedule: the {type(model).__name__} given with parent= is not a module of the parent "
+                "schedule's model; pass path= (its dotted path from the top, e.g. 'layers.0')")
+        view = top[found[0]]
+    original = top._state.original
+    at_path = dict(original.named_modules(remove_duplicate=False)).get(view.path)
+    if model is not view.mod and model is not at_path:
+        raise ScheduleValueError(
+            f"create_schedule: the parent schedule has a {type(view.mod).__name__} at path '{view.path}', not the "
+            f"{type(model).__name__} given; pass the module at that path (parent['{view.path}'].mod) or its path")
+    return view

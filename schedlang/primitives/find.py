@@ -10,6 +10,12 @@
 from a hierarchically traced model point into the children's graphs. Pass the result to
 ``fuse``, ``replace(target_ops=...)`` or ``checkpoint(subgraph)`` on the same schedule.
 
+A module that is not traced yet is traced first, as Slapo does: ``trace()`` with its
+defaults (hierarchy kept, ``flatten=False``), recorded in the plan as its own step. When
+that tracing fails, :class:`~schedlang.NotTracedError` says why; call ``trace`` yourself
+with ``leaf_modules`` or ``concrete_args`` then (or ``flatten=True`` to match across
+module boundaries).
+
 Example::
 
     sch.trace(flatten=True)
@@ -19,20 +25,46 @@ Example::
 
 from __future__ import annotations
 
+import logging
 import re
-
 from typing import Any, Callable, Union
 
-from ..errors import PatternError
+from ..errors import NotTracedError, PatternError, TraceError
 from .base import Param, Primitive, register_primitive
 
-__all__ = ["Find"]
+__all__ = ["Find", "trace_on_demand"]
+
+logger = logging.getLogger("schedlang.primitives.find")
+
+
+def trace_on_demand(sch, primitive: str) -> None:
+    """Trace ``sch`` with ``trace()``'s defaults unless it is traced already (a plan step of its own).
+
+    Queries trace what they search, as Slapo's do; only a tracing failure stops them, with a
+    :class:`NotTracedError` that carries the tracer's reason and says how to trace by hand.
+    """
+    import torch.fx as fx
+
+    if isinstance(sch.mod, fx.GraphModule):
+        return
+    where = sch.path or "<root>"
+    call = f'sch["{sch.path}"].trace(...)' if sch.path else "sch.trace(...)"
+    try:
+        sch.trace()
+    except TraceError as e:
+        raise NotTracedError(
+            f"{where}: {primitive} needs a traced module, and tracing this {type(sch.mod).__name__} on demand "
+            f"(trace() with its defaults) failed: {e}; call {call} with leaf_modules= or concrete_args= "
+            "first") from e
+    logger.info("%s: %s traced this module on demand (trace(flatten=False), recorded as step %d)", where,
+                primitive, len(sch.plan) - 1)
 
 
 @register_primitive
 class Find(Primitive):
     """Find nodes of the traced module: a regex over module names, or a pattern function
-    matched by dataflow (returns a list of subgraphs). A query: nothing is recorded.
+    matched by dataflow (returns a list of subgraphs). A query: nothing is recorded, except
+    the ``trace()`` step that traces a module not traced yet.
 
     Example::
 
@@ -51,21 +83,22 @@ class Find(Primitive):
     @classmethod
     def validate(cls, sch, regex_or_pattern_fn):
         from ..graph.pattern import trace_pattern
-        from ..graph.subgraph import require_traced
 
         where = sch.path or "<root>"
-        require_traced(sch, "find")
         pattern = regex_or_pattern_fn
+        traced = None
+        # the query is checked before anything is traced, so a bad one changes nothing
         if isinstance(pattern, str):
             try:
                 re.compile(pattern)
             except re.error as e:
                 raise PatternError(f"{where}: find got an invalid regex {pattern!r}: {e}") from e
-            return {"regex_or_pattern_fn": pattern, "_pattern_graph": None}
-        try:
-            traced = trace_pattern(pattern)
-        except PatternError as e:
-            raise PatternError(f"{where}: {e}") from e.__cause__
+        else:
+            try:
+                traced = trace_pattern(pattern)
+            except PatternError as e:
+                raise PatternError(f"{where}: {e}") from e.__cause__
+        trace_on_demand(sch, "find")
         return {"regex_or_pattern_fn": pattern, "_pattern_graph": traced}
 
     @classmethod

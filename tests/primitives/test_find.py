@@ -30,14 +30,27 @@ def test_slapo_tutorial_result_shape():
     assert sch.find(lambda x: torch.tanh(x)) == []
 
 
+class _DataDependent(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x) if x.sum() > 0 else x
+
+
 def test_find_errors():
+    # find traces an untraced module itself (as Slapo does); only a tracing failure is an error
+    broken = schedlang.create_schedule(torch.nn.Sequential(_DataDependent()))
+    with pytest.raises(NotTracedError, match=r"^<root>: find needs a traced module, and tracing this Sequential on "
+                                             r"demand \(trace\(\) with its defaults\) failed: .*used as a condition.*; "
+                                             r"call sch\.trace\(\.\.\.\) with leaf_modules= or concrete_args= first$"):
+        broken.find("fc")
+    with pytest.raises(NotTracedError, match=r"^0: find needs a traced module, and tracing this _DataDependent on "
+                                             r"demand .*; call sch\[\"0\"\]\.trace\(\.\.\.\) with"):
+        broken["0"].find(lambda x: F.gelu(x))
+    assert len(broken.plan) == 0 and not isinstance(broken.mod, torch.fx.GraphModule)
     sch = schedlang.create_schedule(Stack())
-    with pytest.raises(NotTracedError, match=r"^<root>: find needs a traced module, but this is Stack; call "
-                                             r"sch\.trace\(\) first$"):
-        sch.find("fc1")
-    with pytest.raises(NotTracedError, match=r"^layers\.0: find needs a traced module, but this is Block; call "
-                                             r"sch\[\"layers\.0\"\]\.trace\(\) first$"):
-        sch["layers.0"].find(lambda x: F.gelu(x))
     sch.trace()
     with pytest.raises(PatternError, match=r"^<root>: find got an invalid regex '\(fc': "):
         sch.find("(fc")
