@@ -314,7 +314,14 @@ class Verify:
                 apply_steps(replayed, Plan(self.sch.plan.steps))
             scheduled = replayed._state.module
             size = self.reduction_size or reduction_size_of(reference, list(args) + list(kwargs.values()))
-            tol_for = functools.partial(tolerance_for, rtol=self.rtol, atol=self.atol, reduction_size=size)
+            from ..primitives.float8 import is_float8
+
+            float8 = any(is_float8(m) for m in scheduled.modules())
+            if float8:
+                report.notes.append("float8 Linears: tensors compared by their whole-tensor relative error (up to "
+                                    "0.3), not element by element")
+            tol_for = functools.partial(tolerance_for, rtol=self.rtol, atol=self.atol, reduction_size=size,
+                                        float8=float8)
             pass_ = _Pass(self, report, reference, scheduled, base_params, tol_for, group, device, args, kwargs)
             with agreement(group, phase="verify: running the original and the scheduled model"):
                 replicated_paths = pass_.eval_mode()

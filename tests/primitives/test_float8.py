@@ -215,13 +215,41 @@ def test_small_llama_trains_in_float8_like_bf16():
             opts[k].step()
             opts[k].zero_grad()
             losses[k].append(loss.item())
-    # per-parameter gradient relative error of the first step (same weights on both sides): float8's
-    # 3 mantissa bits give a few percent per GEMM; the embedding's gradient has passed through every
-    # float8 layer and drifts most
+    # per-parameter gradient relative error of the first step (same weights on both sides): output
+    # gradients in e5m2 keep 2 mantissa bits, so weight gradients land 0.15-0.2 from bf16's (measured on
+    # an H100); Verify's float8 bound is 0.3
     errors = {name: _rel(losses["grads"]["fp8"][name], g) for name, g in losses["grads"]["bf16"].items()}
     assert max(errors.values()) < 0.3, errors
-    assert sorted(errors.values())[len(errors) // 2] < 0.1, errors
+    assert sorted(errors.values())[len(errors) // 2] < 0.25, errors
     # both curves fall, and float8's stays on bf16's: the mean of the last ten steps within 5%
     assert losses["bf16"][-1] < 0.7 * losses["bf16"][0], losses["bf16"]
     tail = {k: sum(losses[k][-10:]) / 10 for k in ("bf16", "fp8")}
     assert abs(tail["fp8"] - tail["bf16"]) / tail["bf16"] < 0.05, (losses["fp8"], losses["bf16"])
+
+
+def _llama():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=256, max_position_embeddings=64)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def test_verify_compares_float8_by_norm_and_says_so():
+    sch = schedlang.create_schedule(_llama())
+    ids = torch.randint(0, 256, (2, 24))
+    with schedlang.Verify(sch, example_inputs=[ids]) as check:
+        for i in range(2):
+            sch[f"model.layers.{i}"].float8(min_features=16)
+    assert any("float8 Linears: tensors compared by their whole-tensor relative error" in n for n in check.report.notes)
+
+
+def test_verify_still_catches_a_wrong_float8_schedule():
+    sch = schedlang.create_schedule(_llama())
+    ids = torch.randint(0, 256, (2, 24))
+    with pytest.raises(schedlang.VerificationError, match=r"allowed 0.3 with float8 Linears"):
+        with schedlang.Verify(sch, example_inputs=[ids]):
+            sch["model.layers.0"].float8(min_features=16)
+            # a planted bug: the MLP's output halved, as a lost all-reduce of two ranks would leave it
+            sch["model.layers.0.mlp.down_proj"].sync(mode="fwd_post", sync_op_or_fn=lambda t: t * 0.5)
+    assert len(sch.plan) == 0  # the failed block is undone
