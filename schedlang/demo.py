@@ -53,7 +53,7 @@ def demo_config(opts: Dict):
     except ImportError as e:
         from .errors import ScheduleValueError
 
-        raise ScheduleValueError("the demo builds a HuggingFace LLaMA and needs transformers: "
+        raise ScheduleValueError("demo: the demo builds a HuggingFace LLaMA and needs transformers: "
                                  "pip install 'schedlang[hf]'") from e
 
     return LlamaConfig(hidden_size=opts["hidden"], intermediate_size=opts["intermediate"],

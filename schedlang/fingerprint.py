@@ -61,7 +61,7 @@ class ModelFingerprint:
         if not isinstance(data, dict) or not isinstance(data.get("type"), str) or not isinstance(
                 data.get("modules"), list) or not all(isinstance(m, str) and " " in m for m in data["modules"]):
             raise PlanSerializationError(
-                "the plan's \"model\" record is malformed: expected {\"type\": str, \"fingerprint\": str, "
+                "plan: the plan's \"model\" record is malformed: expected {\"type\": str, \"fingerprint\": str, "
                 "\"modules\": [\"<path> <Class> <param>[<shape>] ...\", ...]}")
         return cls(data["type"], tuple(data["modules"]))
 
@@ -99,6 +99,6 @@ class ModelFingerprint:
         difference = self.first_difference(other)
         if difference is not None:
             raise PlanMismatchError(
-                f"the plan was made for a different model ({self.model_type}, fingerprint {self.digest}; this "
+                f"plan: the plan was made for a different model ({self.model_type}, fingerprint {self.digest}; this "
                 f"{other.model_type} has {other.digest}): {difference}. Pass check_fingerprint=False to "
                 "schedlang.replay to apply it anyway")

@@ -47,7 +47,7 @@ class Pattern(nn.Module):
     to find in ``forward``; pass an instance to ``Schedule.find``."""
 
     def forward(self, *args):
-        raise PatternError(f"{type(self).__name__} is a Pattern: define forward(self, x, ...) with the "
+        raise PatternError(f"find: {type(self).__name__} is a Pattern: define forward(self, x, ...) with the "
                            "computation to find; it is traced by Schedule.find, not run")
 
 
@@ -57,7 +57,7 @@ class ModulePattern(nn.Module):
     def __init__(self, name: str):
         super().__init__()
         if not isinstance(name, str):
-            raise PatternError(f"ModulePattern expects a regex string, got {name!r}")
+            raise PatternError(f"find: ModulePattern expects a regex string, got {name!r}")
         try:
             re.compile(name)
         except re.error as e:

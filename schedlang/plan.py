@@ -115,20 +115,20 @@ class Plan:
         try:
             data = json.loads(text_or_data) if isinstance(text_or_data, (str, bytes)) else text_or_data
         except json.JSONDecodeError as e:
-            raise PlanSerializationError(f"not a schedlang plan: invalid JSON ({e})") from e
+            raise PlanSerializationError(f"plan: not a schedlang plan: invalid JSON ({e})") from e
         if not isinstance(data, dict) or data.get("format") != "schedlang-plan":
             raise PlanSerializationError(
-                "not a schedlang plan: expected a JSON object with \"format\": \"schedlang-plan\"")
+                "plan: not a schedlang plan: expected a JSON object with \"format\": \"schedlang-plan\"")
         if "version" not in data:
-            raise PlanSerializationError(f"the plan has no \"version\"; this schedlang reads version "
+            raise PlanSerializationError(f"plan: the plan has no \"version\"; this schedlang reads version "
                                          f"{PLAN_FORMAT_VERSION}")
         if data["version"] != PLAN_FORMAT_VERSION or isinstance(data["version"], bool):
-            raise PlanSerializationError(f"plan format version {data['version']!r} is not supported; this schedlang "
+            raise PlanSerializationError(f"plan: format version {data['version']!r} is not supported; this schedlang "
                                          f"reads version {PLAN_FORMAT_VERSION}")
         if "steps" not in data:
-            raise PlanSerializationError("the plan has no \"steps\": expected a list of step objects")
+            raise PlanSerializationError("plan: the plan has no \"steps\": expected a list of step objects")
         if not isinstance(data["steps"], list):
-            raise PlanSerializationError(f"the plan's \"steps\" must be a list of step objects, got "
+            raise PlanSerializationError(f"plan: the plan's \"steps\" must be a list of step objects, got "
                                          f"{type(data['steps']).__name__}")
         fingerprint = ModelFingerprint.from_dict(data["model"]) if data.get("model") is not None else None
         return cls([_read_step(i, raw, trusted) for i, raw in enumerate(data["steps"])], fingerprint)
@@ -136,15 +136,15 @@ class Plan:
 
 def _read_step(i: int, raw: Any, trusted) -> Step:
     if not isinstance(raw, dict):
-        raise PlanSerializationError(f"step {i} of the plan must be a JSON object with \"primitive\", \"path\" and "
+        raise PlanSerializationError(f"plan: step {i} of the plan must be a JSON object with \"primitive\", \"path\" and "
                                      f"\"args\", got {raw!r}")
     if "primitive" not in raw:
-        raise PlanSerializationError(f"step {i} of the plan is malformed: missing key \"primitive\"")
+        raise PlanSerializationError(f"plan: step {i} of the plan is malformed: missing key \"primitive\"")
     name = raw["primitive"]
     try:
         prim = get_primitive(name)
     except SchedlangError as e:
-        raise PlanSerializationError(f"step {i} of the plan is malformed or names an unknown primitive: {e}") from None
+        raise PlanSerializationError(f"plan: step {i} of the plan is malformed or names an unknown primitive: {e}") from None
     path = raw.get("path", "")
     if not isinstance(path, str):
         raise PlanSerializationError(f"step {i} ({name}): \"path\" must be a dotted module path (a string), got "

@@ -57,17 +57,17 @@ class CudaRNGStatesTracker:
     def set_states(self, states: Dict[str, Any]) -> None:
         """Replace the streams (as returned by :meth:`get_states`)."""
         if not isinstance(states, dict):
-            raise ScheduleTypeError(f"CudaRNGStatesTracker.set_states expects a dict of streams by name, got "
+            raise ScheduleTypeError(f"CudaRNGStatesTracker.set_states: expects a dict of streams by name, got "
                                     f"{type(states).__name__}")
         self.states_ = dict(states)
 
     def add(self, name: str, seed: int) -> None:
         """Add the stream ``name`` seeded with ``seed``; names and seeds must be new."""
         if seed in self.seeds_:
-            raise ScheduleValueError(f"rng tracker: seed {seed} is already used by another stream; "
+            raise ScheduleValueError(f"rng_tracker: seed {seed} is already used by another stream; "
                                      f"streams: {', '.join(sorted(self.states_)) or 'none'}")
         if name in self.states_:
-            raise ScheduleValueError(f"rng tracker: a stream named {name!r} already exists")
+            raise ScheduleValueError(f"rng_tracker: a stream named {name!r} already exists")
         self.seeds_.add(seed)
         self.states_[name] = ForkedRNG(int(seed))
 
@@ -77,11 +77,11 @@ class CudaRNGStatesTracker:
         it and the default stream is as before the block."""
         stream = self.states_.get(name)
         if stream is None:
-            raise ScheduleKeyError(f"rng tracker: no stream named {name!r} (streams: "
+            raise ScheduleKeyError(f"rng_tracker: no stream named {name!r} (streams: "
                                    f"{', '.join(sorted(self.states_)) or 'none'}); call "
                                    "schedlang.set_random_seed(seed, tp_rank=...) or tracker.add(name, seed) first")
         if not isinstance(stream, ForkedRNG):
-            raise ScheduleTypeError(f"rng tracker: stream {name!r} holds {type(stream).__name__}, not a stream "
+            raise ScheduleTypeError(f"rng_tracker: stream {name!r} holds {type(stream).__name__}, not a stream "
                                     "from get_states()")
         stream.enter()
         try:

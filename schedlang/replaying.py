@@ -58,7 +58,7 @@ def replay(json_or_plan: Union[str, Dict[str, Any], Plan], model: nn.Module, gro
     trusted = _module_names(trusted_modules)
     plan = json_or_plan if isinstance(json_or_plan, Plan) else Plan.from_json(json_or_plan, trusted_modules=trusted)
     if not isinstance(model, nn.Module):
-        raise ScheduleTypeError(f"replay expects a torch.nn.Module to apply the plan to, got {type(model).__name__}")
+        raise ScheduleTypeError(f"replay: expects a torch.nn.Module to apply the plan to, got {type(model).__name__}")
     if check_fingerprint and plan.fingerprint is not None:
         plan.fingerprint.check(model)
     sch = create_schedule(model, group=group, mesh=mesh)

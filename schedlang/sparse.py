@@ -42,7 +42,7 @@ def combine_sparse_features(features: Sequence[Tuple[torch.Tensor, torch.Tensor]
     ``.to("cuda", non_blocking=True)``.
     """
     if isinstance(features, (torch.Tensor, str)) or not isinstance(features, Sequence) or not features:
-        raise ScheduleTypeError(f"combine_sparse_features expects a non-empty list of (indices, lengths) pairs, "
+        raise ScheduleTypeError(f"combine_sparse_features: expects a non-empty list of (indices, lengths) pairs, "
                                 f"got {_describe(features)}")
     batch = None
     for i, pair in enumerate(features):

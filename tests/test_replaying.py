@@ -83,14 +83,14 @@ def _doc(**changes):
 
 
 @pytest.mark.parametrize("text,message", [
-    (_doc(version=None), r"^plan format version None is not supported; this schedlang reads version 1$"),
-    ('{"format": "schedlang-plan", "steps": []}', r"^the plan has no \"version\"; this schedlang reads version 1$"),
-    ('{"format": "schedlang-plan", "version": 1}', r"^the plan has no \"steps\": expected a list of step objects$"),
-    (_doc(steps={"0": STEP}), r"^the plan's \"steps\" must be a list of step objects, got dict$"),
-    (_doc(steps=["shard"]), r"^step 0 of the plan must be a JSON object with \"primitive\", \"path\" and \"args\", "
+    (_doc(version=None), r"^plan: format version None is not supported; this schedlang reads version 1$"),
+    ('{"format": "schedlang-plan", "steps": []}', r"^plan: the plan has no \"version\"; this schedlang reads version 1$"),
+    ('{"format": "schedlang-plan", "version": 1}', r"^plan: the plan has no \"steps\": expected a list of step objects$"),
+    (_doc(steps={"0": STEP}), r"^plan: the plan's \"steps\" must be a list of step objects, got dict$"),
+    (_doc(steps=["shard"]), r"^plan: step 0 of the plan must be a JSON object with \"primitive\", \"path\" and \"args\", "
                             r"got 'shard'$"),
-    (_doc(steps=[{"path": "fc1", "args": {}}]), r"^step 0 of the plan is malformed: missing key \"primitive\"$"),
-    (_doc(steps=[{"primitive": 3}]), r"^step 0 of the plan is malformed or names an unknown primitive: unknown "
+    (_doc(steps=[{"path": "fc1", "args": {}}]), r"^plan: step 0 of the plan is malformed: missing key \"primitive\"$"),
+    (_doc(steps=[{"primitive": 3}]), r"^plan: step 0 of the plan is malformed or names an unknown primitive: primitives: unknown "
                                      r"primitive 3: registered primitives are annotate, "),
     (_doc(steps=[dict(STEP, path=["fc1"])]), r"^step 0 \(shard\): \"path\" must be a dotted module path \(a string\), "
                                              r"got \['fc1'\]$"),
@@ -108,7 +108,7 @@ def _doc(**changes):
      r"^step 0 \(trace at '<root>'\), argument 'concrete_args': concrete_args\['x'\] tensor_example must be "),
     (_doc(steps=[{"primitive": "fuse", "path": "", "args": {"subgraph": 5}}]),
      r"^step 0 \(fuse at '<root>'\), argument 'subgraph': expected subgraphs as \[\[\[path, node_name\], \.\.\.\], "),
-    (_doc(model={"type": "MLP", "modules": "fc1"}), r"^the plan's \"model\" record is malformed"),
+    (_doc(model={"type": "MLP", "modules": "fc1"}), r"^plan: the plan's \"model\" record is malformed"),
 ])
 def test_malformed_plans_say_where(text, message):
     with pytest.raises(schedlang.PlanSerializationError, match=message) as info:
@@ -125,7 +125,7 @@ def test_plans_record_the_model_fingerprint_and_replay_checks_it():
     text = sch.plan.to_json()
     schedlang.replay(text, MLP())  # same structure: fine
     with pytest.raises(schedlang.PlanMismatchError,
-                       match=r"^the plan was made for a different model \(MLP, fingerprint [0-9a-f]{16}; this MLP has "
+                       match=r"^plan: the plan was made for a different model \(MLP, fingerprint [0-9a-f]{16}; this MLP has "
                              r"[0-9a-f]{16}\): 'fc1\.weight' has shape \(24,12\) here and \(20,12\) in the plan's "
                              r"model\. Pass check_fingerprint=False to schedlang\.replay to apply it anyway$"):
         schedlang.replay(text, MLP(inner=24))

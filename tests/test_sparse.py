@@ -38,7 +38,7 @@ def test_int32_lengths_and_empty_features():
 
 @pytest.mark.parametrize("features,error,message", [
     ([], schedlang.ScheduleTypeError,
-     r"^combine_sparse_features expects a non-empty list of \(indices, lengths\) pairs, got \[\]$"),
+     r"^combine_sparse_features: expects a non-empty list of \(indices, lengths\) pairs, got \[\]$"),
     ([(torch.arange(3),)], schedlang.ScheduleTypeError,
      r"^combine_sparse_features: feature 0 must be a pair \(indices, lengths\) of tensors, got \(tensor"),
     ([(torch.arange(3), torch.ones(3, 1, dtype=torch.long))], schedlang.ScheduleValueError,

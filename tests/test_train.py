@@ -185,15 +185,15 @@ def test_init_from_must_be_a_checkpoint(tmp_path, capsys):
     (["--nproc", "2", "--pp", "2", "--microbatches", "3"], "--global-batch 4 must be divisible by --dp x "
                                                            "--microbatches = 1 x 3 = 3"),
     (["--seq", "200"], "--seq 200 exceeds the model's 128 positions"),
-    (["--model", "bert"], "unknown --model 'bert': valid models are llama, gpt2"),
+    (["--model", "bert"], "--model: unknown model 'bert': valid models are llama, gpt2"),
     (["--config", "no/such/config.json"], "--config 'no/such/config.json' is neither 'tiny', '1b' nor"),
     (["--data", "no_such_tokens.bin"], "--data 'no_such_tokens.bin': no such file"),
     (["--resume"], "--resume needs --checkpoint-dir"),
     (["--resume", "--checkpoint-dir", "empty-ckpt"], "--resume: no complete checkpoint in empty-ckpt"),
     (["--sp"], "--sp (sequence parallelism) splits the sequence over the tp ranks: it needs --tp >= 2"),
     (["--stop-after", "9"], "--stop-after must be a step of the run, 1..4"),
-    (["--optimizer", "lamb"], "unknown --optimizer 'lamb'"),
-    (["--pp-schedule", "Zigzag"], "unknown --pp-schedule 'Zigzag'"),
+    (["--optimizer", "lamb"], "--optimizer: unknown optimizer 'lamb'"),
+    (["--pp-schedule", "Zigzag"], "--pp-schedule: unknown schedule 'Zigzag'"),
 ])
 def test_bad_flags_fail_with_a_clear_message(flags, message, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)

@@ -41,13 +41,13 @@ class Symbol:
 
     def __init__(self, name: str, vals: List[Any]):
         if not isinstance(vals, (list, tuple)) or not vals:
-            raise ScheduleValueError(f"Symbol {name!r}: candidate values must be a non-empty list, got {vals!r}")
+            raise ScheduleValueError(f"tune: symbol {name!r}: candidate values must be a non-empty list, got {vals!r}")
         self.name, self.vals, self.fixed_idx = name, list(vals), -1
 
     @property
     def value(self):
         if not self.is_fixed():
-            raise ScheduleValueError(f"symbol {self.name!r} has no value yet: fix it first (candidates {self.vals})")
+            raise ScheduleValueError(f"tune: symbol {self.name!r} has no value yet: fix it first (candidates {self.vals})")
         return self.vals[self.fixed_idx]
 
     @must_fix
@@ -75,7 +75,7 @@ class Symbol:
 
     def fix_at(self, idx: int) -> None:
         if not 0 <= idx < len(self.vals):
-            raise ScheduleValueError(f"symbol {self.name!r} has {len(self.vals)} values; cannot fix it at {idx}")
+            raise ScheduleValueError(f"tune: symbol {self.name!r} has {len(self.vals)} values; cannot fix it at {idx}")
         self.fixed_idx = idx
 
     def is_fixed(self) -> bool:
@@ -104,7 +104,7 @@ class Space:
 
     def __getitem__(self, name: str) -> Symbol:
         if name not in self.space:
-            raise ScheduleKeyError(f"space has no symbol {name!r}: symbols are {', '.join(self.idx_to_name)}")
+            raise ScheduleKeyError(f"tune: space has no symbol {name!r}: symbols are {', '.join(self.idx_to_name)}")
         return self.space[name]
 
     def next(self) -> Optional[Symbol]:

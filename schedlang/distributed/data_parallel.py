@@ -145,7 +145,7 @@ def _replicate(module: nn.Module, dp_mesh, policy) -> None:
         from torch.distributed._composable import replicate as _ddp_replicate
 
         if dp_mesh.ndim != 1:
-            raise ScheduleValueError("replicate on a 2-D data mesh needs torch >= 2.9")
+            raise ScheduleValueError("replicate: a 2-D data mesh needs torch >= 2.9")
         _ddp_replicate(module, process_group=dp_mesh.get_group())
         return
     replicate(module, mesh=dp_mesh, mp_policy=policy)

@@ -53,10 +53,10 @@ def pg_timeout(timeout: Seconds = None) -> datetime.timedelta:
         try:
             seconds = float(raw)
         except ValueError:
-            raise ScheduleValueError(f"{where}={raw!r} is not a number of seconds; set it to a positive number "
+            raise ScheduleValueError(f"pg_timeout: {where}={raw!r} is not a number of seconds; set it to a positive number "
                                      f"such as 120") from None
     if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0 or seconds != seconds:
-        raise ScheduleValueError(f"process-group {where} must be a positive number of seconds, got {seconds!r}")
+        raise ScheduleValueError(f"pg_timeout: process-group {where} must be a positive number of seconds, got {seconds!r}")
     return datetime.timedelta(seconds=float(seconds))
 
 

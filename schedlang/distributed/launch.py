@@ -138,7 +138,7 @@ def run_distributed(fn: Callable, world_size: int = 2, args: Sequence[Any] = (),
             why = (f"timed out: still running after {elapsed:.0f} s (a rank blocked in a collective, or work "
                    f"longer than timeout=)")
         lines.append(f"rank(s) {missing} did not finish within {timeout:.0f} s ({why})")
-    raise DistributedError(f"distributed run of {getattr(fn, '__name__', fn)!s} on {world_size} ranks ({backend}) "
+    raise DistributedError(f"run_distributed: distributed run of {getattr(fn, '__name__', fn)!s} on {world_size} ranks ({backend}) "
                            "failed:\n" + "\n".join(lines))
 
 

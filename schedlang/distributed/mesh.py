@@ -68,7 +68,7 @@ def make_mesh(pp: int = 1, dp: int = 1, tp: int = 1, dp_replicate: int = 1, devi
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ScheduleValueError(f"make_mesh: {name} must be a positive int, got {size!r}")
     if not is_distributed():
-        raise ScheduleValueError("make_mesh needs torch.distributed to be initialized (run under torchrun, or with "
+        raise ScheduleValueError("make_mesh: needs torch.distributed to be initialized (run under torchrun, or with "
                                  "schedlang.distributed.launch.run_distributed)")
     import torch.distributed as dist
 

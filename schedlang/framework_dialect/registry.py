@@ -35,7 +35,7 @@ DIALECTS: Dict[str, Dict[Optional[str], Any]] = {
 
 def _check_kind(cls_type: str) -> None:
     if cls_type not in DIALECTS:
-        raise ScheduleKeyError(f"framework dialect kind {cls_type!r} does not exist: valid are {', '.join(DIALECTS)}")
+        raise ScheduleKeyError(f"framework_dialect: kind {cls_type!r} does not exist: valid are {', '.join(DIALECTS)}")
 
 
 def register_framework_dialect(target: Optional[str], cls_type: str) -> Callable[[Any], Any]:
@@ -44,7 +44,7 @@ def register_framework_dialect(target: Optional[str], cls_type: str) -> Callable
 
     def decorator(dialect):
         if target in DIALECTS[cls_type]:
-            raise ScheduleValueError(f"target {target!r} already has a {cls_type} dialect "
+            raise ScheduleValueError(f"framework_dialect: target {target!r} already has a {cls_type} dialect "
                                      f"({getattr(DIALECTS[cls_type][target], '__name__', DIALECTS[cls_type][target])})")
         DIALECTS[cls_type][target] = dialect
         return dialect
@@ -68,4 +68,4 @@ def get_dialect_cls(cls_type: str, target: Optional[str], allow_none: bool = Fal
     if allow_none and None in table:
         return table[None]
     known = ", ".join(repr(t) for t in table) or "none"
-    raise ScheduleKeyError(f"no {cls_type} dialect for target {target!r}: registered targets are {known}")
+    raise ScheduleKeyError(f"framework_dialect: no {cls_type} dialect for target {target!r}: registered targets are {known}")

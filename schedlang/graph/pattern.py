@@ -68,10 +68,10 @@ def call_module(regex: str, *args: Any, **kwargs: Any) -> Any:
             tracer = leaf.tracer
             break
     if tracer is None:
-        raise PatternError("schedlang.call_module(regex, *args) describes a module call inside a pattern function "
+        raise PatternError("find: schedlang.call_module(regex, *args) describes a module call inside a pattern function "
                            "passed to find(); it cannot be called on real tensors")
     if not isinstance(regex, str):
-        raise PatternError(f"call_module expects a regex string as its first argument, got {regex!r}")
+        raise PatternError(f"find: call_module expects a regex string as its first argument, got {regex!r}")
     try:
         re.compile(regex)
     except re.error as e:
@@ -638,7 +638,7 @@ def find_nodes(module: nn.Module, regex: str) -> List[Tuple[str, fx.Node]]:
     try:
         compiled = re.compile(regex)
     except re.error as e:
-        raise PatternError(f"invalid regex {regex!r}: {e}") from e
+        raise PatternError(f"find: invalid regex {regex!r}: {e}") from e
     found = []
     for path, gm in graph_modules(module):
         for node in gm.graph.nodes:

@@ -501,7 +501,7 @@ def _stable_toposort(graph: fx.Graph) -> None:
             if missing[user] == 0:
                 heapq.heappush(ready, (position[user], id(user), user))
     if len(order) != len(nodes):  # pragma: no cover - validation rules cycles out
-        raise ScheduleValueError("internal error: the rewritten graph has a cycle")
+        raise ScheduleValueError("subgraph: internal error: the rewritten graph has a cycle")
     if order == nodes:
         return
     first = nodes[0]

@@ -49,7 +49,7 @@ def normalize_compiler(compiler) -> str:
     'triton'
     """
     if not isinstance(compiler, str):
-        raise ScheduleTypeError(f"compiler must be a string, got {compiler!r} ({type(compiler).__name__}): "
+        raise ScheduleTypeError(f"fuse: compiler must be a string, got {compiler!r} ({type(compiler).__name__}): "
                                 f"valid compilers are {', '.join(repr(c) for c in COMPILERS)}")
     key = compiler.strip().lower()
     if key in _ALIASES:
@@ -57,7 +57,7 @@ def normalize_compiler(compiler) -> str:
                       f"using compiler='{_ALIASES[key]}' (torch.compile) instead", DeprecationWarning, stacklevel=3)
         return _ALIASES[key]
     if key not in COMPILERS:
-        raise ScheduleValueError(f"unknown compiler {compiler!r}: valid compilers are "
+        raise ScheduleValueError(f"fuse: unknown compiler {compiler!r}: valid compilers are "
                                  f"{', '.join(repr(c) for c in COMPILERS)} ('TorchScript' is accepted as a "
                                  "deprecated alias of 'inductor')")
     return key
@@ -95,9 +95,9 @@ def lower_subgraph(gm: torch.fx.GraphModule, compiler: str, name: str, example_i
     """
     compiler = normalize_compiler(compiler)
     if not isinstance(gm, torch.fx.GraphModule):
-        raise ScheduleTypeError(f"lower_subgraph expects a torch.fx.GraphModule, got {type(gm).__name__}")
+        raise ScheduleTypeError(f"lower_subgraph: expects a torch.fx.GraphModule, got {type(gm).__name__}")
     if not isinstance(name, str) or not name.isidentifier():
-        raise ScheduleValueError(f"fused module name must be a Python identifier, got {name!r}")
+        raise ScheduleValueError(f"fuse: fused module name must be a Python identifier, got {name!r}")
     if compiler == "triton":
         from . import triton_backend as backend
     elif compiler == "inductor":

@@ -38,7 +38,7 @@ def prepare(model, sch_config: Dict[str, Any], family: str):
     if isinstance(model, Schedule):
         return model
     if not isinstance(model, nn.Module):
-        raise ScheduleTypeError(f"apply_schedule({family!r}) expects an nn.Module or a Schedule, got "
+        raise ScheduleTypeError(f"apply_schedule({family!r}): expects an nn.Module or a Schedule, got "
                                 f"{type(model).__name__}")
     dtype = torch.float16 if sch_config.get("fp16") else torch.bfloat16 if sch_config.get("bf16") else None
     sch = create_schedule(model, group=sch_config.get("group"), mesh=sch_config.get("mesh"))

@@ -21,7 +21,7 @@ def register_schedule(name: Optional[str] = None):
     def decorator(fn: Callable) -> Callable:
         key = name or os.path.splitext(os.path.basename(inspect.getfile(fn)))[0]
         if key in SCHEDULE_METHODS and SCHEDULE_METHODS[key] is not fn:
-            raise ScheduleValueError(f"a model schedule named {key!r} is already registered")
+            raise ScheduleValueError(f"model_schedule: a model schedule named {key!r} is already registered")
         SCHEDULE_METHODS[key] = fn
         return fn
 
@@ -34,6 +34,6 @@ def get_schedule(model_name: str) -> Callable:
 
     _load_all()
     if model_name not in SCHEDULE_METHODS:
-        raise ScheduleKeyError(f"no model schedule named {model_name!r}: valid are "
+        raise ScheduleKeyError(f"model_schedule: no model schedule named {model_name!r}: valid are "
                                f"{', '.join(sorted(SCHEDULE_METHODS))}")
     return SCHEDULE_METHODS[model_name]

@@ -63,7 +63,7 @@ def sdpa_backend(attn_op_name: str):
     :class:`AttentionKernelError` if this machine or build cannot run it."""
     name = _ALIASES.get(attn_op_name, attn_op_name)
     if name not in BACKENDS:
-        raise AttentionKernelError(f"unknown attention kernel {attn_op_name!r}: valid are "
+        raise AttentionKernelError(f"attention: unknown attention kernel {attn_op_name!r}: valid are "
                                    f"{', '.join(list(BACKENDS) + list(_ALIASES))}")
     member, needs_cuda = BACKENDS[name]
     if member is None:
@@ -72,13 +72,13 @@ def sdpa_backend(attn_op_name: str):
 
     backend = getattr(SDPBackend, member, None)
     if backend is None:
-        raise AttentionKernelError(f"attention kernel {attn_op_name!r} ({member}) is not in this build of PyTorch "
+        raise AttentionKernelError(f"attention: kernel {attn_op_name!r} ({member}) is not in this build of PyTorch "
                                    f"{torch.__version__}; valid here: auto, math, flash")
     if needs_cuda and not torch.cuda.is_available():
-        raise AttentionKernelError(f"attention kernel {attn_op_name!r} ({member}) needs a CUDA device and none is "
+        raise AttentionKernelError(f"attention: kernel {attn_op_name!r} ({member}) needs a CUDA device and none is "
                                    "available; use 'flash' or 'math' (both run on the CPU) or 'auto'")
     if name == "flash" and torch.cuda.is_available() and not torch.backends.cuda.is_flash_attention_available():
-        raise AttentionKernelError(f"attention kernel {attn_op_name!r}: this PyTorch build has no FlashAttention "
+        raise AttentionKernelError(f"attention: kernel {attn_op_name!r}: this PyTorch build has no FlashAttention "
                                    "for CUDA; use 'efficient', 'math' or 'auto'")
     return backend
 
@@ -86,11 +86,11 @@ def sdpa_backend(attn_op_name: str):
 def validate_sm_version(name: str, min_sm: Tuple[int, int], max_sm: Optional[Tuple[int, int]] = None) -> None:
     """Raise unless the current GPU's compute capability is in ``[min_sm, max_sm]``."""
     if not torch.cuda.is_available():
-        raise AttentionKernelError(f"{name} needs a CUDA GPU (sm_{min_sm[0]}{min_sm[1]}+); none is available")
+        raise AttentionKernelError(f"attention: {name} needs a CUDA GPU (sm_{min_sm[0]}{min_sm[1]}+); none is available")
     sm = torch.cuda.get_device_capability()
     if sm < tuple(min_sm) or (max_sm is not None and sm > tuple(max_sm)):
         allowed = f"sm_{min_sm[0]}{min_sm[1]}" + (f"-sm_{max_sm[0]}{max_sm[1]}" if max_sm else "+")
-        raise AttentionKernelError(f"{name} runs on {allowed} GPUs, this one is sm_{sm[0]}{sm[1]}")
+        raise AttentionKernelError(f"attention: {name} runs on {allowed} GPUs, this one is sm_{sm[0]}{sm[1]}")
 
 
 def _causal_bias(q_len: int, k_len: int, dtype, device) -> torch.Tensor:
@@ -143,14 +143,14 @@ def get_xfoemers_attn_op_by_name(attn_name: Optional[str]):
 
     ops = importlib_or_none("xformers.ops")
     if ops is None:
-        raise AttentionKernelError("xformers is not installed; the same kernels are available without it through "
+        raise AttentionKernelError("attention: xformers is not installed; the same kernels are available without it through "
                                    "FlashAttentionOp('efficient' | 'flash' | 'cudnn')")
     if attn_name in (None, "auto"):
         return ops.memory_efficient_attention
     for fw, bw in ((ops.fmha.cutlass.FwOp, ops.fmha.cutlass.BwOp), (ops.fmha.flash.FwOp, ops.fmha.flash.BwOp)):
         if fw.NAME == f"{attn_name}F":
             return lambda *a, **kw: ops.memory_efficient_attention(*a, op=(fw, bw), **kw)
-    raise AttentionKernelError(f"unknown xformers attention op {attn_name!r}: valid are cutlass, flash, auto")
+    raise AttentionKernelError(f"attention: unknown xformers attention op {attn_name!r}: valid are cutlass, flash, auto")
 
 
 class FlashAttentionOp(nn.Module):
@@ -195,7 +195,7 @@ class FlashAttentionOp(nn.Module):
             if isinstance(e, SchedlangError):
                 raise
             raise AttentionKernelError(
-                f"attention kernel {self.attn_op_name!r} cannot run q{tuple(q.shape)} {q.dtype} on {q.device} "
+                f"attention: kernel {self.attn_op_name!r} cannot run q{tuple(q.shape)} {q.dtype} on {q.device} "
                 f"(mask: {None if mask is None else tuple(mask.shape)}, causal: {causal}, dropout: {p}): "
                 f"{str(e).splitlines()[0]}; 'math' runs every case") from e
         return out.transpose(1, 2)
@@ -247,9 +247,9 @@ class FlashAttention(nn.Module):
     def forward(self, hidden_states, attention_mask=None, layer_past=None, head_mask=None, encoder_hidden_states=None,
                 encoder_attention_mask=None, use_cache=False, output_attentions=False):
         if encoder_hidden_states is not None or encoder_attention_mask is not None:
-            raise ScheduleValueError("FlashAttention is self-attention only: encoder_hidden_states is not supported")
+            raise ScheduleValueError("attention: FlashAttention is self-attention only: encoder_hidden_states is not supported")
         if head_mask is not None or output_attentions:
-            raise ScheduleValueError("FlashAttention supports neither head_mask nor output_attentions")
+            raise ScheduleValueError("attention: FlashAttention supports neither head_mask nor output_attentions")
         d = self.attention_head_size
         if self.fused_qkv:
             q, k, v = self._heads(self.qkv(hidden_states), 3 * d).split(d, dim=-1)

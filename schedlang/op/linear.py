@@ -97,7 +97,7 @@ class LinearWithSyncFunc(nn.Linear):
 
 def _require_bias(cls_name: str, bias: bool) -> None:
     if not bias:
-        raise ScheduleValueError(f"{cls_name} fuses the bias add and needs bias=True; use nn.Linear without a bias")
+        raise ScheduleValueError(f"op.linear: {cls_name} fuses the bias add and needs bias=True; use nn.Linear without a bias")
 
 
 class LinearWithAct(LinearWithSyncFunc):

@@ -202,7 +202,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 continue
             if grad.is_sparse:
                 raise ScheduleValueError(
-                    f"{type(self).__name__} does not support sparse gradients (parameter {i} of "
+                    f"{type(self).__name__}: sparse gradients are not supported (parameter {i} of "
                     f"param group {gi} has a {grad.layout} gradient); use torch.optim.SparseAdam or "
                     f"dense gradients (e.g. nn.Embedding(sparse=False))")
             if grad.dtype not in SUPPORTED_DTYPES:

@@ -24,5 +24,5 @@ def make_optimizer(name: str, params, **kwargs):
     cls = OPTIMIZERS.get(name.lower()) if isinstance(name, str) else None
     if cls is None:
         raise ScheduleValueError(
-            f"unknown optimizer {name!r}: valid names are {', '.join(repr(n) for n in OPTIMIZERS)}")
+            f"make_optimizer: unknown optimizer {name!r}: valid names are {', '.join(repr(n) for n in OPTIMIZERS)}")
     return cls(params, **kwargs)

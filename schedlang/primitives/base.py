@@ -255,7 +255,7 @@ def get_primitive(name: str) -> Type[Primitive]:
         return _REGISTRY[name]
     except (KeyError, TypeError):
         raise ScheduleKeyError(
-            f"unknown primitive {name!r}: registered primitives are {', '.join(sorted(_REGISTRY))}"
+            f"primitives: unknown primitive {name!r}: registered primitives are {', '.join(sorted(_REGISTRY))}"
         ) from None
 
 

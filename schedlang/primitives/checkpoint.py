@@ -61,7 +61,7 @@ class Checkpoint(Primitive):
             raise ScheduleValueError("<root>: checkpointing the whole model saves nothing (every activation is "
                                      "recomputed at once); checkpoint its layers, e.g. sch['layers.0'].checkpoint()")
         if getattr(sch.mod, "_schedlang_checkpointed", False):
-            raise ScheduleValueError(f"{where}: already checkpointed")
+            raise ScheduleValueError(f"{where}: already checkpointed; checkpoint each module only once")
         return {"subgraph": None, **options}
 
     @classmethod

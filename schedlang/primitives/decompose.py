@@ -50,7 +50,7 @@ class Decompose(Primitive):
             raise ScheduleValueError(f"{where}: {type(module).__name__} is already decomposed (its bias is added "
                                      "separately)")
         if type(module) is not nn.Linear:
-            raise ScheduleTypeError(f"{where}: decompose applies to nn.Linear, not {type(module).__name__}")
+            raise ScheduleTypeError(f"{where}: decompose applies only to nn.Linear, not {type(module).__name__}")
         if module.bias is None:
             raise ScheduleValueError(f"{where}: Linear has no bias, so there is nothing to decompose (bias=False)")
         return {}

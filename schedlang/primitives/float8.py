@@ -56,7 +56,7 @@ def torchao_float8():
         import torchao.float8 as float8
     except ImportError as e:
         raise MissingDependencyError(
-            f"float8 training needs torchao, which is not installed ({e}); install the extra: "
+            f"float8: training needs torchao, which is not installed ({e}); install the extra: "
             "pip install 'schedlang[fp8]'") from None
     return float8
 

@@ -32,7 +32,7 @@ class ForkRng(Primitive):
     @classmethod
     def validate(cls, sch):
         if hasattr(sch.mod, _ATTR):
-            raise ScheduleValueError(f"{sch.path or '<root>'}: fork_rng was already applied here")
+            raise ScheduleValueError(f"{sch.path or '<root>'}: fork_rng was already applied here; fork the RNG of each module only once")
         return {}
 
     @classmethod

@@ -171,7 +171,7 @@ def encode_value(value: Any, where: str) -> Any:
     if isinstance(value, dict) and all(isinstance(k, str) for k in value):
         return {k: encode_value(v, where) for k, v in value.items()}
     raise PlanSerializationError(
-        f"{where} is a Python object ({type(value).__name__}: {short_repr(value)}) and cannot be "
+        f"plan: {where} is a Python object ({type(value).__name__}: {short_repr(value)}) and cannot be "
         "serialized to JSON; replay such a plan in the same process with schedlang.replay(plan, model), "
         "or pass plain values (numbers, strings, lists)"
     )

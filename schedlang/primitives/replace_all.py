@@ -52,7 +52,7 @@ class ReplaceAll(Primitive):
         where = sch.path or "<root>"
         paths = _matches(sch.mod, module_type)
         if not paths:
-            raise ScheduleValueError(f"{where}: no submodule of type {module_type.__name__} to replace")
+            raise ScheduleValueError(f"{where}: no submodule of type {module_type.__name__} to replace; pass a module type that occurs in the model")
         new_modules = {}
         for path in paths:
             new = make_fn(path, sch[path].mod)

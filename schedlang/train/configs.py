@@ -45,7 +45,7 @@ def _config_class(model: str):
 def model_config(model: str, config: str):
     """The HF config of ``--model`` / ``--config`` (``tiny``, ``1b`` or a config.json path or its directory)."""
     if model not in MODELS:
-        _fail(f"unknown --model {model!r}: valid models are {', '.join(MODELS)}")
+        _fail(f"--model: unknown model {model!r}: valid models are {', '.join(MODELS)}")
     klass = _config_class(model)
     if config in ("tiny", "1b"):
         cfg = klass(**(_TINY if config == "tiny" else _1B)[model], **_NO_DROPOUT[model])

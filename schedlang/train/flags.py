@@ -123,11 +123,11 @@ def validate(ns: argparse.Namespace, world: int) -> None:
     """Every check that needs no process group; raises :class:`TrainError` naming the flag and what would work."""
     _resolve_init_from(ns)
     if ns.model not in MODELS:
-        _fail(f"unknown --model {ns.model!r}: valid models are {', '.join(MODELS)}")
+        _fail(f"--model: unknown model {ns.model!r}: valid models are {', '.join(MODELS)}")
     if ns.pp_schedule not in PP_SCHEDULES:
-        _fail(f"unknown --pp-schedule {ns.pp_schedule!r}: valid schedules are {', '.join(PP_SCHEDULES)}")
+        _fail(f"--pp-schedule: unknown schedule {ns.pp_schedule!r}: valid schedules are {', '.join(PP_SCHEDULES)}")
     if ns.optimizer not in OPTIMIZERS:
-        _fail(f"unknown --optimizer {ns.optimizer!r}: valid optimizers are {', '.join(OPTIMIZERS)}")
+        _fail(f"--optimizer: unknown optimizer {ns.optimizer!r}: valid optimizers are {', '.join(OPTIMIZERS)}")
     for flag in ("dp", "tp", "pp", "steps", "global_batch", "seq"):
         value = getattr(ns, flag)
         if value < 1:

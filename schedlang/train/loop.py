@@ -101,7 +101,7 @@ def train(ns: argparse.Namespace, rank: int = 0, world: int = 1) -> Optional[Dic
                 _progress(f"step {step:>{len(str(ns.steps))}}/{ns.steps}  loss {rec['loss']:.4f}  lr {rec['lr']:.2e}  "
                           f"{tps:,.0f} tok/s  mfu {100 * rec['mfu']:.2f}%  mem {mem:.2f} GiB  {1e3 * dt:.0f} ms")
             if not math.isfinite(out["loss"]):
-                raise TrainError(f"the loss is {out['loss']} at step {step}; lower --lr or use --dtype fp32")
+                raise TrainError(f"train: the loss is {out['loss']} at step {step}; lower --lr or use --dtype fp32")
             if ns.checkpoint_dir and ((ns.save_every and step % ns.save_every == 0) or step == last):
                 run.save(step)
     finally:

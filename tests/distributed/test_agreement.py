@@ -222,7 +222,7 @@ def test_the_launcher_names_the_rank_that_failed_first_and_stops_the_others():
     with pytest.raises(schedlang.DistributedError) as info:
         run_distributed(_raises, world_size=2, timeout=120, failure_grace=1)
     message = str(info.value)
-    assert message.startswith("distributed run of _raises on 2 ranks (gloo) failed:\n"
+    assert message.startswith("run_distributed: distributed run of _raises on 2 ranks (gloo) failed:\n"
                               "rank 1 failed first (ZeroDivisionError: rank 1 divides by zero)\n")
     assert "rank(s) [0] did not finish within 120 s (stopped 1 s after rank 1 failed)" in message
     assert time.monotonic() - start < 60

@@ -199,16 +199,16 @@ def test_gpt2_tied_embedding_and_head_on_two_ranks_sum_their_gradients(results):
 
 
 @pytest.mark.parametrize("key,message", [
-    ("not_divisible", r"^2 cuts \(model\.layers\.0, model\.layers\.1\) make 3 stages, which do not divide over the 2 "
+    ("not_divisible", r"^pipeline: 2 cuts \(model\.layers\.0, model\.layers\.1\) make 3 stages, which do not divide over the 2 "
                       r"pp ranks: every rank must hold the same number of stages; cut 1 times for one stage per rank, "
                       r"3 for two$"),
-    ("one_per_rank", r"^3 cuts .* make 4 stages for 2 pp ranks \(2 per rank\), but the 1F1B schedule runs one stage "
+    ("one_per_rank", r"^pipeline: 3 cuts .* make 4 stages for 2 pp ranks \(2 per rank\), but the 1F1B schedule runs one stage "
                      r"per rank: cut 1 time\(s\), or use a multi-stage schedule \(Interleaved1F1B, ZeroBubble\)$"),
-    ("multi_needs_two", r"^1 cut \(model\.layers\.1\) make 2 stages for 2 pp ranks \(1 per rank\), but the "
+    ("multi_needs_two", r"^pipeline: 1 cut \(model\.layers\.1\) make 2 stages for 2 pp ranks \(1 per rank\), but the "
                         r"Interleaved1F1B schedule interleaves several stages per rank: cut 3 times"),
-    ("too_few_microbatches", r"^the 1F1B schedule needs at least as many microbatches as stages: n_microbatches=1 < 2 "
+    ("too_few_microbatches", r"^pipeline: the 1F1B schedule needs at least as many microbatches as stages: n_microbatches=1 < 2 "
                              r"stages$"),
-    ("call", r"^a PipelinedModel cannot be called like the model: .*use model\.step\(inputs, target=labels, "
+    ("call", r"^pipeline: a PipelinedModel cannot be called like the model: .*use model\.step\(inputs, target=labels, "
              r"losses=\[\]\) on every rank$"),
     ("uneven", r"has shape \(3, 4\): its batch dimension \(dim 0\) must divide into n_microbatches=2 equal "
                r"microbatches$"),
@@ -323,13 +323,13 @@ class _DictFlow(nn.Module):
 
 def test_a_value_that_is_not_a_tensor_cannot_cross_a_cut():
     with pytest.raises(schedlang.PipelineError,
-                       match=r"^the value 'a' \(computed by module 'a'\), used after the cut after 'a', is a dict; "
+                       match=r"^pipeline: the value 'a' \(computed by module 'a'\), used after the cut after 'a', is a dict; "
                              r"only tensors, tuples or lists of tensors, None and Python numbers can cross a pipeline "
                              r"stage boundary: move the cut$"):
         split_model(_DictFlow(), ["a"], example_inputs=(torch.randn(2, 6),))
     stages = split_model(_DictFlow(), ["a"])  # no example: found when the stage runs
     with pytest.raises(schedlang.PipelineError,
-                       match=r"^the value 'a' \(computed by module 'a'\), sent after 'a', is a dict at run time, but "
+                       match=r"^pipeline: the value 'a' \(computed by module 'a'\), sent after 'a', is a dict at run time, but "
                              r"was traced as a floating-point tensor; pipeline stages can only send tensors across a "
                              r"cut: move the cut$"):
         stages[0](torch.randn(2, 6))
@@ -352,7 +352,7 @@ def test_split_a_plain_model_keeps_unused_and_root_tensors():
                  r"step of its data flow"),
     (["nothing"], r"^nothing: no such submodule in _Twice to end a pipeline stage after$"),
     (["b", "b"], r"^b: cut twice"),
-    ([], r"^no pipeline stage is cut"),
+    ([], r"^pipeline: no pipeline stage is cut"),
 ])
 def test_split_errors(cuts, message):
     with pytest.raises(schedlang.PipelineError, match=message):
@@ -367,11 +367,11 @@ def test_cut_after_the_output_leaves_an_empty_stage():
 
 @pytest.mark.parametrize("options,message", [
     ({"schedule": "Zigzag", "n_microbatches": 2, "loss_fn": _loss_fn},
-     r"^unknown pipeline schedule 'Zigzag': valid schedules are '1F1B', 'GPipe', 'Interleaved1F1B', 'ZeroBubble'$"),
-    ({"n_microbatches": 0, "loss_fn": _loss_fn}, r"^pipeline option 'n_microbatches' must be a positive int, got 0$"),
-    ({"n_microbatches": 2, "loss_fn": None}, r"^pipeline option 'loss_fn' must be a callable"),
+     r"^pipeline: unknown schedule 'Zigzag': valid schedules are '1F1B', 'GPipe', 'Interleaved1F1B', 'ZeroBubble'$"),
+    ({"n_microbatches": 0, "loss_fn": _loss_fn}, r"^pipeline: option 'n_microbatches' must be a positive int, got 0$"),
+    ({"n_microbatches": 2, "loss_fn": None}, r"^pipeline: option 'loss_fn' must be a callable"),
     ({"n_microbatches": 2, "loss_fn": _loss_fn, "chunks": 2},
-     r"^unknown pipeline option\(s\) 'chunks': valid options are 'schedule', 'n_microbatches', 'loss_fn', "
+     r"^pipeline: unknown option\(s\) 'chunks': valid options are 'schedule', 'n_microbatches', 'loss_fn', "
      r"'example_inputs'$"),
 ])
 def test_option_errors(options, message):

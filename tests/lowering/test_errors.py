@@ -155,7 +155,7 @@ def test_bad_module_name_and_bad_graph():
     gm = torch.fx.symbolic_trace(lambda x: x + 1)
     with pytest.raises(ScheduleValueError, match=r"fused module name must be a Python identifier, got 'bias gelu'"):
         lower_subgraph(gm, "triton", "bias gelu")
-    with pytest.raises(ScheduleTypeError, match=r"lower_subgraph expects a torch.fx.GraphModule, got Linear"):
+    with pytest.raises(ScheduleTypeError, match=r"lower_subgraph: expects a torch.fx.GraphModule, got Linear"):
         lower_subgraph(nn.Linear(2, 2), "triton", "Lin")
 
 

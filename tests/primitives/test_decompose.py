@@ -26,7 +26,7 @@ def test_decompose_errors():
     sch = schedlang.create_schedule(MLP(bias=False))
     with pytest.raises(schedlang.ScheduleValueError, match=r"fc1: Linear has no bias, so there is nothing to decompose"):
         sch["fc1"].decompose()
-    with pytest.raises(schedlang.ScheduleTypeError, match=r"act: decompose applies to nn.Linear, not GELU"):
+    with pytest.raises(schedlang.ScheduleTypeError, match=r"act: decompose applies only to nn.Linear, not GELU"):
         sch["act"].decompose()
     sch2 = schedlang.create_schedule(MLP())
     sch2["fc1"].decompose()

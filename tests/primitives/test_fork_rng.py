@@ -37,7 +37,7 @@ def test_fork_rng_uses_a_separate_stream_and_leaves_default_stream_untouched():
 def test_fork_rng_twice_rejected():
     sch = schedlang.create_schedule(Drop())
     sch["a"].fork_rng()
-    with pytest.raises(schedlang.ScheduleValueError, match=r"a: fork_rng was already applied here"):
+    with pytest.raises(schedlang.ScheduleValueError, match=r"^a: fork_rng was already applied here; fork the RNG of each module only once$"):
         sch["a"].fork_rng()
 
 

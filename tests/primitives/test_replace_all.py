@@ -46,7 +46,7 @@ def test_replace_all_is_atomic_and_validates():
     with pytest.raises(schedlang.ScheduleTypeError, match=r"<root>: make_fn returned str for 'layers.1.mlp.act'"):
         sch.replace_all(nn.GELU, bad)
     assert isinstance(sch["layers.0.mlp.act"].mod, nn.GELU)  # nothing applied
-    with pytest.raises(schedlang.ScheduleValueError, match=r"<root>: no submodule of type Conv2d to replace"):
+    with pytest.raises(schedlang.ScheduleValueError, match=r"^<root>: no submodule of type Conv2d to replace; pass a module type that occurs in the model$"):
         sch.replace_all(nn.Conv2d, lambda p, o: o)
     with pytest.raises(schedlang.ScheduleTypeError, match=r"expects an nn.Module subclass as module_type, got 3"):
         sch.replace_all(3, lambda p, o: o)

@@ -67,7 +67,7 @@ def _trace(model: nn.Module, cut_paths: Sequence[str]) -> fx.GraphModule:
         with _local_tensors(model):
             return T.trace_module(model, flatten=True, leaf_modules=leaves)
     except SchedlangError as e:
-        raise PipelineError(f"cannot split {type(model).__name__} into pipeline stages after {', '.join(cut_paths)}: "
+        raise PipelineError(f"pipeline: cannot split {type(model).__name__} into pipeline stages after {', '.join(cut_paths)}: "
                             f"its forward could not be traced down to the cut modules: {e}") from e
 
 
@@ -161,7 +161,7 @@ def _structure(example: Any, where: str):
         return _Leaf("number", "float")
     if isinstance(example, (tuple, list)) and type(example) in (tuple, list, torch.Size):
         return ("seq", type(example), [_structure(e, f"{where}[{i}]") for i, e in enumerate(example)])
-    raise PipelineError(f"{where} is a {type(example).__name__}; only tensors, tuples or lists of tensors, None and "
+    raise PipelineError(f"pipeline: {where} is a {type(example).__name__}; only tensors, tuples or lists of tensors, None and "
                         "Python numbers can cross a pipeline stage boundary: move the cut")
 
 
@@ -210,11 +210,11 @@ def _model_output(gm: fx.GraphModule, values) -> fx.Node:
             continue
         break
     if not isinstance(value, fx.Node):
-        raise PipelineError(f"the output of {type(gm).__name__} holds no tensor the last pipeline stage could return "
+        raise PipelineError(f"pipeline: the output of {type(gm).__name__} holds no tensor the last pipeline stage could return "
                             f"(got {value!r})")
     example = values.get(value, _UNKNOWN)
     if example is not _UNKNOWN and not isinstance(example, torch.Tensor):
-        raise PipelineError(f"the model output '{value.name}' is a {type(example).__name__}, not a tensor; the last "
+        raise PipelineError(f"pipeline: the model output '{value.name}' is a {type(example).__name__}, not a tensor; the last "
                             "pipeline stage returns one tensor (the logits)")
     return value
 

@@ -26,26 +26,26 @@ _OPTION_KEYS = ("schedule", "n_microbatches", "loss_fn", "example_inputs")
 # ------------------------------------------------------------------------------------------------ options and layout
 def _check_options(options: Any) -> Dict[str, Any]:
     if not isinstance(options, dict):
-        raise PipelineError(f"pipeline options must be a dict {{'schedule': ..., 'n_microbatches': N, 'loss_fn': fn}}, "
+        raise PipelineError(f"pipeline: the options must be a dict {{'schedule': ..., 'n_microbatches': N, 'loss_fn': fn}}, "
                             f"got {options!r}")
     unknown = sorted(set(options) - set(_OPTION_KEYS))
     if unknown:
-        raise PipelineError(f"unknown pipeline option(s) {', '.join(map(repr, unknown))}: valid options are "
+        raise PipelineError(f"pipeline: unknown option(s) {', '.join(map(repr, unknown))}: valid options are "
                             f"{', '.join(map(repr, _OPTION_KEYS))}")
     schedule = options.get("schedule", "1F1B")
     if schedule not in SCHEDULES:
-        raise PipelineError(f"unknown pipeline schedule {schedule!r}: valid schedules are "
+        raise PipelineError(f"pipeline: unknown schedule {schedule!r}: valid schedules are "
                             f"{', '.join(map(repr, SCHEDULES))}")
     n = options.get("n_microbatches")
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise PipelineError(f"pipeline option 'n_microbatches' must be a positive int, got {n!r}")
+        raise PipelineError(f"pipeline: option 'n_microbatches' must be a positive int, got {n!r}")
     loss_fn = options.get("loss_fn")
     if not callable(loss_fn):
-        raise PipelineError(f"pipeline option 'loss_fn' must be a callable fn(output, target) -> scalar loss, got "
+        raise PipelineError(f"pipeline: option 'loss_fn' must be a callable fn(output, target) -> scalar loss, got "
                             f"{loss_fn!r}")
     examples = options.get("example_inputs")
     if examples is not None and (isinstance(examples, torch.Tensor) or not isinstance(examples, (tuple, list))):
-        raise PipelineError(f"pipeline option 'example_inputs' must be a tuple of example model inputs, got "
+        raise PipelineError(f"pipeline: option 'example_inputs' must be a tuple of example model inputs, got "
                             f"{type(examples).__name__}")
     return {"schedule": schedule, "n_microbatches": n, "loss_fn": loss_fn, "example_inputs": examples}
 
@@ -54,25 +54,25 @@ def _check_layout(n_stages: int, pp_size: int, opts: Dict[str, Any], cut_paths: 
     schedule, n = opts["schedule"], opts["n_microbatches"]
     cuts = f"{len(cut_paths)} cut{'s' if len(cut_paths) != 1 else ''} ({', '.join(cut_paths)}) make {n_stages} stages"
     if n_stages % pp_size:
-        raise PipelineError(f"{cuts}, which do not divide over the {pp_size} pp ranks: every rank must hold the same "
+        raise PipelineError(f"pipeline: {cuts}, which do not divide over the {pp_size} pp ranks: every rank must hold the same "
                             f"number of stages; cut {pp_size - 1} times for one stage per rank, {2 * pp_size - 1} "
                             "for two")
     per_rank = n_stages // pp_size
     if schedule not in _MULTI_STAGE and per_rank != 1:
-        raise PipelineError(f"{cuts} for {pp_size} pp ranks ({per_rank} per rank), but the {schedule} schedule runs "
+        raise PipelineError(f"pipeline: {cuts} for {pp_size} pp ranks ({per_rank} per rank), but the {schedule} schedule runs "
                             f"one stage per rank: cut {pp_size - 1} time(s), or use a multi-stage schedule "
                             f"({', '.join(_MULTI_STAGE)})")
     if schedule in _MULTI_STAGE and per_rank < 2:
-        raise PipelineError(f"{cuts} for {pp_size} pp ranks (1 per rank), but the {schedule} schedule interleaves "
+        raise PipelineError(f"pipeline: {cuts} for {pp_size} pp ranks (1 per rank), but the {schedule} schedule interleaves "
                             f"several stages per rank: cut {2 * pp_size - 1} times (2 stages per rank), or use "
                             "1F1B or GPipe")
     if schedule == "1F1B" and n < n_stages:
-        raise PipelineError(f"the 1F1B schedule needs at least as many microbatches as stages: n_microbatches={n} < "
+        raise PipelineError(f"pipeline: the 1F1B schedule needs at least as many microbatches as stages: n_microbatches={n} < "
                             f"{n_stages} stages")
     if schedule in _MULTI_STAGE:
         rounds = max(1, n // pp_size)
         if n % rounds:
-            raise PipelineError(f"the {schedule} schedule runs microbatches in rounds of the {pp_size} pp ranks: "
+            raise PipelineError(f"pipeline: the {schedule} schedule runs microbatches in rounds of the {pp_size} pp ranks: "
                                 f"n_microbatches={n} must be a multiple of {rounds} (use a multiple of {pp_size})")
     return per_rank
 
@@ -81,7 +81,7 @@ def _pp_group(pp_group_or_mesh):
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():
-        raise PipelineError("pipeline stages need torch.distributed to be initialized (one process per pp rank, e.g. "
+        raise PipelineError("pipeline: stages need torch.distributed to be initialized (one process per pp rank, e.g. "
                             "under torchrun)")
     try:
         from torch.distributed.device_mesh import DeviceMesh
@@ -89,7 +89,7 @@ def _pp_group(pp_group_or_mesh):
         DeviceMesh = ()
     if DeviceMesh and isinstance(pp_group_or_mesh, DeviceMesh):
         if pp_group_or_mesh.ndim != 1:
-            raise PipelineError(f"the pipeline mesh must be 1-D (the 'pp' dimension), got dimensions "
+            raise PipelineError(f"pipeline: the mesh must be 1-D (the 'pp' dimension), got dimensions "
                                 f"{pp_group_or_mesh.mesh_dim_names}")
         group = pp_group_or_mesh.get_group()
     elif pp_group_or_mesh is None:
@@ -97,7 +97,7 @@ def _pp_group(pp_group_or_mesh):
     elif isinstance(pp_group_or_mesh, dist.ProcessGroup):
         group = pp_group_or_mesh
     else:
-        raise PipelineError(f"the pp ranks must be given as a 1-D DeviceMesh or a ProcessGroup, got "
+        raise PipelineError(f"pipeline: the pp ranks must be given as a 1-D DeviceMesh or a ProcessGroup, got "
                             f"{type(pp_group_or_mesh).__name__}")
     return group, dist.get_rank(group), dist.get_world_size(group)
 
@@ -144,7 +144,7 @@ class PipelinedModel(nn.Module):
         return self.n_stages - 1 in self.stage_indices
 
     def forward(self, *args, **kwargs):
-        raise PipelineError("a PipelinedModel cannot be called like the model: every pp rank must take part in each "
+        raise PipelineError("pipeline: a PipelinedModel cannot be called like the model: every pp rank must take part in each "
                             "step; use model.step(inputs, target=labels, losses=[]) on every rank")
 
     def step(self, *inputs, target=None, losses: Optional[list] = None):
@@ -158,21 +158,21 @@ class PipelinedModel(nn.Module):
         """
         if self.is_first:
             if not inputs:
-                raise PipelineError(f"pp rank {self.pp_rank} holds the first pipeline stage: step() needs the model "
+                raise PipelineError(f"pipeline: pp rank {self.pp_rank} holds the first pipeline stage: step() needs the model "
                                     "inputs, e.g. model.step(input_ids, target=labels)")
             for i, x in enumerate(inputs):
                 if isinstance(x, torch.Tensor) and (x.dim() == 0 or x.shape[0] % self.n_microbatches):
-                    raise PipelineError(f"input {i} has shape {tuple(x.shape)}: its batch dimension (dim 0) must "
+                    raise PipelineError(f"pipeline: input {i} has shape {tuple(x.shape)}: its batch dimension (dim 0) must "
                                         f"divide into n_microbatches={self.n_microbatches} equal microbatches")
         if self.is_last:
             if target is None:
-                raise PipelineError(f"pp rank {self.pp_rank} holds the last pipeline stage: step() needs target= for "
+                raise PipelineError(f"pipeline: pp rank {self.pp_rank} holds the last pipeline stage: step() needs target= for "
                                     "the loss")
             if isinstance(target, torch.Tensor) and (target.dim() == 0 or target.shape[0] % self.n_microbatches):
-                raise PipelineError(f"target has shape {tuple(target.shape)}: its batch dimension (dim 0) must "
+                raise PipelineError(f"pipeline: target has shape {tuple(target.shape)}: its batch dimension (dim 0) must "
                                     f"divide into n_microbatches={self.n_microbatches} equal microbatches")
         if losses is not None and not isinstance(losses, list):
-            raise PipelineError(f"losses must be a list (the last stage appends one loss per microbatch), got "
+            raise PipelineError(f"pipeline: losses must be a list (the last stage appends one loss per microbatch), got "
                                 f"{type(losses).__name__}")
         # torch 2.11 checks every microbatch against the first one's strides: hand it contiguous inputs
         args = tuple(x.contiguous() if isinstance(x, torch.Tensor) else x for x in inputs) if self.is_first else ()
@@ -222,7 +222,7 @@ def _schedule(name: str, stages: List[Any], n: int, loss_fn: Callable):
     def loss(output, target):
         value = loss_fn(output, target)
         if not isinstance(value, torch.Tensor) or value.numel() != 1:
-            raise PipelineError(f"loss_fn must return a scalar tensor, got {_kind_of(value)}")
+            raise PipelineError(f"pipeline: loss_fn must return a scalar tensor, got {_kind_of(value)}")
         return value
 
     if name == "GPipe":

@@ -221,9 +221,9 @@ def _place(root: nn.Module, path: str, module: nn.Module) -> None:
 
 def _check_cut_paths(model: nn.Module, cut_paths: Sequence[str]) -> List[str]:
     if isinstance(cut_paths, str) or not isinstance(cut_paths, (list, tuple)):
-        raise PipelineError(f"cut_paths must be a list of module paths, got {cut_paths!r}")
+        raise PipelineError(f"pipeline: cut_paths must be a list of module paths, got {cut_paths!r}")
     if not cut_paths:
-        raise PipelineError("no pipeline stage is cut: mark boundaries with sch[path].cut_pipeline_stage()")
+        raise PipelineError("pipeline: no pipeline stage is cut: mark boundaries with sch[path].cut_pipeline_stage()")
     seen = set()
     for path in cut_paths:
         if not isinstance(path, str) or not path:

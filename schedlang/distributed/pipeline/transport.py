@@ -14,7 +14,7 @@ from ...errors import PipelineError
 def _send_grad_value(value, where: str):
     """A gradient-carrying activation leaving a stage: a float tensor, sent as it is."""
     if not isinstance(value, torch.Tensor) or not value.is_floating_point():
-        raise PipelineError(f"{where} is {_kind_of(value)} at run time, but was traced as a floating-point tensor; "
+        raise PipelineError(f"pipeline: {where} is {_kind_of(value)} at run time, but was traced as a floating-point tensor; "
                             "pipeline stages can only send tensors across a cut: move the cut")
     if torch.is_grad_enabled() and not value.requires_grad:
         # an output that takes no gradient still gets one from the next stage (torch expects a
@@ -36,10 +36,10 @@ def _send_plain_value(value, device: torch.device, where: str):
         if not out.is_floating_point():
             out = out.to(_FLOAT_OF.get(out.dtype, torch.float64))
         if out.dim() == 1 and out.numel() == 0:
-            raise PipelineError(f"{where} is an empty 1-D tensor, which stands for None between pipeline stages; "
+            raise PipelineError(f"pipeline: {where} is an empty 1-D tensor, which stands for None between pipeline stages; "
                                 "move the cut")
     else:
-        raise PipelineError(f"{where} is {_kind_of(value)} at run time, but was traced as a tensor or None; pipeline "
+        raise PipelineError(f"pipeline: {where} is {_kind_of(value)} at run time, but was traced as a tensor or None; pipeline "
                             "stages can only send tensors across a cut: move the cut")
     return out.requires_grad_(True) if torch.is_grad_enabled() else out
 
@@ -56,7 +56,7 @@ def _send_number(value, device: torch.device, where: str):
     elif isinstance(value, numbers.Real):
         out = torch.tensor(float(value), dtype=torch.float64, device=device)
     else:
-        raise PipelineError(f"{where} is {_kind_of(value)} at run time, but was traced as a Python number; move the "
+        raise PipelineError(f"pipeline: {where} is {_kind_of(value)} at run time, but was traced as a Python number; move the "
                             "cut")
     return out.requires_grad_(True) if torch.is_grad_enabled() else out
 
@@ -128,7 +128,7 @@ def _anchor_scalar(*buffers):
 
 def _anchor_output(out, *buffers):
     if not isinstance(out, torch.Tensor) or not out.is_floating_point():
-        raise PipelineError(f"the model output is {_kind_of(out)} at run time; the last pipeline stage must return a "
+        raise PipelineError(f"pipeline: the model output is {_kind_of(out)} at run time; the last pipeline stage must return a "
                             "floating-point tensor")
     return _AnchorOutput.apply(out, *buffers) if torch.is_grad_enabled() else out
 

@@ -21,7 +21,7 @@ def require_deepspeed():
     if deepspeed is None:
         from .. import FrameworkUnavailableError
 
-        raise FrameworkUnavailableError(f"build(target='deepspeed') needs DeepSpeed, which is not installed. "
+        raise FrameworkUnavailableError(f"build(target='deepspeed'): needs DeepSpeed, which is not installed. "
                                         f"{_NATIVE_HINT}")
     return deepspeed
 

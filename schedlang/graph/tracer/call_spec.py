@@ -47,7 +47,7 @@ class CallSpec:
         try:
             bound = sig.bind(*args, **kwargs)
         except TypeError as e:
-            raise TraceError(f"{type(module).__name__}.forward{sig} cannot take the arguments it was called with: "
+            raise TraceError(f"trace: {type(module).__name__}.forward{sig} cannot take the arguments it was called with: "
                              f"{e}") from e
         bound.apply_defaults()
         spec = cls(params=params, values={})

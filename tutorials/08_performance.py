@@ -1,0 +1,187 @@
+"""
+Performance at a glance
+=======================
+
+The GPU benchmarks in ``bench/`` write every measurement to ``bench/results/*.json``: one row per
+variant of a work (a model, a layout), with its step time, throughput, MFU, peak memory, the check
+it passed and the git revision that measured it. This tutorial draws those recorded numbers, so the
+figures below are exactly what the result files say; nothing is typed in by hand, and a work with no
+recorded GPU result is named as such instead of drawn.
+
+The second half measures something live, on the CPU: the memory/speed trade-off of activation
+checkpointing every n-th layer of a small LLaMA. CPU figures show the *shape* of the trade-off
+(how saved activations fall and recomputation grows as more layers are checkpointed), not GPU speed.
+"""
+
+# %%
+# Reading the recorded GPU results
+# --------------------------------
+# ``bench/render_readme.py`` already knows how to read the result files (GPU runs only) and which
+# rows are the newest for each work; we import it rather than reading the files a second way.
+import sys
+import time
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # no display needed: the gallery and CI render to files
+import matplotlib.pyplot as plt  # noqa: E402
+
+try:
+    ROOT = Path(__file__).resolve().parents[1]
+except NameError:  # sphinx-gallery runs the file without __file__ in some setups
+    ROOT = Path.cwd()
+sys.path.insert(0, str(ROOT / "bench"))
+import render_readme  # noqa: E402  (bench/render_readme.py)
+
+files = render_readme.load_results(ROOT / "bench" / "results")
+works = render_readme.latest_rows(files)
+print(f"{len(files)} GPU result file(s); works with results: {', '.join(works) or 'none'}")
+for work in render_readme.TRAIN_WORKS:
+    if work not in works:
+        print(f"  {work}: {render_readme.NO_RESULT}")
+
+# %%
+# Step time and peak memory per variant
+# -------------------------------------
+# One row of panels per work: the step time (lower is faster) and the peak GPU memory of every
+# variant that ran. Orange bars are schedlang, grey bars the baselines. Each title names the device,
+# the date and the git revision of the file the rows come from.
+
+
+def _label(header):
+    sha = str(header.get("git_sha", "unknown"))[:10]
+    return f"{header.get('device')} x{header.get('gpus')}, {header.get('date')}, {sha}"
+
+
+drawn = [w for w in works if any(r.get("ms") is not None for r in works[w][1])]
+if drawn:
+    fig, axes = plt.subplots(len(drawn), 2, figsize=(10, 2.4 * len(drawn) + 0.6), squeeze=False)
+    for (ax_ms, ax_mem), work in zip(axes, drawn):
+        header, rows = works[work]
+        rows = [r for r in rows if r.get("ms") is not None]
+        names = [str(r.get("variant")) for r in rows]
+        colors = ["tab:orange" if r.get("role") == "schedlang" else "tab:gray" for r in rows]
+        ax_ms.barh(names, [r["ms"] for r in rows], color=colors)
+        ax_ms.set_xlabel("step time (ms)")
+        ax_ms.set_title(f"{work}\n{_label(header)}", fontsize=8)
+        mem = [r.get("peak_mem_gib") for r in rows]
+        if any(m is not None for m in mem):
+            ax_mem.barh(names, [m if m is not None else 0 for m in mem], color=colors)
+            ax_mem.set_xlabel("peak memory (GiB)")
+        else:
+            ax_mem.text(0.5, 0.5, "no peak memory recorded", ha="center", va="center", transform=ax_mem.transAxes)
+        ax_mem.set_title("peak memory", fontsize=8)
+        for ax in (ax_ms, ax_mem):
+            ax.tick_params(labelsize=7)
+    fig.tight_layout()
+    plt.show()
+    for work in drawn:
+        header, rows = works[work]
+        for r in rows:
+            print(f"{work:24s} {str(r.get('variant')):28s} {str(r.get('role')):10s} ms={r.get('ms')} "
+                  f"peak GiB={r.get('peak_mem_gib')} check={str(r.get('check'))[:30]}")
+else:
+    print("No GPU step times are recorded yet: run bench/bench_train.py on a GPU to fill bench/results/.")
+
+# %%
+# Fused kernels against their references
+# --------------------------------------
+# ``bench/bench_kernels.py`` records, per fusion pattern, the speed of the fused kernel against the
+# unfused PyTorch ops in ``bench/results/*-kernels.json``.
+import json  # noqa: E402
+
+kernel_rows = []
+for path in sorted((ROOT / "bench" / "results").glob("*-kernels.json")):
+    data = json.loads(path.read_text())
+    for row in data.get("rows", []):
+        speedup = row.get("speedup")
+        if speedup is None and row.get("ms") and row.get("baseline_ms"):
+            speedup = row["baseline_ms"] / row["ms"]
+        if speedup is not None:
+            kernel_rows.append((str(row.get("pattern") or row.get("work") or row.get("variant")), float(speedup),
+                                _label(data)))
+if kernel_rows:
+    fig, ax = plt.subplots(figsize=(8, 0.3 * len(kernel_rows) + 1.2))
+    ax.barh([r[0] for r in kernel_rows], [r[1] for r in kernel_rows], color="tab:orange")
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    ax.set_xlabel("speedup of the fused kernel over unfused PyTorch (> 1 is faster)")
+    ax.set_title(f"fusion speedups per pattern ({kernel_rows[0][2]})", fontsize=8)
+    fig.tight_layout()
+    plt.show()
+else:
+    print("No per-kernel GPU results are recorded yet (bench/results/*-kernels.json): "
+          "run bench/bench_kernels.py on a GPU to record them.")
+
+# %%
+# Selective checkpointing on a small LLaMA, measured live
+# -------------------------------------------------------
+# ``sch["model.layers.i"].checkpoint()`` wraps one decoder layer in ``torch.utils.checkpoint``: its
+# activations are dropped after the forward and recomputed in the backward. Checkpointing every n-th
+# layer trades memory for time. We count the bytes autograd saves for the backward with
+# ``torch.autograd.graph.saved_tensors_hooks`` (a checkpointed layer saves only its input) and time a
+# training step, for n = every layer, every second layer, ..., none.
+import torch  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+import schedlang  # noqa: E402
+
+torch.manual_seed(0)
+torch.set_num_threads(1)
+N_LAYERS = 8
+config = LlamaConfig(num_hidden_layers=N_LAYERS, hidden_size=64, intermediate_size=172, num_attention_heads=4,
+                     num_key_value_heads=4, vocab_size=256, max_position_embeddings=128)
+base = LlamaForCausalLM(config).eval()
+ids = torch.randint(0, config.vocab_size, (4, 96))
+
+
+def saved_bytes_and_step_ms(every):
+    """Checkpoint layers 0, every, 2*every, ... (every=0: none); saved bytes and median step time."""
+    sch = schedlang.create_schedule(base)
+    if every:
+        for i in range(0, N_LAYERS, every):
+            sch[f"model.layers.{i}"].checkpoint()
+    model, _ = schedlang.build(sch)
+    model.train()
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=ids, labels=ids).loss.backward()
+    times = []
+    for _ in range(3):
+        model.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        model(input_ids=ids, labels=ids).loss.backward()
+        times.append((time.perf_counter() - start) * 1e3)
+    return total, sorted(times)[1]
+
+
+settings = [1, 2, 4, 8, 0]
+points = []
+for every in settings:
+    saved, ms = saved_bytes_and_step_ms(every)
+    n_ckpt = len(range(0, N_LAYERS, every)) if every else 0
+    points.append((n_ckpt, saved / 2**20, ms))
+    print(f"checkpoint every {every or '-'} layer(s) ({n_ckpt}/{N_LAYERS} layers): "
+          f"saved for backward {saved / 2**20:.2f} MiB, step {ms:.1f} ms (CPU)")
+
+# Saved activations must fall as more layers are checkpointed: a check, not a figure of speech.
+assert points[0][1] < points[-1][1], "checkpointing every layer should save less than checkpointing none"
+
+fig, ax_mem = plt.subplots(figsize=(6.5, 3.6))
+xs = [p[0] for p in points]
+ax_mem.plot(xs, [p[1] for p in points], "o-", color="tab:blue", label="saved for backward (MiB)")
+ax_mem.set_xlabel(f"checkpointed decoder layers (of {N_LAYERS})")
+ax_mem.set_ylabel("activations saved for backward (MiB)", color="tab:blue")
+ax_time = ax_mem.twinx()
+ax_time.plot(xs, [p[2] for p in points], "s--", color="tab:red", label="step time (ms)")
+ax_time.set_ylabel("forward + backward (ms, CPU)", color="tab:red")
+ax_mem.set_title("selective checkpointing on a small LLaMA (CPU: the shape of the trade-off, not GPU speed)",
+                 fontsize=8)
+fig.tight_layout()
+plt.show()
