@@ -42,6 +42,8 @@ schedlang's, through its schedule API:
 * ``schedlang-optimize`` (``-fp8``): ``optimize_model(sch)``: fused RMSNorm, fused linear +
   cross-entropy loss (the model called with ``labels=``; the same shifted labels), measured SDPA
   backend, per-layer compile (with ``float8="tensorwise"``);
+* ``schedlang-optimize-cg`` (``-fp8-cg``): ``optimize_model(compile="layers-cudagraphs")``: every compiled
+  layer replays its kernels from CUDA graphs (torch.compile's cudagraph trees);
 * ``schedlang-optimize-graph`` (``-fp8-graph``): the same, every step after the first replayed from one
   CUDA graph (``schedlang.CapturedStep``: forward, backward and the optimizer step; the optimizer
   is the run's AdamW with ``capturable=True``, autocast without its cast cache);
@@ -115,7 +117,7 @@ WORKS: Dict[str, Work] = {
                                   "schedlang-fsdp-noreshard", "schedlang-tp", "schedlang-tp-fsdp")),
 }
 SCHEDLANG = ("schedlang-layers", "schedlang-optimize", "schedlang-optimize-fp8", "schedlang-optimize-graph",
-             "schedlang-optimize-fp8-graph", "schedlang-tp",
+             "schedlang-optimize-fp8-graph", "schedlang-optimize-cg", "schedlang-optimize-fp8-cg", "schedlang-tp",
              "schedlang-tp-optimize", "schedlang-fsdp", "schedlang-fsdp-noreshard", "schedlang-fsdp-optimize",
              "schedlang-tp-fsdp")
 OPTIMIZER_SUFFIX = {"torch-fused": "", "schedlang-fused": "+FusedAdamW"}
@@ -146,10 +148,11 @@ def _compile(ctx: B.Context, model) -> None:
         compile_layers(model)
 
 
-def _optimize(ctx: B.Context, sch, float8=None) -> Dict[str, Any]:
+def _optimize(ctx: B.Context, sch, float8=None, cudagraphs: bool = False) -> Dict[str, Any]:
     from schedlang.models import optimize_model
 
-    optimize_model(sch, compile="layers" if ctx.args.compile else None, float8=float8)
+    compile = ("layers-cudagraphs" if cudagraphs and ctx.cuda else "layers") if ctx.args.compile else None
+    optimize_model(sch, compile=compile, float8=float8)
     return sch.root.metadata["optimize"]
 
 
@@ -170,11 +173,12 @@ def _null():
     return contextlib.nullcontext()
 
 
-def make_schedlang_single(ctx: B.Context, cfg, optimize: bool, float8=None, cuda_graph: bool = False) -> B.Setup:
+def make_schedlang_single(ctx: B.Context, cfg, optimize: bool, float8=None, cuda_graph: bool = False,
+                          cudagraph_layers: bool = False) -> B.Setup:
     import schedlang
 
     sch = schedlang.create_schedule(B.full_model(cfg, ctx.device))
-    info = _optimize(ctx, sch, float8) if optimize else None
+    info = _optimize(ctx, sch, float8, cudagraphs=cudagraph_layers) if optimize else None
     graph = cuda_graph and ctx.cuda
     model, opt = _build(ctx, sch, capturable=graph)
     del sch  # the schedule holds the original; let it go before the timed steps
@@ -254,10 +258,10 @@ def make_variant(ctx: B.Context, name: str, cfg) -> B.Setup:
     if name in B.BASELINES:
         return B.BASELINES[name](ctx, cfg)
     if name in ("schedlang-layers", "schedlang-optimize", "schedlang-optimize-fp8", "schedlang-optimize-graph",
-                "schedlang-optimize-fp8-graph"):
+                "schedlang-optimize-fp8-graph", "schedlang-optimize-cg", "schedlang-optimize-fp8-cg"):
         return make_schedlang_single(ctx, cfg, optimize=name != "schedlang-layers",
                                      float8="tensorwise" if "fp8" in name else None,
-                                     cuda_graph=name.endswith("graph"))
+                                     cuda_graph=name.endswith("-graph"), cudagraph_layers=name.endswith("-cg"))
     if name in ("schedlang-tp", "schedlang-tp-optimize"):
         return make_schedlang_tp(ctx, cfg, optimize=name.endswith("optimize"))
     if name == "schedlang-tp-fsdp":

@@ -12,7 +12,12 @@ What a step may do, because a graph replays fixed kernels on fixed addresses:
 * no host synchronization inside the step (``.item()``, printing a tensor, data-dependent shapes);
 * an optimizer whose state lives on the device: ``torch.optim.AdamW(fused=True, capturable=True)``
   or :class:`schedlang.optim.FusedAdamW`; a learning rate that changes must be a 0-d device tensor;
-* autocast with ``cache_enabled=False`` (the cast cache would keep tensors from the capture).
+* autocast with ``cache_enabled=False`` (the cast cache would keep tensors from the capture);
+* no torch.compile'd region whose guards change under capture. Some transformers versions build
+  their attention mask differently while a graph is captured, so a compiled HF layer compiles again
+  (which cannot happen inside a capture): for HF models use
+  ``optimize_model(sch, compile="layers-cudagraphs")`` instead, which replays each compiled layer
+  from CUDA graphs while the model's own Python stays eager.
 
 The first ``warmup`` calls run eagerly (on a side stream, as CUDA graph capture requires:
 compilation, autotuning and lazily created optimizer state happen there); the next call captures
@@ -141,6 +146,17 @@ class CapturedStep:
                 loss = self.loss_and_backward(*self._static_inputs)
                 self.optimizer.step()
         except RuntimeError as e:
+            chain, cause = [], e
+            while cause is not None:
+                chain.append(f"{type(cause).__name__}: {cause}")
+                cause = cause.__cause__ or cause.__context__
+            if any("BackendCompilerFailed" in c or "compil" in c.split(":")[0].lower() for c in chain):
+                raise ScheduleValueError(
+                    "CapturedStep: a compiled region compiled again while the step was being captured (its guards "
+                    "failed under capture: some transformers versions build attention masks differently while a "
+                    "CUDA graph is captured); capture a step without torch.compile inside it, or replay the compiled "
+                    "layers from CUDA graphs with optimize_model(sch, compile='layers-cudagraphs'): "
+                    f"{chain[-1][:300]}") from e
             raise ScheduleValueError(
                 "CapturedStep: the step cannot be captured in a CUDA graph (a host synchronization such as "
                 f".item(), a data-dependent shape, or an autocast cast cache inside it?): {e}") from e

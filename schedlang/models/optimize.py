@@ -50,7 +50,7 @@ logger = logging.getLogger("schedlang.models.optimize")
 __all__ = ["optimize_model", "FusedLinearCrossEntropyHead", "choose_sdpa_backend", "COMPILE_MODES",
            "SDPA_BACKENDS"]
 
-COMPILE_MODES = ("layers", None)
+COMPILE_MODES = ("layers", "layers-cudagraphs", None)
 SDPA_BACKENDS = ("auto", "default", "cudnn", "flash", "efficient", "math")
 FLOAT8_RECIPES = ("tensorwise", "rowwise")
 LAYER_LISTS = ("layers", "h", "layer")
@@ -353,7 +353,8 @@ def optimize_model(sch, *, fused_kernels: bool = True, compile: Optional[str] = 
     Arguments:
         sch: schedule of a HF LLaMA-, GPT-2- or BERT-like model (any view; the whole model is used).
         fused_kernels: fused RMSNorm and fused linear + cross-entropy loss from :mod:`schedlang.kernels`.
-        compile: ``"layers"`` (each decoder layer compiled on its own) or None.
+        compile: ``"layers"`` (each decoder layer compiled on its own), ``"layers-cudagraphs"`` (the same,
+            replayed from CUDA graphs: for host-bound steps; a step's shapes must not change) or None.
         sdpa_backend: ``"auto"`` (measured on the GPU; default on the CPU), ``"default"`` (leave it to
             PyTorch), or one of ``"cudnn"``, ``"flash"``, ``"efficient"``, ``"math"``.
         selective_checkpoint: None, ``"all"`` (every layer) or n (every n-th layer, from the first).
@@ -369,7 +370,8 @@ def optimize_model(sch, *, fused_kernels: bool = True, compile: Optional[str] = 
     """
     root = sch.root
     if compile not in COMPILE_MODES:
-        raise ScheduleValueError(f"optimize_model: invalid compile {compile!r}: valid are 'layers' or None")
+        raise ScheduleValueError(f"optimize_model: invalid compile {compile!r}: valid are 'layers', "
+                                 "'layers-cudagraphs' or None")
     if sdpa_backend not in SDPA_BACKENDS:
         raise ScheduleValueError(f"optimize_model: invalid sdpa_backend {sdpa_backend!r}: valid are "
                                  f"{', '.join(SDPA_BACKENDS)}")
@@ -394,10 +396,15 @@ def optimize_model(sch, *, fused_kernels: bool = True, compile: Optional[str] = 
                 root[path].checkpoint()
             done.append(f"checkpoint: {len(layer_paths[::every])} of {len(layer_paths)} layers")
     backend = _resolve_sdpa(root, sdpa_backend, skipped)
-    if compile == "layers":
+    if compile in ("layers", "layers-cudagraphs"):
         from . import compile_layers
 
-        done.append(f"compile: {compile_layers(root.mod)} layers")
+        # "layers-cudagraphs": each compiled layer replays its forward and backward kernels from CUDA
+        # graphs (torch.compile's cudagraph trees), which takes the launch cost off the host where a step
+        # is host-bound; the model's own Python between layers (masks, the loss) stays eager
+        options = {"mode": "reduce-overhead"} if compile == "layers-cudagraphs" else {}
+        done.append(f"compile: {compile_layers(root.mod, **options)} layers"
+                    + (" (CUDA graphs)" if options else ""))
     if backend is not None:
         for layer in _layers(root.mod):
             layer.forward = _WithSDPABackend(layer, backend)

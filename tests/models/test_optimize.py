@@ -120,7 +120,7 @@ def test_missing_kernels_fall_back_with_a_reason(monkeypatch, caplog):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"compile": "model"}, "optimize_model: invalid compile 'model': valid are 'layers' or None"),
+    ({"compile": "model"}, "optimize_model: invalid compile 'model': valid are 'layers', 'layers-cudagraphs' or None"),
     ({"sdpa_backend": "fast"}, "optimize_model: invalid sdpa_backend 'fast': valid are auto, default, cudnn, "
                                "flash, efficient, math"),
     ({"float8": "e4m3"}, "optimize_model: invalid float8 'e4m3': valid are None, 'tensorwise', 'rowwise'"),
