@@ -108,7 +108,6 @@ class Setup:
     tp: int = 1
     dp_rank: int = 0
     notes: Dict[str, Any] = field(default_factory=dict)  # "loss": how the loss is taken, and more
-    cuda_graph: bool = False  # steps after the first are replayed from a CUDA graph (schedlang.CapturedStep)
 
     def backward(self, loss):
         loss.backward()
@@ -123,11 +122,8 @@ class Context:
         self.bf16 = self.cuda  # --tiny runs in fp32 on the CPU
         self._meshes: Dict[Any, Any] = {}
 
-    def autocast(self, cache_enabled: bool = True):
-        # a step captured in a CUDA graph needs the cast cache off (it would keep tensors of the capture)
-        if not self.bf16:
-            return contextlib.nullcontext()
-        return torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=cache_enabled)
+    def autocast(self):
+        return torch.autocast("cuda", dtype=torch.bfloat16) if self.bf16 else contextlib.nullcontext()
 
     def mp_policy(self):
         from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -136,9 +132,8 @@ class Context:
             return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         return MixedPrecisionPolicy()
 
-    def optimizer(self, params_or_groups, capturable: bool = False) -> torch.optim.Optimizer:
-        """The run's AdamW (lr 1e-4, weight decay 0.01), the same class and kind for every variant;
-        ``capturable`` (its step count on the device) for a step captured in a CUDA graph."""
+    def optimizer(self, params_or_groups) -> torch.optim.Optimizer:
+        """The run's AdamW (lr 1e-4, weight decay 0.01), the same class and kind for every variant."""
         if self.args.optimizer == "schedlang-fused":
             from schedlang.optim import FusedAdamW
 
@@ -146,8 +141,6 @@ class Context:
             return FusedAdamW(params, lr=LR, weight_decay=0.01)
         # torch's fused AdamW on GPUs; on the CPU (--tiny) its foreach twin, which takes DTensors on gloo
         kind = {"fused": True} if self.cuda else {"foreach": True}
-        if capturable and self.cuda:
-            kind["capturable"] = True
         return torch.optim.AdamW(params_or_groups, lr=LR, weight_decay=0.01, **kind)
 
     def mesh(self, dp: int, tp: int):

@@ -44,9 +44,6 @@ schedlang's, through its schedule API:
   backend, per-layer compile (with ``float8="tensorwise"``);
 * ``schedlang-optimize-cg`` (``-fp8-cg``): ``optimize_model(compile="layers-cudagraphs")``: every compiled
   layer replays its kernels from CUDA graphs (torch.compile's cudagraph trees);
-* ``schedlang-optimize-graph`` (``-fp8-graph``): the same, every step after the first replayed from one
-  CUDA graph (``schedlang.CapturedStep``: forward, backward and the optimizer step; the optimizer
-  is the run's AdamW with ``capturable=True``, autocast without its cast cache);
 * ``schedlang-tp`` (``-optimize``): ``shard_model`` on a ``tp`` mesh (vocabulary-parallel
   embedding, head and cross entropy), ``compile_layers`` (or ``optimize_model``);
 * ``schedlang-fsdp`` (``-noreshard``, ``-optimize``): ``fully_shard`` per layer and at the root with
@@ -100,12 +97,12 @@ class Work:
     needs: Optional[str] = None  # a module it cannot run without
 
 
-ONE_GPU = ("eager", "compile", "titan-style", "schedlang-layers", "schedlang-optimize", "schedlang-optimize-graph")
+ONE_GPU = ("eager", "compile", "titan-style", "schedlang-layers", "schedlang-optimize", "schedlang-optimize-cg")
 WORKS: Dict[str, Work] = {
     "llama-1.1b-1gpu": Work("llama", "llama-1.1b", 4, 2048, 1, True, "titan-style", ONE_GPU),
     "gpt2-medium-1gpu": Work("gpt2", "gpt2-medium", 8, 1024, 1, True, "titan-style", ONE_GPU),
     "llama-1.1b-1gpu-fp8": Work("llama", "llama-1.1b", 4, 2048, 1, True, "titan-style-fp8",
-                                ("titan-style-fp8", "schedlang-optimize-fp8", "schedlang-optimize-fp8-graph"),
+                                ("titan-style-fp8", "schedlang-optimize-fp8", "schedlang-optimize-fp8-cg"),
                                 needs="torchao"),
     "llama-1.1b-tp2": Work("llama", "llama-1.1b", 4, 2048, 2, False, "tp-titan",
                            ("dtensor-compile", "tp-titan", "schedlang-tp", "schedlang-tp-optimize")),
@@ -116,8 +113,8 @@ WORKS: Dict[str, Work] = {
                                  ("fsdp2-titan", "tp-titan", "tp-fsdp-titan", "schedlang-fsdp",
                                   "schedlang-fsdp-noreshard", "schedlang-tp", "schedlang-tp-fsdp")),
 }
-SCHEDLANG = ("schedlang-layers", "schedlang-optimize", "schedlang-optimize-fp8", "schedlang-optimize-graph",
-             "schedlang-optimize-fp8-graph", "schedlang-optimize-cg", "schedlang-optimize-fp8-cg", "schedlang-tp",
+SCHEDLANG = ("schedlang-layers", "schedlang-optimize", "schedlang-optimize-fp8", "schedlang-optimize-cg",
+             "schedlang-optimize-fp8-cg", "schedlang-tp",
              "schedlang-tp-optimize", "schedlang-fsdp", "schedlang-fsdp-noreshard", "schedlang-fsdp-optimize",
              "schedlang-tp-fsdp")
 OPTIMIZER_SUFFIX = {"torch-fused": "", "schedlang-fused": "+FusedAdamW"}
@@ -133,12 +130,12 @@ def _schedlang_mesh(ctx: B.Context, dp: int, tp: int):
     return ctx._meshes[key]
 
 
-def _build(ctx: B.Context, sch, capturable: bool = False):
+def _build(ctx: B.Context, sch):
     """``schedlang.build`` with the run's optimizer (the same class and kind as the baselines')."""
     import schedlang
 
     model, _ = schedlang.build(sch)
-    return model, ctx.optimizer(B.adamw_groups(model), capturable=capturable)
+    return model, ctx.optimizer(B.adamw_groups(model))
 
 
 def _compile(ctx: B.Context, model) -> None:
@@ -156,12 +153,12 @@ def _optimize(ctx: B.Context, sch, float8=None, cudagraphs: bool = False) -> Dic
     return sch.root.metadata["optimize"]
 
 
-def _labels_loss(ctx: B.Context, model, amp=True, cache_enabled=True):
+def _labels_loss(ctx: B.Context, model, amp=True):
     """The loss as ``optimize_model``'s fused head takes it: the model called with ``labels=``. HF shifts the
     labels itself (``pad(ids)[1:]`` with -100 last), which is exactly the batch's host-shifted labels."""
 
     def loss_fn(ids, labels):
-        with ctx.autocast(cache_enabled) if amp else _null():
+        with ctx.autocast() if amp else _null():
             return model(input_ids=ids, labels=ids, use_cache=False).loss
 
     return loss_fn
@@ -173,21 +170,16 @@ def _null():
     return contextlib.nullcontext()
 
 
-def make_schedlang_single(ctx: B.Context, cfg, optimize: bool, float8=None, cuda_graph: bool = False,
-                          cudagraph_layers: bool = False) -> B.Setup:
+def make_schedlang_single(ctx: B.Context, cfg, optimize: bool, float8=None, cudagraph_layers: bool = False) -> B.Setup:
     import schedlang
 
     sch = schedlang.create_schedule(B.full_model(cfg, ctx.device))
     info = _optimize(ctx, sch, float8, cudagraphs=cudagraph_layers) if optimize else None
-    graph = cuda_graph and ctx.cuda
-    model, opt = _build(ctx, sch, capturable=graph)
+    model, opt = _build(ctx, sch)
     del sch  # the schedule holds the original; let it go before the timed steps
     if optimize:
-        notes = {"loss": "fused linear + cross entropy (labels=)", "optimize": info, "compile": "layers"}
-        if graph:
-            notes.update(cuda_graph="the whole step (schedlang.CapturedStep)",
-                         optimizer_options="capturable=True (step count on the device, as a graph needs)")
-        return B.Setup(model, opt, _labels_loss(ctx, model, cache_enabled=not graph), notes=notes, cuda_graph=graph)
+        return B.Setup(model, opt, _labels_loss(ctx, model), notes={"loss": "fused linear + cross entropy (labels=)",
+                                                                    "optimize": info, "compile": "layers"})
     _compile(ctx, model)
     loss_fn = B._head_loss(ctx, B.body(model), model.lm_head)
     return B.Setup(model, opt, loss_fn, notes={"loss": "body -> lm_head -> F.cross_entropy (fp32)",
@@ -257,11 +249,11 @@ def make_schedlang_fsdp(ctx: B.Context, cfg, reshard: Optional[bool], optimize: 
 def make_variant(ctx: B.Context, name: str, cfg) -> B.Setup:
     if name in B.BASELINES:
         return B.BASELINES[name](ctx, cfg)
-    if name in ("schedlang-layers", "schedlang-optimize", "schedlang-optimize-fp8", "schedlang-optimize-graph",
-                "schedlang-optimize-fp8-graph", "schedlang-optimize-cg", "schedlang-optimize-fp8-cg"):
+    if name in ("schedlang-layers", "schedlang-optimize", "schedlang-optimize-fp8", "schedlang-optimize-cg",
+                "schedlang-optimize-fp8-cg"):
         return make_schedlang_single(ctx, cfg, optimize=name != "schedlang-layers",
                                      float8="tensorwise" if "fp8" in name else None,
-                                     cuda_graph=name.endswith("-graph"), cudagraph_layers=name.endswith("-cg"))
+                                     cudagraph_layers=name.endswith("-cg"))
     if name in ("schedlang-tp", "schedlang-tp-optimize"):
         return make_schedlang_tp(ctx, cfg, optimize=name.endswith("optimize"))
     if name == "schedlang-tp-fsdp":
@@ -296,24 +288,7 @@ def run_variant(ctx: B.Context, name: str, cfg, ids, labels) -> Dict[str, Any]:
     harness.reset_peak_memory(ctx.device)
     record: Dict[str, Any] = {"losses": []}
 
-    captured = None
-    if setup.cuda_graph:
-        import schedlang
-
-        def loss_and_backward(ids, labels):
-            loss = setup.loss_fn(ids, labels)
-            setup.backward(loss)
-            return loss
-
-        # the first step runs outside (its gradient norm is checked); one more eager step, then the capture
-        captured = schedlang.CapturedStep(loss_and_backward, setup.opt, warmup=1)
-
     def step(first: bool = False, keep: bool = False):
-        if captured is not None and not first:
-            loss = captured(local_ids, local_labels)
-            if keep:
-                record["losses"].append(harness.world_mean(loss, ctx.device))
-            return
         loss = setup.loss_fn(local_ids, local_labels)
         setup.backward(loss)
         if first:

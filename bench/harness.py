@@ -253,7 +253,9 @@ def write_results(name: str, rows: Iterable[dict], gpus: int, merge: bool = True
     data = environment(gpus)
     data.update(header)
     # rows of earlier runs keep the revision and command that measured them (the header is the latest run's)
-    rows = [{"git_sha": data["git_sha"], "command": data.get("command"), **r} for r in rows]
+    for r in rows:
+        r.setdefault("git_sha", data["git_sha"])
+        r.setdefault("command", data.get("command"))
     data["rows"] = kept + rows
     path.write_text(json.dumps(data, indent=2) + "\n")
     return path

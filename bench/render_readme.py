@@ -62,6 +62,15 @@ def latest_rows(files: Sequence[dict]) -> Dict[str, Tuple[dict, List[dict]]]:
     return works
 
 
+def same_run(row: dict, rows: Sequence[dict], header: dict) -> List[dict]:
+    """The rows measured by the same command on the same revision as ``row``: a ratio compares only
+    rows of one run (one process, like for like), never rows merged in from another day's code."""
+    def run(r):
+        return (r.get("git_sha") or header.get("git_sha"), r.get("command") or header.get("command"))
+
+    return [r for r in rows if run(r) == run(row)]
+
+
 def _fmt(value, kind: str) -> str:
     return harness._fmt(value, kind)
 
@@ -78,10 +87,10 @@ def render_table(files: Sequence[dict]) -> str:
             continue
         header, rows = works[work]
         device = f"{header.get('device')} x{header.get('gpus')}"
-        sha = str(header.get("git_sha", "unknown"))
-        sha = sha[:10] + ("+dirty" if sha.endswith("+dirty") else "")
         for r in rows:
-            ratio = harness.ratio_to_baseline(r, rows)
+            sha = str(r.get("git_sha") or header.get("git_sha", "unknown"))
+            sha = sha[:10] + ("+dirty" if sha.endswith("+dirty") else "")
+            ratio = harness.ratio_to_baseline(r, same_run(r, rows, header))
             vs = "-" if ratio is None else f"{ratio:.2f}x {r.get('baseline') or 'best baseline'}"
             cells = [work, r.get("variant"), r.get("role"), _fmt(r.get("ms"), "ms"), _fmt(r.get("tokens_per_s"), "tok"),
                      _fmt(r.get("mfu"), "pct"), _fmt(r.get("peak_mem_gib"), "gib"), vs, r.get("optimizer") or "-",
@@ -99,7 +108,7 @@ def render_chart(files: Sequence[dict], path: Path) -> Optional[Path]:
             continue
         header, rows = works[work]
         for r in rows:
-            ratio = harness.ratio_to_baseline(r, rows)
+            ratio = harness.ratio_to_baseline(r, same_run(r, rows, header))
             if ratio is not None:
                 bars.append((f"{work}: {r.get('variant')}", ratio, r.get("role"), header.get("device")))
     if not bars:
