@@ -85,30 +85,39 @@ else:
     print("No GPU step times are recorded yet: run bench/bench_train.py on a GPU to fill bench/results/.")
 
 # %%
-# Fused kernels against their references
-# --------------------------------------
-# ``bench/bench_kernels.py`` records, per fusion pattern, the speed of the fused kernel against the
-# unfused PyTorch ops in ``bench/results/*-kernels.json``.
+# Fused kernels against eager PyTorch and torch.compile
+# -----------------------------------------------------
+# ``bench/bench_kernels.py`` times each training-step kernel (forward and backward, LLaMA-1.1B sizes)
+# three ways in one run: eager PyTorch, ``torch.compile`` of the same code, and schedlang's kernel.
+# Its rows (``bench/results/*-kernels.json``) name the kernel (``work``) and the way (``variant``).
 import json  # noqa: E402
 
-kernel_rows = []
 for path in sorted((ROOT / "bench" / "results").glob("*-kernels.json")):
     data = json.loads(path.read_text())
+    times = {}
     for row in data.get("rows", []):
-        speedup = row.get("speedup")
-        if speedup is None and row.get("ms") and row.get("baseline_ms"):
-            speedup = row["baseline_ms"] / row["ms"]
-        if speedup is not None:
-            kernel_rows.append((str(row.get("pattern") or row.get("work") or row.get("variant")), float(speedup),
-                                _label(data)))
-if kernel_rows:
-    fig, ax = plt.subplots(figsize=(8, 0.3 * len(kernel_rows) + 1.2))
-    ax.barh([r[0] for r in kernel_rows], [r[1] for r in kernel_rows], color="tab:orange")
+        if row.get("ms") and str(row.get("check", "")).startswith("ok"):
+            times.setdefault(row["work"], {})[row["variant"]] = row["ms"]
+    kernels = [k for k, t in times.items() if "schedlang" in t and "eager" in t and "torch.compile" in t]
+    if not kernels:
+        continue
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(kernels) + 1.4))
+    ys = range(len(kernels))
+    ax.barh([y + 0.2 for y in ys], [times[k]["eager"] / times[k]["schedlang"] for k in kernels], height=0.4,
+            color="tab:orange", label="schedlang over eager")
+    ax.barh([y - 0.2 for y in ys], [times[k]["torch.compile"] / times[k]["schedlang"] for k in kernels], height=0.4,
+            color="tab:blue", label="schedlang over torch.compile")
+    ax.set_yticks(list(ys), kernels)
     ax.axvline(1.0, color="black", linewidth=0.8)
-    ax.set_xlabel("speedup of the fused kernel over unfused PyTorch (> 1 is faster)")
-    ax.set_title(f"fusion speedups per pattern ({kernel_rows[0][2]})", fontsize=8)
+    ax.set_xlabel("speed of schedlang's kernel (> 1 is faster), forward + backward")
+    ax.set_title(f"training-step kernels ({_label(data)})", fontsize=8)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     plt.show()
+    for k in kernels:
+        print(f"{k:24s} eager {times[k]['eager']:.3f} ms  torch.compile {times[k]['torch.compile']:.3f} ms  "
+              f"schedlang {times[k]['schedlang']:.3f} ms")
+    break
 else:
     print("No per-kernel GPU results are recorded yet (bench/results/*-kernels.json): "
           "run bench/bench_kernels.py on a GPU to record them.")
