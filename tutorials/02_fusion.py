@@ -139,7 +139,8 @@ print(forward_kernel(sch["proj.FusedLayerNorm_0"].mod.source))
 # Same numbers, forward and backward
 # ----------------------------------
 # ``Verify`` replays the plan on a fresh copy and compares outputs, input gradients and
-# every parameter gradient with the original model (dropout is off: both run in eval mode).
+# every parameter gradient with the original model, in eval mode and again in training mode with
+# dropout on under the same seed.
 
 check = schedlang.create_schedule(model)
 with schedlang.Verify(check, example_inputs=[torch.randn(3, 7, 64, device=device)]) as verify:

@@ -26,7 +26,7 @@ class ForkRng(Primitive):
         sch["layers.0.attn.drop"].fork_rng()
     """
 
-    # dropout differs by design after forking; Verify runs modules in eval mode where this is a no-op
+    # dropout differs by design after forking: Verify mirrors the forked stream on the original in training mode
     name = "fork_rng"
 
     @classmethod
