@@ -154,7 +154,7 @@ class CapturedStep:
                 raise ScheduleValueError(
                     "CapturedStep: a compiled region compiled again while the step was being captured (its guards "
                     "failed under capture: some transformers versions build attention masks differently while a "
-                    "CUDA graph is captured); capture a step without torch.compile inside it, or replay the compiled "
+                    "CUDA graph is captured); use a step without torch.compile inside it, or replay the compiled "
                     "layers from CUDA graphs with optimize_model(sch, compile='layers-cudagraphs'): "
                     f"{chain[-1][:300]}") from e
             raise ScheduleValueError(
@@ -169,7 +169,7 @@ class CapturedStep:
     def _check_like_captured(self, inputs) -> None:
         if len(inputs) != len(self._static_inputs):
             raise ScheduleValueError(f"CapturedStep: the step was captured with {len(self._static_inputs)} inputs, "
-                                     f"got {len(inputs)}")
+                                     f"got {len(inputs)}; pass the same inputs every step, or make a new CapturedStep")
         for i, (static, x) in enumerate(zip(self._static_inputs, inputs)):
             if isinstance(static, torch.Tensor):
                 if not isinstance(x, torch.Tensor) or x.shape != static.shape or x.dtype != static.dtype:

@@ -413,7 +413,7 @@ BAD_CALLS = {
     "checkpoint twice": _checkpoint_twice,
     "decompose non-linear": lambda sch: sch["0.act"].decompose(),
     "trace tracer": lambda sch: sch["0"].trace(tracer="jit"),
-    "find untraced": lambda sch: sch["0"].find(lambda x: x + 1),
+    "find pattern": lambda sch: sch["0"].find(42),
     "fuse compiler": lambda sch: (sch["0"].trace(flatten=True),
                                   sch["0"].fuse(sch["0"].find(lambda x: __import__("torch").relu(x)),
                                                 compiler="tvm")),

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import schedlang
+from schedlang.distributed.shard_rules import ShardRule, register_shard_rule
 from tests.helpers.distributed import run_distributed
 from tests.helpers.models import MLP
 
@@ -32,6 +33,15 @@ class ToyAttention(nn.Module):
         a = F.scaled_dot_product_attention(heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x)),
                                            is_causal=True)
         return self.out_proj(a.transpose(1, 2).reshape(b, t, -1))
+
+
+@register_shard_rule
+class _ForgetfulToyAttentionRule(ShardRule):
+    """A hand-written rule for ToyAttention that forgets its head count: it wins over the generic attention
+    rule (which would set num_heads right), so the model computes with the global head count on split heads,
+    the user bug Verify must locate."""
+
+    module_types = (ToyAttention,)
 
 
 class ToyBlock(nn.Module):

@@ -183,7 +183,7 @@ def test_fuse_errors_leave_the_module_as_it_was():
         sch.fuse([("", "tanh")], compiler="eager")
     sch.trace()
     code = sch.mod.code
-    with pytest.raises(ScheduleValueError, match=r"^unknown compiler 'nvfuser': valid compilers are 'triton', "
+    with pytest.raises(ScheduleValueError, match=r"^fuse: unknown compiler 'nvfuser': valid compilers are 'triton', "
                                                  r"'inductor', 'eager'"):
         sch.fuse(sch.find(lambda x: torch.tanh(x)), compiler="nvfuser")
     with pytest.raises(ScheduleValueError, match=r"^<root>: fuse name must be a Python identifier \(it names the new "

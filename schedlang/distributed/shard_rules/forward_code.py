@@ -57,7 +57,7 @@ def _function(klass: type, name: str) -> Optional[ast.FunctionDef]:
     if fn is None or not callable(fn):
         return None
     fn = inspect.unwrap(fn)
-    if getattr(fn, "__module__", "").startswith("torch.nn.modules.module"):
+    if (getattr(fn, "__module__", None) or "").startswith("torch.nn.modules.module"):
         return None  # nn.Module's own methods (__call__, ...) carry no model logic
     try:
         source = textwrap.dedent(inspect.getsource(fn))

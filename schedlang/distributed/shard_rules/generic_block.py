@@ -131,6 +131,18 @@ def heads_of(module: nn.Module) -> Optional[Heads]:
     return Heads(q=q, kv=kv, dim=dim)
 
 
+def _head_size_only(module: nn.Module) -> Optional[int]:
+    """The head size of a module that reads a head size but neither a head count nor an attention width
+    (its own or its config's); None otherwise."""
+    own = {k: _original(module, k) for k in module.__dict__}
+    config = _original_config(module)
+    conf = {k: getattr(config, k, None) for k in HEAD_COUNTS + HEAD_DIMS} if config is not None else {}
+    if _first(own, HEAD_COUNTS) or _first(conf, HEAD_COUNTS) or _first(own, ATTENTION_WIDTHS):
+        return None
+    dim = _first(own, HEAD_DIMS) or _first(conf, HEAD_DIMS)
+    return dim if _int(dim) else None
+
+
 def _direction(child: nn.Module, tensor_name: str, axis: int) -> Optional[str]:
     """"column" (outputs split) or "row" (inputs split) for a projection's tensor, else None."""
     if not is_projection(child):
@@ -256,10 +268,19 @@ class GenericBlockShardRule(ShardRule):
     @classmethod
     def _attention_groups(cls, path, module, child_name, child, tensor_name, direction, world) -> int:
         heads = heads_of(module)
-        if heads is None:
-            raise _fail(path, module, tensor_name, f"the head count and head size of {type(module).__name__} "
-                        "cannot be told from its attributes or its config", _found(module))
         width = _width(child, direction)
+        if heads is None:
+            dim = _head_size_only(module)
+            if dim is None:
+                raise _fail(path, module, tensor_name, f"the head count and head size of {type(module).__name__} "
+                            "cannot be told from its attributes or its config", _found(module))
+            # the forward reads only the size of a head (``view(b, s, -1, head_dim)``): the head count follows
+            # the tensor's width, so whole heads per rank is all a split needs
+            if width % dim:
+                raise _fail(path, module, tensor_name, f"its width {width} is not a whole number of heads of "
+                            f"size {dim}", _found(module))
+            _whole(path, module, tensor_name, width // dim, world, f"the projection has {width // dim} heads")
+            return 1
         groups = 1
         if direction == "row":
             if width != heads.q * heads.dim:
@@ -363,6 +384,8 @@ class GenericBlockShardRule(ShardRule):
             return
         if is_attention(module):
             heads = heads_of(module)
+            if heads is None:  # only a head size is read: nothing in the module depends on the head count
+                return
             own, conf = _local_attention_values("", module, tensor_name, heads, world_size)
         else:
             own, conf = cls._mlp_groups("", module, child_name, child, tensor_name, "column", world_size)[1], {}
