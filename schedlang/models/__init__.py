@@ -61,21 +61,45 @@ def shard_model(sch, **options) -> TensorParallelPlan:
     :func:`register_family` adds) uses its own schedule; any other model gets the automatic plan
     (:func:`~schedlang.models.auto.shard_auto`), found from the model's structure and code.
 
+    ``float8="tensorwise"`` (or ``"rowwise"``, or a dict of :meth:`Schedule.float8` arguments) then
+    converts the decoder layers' Linears to float8 training, checked on their tensor-parallel shards.
+
     Example::
 
         print(shard_model(schedlang.create_schedule(OPTForCausalLM(config)), gather_logits=True))
     """
+    float8 = options.pop("float8", None)
+    float8_args = _float8_arguments(float8)
     name = type(sch.mod).__name__
     matches = [p for p in FAMILIES if name.startswith(p)]
-    if not matches:
-        return shard_auto(sch, **options)
-    prefix = max(matches, key=len)
-    fn = FAMILIES[prefix]
-    before = len(sch.root.plan)
-    fn(sch, **options)
-    return TensorParallelPlan(model=name, schedule=getattr(fn, "__name__", repr(fn)),
-                              logits="gathered" if options.get("gather_logits") else "split",
-                              steps=len(sch.root.plan) - before)
+    with sch.root.atomic():
+        if not matches:
+            plan = shard_auto(sch, **options)
+        else:
+            prefix = max(matches, key=len)
+            fn = FAMILIES[prefix]
+            before = len(sch.root.plan)
+            fn(sch, **options)
+            plan = TensorParallelPlan(model=name, schedule=getattr(fn, "__name__", repr(fn)),
+                                      logits="gathered" if options.get("gather_logits") else "split",
+                                      steps=len(sch.root.plan) - before)
+        if float8_args is not None:
+            from .optimize import _layer_paths
+
+            for path in _layer_paths(sch.root):
+                sch.root[path].float8(**float8_args)
+    return plan
+
+
+def _float8_arguments(float8):
+    if float8 is None:
+        return None
+    if isinstance(float8, str):
+        return {"recipe": float8}
+    if isinstance(float8, dict):
+        return dict(float8)
+    raise ScheduleTypeError(f"shard_model: float8 must be None, a recipe name ('tensorwise', 'rowwise') or a dict of "
+                            f"Schedule.float8 arguments, got {type(float8).__name__}")
 
 
 #: names of the ModuleList holding the transformer layers, per family

@@ -61,8 +61,10 @@ def _layout(kind):
     dp, tp = (2, 1) if kind == "fsdp" else (1, 2)
     sch = schedlang.create_schedule(_model(), mesh=make_mesh(dp=dp, tp=tp, device_type="cpu"))
     if tp > 1:
-        shard_model(sch, gather_logits=True)
-    _float8_layers(sch)  # after shard: the local shards are what float8 checks and runs
+        # the ready-made schedule converts the layers after sharding them: float8 checks the local shards
+        shard_model(sch, gather_logits=True, float8={"recipe": "tensorwise", "min_features": 16})
+    else:
+        _float8_layers(sch)
     if dp > 1:
         for i in range(2):
             sch[f"model.layers.{i}"].fully_shard(mp_policy="fp32")
@@ -101,3 +103,12 @@ def test_float8_with_the_fused_optimizer():
     fused = _one_process(True, optimizer="adamw")
     plain = _one_process(True)
     torch.testing.assert_close(torch.tensor(fused), torch.tensor(plain), rtol=1e-4, atol=1e-4)
+
+
+def test_shard_model_float8_argument_is_checked():
+    from schedlang.models import shard_model
+
+    sch = schedlang.create_schedule(_model())
+    with pytest.raises(schedlang.ScheduleTypeError, match=r"shard_model: float8 must be None, a recipe name"):
+        shard_model(sch, float8=8)
+    assert len(sch.plan) == 0
