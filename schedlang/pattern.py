@@ -32,12 +32,10 @@ Example::
 
 from __future__ import annotations
 
-import re
-
 from torch import nn
 
 from .errors import PatternError
-from .graph.pattern import call_module
+from .graph.pattern import call_module, check_regex
 
 __all__ = ["Pattern", "ModulePattern", "call_module"]
 
@@ -56,12 +54,7 @@ class ModulePattern(nn.Module):
 
     def __init__(self, name: str):
         super().__init__()
-        if not isinstance(name, str):
-            raise PatternError(f"find: ModulePattern expects a regex string, got {name!r}")
-        try:
-            re.compile(name)
-        except re.error as e:
-            raise PatternError(f"ModulePattern: invalid regex {name!r}: {e}") from e
+        check_regex(name, "ModulePattern")
         self.name = name
 
     def forward(self, *args, **kwargs):

@@ -54,6 +54,16 @@ _CALLS = ("call_function", "call_method", "call_module")
 # ---------------------------------------------------------------------------------------------
 
 
+def check_regex(regex, who: str, where: str = "") -> None:
+    """A module-name regex of a pattern: a string that compiles (PatternError naming ``who`` otherwise)."""
+    if not isinstance(regex, str):
+        raise PatternError(f"find: {who} expects a regex string{' ' + where if where else ''}, got {regex!r}")
+    try:
+        re.compile(regex)
+    except re.error as e:
+        raise PatternError(f"{who}: invalid regex {regex!r}: {e}; pass a valid Python regular expression") from e
+
+
 def call_module(regex: str, *args: Any, **kwargs: Any) -> Any:
     """In a pattern function: a call of any module whose name matches ``regex``.
 
@@ -70,12 +80,7 @@ def call_module(regex: str, *args: Any, **kwargs: Any) -> Any:
     if tracer is None:
         raise PatternError("find: schedlang.call_module(regex, *args) describes a module call inside a pattern function "
                            "passed to find(); it cannot be called on real tensors")
-    if not isinstance(regex, str):
-        raise PatternError(f"find: call_module expects a regex string as its first argument, got {regex!r}")
-    try:
-        re.compile(regex)
-    except re.error as e:
-        raise PatternError(f"call_module: invalid regex {regex!r}: {e}") from e
+    check_regex(regex, "call_module", "as its first argument")
     return tracer.create_proxy("call_function", call_module, (regex,) + tuple(args), kwargs)
 
 

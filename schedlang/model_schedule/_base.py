@@ -106,6 +106,31 @@ def fuse_bias_act(parent, linear: str, act: str) -> bool:
     return True
 
 
+def delegate(model, sch_config: Dict[str, Any], family: str, shard_fn, base: str, layer_list: str):
+    """A family whose tensor parallelism is a ready-made schedule of :mod:`schedlang.models` (``shard_fn``):
+    prepare, shard over several ranks, then checkpoint and finish over the layers ``base.layer_list``."""
+    sch = prepare(model, sch_config, family)
+    if sch.world_size > 1:
+        shard_fn(sch, sequence_parallel=sch_config.get("sequence_parallel", False),
+                 gather_logits=sch_config.get("gather_logits", True))
+    root = sch[base] if base in sch.child else sch
+    return finish(sch, family, list(root[layer_list].child.values()), sch_config)
+
+
+def schedule_layers(sch, layers: List, sch_config: Dict[str, Any], attention: tuple, mlp: tuple, fuse: tuple) -> None:
+    """The per-layer part of a family schedule, all or nothing: with ``fuse=True`` in ``sch_config`` the bias
+    and activation of ``fuse = (owner path, linear, activation)`` fused; over several ranks the attention
+    ``(path, [q, k, v], out)`` and the MLP ``(path, [column...], row)`` sharded Megatron-style."""
+    with sch.atomic():
+        for layer in layers:
+            if sch_config.get("fuse", False):
+                owner, linear, act = fuse
+                fuse_bias_act(layer[owner] if owner else layer, linear, act)
+            if sch.world_size > 1:
+                for path, columns, row in (attention, mlp):
+                    shard_block(layer[path] if path else layer, columns, row)
+
+
 def finish(sch, family: str, layers: List, sch_config: Dict[str, Any]):
     checkpointed = checkpoint_ratio(layers, sch_config.get("ckpt_ratio", 0.0))
     config = getattr(sch.mod, "config", None)

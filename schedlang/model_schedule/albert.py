@@ -5,7 +5,7 @@ activation of ``ffn`` fused with ``fuse=True``. Embeddings stay whole."""
 
 from __future__ import annotations
 
-from ._base import finish, fuse_bias_act, prepare, shard_block, shard_column, shard_row
+from ._base import finish, prepare, schedule_layers
 from .registry import register_schedule
 
 __all__ = ["apply", "shared_layers"]
@@ -21,12 +21,6 @@ def shared_layers(sch):
 def apply(model, **sch_config):
     sch = prepare(model, sch_config, "albert")
     layers = shared_layers(sch)
-    with sch.atomic():
-        for layer in layers:
-            if sch_config.get("fuse", False):
-                fuse_bias_act(layer, "ffn", "activation")
-            if sch.world_size > 1:
-                shard_block(layer["attention"], ["query", "key", "value"], "dense")
-                shard_column(layer["ffn"])
-                shard_row(layer["ffn_output"])
+    schedule_layers(sch, layers, sch_config, attention=("attention", ["query", "key", "value"], "dense"),
+                    mlp=("", ["ffn"], "ffn_output"), fuse=("", "ffn", "activation"))
     return finish(sch, "albert", layers, sch_config)

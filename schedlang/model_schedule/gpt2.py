@@ -4,7 +4,7 @@ GPT-2's projections are HF ``Conv1D``s, so there is no Linear to fuse the bias w
 
 from __future__ import annotations
 
-from ._base import finish, prepare
+from ._base import delegate
 from .registry import register_schedule
 
 __all__ = ["apply"]
@@ -14,9 +14,4 @@ __all__ = ["apply"]
 def apply(model, **sch_config):
     from ..models import shard_gpt2
 
-    sch = prepare(model, sch_config, "gpt2")
-    if sch.world_size > 1:
-        shard_gpt2(sch, sequence_parallel=sch_config.get("sequence_parallel", False),
-                   gather_logits=sch_config.get("gather_logits", True))
-    base = sch["transformer"] if "transformer" in sch.child else sch
-    return finish(sch, "gpt2", list(base["h"].child.values()), sch_config)
+    return delegate(model, sch_config, "gpt2", shard_gpt2, "transformer", "h")

@@ -4,7 +4,7 @@ parallel, bias + activation of ``c_fc`` fused with ``fuse=True``. Embeddings sta
 
 from __future__ import annotations
 
-from ._base import finish, fuse_bias_act, prepare, register_head_count_rule, shard_block
+from ._base import finish, prepare, register_head_count_rule, schedule_layers
 from .registry import register_schedule
 
 __all__ = ["apply"]
@@ -17,11 +17,6 @@ def apply(model, **sch_config):
     sch = prepare(model, sch_config, "gpt_neo")
     base = sch["transformer"] if "transformer" in sch.child else sch
     layers = list(base["h"].child.values())
-    with sch.atomic():
-        for layer in layers:
-            if sch_config.get("fuse", False):
-                fuse_bias_act(layer["mlp"], "c_fc", "act")
-            if sch.world_size > 1:
-                shard_block(layer["attn.attention"], ["q_proj", "k_proj", "v_proj"], "out_proj")
-                shard_block(layer["mlp"], ["c_fc"], "c_proj")
+    schedule_layers(sch, layers, sch_config, attention=("attn.attention", ["q_proj", "k_proj", "v_proj"], "out_proj"),
+                    mlp=("mlp", ["c_fc"], "c_proj"), fuse=("mlp", "c_fc", "act"))
     return finish(sch, "gpt_neo", layers, sch_config)

@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from ._base import finish, fuse_bias_act, prepare, shard_block, shard_column, shard_row
+from ._base import finish, prepare, schedule_layers
 from .registry import register_schedule
 
 __all__ = ["apply"]
@@ -14,12 +14,6 @@ def apply(model, **sch_config):
     sch = prepare(model, sch_config, "opt")
     base = sch["model"] if "model" in sch.child else sch
     layers = list(base["decoder.layers"].child.values())
-    with sch.atomic():
-        for layer in layers:
-            if sch_config.get("fuse", False):
-                fuse_bias_act(layer, "fc1", "activation_fn")
-            if sch.world_size > 1:
-                shard_block(layer["self_attn"], ["q_proj", "k_proj", "v_proj"], "out_proj")
-                shard_column(layer["fc1"])
-                shard_row(layer["fc2"])
+    schedule_layers(sch, layers, sch_config, attention=("self_attn", ["q_proj", "k_proj", "v_proj"], "out_proj"),
+                    mlp=("", ["fc1"], "fc2"), fuse=("", "fc1", "activation_fn"))
     return finish(sch, "opt", layers, sch_config)
