@@ -135,3 +135,21 @@ def test_replace_all_passes_extra_arguments_to_the_factory():
     x = torch.randn(4, 7)
     torch.testing.assert_close(sch.mod(x), F.relu(model[1](F.relu(model[0](x)))))
     assert "make_fn_kwargs={'scale': 2.0}" in str(sch.plan)
+
+
+def test_gen_embedding_hooks_on_one_rank_keep_the_embedding():
+    from schedlang.model_schedule.gpt2 import gen_embedding_hooks
+
+    model = nn.Sequential(nn.Embedding(50, 16), nn.Linear(16, 7))
+    sch = schedlang.create_schedule(model)
+    pre, post = gen_embedding_hooks(sch, 50)
+    sch["0"].sync(mode="fwd_pre", sync_op_or_fn=pre)
+    sch["0"].sync(mode="fwd_post", sync_op_or_fn=post)
+    ids = torch.randint(0, 50, (3, 9))
+    torch.testing.assert_close(sch.mod(ids), model(ids))
+    with pytest.raises(ScheduleValueError, match=r"^<root>: embedding ids must lie in \[0, 50\), got values in "
+                                                 r"\[0, 50\]"):
+        sch.mod(torch.tensor([[0, 50]]))
+    with pytest.raises(ScheduleValueError, match=r"^<root>: gen_embedding_hooks needs the vocabulary size as an int "
+                                                 r"of at least the group size 1, got 'x'"):
+        gen_embedding_hooks(sch, "x")
