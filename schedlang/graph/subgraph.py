@@ -666,6 +666,10 @@ def fuse_subgraphs(sch, subgraphs: Any, compiler: str, name: str) -> List[str]:
     return made
 
 
+#: base name of the modules that run checkpointed subgraphs (``CheckPointWrapper_0`` ..., as Slapo names them)
+CHECKPOINT_WRAPPER_NAME = "CheckPointWrapper"
+
+
 class CheckpointedSubgraph(nn.Module):
     """Runs a subgraph of a traced module under ``torch.utils.checkpoint`` (non-reentrant).
 
@@ -680,6 +684,11 @@ class CheckpointedSubgraph(nn.Module):
         super().__init__()
         self.__dict__["body"] = body
         self.input_names = [n.name for n in body.graph.nodes if n.op == "placeholder"]
+
+    @property
+    def mod(self) -> fx.GraphModule:
+        """The checkpointed body (Slapo's name for the wrapped module)."""
+        return self.body
 
     def forward(self, *args):
         if not torch.is_grad_enabled():
@@ -707,7 +716,7 @@ def checkpoint_subgraph(sch, subgraph: Any) -> None:
         for nodes in node_lists:
             body, inputs, outputs = extract_subgraph(gm, nodes, functionalize=False, where=where,
                                                      primitive="checkpoint")
-            planned.append((path, gm, nodes, inputs, outputs, _unique_name(gm, "checkpoint", taken), body))
+            planned.append((path, gm, nodes, inputs, outputs, _unique_name(gm, CHECKPOINT_WRAPPER_NAME, taken), body))
     edits: Dict[str, _GraphEdit] = {}
     for path, gm, nodes, inputs, outputs, module_name, body in planned:
         edit = edits.setdefault(path, _GraphEdit(gm))

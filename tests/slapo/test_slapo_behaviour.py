@@ -153,3 +153,27 @@ def test_gen_embedding_hooks_on_one_rank_keep_the_embedding():
     with pytest.raises(ScheduleValueError, match=r"^<root>: gen_embedding_hooks needs the vocabulary size as an int "
                                                  r"of at least the group size 1, got 'x'"):
         gen_embedding_hooks(sch, "x")
+
+
+def test_a_checkpointed_subgraph_is_a_checkpoint_wrapper_holding_its_modules():
+    class TwoLayers(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer1, self.layer2 = nn.Linear(9, 9), nn.Linear(9, 9)
+
+        def forward(self, x):
+            return self.layer2(F.relu(self.layer1(x)))
+
+    model = TwoLayers()
+    sch = schedlang.create_schedule(model)
+    sch.checkpoint(sch.find(lambda x: F.relu(call_module("layer1", x))))
+    wrapper = sch["CheckPointWrapper_0"].mod
+    assert wrapper.mod.layer1 is sch.mod.layer1
+    x = torch.randn(6, 9, requires_grad=True)
+    out = sch.mod(x)
+    torch.testing.assert_close(out, model(x))
+    out.sum().backward()
+    ref_x = x.detach().clone().requires_grad_(True)
+    model(ref_x).sum().backward()
+    torch.testing.assert_close(x.grad, ref_x.grad)
+    torch.testing.assert_close(sch.mod.layer1.weight.grad, model.layer1.weight.grad)
