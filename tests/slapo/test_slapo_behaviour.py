@@ -177,3 +177,34 @@ def test_a_checkpointed_subgraph_is_a_checkpoint_wrapper_holding_its_modules():
     model(ref_x).sum().backward()
     torch.testing.assert_close(x.grad, ref_x.grad)
     torch.testing.assert_close(sch.mod.layer1.weight.grad, model.layer1.weight.grad)
+
+
+class _Topology:
+    """pp stages of tp ranks each, numbered stage-major (DeepSpeed's order for pp x tp, dp=1)."""
+
+    def __init__(self, tp):
+        self.tp = tp
+
+    def filter_match(self, pipe):
+        return [pipe * self.tp + i for i in range(self.tp)]
+
+
+def test_analyze_tie_ranks_groups_the_same_position_of_every_stage():
+    from schedlang.framework_dialect.deepspeed.pipeline import analyze_tie_ranks
+
+    groups = [[("wte.weight", 0), ("lm_head.weight", 4)], [("a.weight", 2), ("b.weight", 1), ("c.weight", 3)]]
+    ranks, stages = analyze_tie_ranks(groups, _Topology(tp=3))
+    assert ranks == [[[0, 12], [1, 13], [2, 14]], [[3, 6, 9], [4, 7, 10], [5, 8, 11]]]
+    assert stages == [[0, 4], [1, 2, 3]]
+
+
+def test_analyze_tie_ranks_refuses_stages_of_different_sizes():
+    from schedlang.framework_dialect.deepspeed.pipeline import analyze_tie_ranks
+
+    class Uneven:
+        def filter_match(self, pipe):
+            return list(range(pipe + 1))
+
+    with pytest.raises(ScheduleValueError, match=r"^analyze_tie_ranks: the stages of tied weight 'w' hold different "
+                                                 r"numbers of ranks \(\{0: 1, 1: 2\}\)"):
+        analyze_tie_ranks([[("w", 0), ("w", 1)]], Uneven())
