@@ -79,8 +79,8 @@ def analyze_tie_ranks(tie_weight_groups: Iterable[Iterable[Tuple[str, int]]],
     for group in tie_weight_groups:
         places = list(group)
         if not places:
-            raise ScheduleValueError("analyze_tie_ranks: a tied-weight group is empty; each group lists "
-                                     "(parameter name, stage id) pairs")
+            raise ScheduleValueError("analyze_tie_ranks: a tied-weight group is empty; each group must list "
+                                     "its (parameter name, stage id) pairs")
         stages = sorted({stage for _, stage in places})
         per_stage = {stage: list(topology.filter_match(pipe=stage)) for stage in stages}
         counts = {stage: len(ranks) for stage, ranks in per_stage.items()}
