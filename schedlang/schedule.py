@@ -129,6 +129,8 @@ def _primitive_method(fn: Callable) -> Callable:
         raise TypeError(f"Schedule.{fn.__name__} does not match its primitive's declaration: {problem}")
     sig = inspect.signature(fn)
     var_keyword = next((p.name for p in sig.parameters.values() if p.kind is p.VAR_KEYWORD), None)
+    if var_keyword is not None and any(p.variadic == "**" for p in primitive.params):
+        var_keyword = None  # a declared **argument: passed on as one dict, not as options
 
     @functools.wraps(fn)
     def method(self, *args, **kwargs):
@@ -491,10 +493,12 @@ class Schedule:
     # Each method's signature is checked against its primitive's declaration when this class is
     # defined; its docstring is the primitive's, and its body is the call (see _primitive_method).
     @_primitive_method
-    def replace(self, new_mod_or_fn: Callable[..., Any], target_ops: Any = None, name: Optional[str] = None): ...
+    def replace(self, new_mod_or_fn: Callable[..., Any], target_ops: Any = None, name: Optional[str] = None,
+                concrete_args: Optional[Dict[str, Any]] = None): ...
 
     @_primitive_method
-    def replace_all(self, module_type: Type[nn.Module], make_fn: Callable[[str, nn.Module], nn.Module]): ...
+    def replace_all(self, module_type: Type[nn.Module], make_fn: Callable[..., nn.Module], *make_fn_args: Any,
+                    **make_fn_kwargs: Any): ...
 
     @_primitive_method
     def shard(self, tensor_name: str, axis: int): ...

@@ -67,7 +67,6 @@ HINT_PENDING: set[tuple[str, str]] = {
     ("distributed/shard_rules/linear.py", "check"),
     ("env.py", "setup"),
     ("framework_dialect/registry.py", "decorator"),
-    ("graph/subgraph.py", "_check_arity"),
     ("graph/subgraph.py", "_stable_toposort"),
     ("graph/subgraph.py", "extract_subgraph"),
     ("graph/subgraph.py", "replace_subgraphs"),

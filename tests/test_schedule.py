@@ -79,11 +79,15 @@ def test_each_method_signature_and_docstring_come_from_the_declaration(name):
     method = getattr(Schedule, name)
     assert signature_mismatch(method, primitive) == ""
     actual = inspect.signature(method).parameters
-    declared = [p for p in primitive.params if not p.option]
+    declared = [p for p in primitive.params if not p.option and p.variadic != "**"]
     assert [n for n, p in actual.items() if p.kind is not p.VAR_KEYWORD][1:] == [p.name for p in declared]
     for p in declared:
-        assert actual[p.name].default == (inspect.Parameter.empty if p.required else p.default), p.name
-    assert any(p.kind is p.VAR_KEYWORD for p in actual.values()) == bool(primitive.options())
+        if p.variadic:
+            assert actual[p.name].kind is inspect.Parameter.VAR_POSITIONAL, p.name
+        else:
+            assert actual[p.name].default == (inspect.Parameter.empty if p.required else p.default), p.name
+    assert any(p.kind is p.VAR_KEYWORD for p in actual.values()) == bool(
+        primitive.options() or any(p.variadic == "**" for p in primitive.params))
     doc = method.__doc__
     assert doc == primitive.method_doc() and doc.startswith(inspect.cleandoc(primitive.__doc__))
     for p in primitive.params:

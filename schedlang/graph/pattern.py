@@ -14,14 +14,21 @@ Matching follows dataflow from the pattern's outputs back to its inputs, so
 * functional and module forms are the same operator: ``F.gelu`` / ``nn.GELU``,
   ``F.relu`` / ``torch.relu`` / ``x.relu()`` / ``nn.ReLU``, ``F.linear`` / ``nn.Linear``,
   ``operator.add`` / ``torch.add`` / ``x.add(y)``, ``F.layer_norm`` / ``nn.LayerNorm`` ...;
-* a pattern input matches any value (a node, a parameter, a constant); the same input
-  used twice must match the same value twice (``x * torch.sigmoid(x)``);
+* a pattern input matches any value (a node, a parameter, a constant). An input used twice
+  preferably matches the same value twice (``x * torch.sigmoid(x)``), but, as in Slapo, each
+  use may also match a different value (``F.relu(x) + x`` finds ``relu(conv(x)) + x``);
+  ``strict=True`` requires the same value;
 * a constant the pattern passes must be equal in the graph (``F.gelu(x, approximate="tanh")``);
   an argument the pattern leaves out, or leaves at the default of a Python-level function
   such as ``F.dropout``, is not compared (``F.dropout(x)`` matches ``nn.Dropout(0.1)``);
 * ``call_module(regex, *args)`` matches a call of any module whose name matches ``regex``;
-* a match's intermediate values are used only inside the match (so it can be replaced),
-  and matches never share nodes.
+* matches never share nodes. A match whose intermediate values are used only inside it is
+  preferred; one whose intermediates are also used elsewhere is still reported (they become
+  extra outputs of the subgraph), unless ``strict=True``.
+
+Whatever matched, ``replace`` and ``fuse`` work on the matched nodes themselves: a
+replacement receives the subgraph's actual inputs and must produce all of its outputs, so a
+loose match can be replaced only by something that computes what those nodes compute.
 
 Example::
 
@@ -398,6 +405,8 @@ class _State:
     nodes: Tuple[Tuple[fx.Node, fx.Node], ...] = ()  # pattern op node -> target node
     binds: Tuple[Tuple[fx.Node, Any], ...] = ()  # pattern input -> target value
     used: FrozenSet[fx.Node] = frozenset()
+    loose: bool = False  # some pattern input matched two different values
+
 
     def node(self, pn):
         for p, t in self.nodes:
@@ -412,18 +421,21 @@ class _State:
         return False, None
 
     def with_node(self, pn, tn) -> "_State":
-        return _State(self.nodes + ((pn, tn),), self.binds, self.used | {tn})
+        return dataclasses.replace(self, nodes=self.nodes + ((pn, tn),), used=self.used | {tn})
 
     def with_bind(self, pn, value) -> "_State":
-        return _State(self.nodes, self.binds + ((pn, value),), self.used)
+        return dataclasses.replace(self, binds=self.binds + ((pn, value),))
 
 
 _MISSING = object()
+# how many candidate matches of one anchor are looked at for a preferred (exact) one
+_MAX_STATES_PER_ANCHOR = 64
 
 
 class _Matcher:
-    def __init__(self, pattern: fx.GraphModule, owner: fx.GraphModule, path: str):
+    def __init__(self, pattern: fx.GraphModule, owner: fx.GraphModule, path: str, strict: bool = False):
         self.pattern = pattern
+        self.strict = strict
         self.owner = owner
         self.path = path
         self.pattern_canon = {n: pattern_canonicalize(n, pattern) for n in pattern.graph.nodes if n.op in _CALLS}
@@ -495,6 +507,8 @@ class _Matcher:
                     yield state.with_bind(pv, tv)
                 elif _same_value(value, tv):
                     yield state
+                elif not self.strict:
+                    yield dataclasses.replace(state, loose=True)
                 return
             yield from self.match_node(pv, tv, state)
             return
@@ -557,13 +571,24 @@ class _Matcher:
         for anchor in candidates[self.outputs[0]]:
             if anchor in taken:
                 continue
-            for state in self._match_outputs(0, anchor, _State(), candidates):
+            # an exact match (inputs bound consistently, intermediates private) wins; otherwise the
+            # first loose one, which is what Slapo's matcher reports
+            chosen = None
+            for k, state in enumerate(self._match_outputs(0, anchor, _State(), candidates)):
+                if k >= _MAX_STATES_PER_ANCHOR:
+                    break
                 nodes = [t for _, t in state.nodes]
-                if taken.intersection(nodes) or not self._contained(state):
+                if taken.intersection(nodes):
                     continue
-                taken.update(nodes)
-                found.append(sorted(nodes, key=self.order.__getitem__))
-                break
+                exact = not state.loose and self._contained(state)
+                if exact:
+                    chosen = nodes
+                    break
+                if chosen is None and not self.strict:
+                    chosen = nodes
+            if chosen is not None:
+                taken.update(chosen)
+                found.append(sorted(chosen, key=self.order.__getitem__))
         return found
 
     def _match_outputs(self, i, anchor, state, candidates) -> Iterator[_State]:
@@ -655,11 +680,15 @@ def find_nodes(module: nn.Module, regex: str) -> List[Tuple[str, fx.Node]]:
     return found
 
 
-def find_subgraphs(module: nn.Module, pattern: Any) -> List[List[Tuple[str, fx.Node]]]:
-    """Non-overlapping matches of ``pattern`` in every traced graph under ``module``."""
+def find_subgraphs(module: nn.Module, pattern: Any, strict: bool = False) -> List[List[Tuple[str, fx.Node]]]:
+    """Non-overlapping matches of ``pattern`` in every traced graph under ``module``.
+
+    ``strict=True`` reports only exact matches: every pattern input bound to one value, and
+    no intermediate value used outside the match.
+    """
     traced = pattern if isinstance(pattern, fx.GraphModule) else trace_pattern(pattern)
     found = []
     for path, gm in graph_modules(module):
-        for nodes in _Matcher(traced, gm, path).matches():
+        for nodes in _Matcher(traced, gm, path, strict).matches():
             found.append([(path, n) for n in nodes])
     return found

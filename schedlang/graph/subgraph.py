@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import NotTracedError, PatternError, ScheduleTypeError, ScheduleValueError
+from ..utils.common import transfer_hooks
 
 __all__ = [
     "validate_subgraphs",
@@ -259,8 +260,11 @@ def _outputs_of(nodes: Sequence[fx.Node]) -> List[fx.Node]:
 
 def _has_hooks(module: nn.Module) -> bool:
     return any(bool(getattr(module, name, None)) for name in (
-        "_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")) or any(
-        n.startswith("_schedlang_sync") for n in module._modules)
+        "_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")) or _has_sync(module)
+
+
+def _has_sync(module: nn.Module) -> bool:
+    return any(n.startswith("_schedlang_sync") for n in module._modules)
 
 
 def _functional_call(module: nn.Module, target: str):
@@ -434,7 +438,7 @@ class _GraphEdit:
         return self.memo[original]
 
     def splice(self, nodes: Sequence[fx.Node], inputs: Sequence[Any], outputs: Sequence[fx.Node], op: str,
-               target: Any, name: str) -> None:
+               target: Any, name: str, kwargs: Optional[Dict[str, Any]] = None) -> None:
         """Replace ``nodes`` by one call taking ``inputs`` and producing ``outputs`` (originals)."""
         graph = self.graph
         mine = [self.node(n) for n in nodes]
@@ -446,7 +450,7 @@ class _GraphEdit:
                     args.append(graph.get_attr(value.target))
                 else:
                     args.append(self.node(value))
-            call = graph.create_node(op, target, tuple(args), {}, name=name)
+            call = graph.create_node(op, target, tuple(args), dict(kwargs or {}), name=name)
             results = [call] if len(outputs) == 1 else [
                 graph.call_function(operator.getitem, (call, i)) for i in range(len(outputs))]
         for out, res in zip(outputs, results):
@@ -530,7 +534,7 @@ def _check_name(where: str, name: Any, primitive: str) -> None:
 
 
 def replace_subgraphs(sch, new_mod_or_fn: Union[nn.Module, Callable], subgraphs: Any,
-                      name: Optional[str] = None) -> None:
+                      name: Optional[str] = None, concrete_args: Optional[Dict[str, Any]] = None) -> None:
     """Replace ``subgraphs`` (all in one traced graph) by one call of ``new_mod_or_fn``.
 
     The call takes the subgraphs' inputs (each value once, in order of first use) and must
@@ -556,14 +560,22 @@ def replace_subgraphs(sch, new_mod_or_fn: Union[nn.Module, Callable], subgraphs:
     if not is_module and not callable(new_mod_or_fn):
         raise ScheduleTypeError(f"{where}: replace expects an nn.Module or a callable, got "
                                 f"{type(new_mod_or_fn).__name__}")
+    # plain hooks of one replaced chain move to the new module (see _hooks_to_move); sync points,
+    # hooks in horizontal replacements and hooks a function cannot carry stay an error
+    movable = is_module and len(node_lists) == 1
     for nodes in node_lists:
         for n in nodes:
-            if n.op == "call_module" and _has_hooks(gm.get_submodule(n.target)):
+            if n.op != "call_module":
+                continue
+            module = gm.get_submodule(n.target)
+            if _has_sync(module) or (not movable and _has_hooks(module)):
                 raise ScheduleValueError(
                     f"{where}: cannot replace '{n.name}': module '{n.target}' has hooks or sync points, which the "
                     "replacement would drop; leave it out of the subgraph")
+    hook_moves = _hooks_to_move(where, gm, node_lists[0]) if movable else []
     label = type(new_mod_or_fn).__name__ if is_module else getattr(new_mod_or_fn, "__name__", "function")
-    _check_arity(where, new_mod_or_fn, label, inputs)
+    concrete_args = dict(concrete_args or {})
+    _check_arity(where, new_mod_or_fn, label, inputs, concrete_args)
     edit = _GraphEdit(gm)
     if is_module:
         base = name if name is not None else type(new_mod_or_fn).__name__
@@ -571,25 +583,58 @@ def replace_subgraphs(sch, new_mod_or_fn: Union[nn.Module, Callable], subgraphs:
         module_name = _unique_name(gm, base, set())
         edit.new_modules[module_name] = new_mod_or_fn
         edit.splice(sorted(all_nodes, key=order.__getitem__), inputs, outputs, "call_module", module_name,
-                    module_name)
+                    module_name, concrete_args)
     else:
         edit.splice(sorted(all_nodes, key=order.__getitem__), inputs, outputs, "call_function", new_mod_or_fn,
-                    getattr(new_mod_or_fn, "__name__", "replacement"))
+                    getattr(new_mod_or_fn, "__name__", "replacement"), concrete_args)
     edit.commit(drop_unused=True)
+    for old_module, kinds in hook_moves:
+        transfer_hooks(old_module, new_mod_or_fn, kinds)
 
 
-def _check_arity(where: str, fn: Any, label: str, inputs: Sequence[Any]) -> None:
+def _hooks_to_move(where: str, gm: fx.GraphModule, nodes: Sequence[fx.Node]) -> List[Tuple[nn.Module, List[str]]]:
+    """Which hooks of the modules in one replaced chain the new module takes over, as Slapo does.
+
+    The chain's first module gives its pre-forward and backward hooks (they see the chain's
+    input), its last module its forward hooks (they see the chain's output). A hook anywhere
+    else would have to run inside the new module, so it is refused.
+    """
+    from ..utils.common import HOOK_TYPE_TO_ATTR, has_hook
+
+    moves = []
+    for i, n in enumerate(nodes):
+        if n.op != "call_module":
+            continue
+        module = gm.get_submodule(n.target)
+        first, last = i == 0, i == len(nodes) - 1
+        allowed = (["fwd_pre", "bwd_post"] if first else []) + (["fwd_post"] if last else [])
+        stuck = [k for k in HOOK_TYPE_TO_ATTR if k not in allowed and has_hook(module, k)]
+        if stuck:
+            place = "first" if first else "last" if last else "inner"
+            raise ScheduleValueError(
+                f"{where}: cannot replace '{n.name}': module '{n.target}' has {'/'.join(stuck)} hooks, which the "
+                f"replacement cannot keep for the {place} module of the subgraph (only the first module's fwd_pre "
+                "and bwd_post hooks and the last module's fwd_post hooks move to the new module)")
+        if any(has_hook(module, k) for k in allowed):
+            moves.append((module, allowed))
+    return moves
+
+
+def _check_arity(where: str, fn: Any, label: str, inputs: Sequence[Any],
+                 concrete_args: Optional[Dict[str, Any]] = None) -> None:
     target = fn.forward if isinstance(fn, nn.Module) else fn
     try:
         sig = inspect.signature(target)
     except (TypeError, ValueError):
         return
     try:
-        sig.bind(*range(len(inputs)))
+        sig.bind(*range(len(inputs)), **(concrete_args or {}))
     except TypeError as e:
         names = ", ".join(getattr(v, "name", getattr(v, "target", "?")) for v in inputs)
+        given = f" and concrete_args {sorted(concrete_args)}" if concrete_args else ""
+        hint = "; give the missing ones with concrete_args={name: value}" if "missing" in str(e) else ""
         raise ScheduleValueError(f"{where}: {label}{sig} cannot be called with the {len(inputs)} input(s) of the "
-                                 f"subgraph(s) ({names}): {e}") from None
+                                 f"subgraph(s) ({names}){given}: {e}{hint}") from None
 
 
 def fuse_subgraphs(sch, subgraphs: Any, compiler: str, name: str) -> List[str]:
@@ -621,6 +666,10 @@ def fuse_subgraphs(sch, subgraphs: Any, compiler: str, name: str) -> List[str]:
     return made
 
 
+#: base name of the modules that run checkpointed subgraphs (``CheckPointWrapper_0`` ..., as Slapo names them)
+CHECKPOINT_WRAPPER_NAME = "CheckPointWrapper"
+
+
 class CheckpointedSubgraph(nn.Module):
     """Runs a subgraph of a traced module under ``torch.utils.checkpoint`` (non-reentrant).
 
@@ -635,6 +684,11 @@ class CheckpointedSubgraph(nn.Module):
         super().__init__()
         self.__dict__["body"] = body
         self.input_names = [n.name for n in body.graph.nodes if n.op == "placeholder"]
+
+    @property
+    def mod(self) -> fx.GraphModule:
+        """The checkpointed body (Slapo's name for the wrapped module)."""
+        return self.body
 
     def forward(self, *args):
         if not torch.is_grad_enabled():
@@ -662,7 +716,7 @@ def checkpoint_subgraph(sch, subgraph: Any) -> None:
         for nodes in node_lists:
             body, inputs, outputs = extract_subgraph(gm, nodes, functionalize=False, where=where,
                                                      primitive="checkpoint")
-            planned.append((path, gm, nodes, inputs, outputs, _unique_name(gm, "checkpoint", taken), body))
+            planned.append((path, gm, nodes, inputs, outputs, _unique_name(gm, CHECKPOINT_WRAPPER_NAME, taken), body))
     edits: Dict[str, _GraphEdit] = {}
     for path, gm, nodes, inputs, outputs, module_name, body in planned:
         edit = edits.setdefault(path, _GraphEdit(gm))

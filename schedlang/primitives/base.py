@@ -183,7 +183,10 @@ class Primitive:
         P = inspect.Parameter
         params = [P("self", P.POSITIONAL_OR_KEYWORD)]
         for p in cls.params:
-            if not p.option:
+            if p.variadic:
+                params.append(P(p.name, P.VAR_POSITIONAL if p.variadic == "*" else P.VAR_KEYWORD,
+                                annotation=p.type))
+            elif not p.option:
                 params.append(P(p.name, P.POSITIONAL_OR_KEYWORD, annotation=p.type,
                                 default=P.empty if p.required else p.default))
         if cls.options():
@@ -222,7 +225,9 @@ def signature_mismatch(fn: Any, primitive: Type[Primitive]) -> str:
     for a, e in zip(actual, expected):
         if a.kind is not e.kind:
             return f"'{a.name}' is {a.kind.description}, declared {e.kind.description}"
-        if e.kind is e.VAR_KEYWORD:
+        if e.kind is e.VAR_KEYWORD or e.kind is e.VAR_POSITIONAL:
+            if e.kind is e.VAR_POSITIONAL and a.name != e.name:
+                return f"'*{a.name}' instead of '*{e.name}'"
             continue
         if a.default != e.default:
             return f"'{a.name}' defaults to {a.default!r}, declared {e.default!r}"
@@ -240,6 +245,10 @@ def register_primitive(cls: Type[Primitive]) -> Type[Primitive]:
     names = [p.name for p in cls.params]
     if len(set(names)) != len(names) or any(n.startswith("_") for n in names):
         raise ValueError(f"{cls.__qualname__}: argument names must be unique and public, got {names}")
+    if any(p.variadic == "**" for p in cls.params) and cls.options():
+        raise ValueError(f"{cls.__qualname__}: a '**' argument and keyword options cannot go together")
+    if any(p.variadic not in ("", "*", "**") for p in cls.params):
+        raise ValueError(f"{cls.__qualname__}: variadic must be '', '*' or '**'")
     seen_option = False
     for p in cls.params:
         if seen_option and not p.option:

@@ -334,6 +334,8 @@ class Param:
       ``Sequence[str]`` ...), checked when the primitive is called and when a plan is read;
     * ``default``: :data:`REQUIRED` when the caller must give it;
     * ``option``: a keyword option (taken through ``**options``): recorded only when given;
+    * ``variadic``: ``"*"`` or ``"**"`` for arguments passed on as they come (``*args`` /
+      ``**kwargs`` of the method, recorded as a tuple / dict; default ``()`` / ``{}``);
     * ``expects`` / ``valid``: the words for "must be ..." and a hint of the valid values in
       type errors (``valid`` is called lazily); ``type_error`` replaces the whole message
       (a template with ``{where} {primitive} {name} {value} {type_name} {expects}``).
@@ -345,6 +347,7 @@ class Param:
     doc: str = ""
     codec: Codec = PLAIN
     option: bool = False
+    variadic: str = ""
     expects: str = ""
     valid: Optional[Callable[[], str]] = None
     type_error: str = ""

@@ -1,9 +1,10 @@
-"""``replace(new_mod_or_fn, target_ops=None, name=None)``.
+"""``replace(new_mod_or_fn, target_ops=None, name=None, concrete_args=None)``.
 
 Without ``target_ops`` the module at this path is replaced by ``new_mod_or_fn`` (an
 ``nn.Module``). With ``target_ops`` (subgraphs returned by ``find`` on a traced module),
 those subgraphs are replaced by a call to it; several subgraphs at once is horizontal
-replacement, the new module returning their outputs in order.
+replacement, the new module returning their outputs in order. ``concrete_args`` gives the
+new call further keyword arguments as constants (for parameters the subgraph has no input for).
 
 The module instance you pass is put into the schedule as it is; the plan keeps a copy
 taken at call time, so replaying the plan on a fresh model uses the module as it was
@@ -13,7 +14,7 @@ when you passed it, not as later steps changed it.
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Dict, Optional
 
 from torch import nn
 
@@ -45,14 +46,23 @@ class Replace(Primitive):
         Param("target_ops", Any, None, "subgraphs found in this traced module (None: the whole module)",
               codec=SUBGRAPHS),
         Param("name", Optional[str], None, "name of the new submodule when replacing subgraphs"),
+        Param("concrete_args", Optional[Dict[str, Any]], None,
+              "keyword arguments given to the new call as constants, besides the subgraph's inputs"),
     )
 
     @classmethod
-    def validate(cls, sch, new_mod_or_fn, target_ops=None, name=None):
+    def validate(cls, sch, new_mod_or_fn, target_ops=None, name=None, concrete_args=None):
         where = sch.path or "<root>"
         if target_ops is not None:
+            if concrete_args is not None and not all(isinstance(k, str) and k.isidentifier() for k in concrete_args):
+                raise ScheduleValueError(f"{where}: replace concrete_args must map argument names to values, got "
+                                         f"keys {sorted(map(repr, concrete_args))}")
             target_ops = _graph().validate_subgraphs(sch, target_ops, "replace")
-            return {"new_mod_or_fn": new_mod_or_fn, "target_ops": target_ops, "name": name}
+            return {"new_mod_or_fn": new_mod_or_fn, "target_ops": target_ops, "name": name,
+                    "concrete_args": concrete_args}
+        if concrete_args is not None:
+            raise ScheduleValueError(f"{where}: concrete_args= only applies when replacing subgraphs (target_ops=); "
+                                     "a whole-module replacement is called as the old module was")
         if not isinstance(new_mod_or_fn, nn.Module):
             raise ScheduleTypeError(
                 f"{where}: replacing a whole module needs an nn.Module instance, got {type(new_mod_or_fn).__name__}; "
@@ -62,13 +72,13 @@ class Replace(Primitive):
         if name is not None:
             raise ScheduleValueError(f"{where}: name= only applies when replacing subgraphs (target_ops=); "
                                      "a whole-module replacement keeps the path's name")
-        return {"new_mod_or_fn": new_mod_or_fn, "target_ops": None, "name": None,
+        return {"new_mod_or_fn": new_mod_or_fn, "target_ops": None, "name": None, "concrete_args": None,
                 "_pristine": copy.deepcopy(new_mod_or_fn)}
 
     @classmethod
-    def apply(cls, sch, new_mod_or_fn, target_ops=None, name=None, _pristine=None):
+    def apply(cls, sch, new_mod_or_fn, target_ops=None, name=None, concrete_args=None, _pristine=None):
         if target_ops is not None:
-            return _graph().replace_subgraphs(sch, new_mod_or_fn, target_ops, name)
+            return _graph().replace_subgraphs(sch, new_mod_or_fn, target_ops, name, concrete_args)
         sch._set_module(new_mod_or_fn)
         return None
 

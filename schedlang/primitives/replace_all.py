@@ -1,13 +1,13 @@
-"""``replace_all(module_type, make_fn)``: replace every submodule of a type.
+"""``replace_all(module_type, make_fn, *args, **kwargs)``: replace every submodule of a type.
 
-``make_fn(path, old_module)`` builds each replacement (``path`` relative to this
-schedule). All replacements are built and checked before any is put in place, so a
+``make_fn(path, old_module, *args, **kwargs)`` builds each replacement (``path`` relative
+to this schedule; the extra arguments are passed on as given). All replacements are built and checked before any is put in place, so a
 failing ``make_fn`` changes nothing. A match inside a replaced module is not visited.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Type
+from typing import Any, Callable, Type
 
 from torch import nn
 
@@ -42,28 +42,32 @@ class ReplaceAll(Primitive):
     params = (
         Param("module_type", Type[nn.Module], doc="the type of the submodules to replace", codec=ModuleTypeCodec(),
               type_error="{where}: replace_all expects an nn.Module subclass as module_type, got {value}"),
-        Param("make_fn", Callable[[str, nn.Module], nn.Module], doc="builds each replacement from (path, old module)",
-              codec=FUNCTION,
+        Param("make_fn", Callable[..., nn.Module], doc="builds each replacement from (path, old module, *args, "
+              "**kwargs)", codec=FUNCTION,
               type_error="{where}: replace_all expects make_fn(path, old_module) -> nn.Module, got {type_name}"),
+        Param("make_fn_args", Any, (), "further positional arguments for make_fn", variadic="*"),
+        Param("make_fn_kwargs", Any, {}, "keyword arguments for make_fn", variadic="**"),
     )
 
     @classmethod
-    def validate(cls, sch, module_type, make_fn):
+    def validate(cls, sch, module_type, make_fn, make_fn_args=(), make_fn_kwargs=None):
+        make_fn_args, make_fn_kwargs = tuple(make_fn_args), dict(make_fn_kwargs or {})
         where = sch.path or "<root>"
         paths = _matches(sch.mod, module_type)
         if not paths:
             raise ScheduleValueError(f"{where}: no submodule of type {module_type.__name__} to replace; pass a module type that occurs in the model")
         new_modules = {}
         for path in paths:
-            new = make_fn(path, sch[path].mod)
+            new = make_fn(path, sch[path].mod, *make_fn_args, **make_fn_kwargs)
             if not isinstance(new, nn.Module):
                 raise ScheduleTypeError(f"{where}: make_fn returned {type(new).__name__} for '{path}'; it must return "
                                         "an nn.Module")
             new_modules[path] = new
-        return {"module_type": module_type, "make_fn": make_fn, "_new_modules": new_modules}
+        return {"module_type": module_type, "make_fn": make_fn, "make_fn_args": make_fn_args,
+                "make_fn_kwargs": make_fn_kwargs, "_new_modules": new_modules}
 
     @classmethod
-    def apply(cls, sch, module_type, make_fn, _new_modules):
+    def apply(cls, sch, module_type, make_fn, _new_modules, make_fn_args=(), make_fn_kwargs=None):
         for path, new in _new_modules.items():
             sch[path]._set_module(new)
         sch.metadata.setdefault("replaced", []).extend(_new_modules)

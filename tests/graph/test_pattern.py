@@ -71,8 +71,10 @@ class _Shapes(nn.Module):
 
 def test_diamond_tree_and_two_paths():
     gm = trace_module(_Shapes())
-    # diamond: the same input twice must be the same value
-    assert _ops(find_subgraphs(gm, lambda x: x * torch.sigmoid(x))) == [["sigmoid", "mul"]]
+    # diamond: strict matching binds an input used twice to one value
+    assert _ops(find_subgraphs(gm, lambda x: x * torch.sigmoid(x), strict=True)) == [["sigmoid", "mul"]]
+    # by default (Slapo's rule) each use may bind another value; the exact match still comes first
+    assert _ops(find_subgraphs(gm, lambda x: x * torch.sigmoid(x))) == [["sigmoid", "mul"], ["sigmoid_1", "mul_2"]]
     # tree, with commutative operands at every level
     assert _ops(find_subgraphs(gm, lambda p, q, r, s: (s + r) * (q + p))) == [["add", "add_1", "mul_1"]]
     assert _ops(find_subgraphs(gm, lambda x: torch.tanh(x) - torch.exp(x))) == [["tanh", "exp", "sub"]]
@@ -106,9 +108,10 @@ class _Leaky(nn.Module):
         return F.gelu(y), y * 2
 
 
-def test_a_match_whose_intermediate_is_used_outside_is_not_reported():
+def test_a_match_whose_intermediate_is_used_outside_is_reported_unless_strict():
     gm = trace_module(_Leaky())
-    assert find_subgraphs(gm, lambda x, b: F.gelu(x + b)) == []
+    assert find_subgraphs(gm, lambda x, b: F.gelu(x + b), strict=True) == []
+    assert _ops(find_subgraphs(gm, lambda x, b: F.gelu(x + b))) == [["add", "gelu"]]
 
     def with_intermediate(x, b):  # returning the intermediate makes it a legal match
         y = x + b

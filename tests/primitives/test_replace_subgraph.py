@@ -166,7 +166,7 @@ def test_checkpointed_subgraph_recomputes_in_backward_and_keeps_names():
     sch.trace()
     found = sch.find(lambda h: torch.tanh(h) * torch.sigmoid(h))
     sch.checkpoint(found)
-    wrapper = sch["checkpoint_0"].mod
+    wrapper = sch["CheckPointWrapper_0"].mod
     assert isinstance(wrapper, CheckpointedSubgraph) and wrapper._schedlang_checkpointed
     assert list(sch.mod.state_dict()) == list(model.state_dict())
     runs = []
@@ -184,7 +184,7 @@ def test_checkpointed_subgraph_with_modules_and_parameters_inside():
     sch.trace()
     nodes = [("", n) for n in sch.mod.graph.nodes if n.op in ("call_module", "call_function")]
     sch.checkpoint(nodes[:-1])  # fc1, tanh, sigmoid, mul
-    assert sch.mod.fc1 is sch["checkpoint_0"].mod.body.fc1  # still registered at its old path
+    assert sch.mod.fc1 is sch["CheckPointWrapper_0"].mod.body.fc1  # still registered at its old path
     assert list(sch.mod.state_dict()) == list(model.state_dict())
     _check(model, sch.mod, torch.randn(6, 8))
     grads = [p.grad for p in sch.mod.parameters()]

@@ -8,15 +8,16 @@ layer per pipeline stage. DeepSpeed passes one value between layers, so stages e
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Iterable, List, Sequence, Tuple
 
 import torch
 from torch import nn
 
+from ...errors import ScheduleValueError
 from ..registry import register_framework_dialect
 from .engine import require_deepspeed
 
-__all__ = ["DeepSpeedPipeStageWrapper", "build_ds_pipeline"]
+__all__ = ["DeepSpeedPipeStageWrapper", "build_ds_pipeline", "analyze_tie_ranks"]
 
 
 @register_framework_dialect("deepspeed", "pipeline_stage")
@@ -55,3 +56,38 @@ def build_ds_pipeline(sch, cut_paths: Sequence[str], init_weights: Any = None, c
     params = [p for p in pipe.parameters() if p.requires_grad]
     engine, optimizer, _, _ = deepspeed.initialize(model=pipe, config=config, model_parameters=params, **kwargs)
     return engine, optimizer
+
+
+def analyze_tie_ranks(tie_weight_groups: Iterable[Iterable[Tuple[str, int]]],
+                      topology: Any) -> Tuple[List[List[List[int]]], List[List[int]]]:
+    """The process groups that must sum the gradients of tied weights across pipeline stages.
+
+    ``tie_weight_groups`` holds, per tied weight, its ``(parameter name, stage id)`` places (the
+    values of :func:`schedlang.pipeline.analyze_tie_weights` with ``is_pipeline=True``);
+    ``topology`` is DeepSpeed's ``PipeModelDataParallelTopology`` (``filter_match(pipe=stage)``
+    lists a stage's ranks in a fixed order). Ranks in the same position of every stage hold the
+    same slice of the weight, so each position gives one group. Returns ``(ranks, stages)``:
+    per tied weight, its groups (each sorted) and its sorted stage ids.
+
+    Example::
+
+        ranks, stages = analyze_tie_ranks(analyze_tie_weights(model, True).values(), topology)
+        # pp=4, tp=2, wte on stage 0 tied to the head on stage 3:
+        # ranks == [[[0, 6], [1, 7]]], stages == [[0, 3]]
+    """
+    all_ranks, all_stages = [], []
+    for group in tie_weight_groups:
+        places = list(group)
+        if not places:
+            raise ScheduleValueError("analyze_tie_ranks: a tied-weight group is empty; each group must list "
+                                     "its (parameter name, stage id) pairs")
+        stages = sorted({stage for _, stage in places})
+        per_stage = {stage: list(topology.filter_match(pipe=stage)) for stage in stages}
+        counts = {stage: len(ranks) for stage, ranks in per_stage.items()}
+        if len(set(counts.values())) != 1:
+            raise ScheduleValueError(f"analyze_tie_ranks: the stages of tied weight {places[0][0]!r} hold different "
+                                     f"numbers of ranks ({counts}); every stage must have as many ranks")
+        positions = zip(*(per_stage[stage] for stage in stages))
+        all_ranks.append([sorted(ranks) for ranks in positions])
+        all_stages.append(stages)
+    return all_ranks, all_stages
