@@ -50,6 +50,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import baselines  # noqa: E402  (torchtitan's tensor-parallel plan, written once for every benchmark)
 import harness  # noqa: E402
 
 WORK = "llama-1.1b-from-safetensors"
@@ -134,21 +135,6 @@ def _peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
-def _titan_plan(cfg):
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    plan = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-            "lm_head": ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1), use_local_output=False)}
-    for i in range(cfg.num_hidden_layers):
-        p = f"model.layers.{i}"
-        for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
-            plan[f"{p}.{n}"] = ColwiseParallel()
-        plan[f"{p}.self_attn.o_proj"] = RowwiseParallel()
-        plan[f"{p}.mlp.down_proj"] = RowwiseParallel()
-    return plan
-
-
 def _build(variant: str, directory: str, cfg, device: torch.device, world: int):
     """The model, optimizer and a ``loss(ids, labels)`` of ``variant``, built from ``directory``."""
     import contextlib
@@ -169,7 +155,7 @@ def _build(variant: str, directory: str, cfg, device: torch.device, world: int):
         model = LlamaForCausalLM.from_pretrained(directory, dtype=torch.float32).to(device)
         model.config.use_cache = False
         mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("tp",))
-        parallelize_module(model, mesh["tp"], _titan_plan(cfg))
+        parallelize_module(model, mesh["tp"], baselines.titan_tp_plan(cfg))
         from torch.distributed.tensor import DTensor
 
         # one group of DTensor parameters and one of plain ones: torch's multi-tensor AdamW takes them apart
