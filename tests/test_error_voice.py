@@ -53,49 +53,7 @@ ALLOWLIST: dict[tuple[str, str], str] = {
 
 #: raises that name where and what is wrong but not yet what would be valid. The list only shrinks:
 #: a test fails once an entry conforms, so that it is taken off.
-HINT_PENDING: set[tuple[str, str]] = {
-    ("autotune/tune.py", "load_config"),
-    ("distributed/data_parallel.py", "apply_data_parallel"),
-    ("distributed/data_parallel.py", "check_data_parallel_call"),
-    ("env.py", "setup"),
-    ("framework_dialect/registry.py", "decorator"),
-    ("graph/subgraph.py", "_stable_toposort"),
-    ("graph/subgraph.py", "extract_subgraph"),
-    ("graph/subgraph.py", "replace_subgraphs"),
-    ("graph/subgraph.py", "validate_subgraphs"),
-    ("graph/tracer/hf_bridge.py", "capture_call"),
-    ("models/__init__.py", "compile_layers"),
-    ("models/_common.py", "base_and_prefix"),
-    ("op/attention.py", "__init__"),
-    ("op/linear.py", "__init__"),
-    ("optim/base.py", "_check_params"),
-    ("optim/base.py", "_checked_entries"),
-    ("pipeline.py", "analyze_pipeline_module"),
-    ("plan.py", "_read_step"),
-    ("plan.py", "from_json"),
-    ("pretrained.py", "_checkpoint_files"),
-    ("pretrained.py", "local_regions"),
-    ("pretrained.py", "read_index"),
-    ("primitives/combine_sparse_features.py", "validate"),
-    ("primitives/decompose.py", "validate"),
-    ("primitives/find.py", "validate"),
-    ("primitives/float8.py", "validate"),
-    ("primitives/replace.py", "validate"),
-    ("primitives/shard.py", "_check_holders"),
-    ("random.py", "add"),
-    ("random.py", "fork"),
-    ("sharding/shard_ops.py", "infer_output_type"),
-    ("sharding/shard_ops.py", "new_or_get_tied_param"),
-    ("sharding/sync_ops.py", "_check"),
-    ("sparse.py", "combine_sparse_features"),
-    ("sparse.py", "split_sparse_features"),
-    ("train/command.py", "main"),
-    ("train/configs.py", "model_config"),
-    ("train/data.py", "__init__"),
-    ("train/data.py", "_open"),
-    ("train/data.py", "batch"),
-    ("train/run.py", "_clip"),
-}
+HINT_PENDING: set[tuple[str, str]] = set()
 
 #: functions that raise their argument as the named error; their call sites are checked as raises
 #: (folder, function name) -> error

@@ -116,7 +116,7 @@ def apply_data_parallel(model: nn.Module, steps: Iterable[Tuple[str, str, Dict[s
             if missing_ok:
                 continue
             raise ScheduleValueError(f"{path or '<root>'}: {primitive} was recorded for a module the built model does "
-                                     "not hold; build the model the schedule was created for, or apply "
+                                     "not hold; build the model the schedule was created for, or call "
                                      f"{primitive} at a path it holds")
         if not any(True for _ in module.parameters()):
             logger.info("%s: no parameters here (this pipeline stage holds none of them); %s skipped",
@@ -180,8 +180,8 @@ def check_data_parallel_call(sch, primitive: str) -> None:
                                  f"{mesh.mesh_dim_names}; use a mesh with a 'dp' dimension, or fully_shard for an "
                                  "HSDP mesh")
     if not any(True for _ in sch.mod.parameters()):
-        raise ScheduleValueError(f"{where}: {type(sch.mod).__name__} holds no parameters; apply "
-                                 f"{primitive} to a module that does (a decoder layer, or the root)")
+        raise ScheduleValueError(f"{where}: {type(sch.mod).__name__} holds no parameters; call "
+                                 f"{primitive} on a module that does (a decoder layer, or the root)")
     other = "replicate" if primitive == "fully_shard" else "fully_shard"
     for step in sch.plan:
         if step.primitive == other:
