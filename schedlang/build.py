@@ -276,7 +276,9 @@ def _parallelize(root, model: nn.Module, pipeline: Optional[Dict[str, Any]]) -> 
     if dp_steps and dp_mesh is None:
         if is_distributed() and not isinstance(root.group, SingleRankGroup):
             raise ScheduleValueError("build: the plan has data-parallel steps but the schedule has no mesh with a "
-                                     "data-parallel dimension")
+                                     "data-parallel dimension; create the schedule with a mesh that has a 'dp' (or "
+                                     "'dp_replicate' and 'dp_shard') dimension, or drop the fully_shard / replicate "
+                                     "steps")
         logger.info("single process: the plan's fully_shard / replicate steps have nothing to shard over; skipped")
         dp_steps = []
     if cuts:
@@ -338,7 +340,7 @@ def _check_dtype(dtype) -> None:
     if not isinstance(dtype, torch.dtype):
         raise ScheduleTypeError(f"build: dtype must be a torch.dtype such as torch.bfloat16, got {dtype!r}")
     if not (dtype.is_floating_point or dtype.is_complex):
-        raise ScheduleValueError(f"build: dtype {dtype} is not a floating-point dtype: parameters can be cast to "
+        raise ScheduleValueError(f"build: dtype {dtype} is not a floating-point dtype; pass one of "
                                  "torch.float32, torch.bfloat16, torch.float16 or torch.float64")
 
 

@@ -35,7 +35,8 @@ def setup(rank: int = 0, world_size: int = 1, backend: Optional[str] = None, tim
     if dist.is_initialized():
         return
     if not 0 <= rank < world_size:
-        raise ScheduleValueError(f"env.setup: rank {rank} is not in range for world size {world_size}")
+        raise ScheduleValueError(f"env.setup: rank {rank} is not in range for world size {world_size}; valid ranks "
+                                 f"are 0..{world_size - 1}")
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend not in ("nccl", "gloo", "mpi", "ucc"):
         raise ScheduleValueError(f"env.setup: unknown backend {backend!r}: valid backends are nccl, gloo, mpi, ucc")

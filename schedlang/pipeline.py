@@ -99,7 +99,7 @@ def analyze_pipeline_module(top_mod: nn.Module) -> Tuple[Dict[int, List[str]], D
     for i, (name, stage) in enumerate(top_mod.named_children()):
         if not isinstance(stage, fx.GraphModule):
             raise PipelineError(f"analyze_pipeline_module: stage {i} ({name}) is a {type(stage).__name__}, not a "
-                                "traced stage; build the partition with generate_pipeline_partition")
+                                "traced stage; use generate_pipeline_partition to build the partition")
         names[i] = name
         arg_names[i] = [n.target for n in stage.graph.nodes if n.op == "placeholder"]
         output = next(n for n in stage.graph.nodes if n.op == "output").args[0]

@@ -121,7 +121,7 @@ class Plan:
                 "plan: not a schedlang plan: expected a JSON object with \"format\": \"schedlang-plan\"")
         if "version" not in data:
             raise PlanSerializationError(f"plan: the plan has no \"version\"; this schedlang reads version "
-                                         f"{PLAN_FORMAT_VERSION}")
+                                         f"{PLAN_FORMAT_VERSION}; add \"version\": {PLAN_FORMAT_VERSION} to the plan")
         if data["version"] != PLAN_FORMAT_VERSION or isinstance(data["version"], bool):
             raise PlanSerializationError(f"plan: format version {data['version']!r} is not supported; this schedlang "
                                          f"reads version {PLAN_FORMAT_VERSION}")
@@ -139,7 +139,8 @@ def _read_step(i: int, raw: Any, trusted) -> Step:
         raise PlanSerializationError(f"plan: step {i} of the plan must be a JSON object with \"primitive\", \"path\" and "
                                      f"\"args\", got {raw!r}")
     if "primitive" not in raw:
-        raise PlanSerializationError(f"plan: step {i} of the plan is malformed: missing key \"primitive\"")
+        raise PlanSerializationError(f"plan: step {i} of the plan is malformed: missing key \"primitive\"; "
+                                     "every step must name its primitive")
     name = raw["primitive"]
     try:
         prim = get_primitive(name)

@@ -114,7 +114,8 @@ def _checkpoint_files(source) -> Tuple[List[str], Optional[Dict[str, str]], str]
             with open(index) as f:
                 weight_map = json.load(f)["weight_map"]
         except (OSError, ValueError, KeyError, TypeError) as e:
-            raise CheckpointError(f"pretrained: cannot read the weight map of {index}: {type(e).__name__}: {e}") \
+            raise CheckpointError(f"pretrained: cannot read the weight map of {index}: {type(e).__name__}: {e}; the "
+                                  "index must be JSON with a \"weight_map\" object") \
                 from None
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"pretrained: {index}: 'weight_map' must map tensor names to file names")
@@ -136,8 +137,10 @@ def read_index(source) -> Tuple[Dict[str, _Entry], str]:
     entries: Dict[str, _Entry] = {}
     for file in files:
         if not os.path.isfile(file):
-            raise CheckpointError(f"pretrained: {file} is missing (named by {where}/{SAFETENSORS_INDEX})"
-                                  if weight_map is not None else f"pretrained: {file} does not exist")
+            raise CheckpointError(f"pretrained: {file} is missing (named by {where}/{SAFETENSORS_INDEX}); check that "
+                                  "the checkpoint folder is complete"
+                                  if weight_map is not None else f"pretrained: {file} does not exist; pass a "
+                                  "safetensors file or a folder that holds one")
         try:
             with _safe_open(file) as handle:
                 for name in handle.keys():
@@ -152,7 +155,8 @@ def read_index(source) -> Tuple[Dict[str, _Entry], str]:
         except CheckpointError:
             raise
         except Exception as e:  # not a safetensors file, truncated header ...
-            raise CheckpointError(f"pretrained: cannot read {file} as safetensors: {type(e).__name__}: {e}") from None
+            raise CheckpointError(f"pretrained: cannot read {file} as safetensors: {type(e).__name__}: {e}; check "
+                                  "that the file is complete") from None
     if weight_map is not None:
         absent = sorted(set(weight_map) - set(entries))
         if absent:
@@ -221,7 +225,8 @@ def local_regions(tensor: torch.Tensor) -> List[Tuple[Tuple[slice, ...], Tuple[s
     if tuple(len(i) for i in indices) != local_shape:
         raise CheckpointError(f"pretrained: cannot tell which part of a tensor of shape {_shape(tensor.shape)} "
                               f"placed as {tensor.placements} this rank holds (computed "
-                              f"{_shape(len(i) for i in indices)}, local {_shape(local_shape)})")
+                              f"{_shape(len(i) for i in indices)}, local {_shape(local_shape)}); only Shard, "
+                              "_StridedShard and Replicate placements are supported")
     regions = []
     for combo in itertools.product(*[_runs(i) for i in indices]):
         regions.append((tuple(slice(o, o + n) for o, _, n in combo), tuple(slice(g, g + n) for _, g, n in combo)))

@@ -65,9 +65,9 @@ class CudaRNGStatesTracker:
         """Add the stream ``name`` seeded with ``seed``; names and seeds must be new."""
         if seed in self.seeds_:
             raise ScheduleValueError(f"rng_tracker: seed {seed} is already used by another stream; "
-                                     f"streams: {', '.join(sorted(self.states_)) or 'none'}")
+                                     f"streams: {', '.join(sorted(self.states_)) or 'none'}; choose another seed")
         if name in self.states_:
-            raise ScheduleValueError(f"rng_tracker: a stream named {name!r} already exists")
+            raise ScheduleValueError(f"rng_tracker: a stream named {name!r} already exists; choose another name")
         self.seeds_.add(seed)
         self.states_[name] = ForkedRNG(int(seed))
 
@@ -82,7 +82,7 @@ class CudaRNGStatesTracker:
                                    "schedlang.set_random_seed(seed, tp_rank=...) or tracker.add(name, seed) first")
         if not isinstance(stream, ForkedRNG):
             raise ScheduleTypeError(f"rng_tracker: stream {name!r} holds {type(stream).__name__}, not a stream "
-                                    "from get_states()")
+                                    "from get_states(); only streams made by add() can be forked")
         stream.enter()
         try:
             yield

@@ -65,7 +65,7 @@ def combine_sparse_features(features: Sequence[Tuple[torch.Tensor, torch.Tensor]
         if len(kinds) > 1:
             shown = ", ".join(f"{d} on {dev}" for d, dev in sorted(kinds, key=str))
             raise ScheduleValueError(f"combine_sparse_features: the {what} tensors mix dtypes/devices ({shown}); "
-                                     f"convert them to one first")
+                                     "they must share one; convert them first")
     return _cat(indices, pin_memory), _cat(lengths, pin_memory)
 
 
@@ -93,7 +93,7 @@ def split_sparse_features(indices: torch.Tensor, lengths: torch.Tensor,
     """
     if lengths.numel() % num_features:
         raise ScheduleValueError(f"split_sparse_features: {lengths.numel()} lengths cannot be {num_features} features "
-                                 f"of one batch size")
+                                 f"of one batch size; the number of lengths must be divisible by {num_features}")
     per_feature = lengths.view(num_features, -1)
     counts = per_feature.sum(1).tolist()
     # split and unbind make the 2N views in C++; indexing them one by one in Python costs more

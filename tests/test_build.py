@@ -73,9 +73,9 @@ _BAD_ARGUMENTS = [
      r"^build: optimizer 'SGD' rejects its options \{'lr': 0.1, 'momentun': 0.9\}: .*momentun"),
     (dict(optimizer="sgd", lr=0.1, dtype=torch.float64), schedlang.ScheduleTypeError,
      r"^build: optimizer 'sgd' rejects its options \{'lr': 0.1\}: FusedSGD: parameter 0 has dtype torch.float64; the "
-     r"fused kernels update float32, bfloat16, float16 parameters$"),
+     r"fused kernels update only float32, bfloat16, float16 parameters$"),
     (dict(optimizer="sgd", lr=0.1, dtype=torch.int32), schedlang.ScheduleValueError,
-     r"^build: dtype torch.int32 is not a floating-point dtype: parameters can be cast to torch.float32, "
+     r"^build: dtype torch.int32 is not a floating-point dtype; pass one of torch.float32, "
      r"torch.bfloat16, torch.float16 or torch.float64$"),
     (dict(optimizer="sgd", lr=0.1, dtype="float16"), schedlang.ScheduleTypeError,
      r"^build: dtype must be a torch.dtype such as torch.bfloat16, got 'float16'$"),

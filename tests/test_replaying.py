@@ -84,12 +84,14 @@ def _doc(**changes):
 
 @pytest.mark.parametrize("text,message", [
     (_doc(version=None), r"^plan: format version None is not supported; this schedlang reads version 1$"),
-    ('{"format": "schedlang-plan", "steps": []}', r"^plan: the plan has no \"version\"; this schedlang reads version 1$"),
+    ('{"format": "schedlang-plan", "steps": []}', r"^plan: the plan has no \"version\"; this schedlang reads version 1; "
+                                                  r"add \"version\": 1 to the plan$"),
     ('{"format": "schedlang-plan", "version": 1}', r"^plan: the plan has no \"steps\": expected a list of step objects$"),
     (_doc(steps={"0": STEP}), r"^plan: the plan's \"steps\" must be a list of step objects, got dict$"),
     (_doc(steps=["shard"]), r"^plan: step 0 of the plan must be a JSON object with \"primitive\", \"path\" and \"args\", "
                             r"got 'shard'$"),
-    (_doc(steps=[{"path": "fc1", "args": {}}]), r"^plan: step 0 of the plan is malformed: missing key \"primitive\"$"),
+    (_doc(steps=[{"path": "fc1", "args": {}}]), r"^plan: step 0 of the plan is malformed: missing key \"primitive\"; "
+                                                r"every step must name its primitive$"),
     (_doc(steps=[{"primitive": 3}]), r"^plan: step 0 of the plan is malformed or names an unknown primitive: primitives: unknown "
                                      r"primitive 3: registered primitives are annotate, "),
     (_doc(steps=[dict(STEP, path=["fc1"])]), r"^step 0 \(shard\): \"path\" must be a dotted module path \(a string\), "

@@ -52,7 +52,7 @@ def test_int32_lengths_and_empty_features():
     ([(torch.arange(2), torch.ones(2, dtype=torch.long)), (torch.arange(2).int(), torch.ones(2, dtype=torch.long))],
      schedlang.ScheduleValueError,
      r"^combine_sparse_features: the indices tensors mix dtypes/devices \(torch.int32 on cpu, torch.int64 on cpu\); "
-     r"convert them to one first$"),
+     r"they must share one; convert them first$"),
 ])
 def test_bad_features(features, error, message):
     with pytest.raises(error, match=message):
@@ -61,7 +61,8 @@ def test_bad_features(features, error, message):
 
 def test_split_refuses_lengths_that_do_not_divide():
     with pytest.raises(schedlang.ScheduleValueError,
-                       match=r"^split_sparse_features: 7 lengths cannot be 2 features of one batch size$"):
+                       match=r"^split_sparse_features: 7 lengths cannot be 2 features of one batch size; the "
+                             r"number of lengths must be divisible by 2$"):
         split_sparse_features(torch.arange(3), torch.ones(7, dtype=torch.long), 2)
 
 

@@ -118,7 +118,8 @@ def parse_log(args: Any, log_file: str) -> float:
 def load_config(config_file: str):
     """Import the config file as a module."""
     if not os.path.exists(config_file):
-        raise ScheduleValueError(f"tune: config file {config_file!r} does not exist")
+        raise ScheduleValueError(f"tune: config file {config_file!r} does not exist; pass the path of an existing "
+                                 "config file")
     spec = importlib.util.spec_from_file_location("schedlang_tune_config", config_file)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -116,7 +116,8 @@ def apply_data_parallel(model: nn.Module, steps: Iterable[Tuple[str, str, Dict[s
             if missing_ok:
                 continue
             raise ScheduleValueError(f"{path or '<root>'}: {primitive} was recorded for a module the built model does "
-                                     "not hold")
+                                     "not hold; build the model the schedule was created for, or call "
+                                     f"{primitive} at a path it holds")
         if not any(True for _ in module.parameters()):
             logger.info("%s: no parameters here (this pipeline stage holds none of them); %s skipped",
                         path or "<root>", primitive)
@@ -176,17 +177,19 @@ def check_data_parallel_call(sch, primitive: str) -> None:
             "'dp' (or 'dp_replicate' and 'dp_shard' for HSDP)")
     if primitive == "replicate" and mesh is not None and "dp" not in mesh.mesh_dim_names:
         raise ScheduleValueError(f"{where}: replicate (DDP) runs on a 'dp' mesh dimension; this mesh has "
-                                 f"{mesh.mesh_dim_names} (HSDP meshes take fully_shard)")
+                                 f"{mesh.mesh_dim_names}; use a mesh with a 'dp' dimension, or fully_shard for an "
+                                 "HSDP mesh")
     if not any(True for _ in sch.mod.parameters()):
-        raise ScheduleValueError(f"{where}: {type(sch.mod).__name__} holds no parameters; {primitive} a module "
-                                 "that does (a decoder layer, or the root)")
+        raise ScheduleValueError(f"{where}: {type(sch.mod).__name__} holds no parameters; call "
+                                 f"{primitive} on a module that does (a decoder layer, or the root)")
     other = "replicate" if primitive == "fully_shard" else "fully_shard"
     for step in sch.plan:
         if step.primitive == other:
             raise ScheduleValueError(f"{where}: the schedule already has {other} (at '{step.path or '<root>'}'); a "
-                                     "model uses one kind of data parallelism, fully_shard (FSDP2) or replicate (DDP)")
+                                     "model uses only one kind of data parallelism, fully_shard (FSDP2) or replicate "
+                                     "(DDP); use the same one here")
         if step.primitive == primitive and step.path == sch.path:
-            raise ScheduleValueError(f"{where}: {primitive} was already applied here")
+            raise ScheduleValueError(f"{where}: {primitive} was already applied here; call it once per module")
 
 
 def data_parallel_steps(plan) -> List[Tuple[str, str, Dict[str, Any]]]:

@@ -108,7 +108,7 @@ def check_mesh(mesh, where: str = "create_schedule") -> None:
         raise ScheduleValueError(f"{where}: unknown mesh dimension name(s) {', '.join(map(repr, unknown))}: valid names "
                                  f"are {', '.join(MESH_DIMS)}")
     if len(set(names)) != len(names):
-        raise ScheduleValueError(f"{where}: mesh dimension names repeat: {names}")
+        raise ScheduleValueError(f"{where}: mesh dimension names repeat: {names}; each name must appear once")
     has_dp = "dp" in names
     hybrid = [n for n in ("dp_replicate", "dp_shard") if n in names]
     if has_dp and hybrid:

@@ -44,8 +44,10 @@ def register_framework_dialect(target: Optional[str], cls_type: str) -> Callable
 
     def decorator(dialect):
         if target in DIALECTS[cls_type]:
+            existing = DIALECTS[cls_type][target]
             raise ScheduleValueError(f"framework_dialect: target {target!r} already has a {cls_type} dialect "
-                                     f"({getattr(DIALECTS[cls_type][target], '__name__', DIALECTS[cls_type][target])})")
+                                     f"({getattr(existing, '__name__', existing)}); register one dialect of each "
+                                     "kind per target")
         DIALECTS[cls_type][target] = dialect
         return dialect
 

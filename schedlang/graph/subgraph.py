@@ -191,7 +191,7 @@ def validate_subgraphs(sch, subgraphs: Any, primitive_name: str) -> Subgraphs:
         _check_no_cycle(nodes, where, f"subgraph {i}", primitive_name)
         if not _outputs_of(nodes):
             raise ScheduleValueError(f"{where}: subgraph {i} ({', '.join(n.name for n in nodes)}) computes nothing "
-                                     "that is used outside it")
+                                     "that is used outside it; drop it, or match a subgraph whose result is used")
         result.append([(path, n) for n in nodes])
     if primitive_name == "replace" and len(result) > 1:
         paths = sorted({sg[0][0] for sg in result})
@@ -341,7 +341,8 @@ def extract_subgraph(gm: fx.GraphModule, nodes: Sequence[fx.Node], *, functional
             if functionalize and _has_hooks(module):
                 raise ScheduleValueError(
                     f"{where}: cannot {primitive} '{node.name}': module '{node.target}' ({type(module).__name__}) has "
-                    "hooks or sync points, which the new module would drop; leave it out of the subgraph")
+                    "hooks or sync points, which the new module would drop; leave it out of the subgraph, or remove "
+                    "its hooks first")
             calls = _functional_call(module, node.target) if functionalize else None
             if calls is not None and len(node.args) == 1 and not node.kwargs:
                 value = env[node.args[0]] if isinstance(node.args[0], fx.Node) else node.args[0]
@@ -505,7 +506,8 @@ def _stable_toposort(graph: fx.Graph) -> None:
             if missing[user] == 0:
                 heapq.heappush(ready, (position[user], id(user), user))
     if len(order) != len(nodes):  # pragma: no cover - validation rules cycles out
-        raise ScheduleValueError("subgraph: internal error: the rewritten graph has a cycle")
+        raise ScheduleValueError("subgraph: internal error: the rewritten graph has a cycle; this should not "
+                             "happen, please report it with the schedule that produced it")
     if order == nodes:
         return
     first = nodes[0]
@@ -571,7 +573,7 @@ def replace_subgraphs(sch, new_mod_or_fn: Union[nn.Module, Callable], subgraphs:
             if _has_sync(module) or (not movable and _has_hooks(module)):
                 raise ScheduleValueError(
                     f"{where}: cannot replace '{n.name}': module '{n.target}' has hooks or sync points, which the "
-                    "replacement would drop; leave it out of the subgraph")
+                    "replacement would drop; leave it out of the subgraph, or remove its hooks first")
     hook_moves = _hooks_to_move(where, gm, node_lists[0]) if movable else []
     label = type(new_mod_or_fn).__name__ if is_module else getattr(new_mod_or_fn, "__name__", "function")
     concrete_args = dict(concrete_args or {})

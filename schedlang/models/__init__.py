@@ -146,7 +146,7 @@ def compile_layers(model: nn.Module, trace_collectives: bool = False, **compile_
                 count += 1
     if not count:
         raise ScheduleTypeError(f"compile_layers: no layer list ({', '.join(LAYER_LISTS)}) found in "
-                                f"{type(model).__name__}")
+                                f"{type(model).__name__}; compile_layers needs a model that holds one of them")
     return count
 
 

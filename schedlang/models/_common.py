@@ -38,7 +38,8 @@ def base_and_prefix(sch, layers_name: str, family: str) -> Tuple[object, str]:
                 return s, s.path
         frontier = [c for s in frontier for c in s.child.values()]
     raise ScheduleTypeError(f"{sch.path or '<root>'}: {type(sch.mod).__name__} does not look like a {family} model: "
-                            f"no '{layers_name}' ModuleList found within 4 levels")
+                            f"no '{layers_name}' ModuleList found within 4 levels; pass the schedule of a {family} "
+                            "model or of its base model")
 
 
 def _is_conv1d(module: nn.Module) -> bool:

@@ -220,7 +220,8 @@ class FlashAttention(nn.Module):
         super().__init__()
         if hidden_size % num_attention_heads:
             raise ScheduleValueError(f"FlashAttention: hidden_size {hidden_size} is not a multiple of "
-                                     f"num_attention_heads {num_attention_heads}")
+                                     f"num_attention_heads {num_attention_heads}; hidden_size must be divisible by "
+                                     "num_attention_heads")
         self.hidden_size, self.num_attention_heads = hidden_size, num_attention_heads
         self.attention_head_size = hidden_size // num_attention_heads
         self.all_head_size = hidden_size

@@ -35,7 +35,8 @@ class FusedQKV(nn.Module):
     def __init__(self, hidden_size: int, num_heads: int, world_size: int = 1) -> None:
         super().__init__()
         if hidden_size % num_heads:
-            raise ScheduleValueError(f"FusedQKV: hidden_size {hidden_size} is not a multiple of num_heads {num_heads}")
+            raise ScheduleValueError(f"FusedQKV: hidden_size {hidden_size} is not a multiple of num_heads {num_heads}; "
+                                     "hidden_size must be divisible by num_heads")
         if num_heads % world_size:
             raise ScheduleValueError(f"FusedQKV: {num_heads} heads do not split over world_size {world_size}: valid "
                                      f"world sizes divide {num_heads}")

@@ -97,11 +97,12 @@ class FusedOptimizer(torch.optim.Optimizer):
         for i, p in enumerate(params):
             if not isinstance(p, torch.Tensor):
                 raise ScheduleTypeError(f"{type(self).__name__}: parameter {i}{where} is a "
-                                        f"{type(p).__name__}, not a tensor")
+                                        f"{type(p).__name__}, not a tensor; pass tensors such "
+                                        "as model.parameters()")
             if p.dtype not in SUPPORTED_DTYPES:
                 raise ScheduleTypeError(
                     f"{type(self).__name__}: parameter {i}{where} has dtype {p.dtype}; the fused kernels "
-                    f"update {_DTYPE_NAMES} parameters")
+                    f"update only {_DTYPE_NAMES} parameters")
 
     def add_param_group(self, param_group: dict) -> None:
         """Add a group, after checking its hyperparameters as the constructor does."""
@@ -208,7 +209,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             if grad.dtype not in SUPPORTED_DTYPES:
                 raise ScheduleTypeError(
                     f"{type(self).__name__}: the gradient of parameter {i} of param group {gi} has "
-                    f"dtype {grad.dtype}; the fused kernels read {_DTYPE_NAMES} gradients")
+                    f"dtype {grad.dtype}; the fused kernels read only {_DTYPE_NAMES} gradients")
             entries.append((p, grad))
         return entries
 

@@ -65,7 +65,8 @@ class CombineSparseFeatures(Primitive):
                     raise ScheduleKeyError(f"{where}: sparse feature {k} names '{name}', which is not an input of the "
                                            f"traced forward; inputs are {shown}")
                 if name in seen:
-                    raise ScheduleValueError(f"{where}: input '{name}' appears twice in the sparse features")
+                    raise ScheduleValueError(f"{where}: input '{name}' appears twice in the sparse features; "
+                                             "each input must appear once")
                 seen.add(name)
             pairs.append([pair[0], pair[1]])
         if not isinstance(names, (list, tuple)) or len(names) != 2 or not all(

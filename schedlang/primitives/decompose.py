@@ -48,11 +48,12 @@ class Decompose(Primitive):
         module, where = sch.mod, sch.path or "<root>"
         if isinstance(module, LinearWithSeparateBias):
             raise ScheduleValueError(f"{where}: {type(module).__name__} is already decomposed (its bias is added "
-                                     "separately)")
+                                     "separately); call decompose only once per module")
         if type(module) is not nn.Linear:
             raise ScheduleTypeError(f"{where}: decompose applies only to nn.Linear, not {type(module).__name__}")
         if module.bias is None:
-            raise ScheduleValueError(f"{where}: Linear has no bias, so there is nothing to decompose (bias=False)")
+            raise ScheduleValueError(f"{where}: Linear has no bias, so there is nothing to decompose (bias=False); "
+                                     "decompose applies only to a Linear with a bias")
         return {}
 
     @classmethod

@@ -97,7 +97,7 @@ class Find(Primitive):
             try:
                 traced = trace_pattern(pattern)
             except PatternError as e:
-                raise PatternError(f"{where}: {e}") from e.__cause__
+                raise PatternError(f"{where}: {e}; pass a regex, or a function FX can trace") from e.__cause__
         trace_on_demand(sch, "find")
         return {"regex_or_pattern_fn": pattern, "_pattern_graph": traced}
 

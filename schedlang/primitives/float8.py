@@ -168,7 +168,8 @@ class Float8(Primitive):
         selected, skipped = cls.select(sch, skip, filter, min_features, float8)
         if not selected:
             found = "; ".join(f"{p or '<root>'}: {r}" for p, r in skipped) or "it holds no nn.Linear"
-            raise ScheduleValueError(f"{where}: no Linear to convert to float8 ({found})")
+            raise ScheduleValueError(f"{where}: no Linear to convert to float8 ({found}); call float8 on a Linear "
+                                     "or on a module that holds some")
         return {"recipe": recipe, "skip": list(skip), "filter": filter, "min_features": min_features,
                 "fsdp_float8_all_gather": fsdp_float8_all_gather, "emulate": emulate}
 

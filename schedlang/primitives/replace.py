@@ -68,7 +68,7 @@ class Replace(Primitive):
                 f"{where}: replacing a whole module needs an nn.Module instance, got {type(new_mod_or_fn).__name__}; "
                 "a function can only replace subgraphs (pass target_ops= from find())")
         if new_mod_or_fn is sch.mod:
-            raise ScheduleValueError(f"{where}: the new module is the module already there")
+            raise ScheduleValueError(f"{where}: the new module is the module already there; pass a different module")
         if name is not None:
             raise ScheduleValueError(f"{where}: name= only applies when replacing subgraphs (target_ops=); "
                                      "a whole-module replacement keeps the path's name")

@@ -130,8 +130,8 @@ def _check_holders(sch, tensor, axis, world) -> int:
         where = path or "<root>"
         if name in getattr(holder, "_schedlang_shards", {}):
             prior = holder._schedlang_shards[name]
-            raise ShardError(f"{where}: '{name}' is already sharded (along axis {prior.axis}); a tensor is "
-                             "sharded once")
+            raise ShardError(f"{where}: '{name}' is already sharded (along axis {prior.axis}); a tensor can be "
+                             "sharded only once")
         rule = find_shard_rule(holder)
         if rule is not None:
             rule.check(path, holder, name, axis, world)

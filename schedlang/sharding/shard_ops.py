@@ -79,8 +79,8 @@ def new_or_get_tied_param(sch, old_param: nn.Parameter, new_tensor):
     if done is not None:
         if tuple(done.shape) != tuple(new_tensor.shape):
             raise ShardError(f"{sch.path or '<root>'}: a tied parameter was already sharded to shape "
-                             f"{tuple(done.shape)}, but this shard has shape {tuple(new_tensor.shape)}; shard both "
-                             "holders of a tied parameter the same way")
+                             f"{tuple(done.shape)}, but this shard has shape {tuple(new_tensor.shape)}; both "
+                             "holders of a tied parameter must be sharded the same way")
         return done
     new_param = nn.Parameter(new_tensor, requires_grad=old_param.requires_grad)
     ties[id(old_param)] = new_param
@@ -146,7 +146,8 @@ class ShardConv2d(ShardMethod):
             return "partition", 1
         if axis == in_axis:
             return "partial", None
-        raise ShardError(f"{sch.path or '<root>'}: a Conv2d shards along its channel axes {out_axis} or {in_axis}, "
+        raise ShardError(f"{sch.path or '<root>'}: a Conv2d shards only along its channel axes {out_axis} or "
+                         f"{in_axis}, "
                          f"not {axis}")
 
 

@@ -40,10 +40,11 @@ def _check(name: str, inp: torch.Tensor, dim: int, world_size, group, divisible:
                         f"{-inp.dim()} .. {inp.dim() - 1}")
     actual = _world_size(group)
     if world_size is not None and world_size != actual:
-        raise SyncError(f"{name}: world_size={world_size} but the group has {actual} ranks")
+        raise SyncError(f"{name}: world_size={world_size} but the group has {actual} ranks; pass "
+                        f"world_size={actual} or a group of {world_size} ranks")
     if divisible and inp.shape[dim] % actual:
         raise SyncError(f"{name}: dimension {dim} of shape {tuple(inp.shape)} (size {inp.shape[dim]}) does not "
-                        f"split evenly over {actual} ranks")
+                        f"split evenly over {actual} ranks; its size must be divisible by {actual}")
     return dim % inp.dim()
 
 

@@ -106,7 +106,8 @@ def main(argv: Optional[Sequence[str]] = None, prog: Optional[str] = None) -> in
         if ns.resume:
             saved = latest_checkpoint(ns.checkpoint_dir)
             if saved is None:
-                _fail(f"--resume: no complete checkpoint in {ns.checkpoint_dir}")
+                _fail(f"--resume: no complete checkpoint in {ns.checkpoint_dir}; set --checkpoint-dir to a "
+                      "folder that holds one, or drop --resume to start fresh")
             at = int(saved.name[len(_CKPT_PREFIX):])
             if at >= (ns.stop_after or ns.steps):
                 _fail(f"--resume: the latest checkpoint ({saved}) is at step {at}; nothing is left to run up to step "

@@ -60,11 +60,12 @@ def model_config(model: str, config: str):
         try:
             raw = json.loads(path.read_text())
         except (OSError, ValueError) as e:
-            _fail(f"--config {config}: cannot read a JSON config ({e})")
+            _fail(f"--config {config}: cannot read a JSON config ({e}); pass a transformers "
+                  "config.json")
         kind = raw.get("model_type")
         if kind is not None and kind != klass.model_type:
             _fail(f"--config {config} describes a {kind!r} model but --model is {model!r} (model_type "
-                  f"{klass.model_type!r})")
+                  f"{klass.model_type!r}); pass a --config of a {model!r} model, or set --model {kind}")
         cfg = klass.from_dict(raw)
     cfg._attn_implementation = "sdpa"
     cfg.use_cache = False

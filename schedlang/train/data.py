@@ -33,7 +33,8 @@ class TokenBatches:
         if spec != "synthetic":
             self.tokens = self._open(spec, vocab)
             if len(self.tokens) < seq + 1:
-                _fail(f"--data {spec} holds {len(self.tokens)} tokens, fewer than one sequence of --seq {seq} + 1")
+                _fail(f"--data {spec} holds {len(self.tokens)} tokens, fewer than one sequence of --seq {seq} + 1; "
+                      "use a shorter --seq or more data")
 
     @staticmethod
     def _open(spec: str, vocab: int):
@@ -46,7 +47,8 @@ class TokenBatches:
             try:
                 arr = np.load(path, mmap_mode="r")
             except (OSError, ValueError) as e:
-                _fail(f"--data {spec}: not a readable .npy file ({e})")
+                _fail(f"--data {spec}: not a readable .npy file ({e}); pass a 1-D integer array "
+                      "written by numpy.save")
             if arr.ndim != 1 or arr.dtype.kind not in "iu":
                 _fail(f"--data {spec}: expected a 1-D integer array of token ids, got shape {arr.shape} "
                       f"dtype {arr.dtype}")
@@ -55,7 +57,7 @@ class TokenBatches:
             dtype = np.uint16 if vocab < 65536 else np.uint32
             if path.stat().st_size % np.dtype(dtype).itemsize:
                 _fail(f"--data {spec}: size {path.stat().st_size} bytes is not a whole number of {np.dtype(dtype).name} "
-                      f"token ids (.bin files hold uint16 ids when the vocabulary is < 65536, else uint32)")
+                      f"token ids (.bin files must hold uint16 ids when the vocabulary is < 65536, else uint32)")
             return np.memmap(path, dtype=dtype, mode="r")
         _fail(f"--data {spec}: unknown file type {path.suffix!r}; use a .npy or a raw .bin file of token ids")
 
@@ -73,7 +75,8 @@ class TokenBatches:
         top = int(out.max())
         if top >= self.vocab or int(out.min()) < 0:
             _fail(f"--data {self.spec}: token id {top} at step {step} is outside the model's vocabulary "
-                  f"(0..{self.vocab - 1})")
+                  f"(0..{self.vocab - 1}); token ids must be below the vocabulary size, so check "
+                  "that --data was tokenized for this model")
         return out
 
 

@@ -219,7 +219,8 @@ class _Run:
             if DTensor and isinstance(g, DTensor):
                 for dim, placement in enumerate(g.placements):
                     if placement.is_partial():  # pragma: no cover - gradients are reduced by now
-                        raise TrainError(f"train: gradient of shape {tuple(g.shape)} is still a partial sum")
+                        raise TrainError(f"train: gradient of shape {tuple(g.shape)} is still a partial sum; "
+                                         "gradients must be reduced before clipping")
                     if not placement.is_replicate():  # Shard, and FSDP2's strided shards of TP shards
                         pieces *= g.device_mesh.size(dim)
                 g = g.to_local()

@@ -350,7 +350,8 @@ def test_split_a_plain_model_keeps_unused_and_root_tensors():
             r"the data flow is 'after' it; cut after a module that runs once$"),
     (["unused"], r"^unused: cannot end a pipeline stage here: the model's forward does not call this module as one "
                  r"step of its data flow"),
-    (["nothing"], r"^nothing: no such submodule in _Twice to end a pipeline stage after$"),
+    (["nothing"], r"^nothing: no such submodule in _Twice to end a pipeline stage after; "
+                  r"cut_pipeline_stage\(\) must be called on a submodule's path$"),
     (["b", "b"], r"^b: cut twice"),
     ([], r"^pipeline: no pipeline stage is cut"),
 ])

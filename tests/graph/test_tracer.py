@@ -304,7 +304,8 @@ class _Broken(nn.Module):
 def test_failures_name_the_submodule_and_chain_the_cause():
     model = nn.Sequential(nn.Linear(2, 2), _Broken())
     with pytest.raises(TraceError, match=r"^net\.1: cannot trace _Broken: ValueError: this module only runs "
-                                         r"eagerly$") as info:
+                                         r"eagerly; keep the failing submodule whole with leaf_modules=\[\.\.\.\], or "
+                                         r"pass concrete_args$") as info:
         trace_module(model, path="net", concrete_args={"input": torch.randn(2, 2)})
     assert isinstance(info.value.__cause__, ValueError)
 

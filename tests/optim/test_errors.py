@@ -55,7 +55,7 @@ def test_bad_group_is_refused_whole():
 
 def test_unsupported_dtypes():
     with pytest.raises(ScheduleTypeError, match=r"parameter 1 has dtype torch\.float64; the fused kernels update "
-                                                r"float32, bfloat16, float16 parameters"):
+                                                r"only float32, bfloat16, float16 parameters"):
         FusedAdamW([torch.randn(3, requires_grad=True), torch.randn(3, dtype=torch.float64, requires_grad=True)])
 
 

@@ -85,7 +85,7 @@ def test_features_in_another_order_and_custom_names():
     (dict(features=[("a_idx", "a_len"), ("z_idx", "z_len")]), schedlang.ScheduleKeyError,
      r"^<root>: sparse feature 1 names 'z_idx', which is not an input of the traced forward; inputs are dense, "),
     (dict(features=[("a_idx", "a_len"), ("a_idx", "b_len")]), schedlang.ScheduleValueError,
-     r"^<root>: input 'a_idx' appears twice in the sparse features$"),
+     r"^<root>: input 'a_idx' appears twice in the sparse features; each input must appear once$"),
     (dict(features=FEATURES, names=("dense", "lens")), schedlang.ScheduleValueError,
      r"^<root>: combined input name 'dense' is already an input of the traced forward; choose another with "
      r"names=\(...\)$"),

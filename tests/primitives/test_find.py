@@ -63,5 +63,5 @@ def test_find_errors():
 
         sch.find(broken)
     with pytest.raises(PatternError, match=r"^layers\.0: pattern <lambda> must return results of operations, but "
-                                           r"returns x directly$"):
+                                           r"returns x directly; pass a regex, or a function FX can trace$"):
         sch["layers.0"].find(lambda x: x)

@@ -211,11 +211,11 @@ def _model_output(gm: fx.GraphModule, values) -> fx.Node:
         break
     if not isinstance(value, fx.Node):
         raise PipelineError(f"pipeline: the output of {type(gm).__name__} holds no tensor the last pipeline stage could return "
-                            f"(got {value!r})")
+                            f"(got {value!r}); the model must return a tensor (the logits)")
     example = values.get(value, _UNKNOWN)
     if example is not _UNKNOWN and not isinstance(example, torch.Tensor):
         raise PipelineError(f"pipeline: the model output '{value.name}' is a {type(example).__name__}, not a tensor; the last "
-                            "pipeline stage returns one tensor (the logits)")
+                            "pipeline stage must return one tensor (the logits)")
     return value
 
 

@@ -235,7 +235,7 @@ def _check_cut_paths(model: nn.Module, cut_paths: Sequence[str]) -> List[str]:
             model.get_submodule(path)
         except AttributeError:
             raise PipelineError(f"{path}: no such submodule in {type(model).__name__} to end a pipeline stage "
-                                "after") from None
+                                "after; cut_pipeline_stage() must be called on a submodule's path") from None
     return list(cut_paths)
 
 

@@ -74,7 +74,8 @@ class Conv1DShardRule(ShardRule):
         if tensor_name == "weight" and axis == 0 and "bias" in shards:
             raise ShardError(
                 f"{where}: cannot shard 'weight' along axis 0 (row parallel): 'bias' is already sharded (column "
-                "parallel); a row-parallel Conv1D keeps its bias whole")
+                "parallel); a row-parallel Conv1D keeps its bias whole; shard the bias only with a column-parallel "
+                "weight (axis 1)")
 
     @classmethod
     def after_shard(cls, module, tensor_name, axis, world_size, rank):

@@ -101,7 +101,7 @@ class EmbeddingShardRule(ShardRule):
             raise ShardError(
                 f"{where}: cannot shard 'weight' of {klass.__name__} along the vocabulary (axis 0): its forward "
                 "does not look ids up through super().forward, so the masked vocabulary-parallel lookup cannot take "
-                "its place; shard along axis 1, or replace the module by an nn.Embedding first")
+                "its place; shard along axis 1 instead, or replace the module by an nn.Embedding first")
 
     @classmethod
     def after_shard(cls, module, tensor_name, axis, world_size, rank):

@@ -40,7 +40,8 @@ class LinearShardRule(ShardRule):
         if tensor_name == "weight" and axis == 1 and shards.get("bias") is not None:
             raise ShardError(
                 f"{path or '<root>'}: cannot shard 'weight' along axis 1: 'bias' is already sharded along axis 0 "
-                "(column parallel); a row-parallel Linear keeps its bias whole")
+                "(column parallel); a row-parallel Linear keeps its bias whole; shard the bias only with a "
+                "column-parallel weight (axis 0)")
 
     @classmethod
     def after_shard(cls, module, tensor_name, axis, world_size, rank):

@@ -151,5 +151,6 @@ def trace_module(module: nn.Module, *, path: str = "", recursive: bool = True, f
     except SchedlangError:
         raise
     except Exception as e:
-        raise TraceError(f"{where}: cannot trace {type(module).__name__}: {_describe(e)}") from e
+        raise TraceError(f"{where}: cannot trace {type(module).__name__}: {_describe(e)}; keep the failing "
+                         "submodule whole with leaf_modules=[...], or pass concrete_args") from e
     return gm

@@ -48,7 +48,7 @@ class CallSpec:
             bound = sig.bind(*args, **kwargs)
         except TypeError as e:
             raise TraceError(f"trace: {type(module).__name__}.forward{sig} cannot take the arguments it was called with: "
-                             f"{e}") from e
+                             f"{e}; call it with arguments that match its signature") from e
         bound.apply_defaults()
         spec = cls(params=params, values={})
         for p in params:

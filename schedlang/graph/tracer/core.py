@@ -90,7 +90,8 @@ class SchedlangTracer(ExampleValues, fx.Tracer):
         except SchedlangError:
             raise
         except Exception as e:
-            raise TraceError(f"{self.where()}: cannot trace {type(module).__name__}: {_describe(e)}") from e
+            raise TraceError(f"{self.where()}: cannot trace {type(module).__name__}: {_describe(e)}; keep the "
+                             "failing submodule whole with leaf_modules=[...], or pass concrete_args") from e
         if self.specializations:
             logger.debug("%s: specialized on %s", self.where(), "; ".join(self.specializations))
         return gm, example_out
@@ -256,7 +257,8 @@ class SchedlangTracer(ExampleValues, fx.Tracer):
     def keys(self, obj: fx.Proxy):
         example = self._example_or_fail(obj, "unpacked with **")
         if not isinstance(example, dict):
-            raise TraceError(f"{self.where()}: '{obj.node.name}' is unpacked with ** but is not a dict")
+            raise TraceError(f"{self.where()}: '{obj.node.name}' is unpacked with ** but is not a dict; "
+                               "only a dict can be unpacked with **")
         return list(example.keys())
 
     def len_of(self, obj: fx.Proxy) -> int:
@@ -265,7 +267,8 @@ class SchedlangTracer(ExampleValues, fx.Tracer):
     def _length(self, obj, example) -> int:
         if isinstance(example, torch.Tensor):
             if example.dim() == 0:
-                raise TraceError(f"{self.where()}: '{obj.node.name}' is a 0-d tensor and has no length")
+                raise TraceError(f"{self.where()}: '{obj.node.name}' is a 0-d tensor and has no length; "
+                                 "len() needs a tensor of at least one dimension")
             n = int(example.shape[0])
         else:
             n = len(example)
@@ -340,7 +343,8 @@ class SchedlangTracer(ExampleValues, fx.Tracer):
             return sync(out)
         if isinstance(out, (tuple, list)) or isinstance(example, (tuple, list)):
             return (sync(out[0]),) + tuple(out[i] for i in range(1, len(out)))
-        raise TraceError(f"{type(m).__name__}: fwd_post sync found no tensor output")
+        raise TraceError(f"{type(m).__name__}: fwd_post sync found no tensor output; a fwd_post sync needs a "
+                     "module that returns a tensor")
 
     def _subtrace(self, m: nn.Module, qualname: str, args, kwargs) -> fx.Proxy:
         spec = CallSpec.from_call(m, args, kwargs, lambda v: self.example_of(v, strict=False))

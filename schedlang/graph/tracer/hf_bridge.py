@@ -138,7 +138,8 @@ def capture_call(container: nn.Module, target: nn.Module, fake_mode=None) -> Tup
         for m, fwd, pre in saved:
             m._forward_hooks, m._forward_pre_hooks = fwd, pre
     if "call" not in captured:
-        raise TraceError(f"trace: {type(target).__name__} was not called when running {type(container).__name__}")
+        raise TraceError(f"trace: {type(target).__name__} was not called when running {type(container).__name__}; "
+                         "trace only a submodule that the model's forward calls")
     return captured["call"]
 
 
