@@ -225,8 +225,8 @@ def local_regions(tensor: torch.Tensor) -> List[Tuple[Tuple[slice, ...], Tuple[s
     if tuple(len(i) for i in indices) != local_shape:
         raise CheckpointError(f"pretrained: cannot tell which part of a tensor of shape {_shape(tensor.shape)} "
                               f"placed as {tensor.placements} this rank holds (computed "
-                              f"{_shape(len(i) for i in indices)}, local {_shape(local_shape)}); only Shard, "
-                              "_StridedShard and Replicate placements are supported")
+                              f"{_shape(len(i) for i in indices)}, local {_shape(local_shape)}); the placements read are "
+                              "Shard, _StridedShard, Replicate and Partial")
     regions = []
     for combo in itertools.product(*[_runs(i) for i in indices]):
         regions.append((tuple(slice(o, o + n) for o, _, n in combo), tuple(slice(g, g + n) for _, g, n in combo)))
