@@ -332,7 +332,7 @@ class Schedule:
             Schedule.tokenize_module_path("layers.0.mlp.fc1")   # ['layers.0', 'mlp', 'fc1']
         """
         if not isinstance(module_path, str):
-            raise ScheduleTypeError(f"tokenize_module_path expects a dotted module path like 'layers.0.mlp', got "
+            raise ScheduleTypeError(f"tokenize_module_path: expects a dotted module path like 'layers.0.mlp', got "
                                     f"{type(module_path).__name__} {module_path!r}")
         if not module_path:
             return []
@@ -600,10 +600,10 @@ def create_schedule(model: nn.Module = None, name: str = "", path: str = "", par
     if model is None and "root" in kwargs:
         model = kwargs.pop("root")
     if kwargs:
-        raise ScheduleTypeError(f"create_schedule got unknown arguments {', '.join(sorted(kwargs))}; valid "
+        raise ScheduleTypeError(f"create_schedule: unknown arguments {', '.join(sorted(kwargs))}; valid "
                                 "arguments are model (or root), name, path, parent, group, mesh")
     if not isinstance(model, nn.Module):
-        raise ScheduleTypeError(f"create_schedule expects a torch.nn.Module, got {type(model).__name__}")
+        raise ScheduleTypeError(f"create_schedule: the model must be a torch.nn.Module, got {type(model).__name__}")
     for label, value in (("name", name), ("path", path)):
         if not isinstance(value, str):
             raise ScheduleTypeError(
@@ -632,7 +632,7 @@ def _view_in_parent(model: nn.Module, path: str, parent: Any, group: Any, mesh: 
                                 f"{type(parent).__name__}")
     if group is not None or mesh is not None:
         raise ScheduleValueError("create_schedule: a schedule made with parent= uses the parent's process group "
-                                 "and mesh; leave group= and mesh= out")
+                                 "and mesh; pass group= and mesh= only to the parent's create_schedule")
     top = parent.get_top_schedule()
     if path:
         view = top[path]

@@ -53,7 +53,7 @@ def test_unknown_path_names_it_and_lists_children():
 
 
 def test_create_schedule_rejects_non_modules():
-    with pytest.raises(schedlang.ScheduleTypeError, match="expects a torch.nn.Module, got list"):
+    with pytest.raises(schedlang.ScheduleTypeError, match="the model must be a torch.nn.Module, got list"):
         schedlang.create_schedule([1, 2])
 
 

@@ -125,7 +125,7 @@ def test_verify_argument_errors():
     with schedlang.init_empty_weights():
         meta = MLP()
     msch = schedlang.create_schedule(meta)
-    with pytest.raises(schedlang.ScheduleValueError, match="Verify needs a model with real weights"):
+    with pytest.raises(schedlang.ScheduleValueError, match="Verify: needs a model with real weights"):
         with schedlang.Verify(msch, example_inputs=[torch.randn(2, 12)]):
             msch["fc1"].decompose()
 

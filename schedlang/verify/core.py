@@ -288,7 +288,7 @@ class Verify:
         report = VerifyReport(steps=self._block_steps())
         original = state.original
         if any(t.is_meta for t in list(original.parameters()) + list(original.buffers())):
-            raise ScheduleValueError("Verify needs a model with real weights; this one is on the meta device. Verify "
+            raise ScheduleValueError("Verify: needs a model with real weights; this one is on the meta device. Verify "
                                      "the schedule on a small real instance, then replay its plan on the meta model")
         device = self._device()
         # ranks agree before and after each phase with collectives inside it: a rank that fails makes

@@ -77,7 +77,7 @@ def test_tokenize_module_path_errors():
         Schedule.tokenize_module_path("0.mlp")
     with pytest.raises(ValueError):
         Schedule.tokenize_module_path("3")
-    with pytest.raises(ScheduleTypeError, match=r"^tokenize_module_path expects a dotted module path like "
+    with pytest.raises(ScheduleTypeError, match=r"^tokenize_module_path: expects a dotted module path like "
                                                 r"'layers\.0\.mlp', got int 3$"):
         Schedule.tokenize_module_path(3)
 
@@ -322,7 +322,7 @@ def test_create_schedule_takes_slapos_arguments():
 
 def test_create_schedule_errors():
     model = Stack()
-    with pytest.raises(ScheduleTypeError, match=r"^create_schedule got unknown arguments colour; valid arguments are "
+    with pytest.raises(ScheduleTypeError, match=r"^create_schedule: unknown arguments colour; valid arguments are "
                                                 r"model \(or root\), name, path, parent, group, mesh$"):
         schedlang.create_schedule(model, colour="red")
     with pytest.raises(ScheduleTypeError, match=r"^create_schedule: name must be a string \(Slapo's module name, '' "
@@ -340,7 +340,7 @@ def test_create_schedule_errors():
                                                  r"of the parent schedule's model; pass path="):
         schedlang.create_schedule(nn.Linear(2, 2), parent=sch)
     with pytest.raises(ScheduleValueError, match=r"^create_schedule: a schedule made with parent= uses the parent's "
-                                                 r"process group and mesh; leave group= and mesh= out$"):
+                                                 r"process group and mesh; pass group= and mesh= only to the parent's create_schedule$"):
         schedlang.create_schedule(model.head, parent=sch, group=object())
     with pytest.raises(ScheduleKeyError, match=r"^<root>: no submodule 'tail'"):
         schedlang.create_schedule(model.head, path="tail", parent=sch)
