@@ -18,6 +18,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .distributed.agreement import agreement, check_same_plan
+from .distributed.groups import default_device
 from .distributed.sharding import shard_tensor, unsharded_view
 from .errors import SchedlangError, ScheduleTypeError, ScheduleValueError
 from .init import has_meta_tensors
@@ -388,9 +389,7 @@ def _check_arguments(model: nn.Module, init_weights, optimizer, optimizer_kwargs
                                 f"{init_weights!r}")
     dev = _check_device(device)
     _check_dtype(dtype)
-    target = dev if dev is not None else (
-        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() and has_meta_tensors(model)
-        else _model_device(model))
+    target = dev if dev is not None else (default_device() if has_meta_tensors(model) else _model_device(model))
     if dev is None and target.type == "meta":
         target = torch.device("cpu")
     trained = [p for p in model.parameters() if p.requires_grad]

@@ -292,7 +292,7 @@ def test_fsdp2_over_tensor_parallel_shards_on_four_ranks(saved):
     for family in FAMILIES:
         for r in results:
             assert r[family]["loss"] == pytest.approx(saved[family], rel=1e-5, abs=1e-5)
-            assert r[family]["wrong"] == []
+            assert r[family]["wrong"] == [], {n: r[family]["placements"][n] for n in r[family]["wrong"]}
     # the layouts this covers: FSDP2's strided shard of a tensor-parallel shard, and of a fused q|k|v shard
     assert results[0]["llama"]["placements"]["model.layers.0.mlp.gate_proj.weight"] == \
         "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
@@ -343,7 +343,7 @@ def _empty(family, cfg=None):
 
 
 def _state(model):
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
 
 @pytest.mark.parametrize("stored,loaded", [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16),

@@ -138,28 +138,52 @@ def _strided(t) -> bool:
     return type(t.placements[0]).__name__ == "_StridedShard"
 
 
+def _splits(placement) -> bool:
+    """Whether a placement splits a tensor dimension: ``Shard`` or the block-wise ``_StridedShard``
+    (neither a ``Shard`` subclass nor ``is_shard()`` on every torch version)."""
+    return placement.is_shard() or type(placement).__name__ == "_StridedShard"
+
+
+def _gathered_by_hand(t) -> bool:
+    """Whether :func:`full_tensor` reassembles ``t`` itself: block-wise shards on a 1-D mesh, or any
+    block-wise shard on a mesh whose dimensions each split a different tensor dimension (FSDP2 rows
+    of a fused q|k|v weight split by columns). DTensor's own ``full_tensor`` refuses both on some torch
+    versions this runs on (2.11); shards of one tensor dimension on several mesh dimensions are left
+    to DTensor, whose placement order defines them."""
+    if not _is_dtensor(t) or not any(type(p).__name__ == "_StridedShard" for p in t.placements):
+        return False
+    shards = [(i, p) for i, p in enumerate(t.placements) if _splits(p)]
+    dims = [p.dim for _, p in shards]
+    # all_gather needs equal pieces: FSDP2's padded uneven shards go to DTensor
+    even = all(t.shape[p.dim] % (t.device_mesh.size(i) * getattr(p, "split_factor", 1)) == 0 for i, p in shards)
+    return even and len(dims) == len(set(dims)) and not any(p.is_partial() for p in t.placements)
+
+
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """The unsharded value of ``t`` (a DTensor or a plain tensor); collective over a DTensor's mesh.
 
-    Block-wise shards on a 1-D mesh (a fused q|k|v weight: rank r holds part r of every block) are
-    gathered here, because DTensor's own ``full_tensor`` cannot reassemble them on every torch
-    version this runs on (2.11 refuses that placement).
+    Block-wise shards (a fused q|k|v weight: rank r holds part r of every block) are gathered here,
+    one mesh dimension at a time, because DTensor's own ``full_tensor`` cannot reassemble them on
+    every torch version this runs on (see :func:`_gathered_by_hand`).
 
     Example::
 
         w = full_tensor(model.transformer.h[0].attn.c_attn.weight)   # same on every rank
     """
-    if not _strided(t):
+    if not _gathered_by_hand(t):
         return t.full_tensor() if _is_dtensor(t) else t
     import torch.distributed as dist
 
-    mesh, placement = t.device_mesh, t.placements[0]
-    dim, blocks = placement.dim, placement.split_factor
-    local = t.to_local().contiguous()
-    parts = [torch.empty_like(local) for _ in range(mesh.size())]
-    dist.all_gather(parts, local, group=mesh.get_group())
-    pieces = [part.chunk(blocks, dim) for part in parts]  # pieces[r][b]: part r of block b
-    return torch.cat([pieces[r][b] for b in range(blocks) for r in range(len(parts))], dim)
+    mesh, local = t.device_mesh, t.to_local().contiguous()
+    for mesh_dim, placement in enumerate(t.placements):
+        if not _splits(placement):
+            continue
+        dim, blocks = placement.dim, getattr(placement, "split_factor", 1)
+        parts = [torch.empty_like(local) for _ in range(mesh.size(mesh_dim))]
+        dist.all_gather(parts, local, group=mesh.get_group(mesh_dim))
+        pieces = [part.chunk(blocks, dim) for part in parts]  # pieces[r][b]: part r of block b
+        local = torch.cat([pieces[r][b] for b in range(blocks) for r in range(len(parts))], dim).contiguous()
+    return local
 
 
 def _to_contiguous_shards(t):

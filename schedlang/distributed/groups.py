@@ -20,7 +20,7 @@ from ..errors import ScheduleValueError
 
 __all__ = ["is_distributed", "world_size", "rank", "group_description", "SINGLE_RANK", "SingleRankGroup",
            "PG_TIMEOUT_ENV", "DEFAULT_PG_TIMEOUT_S", "pg_timeout", "default_backend", "set_group_timeout",
-           "new_group"]
+           "new_group", "cuda_collectives", "default_device"]
 
 logger = logging.getLogger("schedlang.distributed.groups")
 
@@ -111,6 +111,24 @@ class SingleRankGroup:
 
 
 SINGLE_RANK = SingleRankGroup()
+
+
+def cuda_collectives() -> bool:
+    """Whether the default process group, if there is one, can run collectives on CUDA tensors
+    (NCCL, or a ``cpu:gloo,cuda:nccl`` pair); True when torch.distributed is not initialized."""
+    if not is_distributed():
+        return True
+    backend = str(dist.get_backend()).lower()
+    return "nccl" in backend or "cuda" in backend
+
+
+def default_device() -> torch.device:
+    """Where schedlang puts what it creates when no device is given: the current CUDA device when
+    there is one and the process group can move CUDA tensors, else the CPU. A gloo-only group on a
+    GPU machine keeps everything on the CPU: gloo cannot send CUDA memory."""
+    if torch.cuda.is_available() and cuda_collectives():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def is_distributed() -> bool:

@@ -27,10 +27,9 @@ from __future__ import annotations
 import logging
 from typing import Optional, Sequence, Tuple
 
-import torch
 
 from ..errors import ScheduleTypeError, ScheduleValueError
-from .groups import SINGLE_RANK, is_distributed, set_group_timeout
+from .groups import SINGLE_RANK, default_device, is_distributed, set_group_timeout
 
 __all__ = ["MESH_DIMS", "DATA_DIMS", "make_mesh", "check_mesh", "tp_group", "dim_size", "data_parallel_mesh",
            "pipeline_mesh", "tensor_parallel_mesh", "mesh_from_group", "describe_mesh"]
@@ -44,7 +43,7 @@ DATA_DIMS = ("dp_replicate", "dp_shard", "dp")
 
 
 def _default_device_type() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    return default_device().type
 
 
 def make_mesh(pp: int = 1, dp: int = 1, tp: int = 1, dp_replicate: int = 1, device_type: Optional[str] = None,

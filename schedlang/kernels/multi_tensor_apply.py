@@ -40,9 +40,21 @@ NUMEL_COLUMN = ROW_WIDTH - 1
 VECTOR_BYTES = 16
 
 
-def interpreting() -> bool:
-    """True when Triton kernels run under the numpy interpreter (``TRITON_INTERPRET=1``)."""
+def _interpret_switch() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+# Triton chooses between the interpreter and the compiler when ``@triton.jit`` decorates a function,
+# that is when this package's kernel modules are imported. Setting the variable later (a script that
+# sets it after importing schedlang on a GPU machine) would send CPU pointers to compiled kernels, so the
+# switch as it was at import is what counts.
+_INTERPRETED_AT_IMPORT = _interpret_switch()
+
+
+def interpreting() -> bool:
+    """True when this package's Triton kernels run under the numpy interpreter: ``TRITON_INTERPRET=1``
+    was set when schedlang's kernels were imported, and still is."""
+    return _INTERPRETED_AT_IMPORT and _interpret_switch()
 
 
 def use_triton(device: torch.device) -> bool:

@@ -161,8 +161,16 @@ def family_config(family: str, layers: int = 2):
 
     class_name, options = FAMILY_CONFIGS[family]
     cfg = getattr(transformers, class_name)(**{**options, **_LAYERS.get(class_name, {"num_hidden_layers": layers})})
-    cfg._attn_implementation = "sdpa"
+    # eager where the installed transformers has no SDPA path for the family (GPT-J before 5.2x)
+    cfg._attn_implementation = "sdpa" if getattr(_model_class(family, cfg), "_supports_sdpa", True) else "eager"
     return cfg
+
+
+def _model_class(family: str, cfg):
+    import transformers
+
+    head = {"bert": "BertForMaskedLM"}.get(family)
+    return getattr(transformers, head) if head else transformers.AutoModelForCausalLM._model_mapping[type(cfg)]
 
 
 def family_model(family: str, layers: int = 2):
