@@ -417,7 +417,9 @@ def main(argv=None) -> List[dict]:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         device = torch.device("cuda", torch.cuda.current_device())
     else:
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # schedlang's Triton kernels on the CPU (--tiny)
+        if not torch.cuda.is_available():
+            # schedlang's Triton kernels on the CPU (--tiny); a GPU machine runs their references instead
+            os.environ.setdefault("TRITON_INTERPRET", "1")
         device = torch.device("cpu")
     if "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", 1)) > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=900),

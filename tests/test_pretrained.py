@@ -249,6 +249,7 @@ def _spawned(rank, world, root):
 def _spawned_2d(rank, world, root):
     """dp=2 x tp=2: FSDP2 shards the tensor-parallel shards again (strided on both mesh dimensions)."""
     from schedlang.checkpoint import full_tensor
+    from schedlang.checkpoint.state import _fsdp_over_block_shards, _gather
     from schedlang.distributed.mesh import make_mesh
     from schedlang.models import shard_model
 
@@ -266,8 +267,11 @@ def _spawned_2d(rank, world, root):
         # gathered, every parameter is the one transformers loads (tensors cannot cross the result queue)
         reference = _model_class(family).from_pretrained(os.path.join(root, family)).state_dict()
         wrong = [n for n, p in model.named_parameters() if not torch.equal(full_tensor(p.detach()), reference[n])]
+        # the gather full_tensor falls back to where DTensor refuses FSDP2 over a fused q|k|v shard (torch 2.11)
+        by_hand = {n: torch.equal(_gather(p.detach(), contiguous_outer=True), reference[n])
+                   for n, p in model.named_parameters() if _fsdp_over_block_shards(p)}
         out[family] = {"loss": _loss_of(model, _tokens(FAMILIES[family][0]().vocab_size)), "placements": placements,
-                       "wrong": wrong}
+                       "wrong": wrong, "by_hand": by_hand}
     return out
 
 
@@ -293,6 +297,7 @@ def test_fsdp2_over_tensor_parallel_shards_on_four_ranks(saved):
         for r in results:
             assert r[family]["loss"] == pytest.approx(saved[family], rel=1e-5, abs=1e-5)
             assert r[family]["wrong"] == [], {n: r[family]["placements"][n] for n in r[family]["wrong"]}
+    assert results[0]["gpt2"]["by_hand"] and all(results[0]["gpt2"]["by_hand"].values()), results[0]["gpt2"]["by_hand"]
     # the layouts this covers: FSDP2's strided shard of a tensor-parallel shard, and of a fused q|k|v shard
     assert results[0]["llama"]["placements"]["model.layers.0.mlp.gate_proj.weight"] == \
         "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
@@ -366,7 +371,7 @@ def test_tensors_split_across_files_with_an_index_and_untied_weights(tmp_path):
     reference = LlamaForCausalLM(cfg)
     reference.save_pretrained(tmp_path, max_shard_size="30KB")
     assert (tmp_path / "model.safetensors.index.json").is_file()
-    model, _ = schedlang.build(_empty("llama", cfg), pretrained=tmp_path)
+    model, _ = schedlang.build(_empty("llama", cfg), pretrained=tmp_path, device="cpu")
     assert model.lm_head.weight is not model.model.embed_tokens.weight
     got = _state(model)
     for name, value in _state(reference).items():
@@ -375,11 +380,20 @@ def test_tensors_split_across_files_with_an_index_and_untied_weights(tmp_path):
     assert torch.equal(model.model.rotary_emb.inv_freq, reference.model.rotary_emb.inv_freq)
 
 
+def test_a_meta_model_is_materialized_on_the_default_device(tmp_path):
+    from schedlang.distributed.groups import default_device
+
+    _save("gpt2", tmp_path)
+    model, _ = schedlang.build(_empty("gpt2"), pretrained=tmp_path)
+    # the current GPU when there is one (no process group here), else the CPU
+    assert {p.device for p in model.parameters()} == {default_device()}
+
+
 def test_rotary_caches_on_the_meta_device_are_computed_not_read(tmp_path):
     reference = _save("llama", tmp_path)
     with schedlang.init_empty_weights(include_buffers=True):  # buffers on the meta device too
         sch = schedlang.create_schedule(_model_class("llama")(_llama_config()))
-    model, _ = schedlang.build(sch, pretrained=tmp_path)
+    model, _ = schedlang.build(sch, pretrained=tmp_path, device="cpu")
     assert torch.equal(model.model.rotary_emb.inv_freq, reference.model.rotary_emb.inv_freq)
     tokens = _tokens(96)
     with torch.no_grad():
@@ -389,7 +403,7 @@ def test_rotary_caches_on_the_meta_device_are_computed_not_read(tmp_path):
 def test_a_single_file_and_a_list_of_files_load_too(tmp_path):
     reference = _save("gpt2", tmp_path)
     for source in (tmp_path / "model.safetensors", [str(tmp_path / "model.safetensors")]):
-        model, _ = schedlang.build(_empty("gpt2"), pretrained=source)
+        model, _ = schedlang.build(_empty("gpt2"), pretrained=source, device="cpu")
         assert torch.equal(model.transformer.h[1].attn.c_attn.weight, reference.transformer.h[1].attn.c_attn.weight)
         assert model.lm_head.weight is model.transformer.wte.weight
 
@@ -397,7 +411,7 @@ def test_a_single_file_and_a_list_of_files_load_too(tmp_path):
 def test_a_base_model_checkpoint_loads_into_the_causal_lm(tmp_path):
     reference = _save("llama", tmp_path / "lm")
     reference.model.save_pretrained(tmp_path / "base")  # keys without the "model." prefix
-    model, _ = schedlang.build(_empty("llama"), pretrained=tmp_path / "base")
+    model, _ = schedlang.build(_empty("llama"), pretrained=tmp_path / "base", device="cpu")
     got = _state(model)
     for name, value in _state(reference).items():
         assert torch.equal(got[name], value), name

@@ -159,31 +159,55 @@ def _gathered_by_hand(t) -> bool:
     return even and len(dims) == len(set(dims)) and not any(p.is_partial() for p in t.placements)
 
 
-def full_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The unsharded value of ``t`` (a DTensor or a plain tensor); collective over a DTensor's mesh.
+def _fsdp_over_block_shards(t) -> bool:
+    """FSDP2 rows of a tensor-parallel fused q|k|v shard on a 2-D mesh, both splitting one tensor
+    dimension (torch 2.11 calls it ``(Shard(d), _StridedShard(d, sf=3))`` and cannot gather it)."""
+    p = t.placements
+    return (t.device_mesh.ndim == 2 and all(_splits(x) for x in p) and p[0].dim == p[1].dim
+            and type(p[1]).__name__ == "_StridedShard")
 
-    Block-wise shards (a fused q|k|v weight: rank r holds part r of every block) are gathered here,
-    one mesh dimension at a time, because DTensor's own ``full_tensor`` cannot reassemble them on
-    every torch version this runs on (see :func:`_gathered_by_hand`).
 
-    Example::
-
-        w = full_tensor(model.transformer.h[0].attn.c_attn.weight)   # same on every rank
-    """
-    if not _gathered_by_hand(t):
-        return t.full_tensor() if _is_dtensor(t) else t
+def _gather(t, contiguous_outer: bool = False) -> torch.Tensor:
+    """All-gather ``t``'s local pieces one mesh dimension at a time, outermost first, and put them
+    back: a ``Shard`` by concatenation, a ``_StridedShard`` block by block (rank r held part r of each
+    block). With ``contiguous_outer`` the outermost dimension is FSDP2's contiguous chunks of the
+    inner shard, whatever its placement says."""
     import torch.distributed as dist
 
     mesh, local = t.device_mesh, t.to_local().contiguous()
     for mesh_dim, placement in enumerate(t.placements):
         if not _splits(placement):
             continue
-        dim, blocks = placement.dim, getattr(placement, "split_factor", 1)
+        dim = placement.dim
+        blocks = 1 if contiguous_outer and mesh_dim == 0 else getattr(placement, "split_factor", 1)
         parts = [torch.empty_like(local) for _ in range(mesh.size(mesh_dim))]
         dist.all_gather(parts, local, group=mesh.get_group(mesh_dim))
         pieces = [part.chunk(blocks, dim) for part in parts]  # pieces[r][b]: part r of block b
         local = torch.cat([pieces[r][b] for b in range(blocks) for r in range(len(parts))], dim).contiguous()
     return local
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The unsharded value of ``t`` (a DTensor or a plain tensor); collective over a DTensor's mesh.
+
+    Block-wise shards (a fused q|k|v weight: rank r holds part r of every block) are gathered here,
+    one mesh dimension at a time, where DTensor's own ``full_tensor`` cannot reassemble them on every
+    torch version this runs on (see :func:`_gathered_by_hand` and :func:`_fsdp_over_block_shards`).
+
+    Example::
+
+        w = full_tensor(model.transformer.h[0].attn.c_attn.weight)   # same on every rank
+    """
+    if not _is_dtensor(t):
+        return t
+    if _gathered_by_hand(t):
+        return _gather(t)
+    try:
+        return t.full_tensor()
+    except ValueError:
+        if not _fsdp_over_block_shards(t):
+            raise
+        return _gather(t, contiguous_outer=True)
 
 
 def _to_contiguous_shards(t):
