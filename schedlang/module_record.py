@@ -2,7 +2,7 @@
 
 Every fact a primitive leaves on a module that later code must read (which of its tensors
 were split and how, the sync points it runs, the class and attributes it had before a shard
-rule changed them, whether it is checkpointed or a fused kernel) lives in one
+rule changed them, whether it is checkpointed or a fused kernel, its parameters' annotations) lives in one
 :class:`ModuleRecord`, stored under one attribute of the module (:data:`RECORD_ATTR`). Build,
 Verify, checkpointing, the report, the tracer and the graph passes all read it through the
 functions below; nothing else on a module carries schedule facts.
@@ -67,7 +67,9 @@ class ModuleRecord:
       a shard rule changed them (None / empty: unchanged); ``build`` initializes a meta-device
       module at full size from them;
     * ``checkpointed`` / ``checkpoint_options``: the forward runs under activation checkpointing;
-    * ``fused``: the module is a kernel made by ``fuse`` (opaque to tracing and pattern search).
+    * ``fused``: the module is a kernel made by ``fuse`` (opaque to tracing and pattern search);
+    * ``annotations``: parameter name -> ``{key: value}`` set by ``annotate`` (``build`` sets them again
+      on the parameters it makes).
     """
 
     shards: Mapping[str, "ShardSpec"] = dataclasses.field(default_factory=dict)
@@ -78,6 +80,7 @@ class ModuleRecord:
     checkpointed: bool = False
     checkpoint_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     fused: bool = False
+    annotations: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
 
     def is_empty(self) -> bool:
         return self == ModuleRecord()
@@ -90,9 +93,6 @@ def module_record(module: nn.Module) -> ModuleRecord:
     """``module``'s record (an empty one when the schedule did nothing to it). Read it, never change it:
     use :func:`update_record`."""
     record = module.__dict__.get(RECORD_ATTR)
-    if record is None:
-        # a class may declare a record for all its instances (a checkpointed-subgraph wrapper)
-        record = getattr(type(module), RECORD_ATTR, None)
     return record if isinstance(record, ModuleRecord) else _EMPTY
 
 

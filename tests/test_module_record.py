@@ -39,6 +39,7 @@ def _scheduled_fc2(model):
     sch["fc2"].shard("weight", axis=1)
     sch["fc2"].sync("fwd_post", "all_reduce")
     sch["fc2"].checkpoint(preserve_rng_state=False)
+    sch["fc2"].annotate("weight", "orig_shape", [7, 13])
     return sch
 
 
@@ -53,7 +54,8 @@ def test_a_sharded_synced_decomposed_checkpointed_module_has_one_record():
         shards={"weight": ShardSpec(axis=1, world_size=1, rank=0, full_shape=(7, 13))},
         syncs=(SyncSpec(mode="fwd_post", op="all_reduce", child="_schedlang_sync_fwd_post_0"),),
         syncs_before_bias=True, checkpointed=True,
-        checkpoint_options={"preserve_rng_state": False})
+        checkpoint_options={"preserve_rng_state": False}, annotations={"weight": {"orig_shape": [7, 13]}})
+    assert fc2.weight.orig_shape == [7, 13]
     assert shard_specs(fc2) == public_shard_specs(fc2) == dict(record.shards)
     # the row-parallel linear runs its sync itself, before its bias: no hook does it a second time
     assert not fc2._forward_hooks
@@ -172,6 +174,7 @@ def test_the_element_record_accepts_an_init_that_writes_a_child_tensor_in_parts(
 _OLD_NAMES = [
     r"_schedlang_shards\b", r"_schedlang_unsharded\b", r"_schedlang_inner_post_syncs\b",
     r"_schedlang_checkpointed\b", r"_schedlang_checkpoint_options\b", r"_schedlang_fused\b",
+    r"_schedlang_annotations\b",
     r"metadata\[[\"']shards[\"']\]", r"metadata\[[\"']syncs[\"']\]", r"setdefault\([\"'](shards|syncs)[\"']",
     r"fill_\(float\([\"']nan[\"']\)\)",
 ]
