@@ -142,7 +142,8 @@ class SyncHook:
             key = next(iter(output))
             output[key] = sync(output[key])
             return output
-        raise RuntimeError(f"{type(module).__name__}: fwd_post sync found no tensor output (got {type(output).__name__})")
+        raise RuntimeError(f"{type(module).__name__}: fwd_post sync found no tensor output "
+                           f"(got {type(output).__name__})")
 
     def __repr__(self) -> str:
         return f"SyncHook({self.child_name!r}, {self.mode!r})"

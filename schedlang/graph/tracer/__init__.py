@@ -39,8 +39,8 @@ is replaced by a snapshot of its plain attributes (:class:`ModuleAttributes`).
 
 What survives tracing: parameters and buffers (same objects, same qualified names, even
 those the graph does not use), ``_schedlang_*`` attributes such as each module's record
-(:mod:`schedlang.module_record`: shards, syncs, checkpointing), sync-op children and the forward hooks of every module that is replaced by a ``TracedModule``,
-container types (``ModuleList``), non-persistent buffers, and the plain attributes of the
+(:mod:`schedlang.module_record`: shards, syncs, checkpointing), sync-op children and the
+forward hooks of every module that is replaced by a ``TracedModule``, container types (``ModuleList``), non-persistent buffers, and the plain attributes of the
 original module (``config``, ...). ``self.training`` and the Python values of the
 arguments are frozen at trace time (e.g. functional dropout's ``training`` flag).
 
