@@ -10,18 +10,21 @@ full size in a temporary copy and cut, so memory holds at most one full module a
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from tqdm.auto import tqdm
 
 from .distributed.agreement import agreement, check_same_plan
 from .distributed.groups import default_device
-from .distributed.sharding import shard_tensor, unsharded_view
+from .distributed.sharding import shard_tensor
 from .errors import SchedlangError, ScheduleTypeError, ScheduleValueError
 from .init import has_meta_tensors
+from .module_record import original_view, shard_specs
 
 __all__ = ["build"]
 
@@ -60,15 +63,15 @@ def _own_tensors(module: nn.Module):
 
 
 def _full_shape(module: nn.Module, name: str, tensor: torch.Tensor) -> Tuple[int, ...]:
-    spec = getattr(module, "_schedlang_shards", {}).get(name)
+    spec = shard_specs(module).get(name)
     return tuple(spec.full_shape) if spec is not None else tuple(tensor.shape)
 
 
 def _template(module: nn.Module, make_tensor: Callable, memo: Dict[int, torch.Tensor]) -> nn.Module:
-    """A copy of ``module``'s subtree as the unsharded model has it: original classes and attributes (see
-    ``remember_unsharded``), full-size tensors made by ``make_tensor(module, name, tensor, is_param)``
+    """A copy of ``module``'s subtree as the unsharded model has it: original classes and attributes (from
+    each module's record), full-size tensors made by ``make_tensor(module, name, tensor, is_param)``
     (one per distinct tensor, so tied tensors stay tied). The module itself is not changed."""
-    klass, attributes = unsharded_view(module)
+    klass, attributes = original_view(module)
     copy_ = klass.__new__(klass)
     copy_.__dict__.update(module.__dict__)
     copy_.__dict__.update(attributes)
@@ -91,7 +94,7 @@ def _new_tensor(shape, like: torch.Tensor, is_param: bool, device) -> torch.Tens
 
 
 def _cut(module: nn.Module, name: str, full: torch.Tensor) -> torch.Tensor:
-    spec = getattr(module, "_schedlang_shards", {}).get(name)
+    spec = shard_specs(module).get(name)
     if spec is None:
         return full.detach()
     return shard_tensor(full, spec.axis, spec.rank, spec.world_size, getattr(spec, "groups", 1))
@@ -155,17 +158,15 @@ class _Materializer:
             if id(t) in own_ids:
                 return _new_tensor(shape, t, is_param, self.device)
             if id(t) in written_below:
-                new = _new_tensor(shape, t, is_param, self.device)
-                if new.is_floating_point():  # NaN marks what the init leaves unwritten (checked below)
-                    with torch.no_grad():
-                        new.fill_(float("nan"))
-                return new
+                return _new_tensor(shape, t, is_param, self.device)
             return _new_tensor(shape, t, is_param, "meta")  # not touched: a placeholder of the right shape
 
         memo: Dict[int, torch.Tensor] = {}
         template = _template(module, make, memo)
         versions = {i: memo[i]._version for i in own_ids}
-        with torch.no_grad():
+        # which elements of the descendants' tensors the init writes: a whole tensor can be re-cut into shards
+        written = _WrittenElements([memo[i] for i in written_below]) if written_below else contextlib.nullcontext()
+        with torch.no_grad(), written:
             init(template)
         for name, t, is_param in pending:
             full = memo[id(t)]
@@ -176,7 +177,7 @@ class _Materializer:
                     full.zero_()
             self._store(module, name, t, is_param, _cut(module, name, full))
         if written_below:
-            self._recut_descendants(module, memo, written_below)
+            self._recut_descendants(module, memo, written_below, written)
 
     def _dry_run(self, module: nn.Module, init) -> set:
         """ids of the tensors *below* ``module`` that its init writes (found on meta copies)."""
@@ -194,7 +195,7 @@ class _Materializer:
         own = {id(t) for _, t, _ in _own_tensors(module)}
         return {i for i, m in memo.items() if m._version != before[i] and i not in own}
 
-    def _recut_descendants(self, module: nn.Module, memo, written: set) -> None:
+    def _recut_descendants(self, module: nn.Module, memo, written: set, elements: "_WrittenElements") -> None:
         for path, sub in module.named_modules():
             if sub is module:
                 continue
@@ -202,7 +203,7 @@ class _Materializer:
                 if id(t) not in written:
                     continue
                 full = memo[id(t)]
-                if full.is_floating_point() and torch.isnan(full).any():
+                if not elements.whole(full):
                     raise ScheduleValueError(
                         f"build: the init of {type(module).__name__} writes only part of '{path}.{name}' (a tensor of "
                         "one of its submodules), which cannot be rebuilt from a shard; initialize that tensor in the "
@@ -219,6 +220,44 @@ class _Materializer:
             new = value.contiguous()
             module._buffers[name] = new
         self.done[id(old)] = (old, new)
+
+
+class _WrittenElements(TorchDispatchMode):
+    """While active, records which elements of the given tensors are written (by any in-place or ``out=``
+    operation on the tensor or on a view of it): an explicit record of what an init initialized."""
+
+    def __init__(self, tensors):
+        super().__init__()
+        self.tensors = {t.untyped_storage().data_ptr(): t for t in tensors if t.numel()}
+        self.masks = {key: torch.zeros(t.shape, dtype=torch.bool, device=t.device) for key, t in self.tensors.items()}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        schema = func._schema
+        for i, argument in enumerate(schema.arguments):
+            if argument.alias_info is None or not argument.alias_info.is_write:
+                continue
+            value = kwargs[argument.name] if argument.name in kwargs else (args[i] if i < len(args) else None)
+            for target in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(target, torch.Tensor):
+                    self._mark(target)
+        return out
+
+    def _mark(self, target: torch.Tensor) -> None:
+        key = target.untyped_storage().data_ptr()
+        base = self.tensors.get(key)
+        if base is None:
+            return
+        with torch.no_grad():
+            # the written view, laid over the (contiguous) tensor it belongs to
+            self.masks[key].as_strided(target.shape, target.stride(),
+                                       target.storage_offset() - base.storage_offset()).fill_(True)
+
+    def whole(self, tensor: torch.Tensor) -> bool:
+        """Whether every element of ``tensor`` (one of those given) was written."""
+        mask = self.masks.get(tensor.untyped_storage().data_ptr())
+        return mask is None or bool(mask.all())
 
 
 _DEFAULT = object()

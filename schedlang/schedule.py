@@ -55,7 +55,8 @@ class _RootState:
         self.group = group
         self.mesh = mesh
         self.plan = Plan(fingerprint=ModelFingerprint.of(original) if original is not None else None)
-        #: per-path notes of what primitives did (shards, syncs, graphs as traced ...), read by the report
+        #: per-path notes for the report (graphs as traced, horizontal fusion counts ...); what a primitive did
+        #: to a module that later code relies on is in the module's record (schedlang.module_record)
         self.metadata: Dict[str, Dict[str, Any]] = {}
 
 
@@ -106,7 +107,7 @@ class _Undo:
         for m, klass, d, forward in self.modules:
             m.__dict__.clear()
             m.__dict__.update(d)
-            m.__class__ = klass
+            m.__class__ = klass  # a shard rule may have changed it (module_record.change_class)
             if forward is not None and vars(klass).get("forward") is not forward:
                 klass.forward = forward
         for obj, d in self.objects:
@@ -250,7 +251,8 @@ class Schedule:
 
     @property
     def metadata(self) -> Dict[str, Any]:
-        """Free-form per-path metadata (primitives record what they did here)."""
+        """Free-form per-path notes (a primitive's summary for the report, a user's own notes). The facts later
+        steps rely on (shards, syncs, checkpointing) are in each module's record, not here."""
         return self._state.metadata.setdefault(self._path, {})
 
     def _display(self) -> str:

@@ -19,6 +19,7 @@ from torch import nn
 import schedlang
 import schedlang.distributed.groups as groups
 from schedlang.models import shard_bert, shard_gpt2, shard_llama
+from schedlang.module_record import shard_specs
 
 
 @contextlib.contextmanager
@@ -89,7 +90,7 @@ def test_shards_equal_slices_of_the_unsharded_build(family, world):
         assert not any(t.is_meta for t in list(model.parameters()) + list(model.buffers()))
         checked = 0
         for mod_name, module in model.named_modules(remove_duplicate=False):
-            specs = getattr(module, "_schedlang_shards", {})
+            specs = shard_specs(module)
             for name, p in module.named_parameters(recurse=False):
                 ref = full_params[f"{mod_name}.{name}" if mod_name else name]
                 expected = specs[name].slice_of(ref) if name in specs else ref
@@ -99,7 +100,7 @@ def test_shards_equal_slices_of_the_unsharded_build(family, world):
         split_bytes += _bytes(model)
     # each rank holds 1/world of what is split: the ranks together hold the model once plus the replicas
     replicated = sum(p.numel() * p.element_size() for m in model.modules() for n, p in m.named_parameters(recurse=False)
-                     if n not in getattr(m, "_schedlang_shards", {}))
+                     if n not in shard_specs(m))
     assert split_bytes == _bytes(full) + (world - 1) * replicated
     # about 1/world: only norms (and for BERT position / token-type embeddings and the MLM transform) stay whole
     assert _bytes(model) / _bytes(full) < 1 / world + {"llama": 0.01, "gpt2": 0.02, "bert": 0.08}[family]

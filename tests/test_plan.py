@@ -6,6 +6,7 @@ from torch import nn
 
 import schedlang
 from schedlang.plan import Plan
+from schedlang.module_record import module_record
 from tests.helpers.models import MLP, Stack
 
 
@@ -51,7 +52,7 @@ def test_json_round_trip_and_replay_on_fresh_model():
     replayed = schedlang.replay(text, fresh)
     assert str(replayed.plan) == str(sch.plan)
     assert type(replayed["layers.1.mlp.fc1"].mod).__name__ == "LinearWithSeparateBias"
-    assert replayed["layers.1"].mod._schedlang_checkpointed
+    assert module_record(replayed["layers.1"].mod).checkpointed
     x = torch.randn(3, 12)
     fresh.eval(); replayed.mod.eval()
     torch.testing.assert_close(replayed.mod(x), fresh(x))

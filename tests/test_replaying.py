@@ -10,6 +10,7 @@ from torch import nn
 
 import schedlang
 from schedlang.plan import Plan, apply_steps
+from schedlang.module_record import shard_specs
 from tests.helpers.models import MLP, Stack, assert_unchanged, state_snapshot
 
 UNIMPORTED = "tests.helpers.plan_types"
@@ -173,7 +174,7 @@ def test_replay_that_fails_at_step_k_applies_nothing():
     assert len(target.plan) == 1 and target["layers.0.mlp.fc1"].mod is fc1 and fc1.weight is weight
     assert not fc1._forward_pre_hooks and not list(fc1.children())
     assert type(target["layers.1.mlp.fc1"].mod) is nn.Linear and "forward" not in target["layers.1"].mod.__dict__
-    assert "shards" not in target["layers.0.mlp.fc1"].metadata
+    assert not shard_specs(target["layers.0.mlp.fc1"].mod)
     x = torch.randn(3, 12)
     ref = Stack()
     ref.load_state_dict(target.mod.state_dict())

@@ -7,6 +7,7 @@ from torch import nn
 import schedlang
 from schedlang.primitives.base import get_primitive, signature_mismatch
 from schedlang.schedule import Schedule
+from schedlang.module_record import ModuleRecord, module_record, shard_specs
 from tests.helpers.models import MLP, Stack, assert_unchanged, state_snapshot
 
 
@@ -156,7 +157,7 @@ def test_failed_primitive_leaves_the_tree_unchanged(monkeypatch):
     with pytest.raises(RuntimeError, match="rule failed"):
         sch["fc1"].shard("weight", axis=0)
     assert sch["fc1"].mod.weight is weight
-    assert not hasattr(sch["fc1"].mod, "_schedlang_shards")
+    assert not shard_specs(sch["fc1"].mod)
     assert len(sch.plan) == 0
 
 
@@ -172,10 +173,10 @@ def test_atomic_block_undoes_every_step_on_failure():
             sch["layers.1.mlp.fc1"].shard("weight", axis=4)
     assert len(sch.plan) == 1 and sch.plan[0].primitive == "decompose"
     fc1 = sch["layers.0.mlp.fc1"].mod
-    assert fc1.weight.shape == (20, 12) and not hasattr(fc1, "_schedlang_shards")
+    assert fc1.weight.shape == (20, 12) and module_record(fc1) == ModuleRecord()
     assert not fc1._forward_pre_hooks and not list(fc1.children())
     assert "forward" not in sch["layers.1"].mod.__dict__
-    assert "shards" not in sch["layers.0.mlp.fc1"].metadata
+    assert not module_record(sch["layers.1"].mod).checkpointed
     with sch.atomic():
         sch["layers.0.mlp.fc1"].shard("weight", axis=0)
     assert len(sch.plan) == 2

@@ -4,6 +4,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import schedlang
+from schedlang.module_record import module_record
 from tests.helpers.models import MLP, Stack
 
 
@@ -184,7 +185,7 @@ def test_a_failed_block_is_undone_and_the_schedule_still_builds():
             sch["layers.1.mlp.act"].replace(nn.ReLU())  # wrong
     assert [s.primitive for s in sch.plan] == ["decompose"]
     assert type(sch["layers.1.mlp.act"].mod) is nn.GELU
-    assert not getattr(sch["layers.1"].mod, "_schedlang_checkpointed", False)
+    assert not module_record(sch["layers.1"].mod).checkpointed
     built, _ = schedlang.build(sch)
     model.eval()
     built.eval()

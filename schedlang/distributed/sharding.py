@@ -1,12 +1,14 @@
 """Shard bookkeeping: what was split, how, and where each shard came from.
 
-Two records are kept for every sharded tensor:
+What a shard is lives in one place, the owning module's record
+(:mod:`schedlang.module_record`): ``shards[name] = ShardSpec(...)``, plain data that survives
+``copy.deepcopy`` and is what ``build``, checkpointing and the report read.
 
-* ``module._schedlang_shards[name] = ShardSpec(...)`` on the owning module: plain data that
-  survives ``copy.deepcopy`` and is what ``build`` uses to materialize meta-device shards;
-* a weak map from the new ``Parameter`` to the tensor it was cut from, which lets
-  ``Verify`` compare a shard's gradient with the matching slice of the full gradient even
-  after graph rewrites moved the parameter to another module.
+Beside it this module keeps an *index*, derived from the same ``ShardSpec`` when ``shard``
+runs: a weak map from the new tensor to the tensor it was cut from. It holds no fact of its
+own (the spec is the record's); it only lets ``Verify`` find a shard's unsharded counterpart
+by tensor identity, even after graph rewrites moved the parameter to another module. It
+forgets a shard once either tensor is gone.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
+
+from .. import module_record as records
 
 __all__ = ["ShardSpec", "ShardSource", "shard_tensor", "shard_source", "record_shard_source", "shard_specs",
            "remember_unsharded", "unsharded_view"]
@@ -56,7 +60,8 @@ class ShardSource:
     spec: ShardSpec
 
 
-# keyed by tensor identity (tensors compare elementwise, so an ordinary weak dict cannot hold them)
+# the counterpart index: keyed by tensor identity (tensors compare elementwise, so an ordinary weak
+# dict cannot hold them)
 _SOURCES = WeakIdKeyDictionary()
 
 
@@ -70,6 +75,7 @@ def shard_tensor(t: torch.Tensor, axis: int, rank: int, world_size: int, groups:
 
 
 def record_shard_source(shard: torch.Tensor, source: torch.Tensor, spec: ShardSpec) -> None:
+    """Index ``shard`` as cut from ``source`` as ``spec`` says (``spec`` is also in the owner's record)."""
     prior = _SOURCES.get(source)
     if prior is not None and prior.source() is not None:
         # a shard of a shard: remember the original tensor and compose the slicing
@@ -91,27 +97,22 @@ def shard_source(t: torch.Tensor) -> Optional[Tuple[torch.Tensor, ShardSpec]]:
 
 
 def shard_specs(module: nn.Module) -> Dict[str, ShardSpec]:
-    """The shard records of ``module``'s own tensors (name -> spec)."""
-    return dict(getattr(module, "_schedlang_shards", {}))
+    """The shard records of ``module``'s own tensors (name -> spec), read from its record."""
+    return records.shard_specs(module)
 
 
 def remember_unsharded(module: nn.Module, **attributes) -> None:
-    """Record ``module``'s class and the given attributes as they were before any shard.
+    """Record the given attributes of ``module`` as they were before any shard.
 
     Shard rules call this before they change a module (a vocabulary-parallel embedding
-    changes its class, ``num_embeddings`` and ``padding_idx``); ``build`` uses the record to
-    initialize a meta-device module at full size exactly as the unsharded module would be.
-    The first record of an attribute wins, so a second shard keeps the original values.
+    changes ``num_embeddings`` and ``padding_idx``; its class change goes through
+    :func:`schedlang.module_record.change_class`, which records the class); ``build`` uses the
+    record to initialize a meta-device module at full size exactly as the unsharded module
+    would be. The first record of an attribute wins, so a second shard keeps the original values.
     """
-    record = module.__dict__.get("_schedlang_unsharded") or {"class": type(module), "attributes": {}}
-    # a new record each time (never changed in place), so undoing a failed step restores the old one
-    module.__dict__["_schedlang_unsharded"] = {"class": record["class"],
-                                               "attributes": {**attributes, **record["attributes"]}}
+    records.remember_original(module, **attributes)
 
 
 def unsharded_view(module: nn.Module):
     """``(class, attributes)`` of ``module`` before sharding (its current ones if it was never changed)."""
-    record = module.__dict__.get("_schedlang_unsharded")
-    if record is None:
-        return type(module), {}
-    return record["class"], dict(record["attributes"])
+    return records.original_view(module)

@@ -1,10 +1,17 @@
 """Synchronization points inserted by ``Schedule.sync``.
 
 A sync point is a small parameter-free child module (:class:`SyncOp`) named
-``_schedlang_sync_<mode>_<k>`` plus a forward hook on its parent that calls it. Keeping
-the collective in a child module (not inside a closure) matters for tracing: FX
-records the call as a ``call_module`` node of a leaf module, so a sync survives
-``.trace()`` and prints by name in the graph.
+``_schedlang_sync_<mode>_<k>``, listed (as a :class:`~schedlang.module_record.SyncSpec`) in
+its parent's record, and a forward hook on the parent that runs it. Keeping the collective
+in a child module (not inside a closure) matters for tracing: FX records the call as a
+``call_module`` node of a leaf module, so a sync survives ``.trace()`` and prints by name
+in the graph.
+
+One function runs a sync point, :func:`run_sync`. The hooks call it; a module whose output
+sync must come before its bias is added (a row-parallel linear adds the bias once, after the
+all-reduce) has ``syncs_before_bias`` in its record and no ``fwd_post`` hook: its forward calls
+:func:`run_post_syncs` (which calls :func:`run_sync` for each ``fwd_post`` sync of the same
+record) between the partial product and the bias.
 
 Modes (what the op is applied to):
 
@@ -21,17 +28,19 @@ Modes (what the op is applied to):
 
 from __future__ import annotations
 
+import collections
 import copy
 from typing import Callable, Optional, Union
 
 import torch
 from torch import nn
 
+from ..module_record import SyncSpec, module_record, record_sync, sync_specs, update_record
 from . import collectives as C
 from .groups import world_size
 
-__all__ = ["SyncOp", "SyncHook", "SYNC_MODES", "SYNC_OPS", "sync_children", "attach_sync", "bias_after_inner_syncs",
-           "run_post_syncs_before_bias"]
+__all__ = ["SyncOp", "SyncHook", "SYNC_MODES", "SYNC_OPS", "sync_children", "attach_sync", "run_sync",
+           "run_post_syncs", "bias_after_inner_syncs", "run_post_syncs_before_bias"]
 
 SYNC_MODES = ("fwd_pre", "fwd_post", "bwd_post")
 SYNC_OPS = ("all_reduce", "all_gather", "reduce_scatter")
@@ -89,15 +98,30 @@ def _first_tensor_index(args) -> Optional[int]:
     return None
 
 
+def run_sync(module: nn.Module, child: str, x: torch.Tensor) -> torch.Tensor:
+    """Run ``module``'s sync point ``child`` (a name its record lists) on ``x``: the one way a sync runs."""
+    return getattr(module, child)(x)
+
+
+def run_post_syncs(module: nn.Module, out: torch.Tensor) -> torch.Tensor:
+    """``out`` through every ``fwd_post`` sync of ``module``'s record, in order (for a module whose
+    record says ``syncs_before_bias``: its forward calls this before adding the bias)."""
+    for spec in sync_specs(module, "fwd_post"):
+        out = run_sync(module, spec.child, out)
+    return out
+
+
 class SyncHook:
-    """Forward (pre-)hook that routes the module's input or output through its SyncOp child."""
+    """Forward (pre-)hook that routes the module's input or output through one of its sync points."""
 
     def __init__(self, child_name: str, mode: str):
         self.child_name = child_name
         self.mode = mode
 
     def __call__(self, module: nn.Module, args, *rest):
-        sync = getattr(module, self.child_name)
+        def sync(x):
+            return run_sync(module, self.child_name, x)
+
         if self.mode in ("fwd_pre", "bwd_post"):
             # registered with_kwargs=True: rest == (kwargs,) and the hook returns (args, kwargs)
             kwargs = rest[0] if rest else None
@@ -118,29 +142,31 @@ class SyncHook:
             key = next(iter(output))
             output[key] = sync(output[key])
             return output
-        raise RuntimeError(f"{type(module).__name__}: fwd_post sync found no tensor output (got {type(output).__name__})")
+        raise RuntimeError(f"{type(module).__name__}: fwd_post sync found no tensor output "
+                           f"(got {type(output).__name__})")
 
     def __repr__(self) -> str:
         return f"SyncHook({self.child_name!r}, {self.mode!r})"
 
 
 def sync_children(module: nn.Module):
-    """(name, SyncOp) pairs of the sync points attached to ``module``."""
-    return [(n, m) for n, m in module.named_children() if isinstance(m, SyncOp)]
+    """(name, SyncOp) pairs of the sync points attached to ``module``, in its record's order."""
+    return [(spec.child, getattr(module, spec.child)) for spec in sync_specs(module)
+            if isinstance(getattr(module, spec.child, None), SyncOp)]
 
 
 def attach_sync(module: nn.Module, sync: SyncOp) -> str:
-    """Add ``sync`` as a child of ``module`` and hook it in; returns the child's name.
-
-    A module may run its forward-post syncs itself, before adding a bias (a row-parallel
-    linear must add its bias once, after the all-reduce, not on every rank): such a module
-    lists them in ``_schedlang_inner_post_syncs`` instead of getting a hook.
-    """
-    k = sum(1 for n, _ in sync_children(module) if n.startswith(f"{SYNC_PREFIX}{sync.mode}_"))
+    """Add ``sync`` as a child of ``module``, list it in the module's record and hook it in; returns the
+    child's name."""
+    k = sum(1 for spec in sync_specs(module, sync.mode))
     name = f"{SYNC_PREFIX}{sync.mode}_{k}"
+    while name in module._modules:
+        k += 1
+        name = f"{SYNC_PREFIX}{sync.mode}_{k}"
     module.add_module(name, sync)
-    if sync.mode == "fwd_post" and hasattr(module, "_schedlang_inner_post_syncs"):
-        module._schedlang_inner_post_syncs = list(module._schedlang_inner_post_syncs) + [name]
+    record_sync(module, SyncSpec(mode=sync.mode, op=sync.op, child=name, axis=sync.axis))
+    if sync.mode == "fwd_post" and module_record(module).syncs_before_bias:
+        pass  # the module's forward runs it (run_post_syncs), before adding its bias
     elif sync.mode == "fwd_post":
         module.register_forward_hook(SyncHook(name, sync.mode))
     else:
@@ -149,30 +175,27 @@ def attach_sync(module: nn.Module, sync: SyncOp) -> str:
 
 
 def bias_after_inner_syncs(module: nn.Module, bias: torch.Tensor) -> torch.Tensor:
-    """The bias a row-parallel module adds after its inner forward-post syncs.
+    """The bias a row-parallel module adds after its forward-post syncs.
 
     After an all-reduce every rank adds the bias to the whole output, and its gradient is
     already complete. After a reduce-scatter (sequence parallelism) each rank adds it to its
     own slice only, so the bias gradient must be summed over that sync's group.
     """
-    for name in getattr(module, "_schedlang_inner_post_syncs", ()):
-        sync = getattr(module, name)
-        if isinstance(sync, SyncOp) and sync.op == "reduce_scatter":
-            return C.reduce_backward(bias, sync.group)
+    for spec in sync_specs(module, "fwd_post"):
+        if spec.op == "reduce_scatter":
+            return C.reduce_backward(bias, getattr(module, spec.child).group)
     return bias
 
 
 def run_post_syncs_before_bias(module: nn.Module) -> None:
-    """Make ``module`` run its forward-post syncs itself, before adding its bias.
+    """Record that ``module``'s forward runs its forward-post syncs itself, before adding its bias.
 
     Used by shard rules when a module becomes row parallel: its output is a partial sum, so
-    the bias must be added once, after the all-reduce. Syncs registered earlier as forward
-    hooks move into ``_schedlang_inner_post_syncs``; later ones go there directly
-    (:func:`attach_sync`). The module's forward must honour that list.
+    the bias must be added once, after the all-reduce. The module's forward must call
+    :func:`run_post_syncs`. The hooks of syncs added earlier go (the record still lists those
+    syncs); later ones get none (:func:`attach_sync`).
     """
-    inner = list(getattr(module, "_schedlang_inner_post_syncs", ()))
-    for key, hook in list(module._forward_hooks.items()):
-        if isinstance(hook, SyncHook) and hook.mode == "fwd_post":
-            inner.append(hook.child_name)
-            del module._forward_hooks[key]
-    module._schedlang_inner_post_syncs = inner
+    update_record(module, syncs_before_bias=True)
+    hooks = collections.OrderedDict((key, hook) for key, hook in module._forward_hooks.items()
+                                    if not (isinstance(hook, SyncHook) and hook.mode == "fwd_post"))
+    module._forward_hooks = hooks  # a new table, so undoing a failed step restores the old one

@@ -50,6 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import PatternError
+from ..module_record import module_record
 
 __all__ = ["call_module", "find_nodes", "find_subgraphs", "trace_pattern", "graph_modules", "ParamRef"]
 
@@ -652,7 +653,8 @@ def graph_modules(module: nn.Module, prefix: str = "") -> List[Tuple[str, fx.Gra
     out: List[Tuple[str, fx.GraphModule]] = []
 
     def visit(m: nn.Module, path: str) -> None:
-        if getattr(m, "_schedlang_fused", False) or getattr(m, "_schedlang_checkpointed", False):
+        record = module_record(m)
+        if record.fused or record.checkpointed:
             return
         if isinstance(m, fx.GraphModule):
             out.append((path, m))

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import NotTracedError, PatternError, ScheduleTypeError, ScheduleValueError
+from ..module_record import module_record, update_record
 from ..utils.common import transfer_hooks
 
 __all__ = [
@@ -264,7 +265,7 @@ def _has_hooks(module: nn.Module) -> bool:
 
 
 def _has_sync(module: nn.Module) -> bool:
-    return any(n.startswith("_schedlang_sync") for n in module._modules)
+    return bool(module_record(module).syncs)
 
 
 def _functional_call(module: nn.Module, target: str):
@@ -273,7 +274,7 @@ def _functional_call(module: nn.Module, target: str):
         return _ParamInput(f"{target}.{name}") if getattr(module, name, None) is not None else None
 
     if type(module) in (nn.Linear,) or type(module).__name__ == "LinearWithSeparateBias":
-        if type(module).__name__ == "LinearWithSeparateBias" and getattr(module, "_schedlang_inner_post_syncs", ()):
+        if type(module).__name__ == "LinearWithSeparateBias" and _has_sync(module):
             return None
         if type(module).__name__ == "LinearWithSeparateBias":
             return lambda x: [(F.linear, (x, p("weight")), {}), (operator.add, ("$0", p("bias")), {})] \
@@ -654,7 +655,7 @@ def fuse_subgraphs(sch, subgraphs: Any, compiler: str, name: str) -> List[str]:
             body, inputs, outputs = extract_subgraph(gm, nodes, functionalize=True, where=where, primitive="fuse")
             module_name = _unique_name(gm, name, taken)
             fused = lower_subgraph(body, compiler, module_name)  # may raise: nothing has changed yet
-            fused._schedlang_fused = True
+            update_record(fused, fused=True)
             planned.append((path, gm, nodes, inputs, outputs, module_name, fused))
     made = []
     edits: Dict[str, _GraphEdit] = {}
@@ -680,10 +681,9 @@ class CheckpointedSubgraph(nn.Module):
     the state dict do not change.
     """
 
-    _schedlang_checkpointed = True
-
     def __init__(self, body: fx.GraphModule):
         super().__init__()
+        update_record(self, checkpointed=True)
         self.__dict__["body"] = body
         self.input_names = [n.name for n in body.graph.nodes if n.op == "placeholder"]
 

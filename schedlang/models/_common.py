@@ -8,6 +8,7 @@ from typing import List, Tuple
 from torch import nn
 
 from ..errors import ScheduleTypeError
+from ..module_record import shard_specs
 
 SEQUENCE_AXIS = 1
 
@@ -47,7 +48,7 @@ def _is_conv1d(module: nn.Module) -> bool:
 
 
 def _sharded(sch, name: str) -> bool:
-    return name in getattr(sch.mod, "_schedlang_shards", {})
+    return name in shard_specs(sch.mod)
 
 
 def shard_column(sch) -> None:

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ScheduleValueError
+from ..module_record import shard_specs
 
 logger = logging.getLogger("schedlang.models.optimize")
 
@@ -243,7 +244,7 @@ def _fuse_loss(sch, done: List[str], skipped: Dict[str, str]) -> None:
     if isinstance(head, FusedLinearCrossEntropyHead):
         skipped["loss"] = "the head is already fused"
         return
-    if getattr(head, "_schedlang_shards", None) or head._forward_hooks or head._forward_pre_hooks:
+    if shard_specs(head) or head._forward_hooks or head._forward_pre_hooks:
         skipped["loss"] = ("the head is sharded over the tensor-parallel group; its logits stay split and the "
                            "vocabulary-parallel loss is kept")
         return

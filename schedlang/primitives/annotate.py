@@ -1,7 +1,7 @@
 """``annotate(param_name, key, value)``: attach metadata to a parameter.
 
 The value is set as an attribute of the parameter (``param.<key>``, as Slapo does) and
-recorded on the module, so it survives copies, replay and ``build``. Useful to mark
+recorded in the module's record (``annotations``), so it survives copies, replay and ``build``. Useful to mark
 parameters for an optimizer or a checkpoint converter (e.g. their original shape).
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import ScheduleKeyError, ScheduleTypeError, ScheduleValueError
+from ..module_record import module_record, update_record
 from .base import Param, Primitive, register_primitive
 
 _RESERVED = {"data", "grad", "requires_grad", "shape", "dtype", "device"}
@@ -17,7 +18,7 @@ _RESERVED = {"data", "grad", "requires_grad", "shape", "dtype", "device"}
 
 def apply_annotations(module) -> None:
     """Set recorded annotations as attributes of the module's (current) parameters."""
-    for pname, kv in getattr(module, "_schedlang_annotations", {}).items():
+    for pname, kv in module_record(module).annotations.items():
         param = module._parameters.get(pname)
         if param is not None:
             for key, value in kv.items():
@@ -58,8 +59,8 @@ class Annotate(Primitive):
     @classmethod
     def apply(cls, sch, param_name, key, value):
         module = sch.mod
-        notes = {k: dict(v) for k, v in getattr(module, "_schedlang_annotations", {}).items()}
+        notes = {k: dict(v) for k, v in module_record(module).annotations.items()}
         notes.setdefault(param_name, {})[key] = value
-        module._schedlang_annotations = notes
+        update_record(module, annotations=notes)
         setattr(getattr(module, param_name), key, value)
         return None

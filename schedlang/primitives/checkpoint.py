@@ -17,6 +17,7 @@ from torch import nn
 from typing import Any
 
 from ..errors import ScheduleValueError
+from ..module_record import module_record, update_record
 from .base import Param, Primitive, register_primitive
 from .params import SUBGRAPHS
 
@@ -27,7 +28,7 @@ def _checkpointed_forward(self, *args, **kwargs):
     if not torch.is_grad_enabled():
         return forward(self, *args, **kwargs)
     return torch_checkpoint.checkpoint(forward, self, *args, use_reentrant=False,
-                                       **self._schedlang_checkpoint_options, **kwargs)
+                                       **module_record(self).checkpoint_options, **kwargs)
 
 
 @register_primitive
@@ -60,7 +61,7 @@ class Checkpoint(Primitive):
         if not sch.path:
             raise ScheduleValueError("<root>: checkpointing the whole model saves nothing (every activation is "
                                      "recomputed at once); checkpoint its layers, e.g. sch['layers.0'].checkpoint()")
-        if getattr(sch.mod, "_schedlang_checkpointed", False):
+        if module_record(sch.mod).checkpointed:
             raise ScheduleValueError(f"{where}: already checkpointed; checkpoint each module only once")
         return {"subgraph": None, **options}
 
@@ -71,7 +72,6 @@ class Checkpoint(Primitive):
 
             return graph.checkpoint_subgraph(sch, subgraph)
         module: nn.Module = sch.mod
-        module._schedlang_checkpointed = True
-        module._schedlang_checkpoint_options = dict(options)
+        update_record(module, checkpointed=True, checkpoint_options=dict(options))
         module.forward = types.MethodType(_checkpointed_forward, module)
         return None

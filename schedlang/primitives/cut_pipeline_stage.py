@@ -26,6 +26,7 @@ Example::
 from __future__ import annotations
 
 from ..errors import ScheduleValueError
+from ..module_record import module_record
 from .base import Primitive, register_primitive
 
 __all__ = ["CutPipelineStage", "cut_paths"]
@@ -38,7 +39,7 @@ def cut_paths(plan) -> list:
 
 def _opaque_reason(module) -> str:
     """Why ``module``'s forward cannot be traced through (``""`` when it can)."""
-    if getattr(module, "_schedlang_checkpointed", False):
+    if module_record(module).checkpointed:
         return "is activation-checkpointed (its forward runs as one recomputed call)"
     if "forward" in module.__dict__:
         return "has a forward set on the instance (it runs as one opaque call)"

@@ -2,7 +2,8 @@
 
 After ``.trace()`` the graph then shows ``linear(x, weight)`` and ``add(_, bias)`` as two
 nodes, so the bias add can be fused with the activation that follows (bias + GELU).
-The module keeps its parameters, hooks and shards; only its forward changes.
+The module is replaced by a :class:`LinearWithSeparateBias` holding the same ``Parameter``
+objects, children, hooks and record, installed wherever the model holds the old one.
 """
 
 from __future__ import annotations
@@ -11,8 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..distributed.sync_ops import bias_after_inner_syncs
+from ..distributed.sync_ops import bias_after_inner_syncs, run_post_syncs
 from ..errors import ScheduleTypeError, ScheduleValueError
+from ..module_record import copy_module_as, module_record
 from .base import Primitive, register_primitive
 
 __all__ = ["LinearWithSeparateBias"]
@@ -24,8 +26,8 @@ class LinearWithSeparateBias(nn.Linear):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         out = F.linear(input, self.weight)
-        for name in getattr(self, "_schedlang_inner_post_syncs", ()):
-            out = getattr(self, name)(out)
+        if module_record(self).syncs_before_bias:
+            out = run_post_syncs(self, out)
         if self.bias is not None:
             out = out + bias_after_inner_syncs(self, self.bias)
         return out
@@ -58,5 +60,12 @@ class Decompose(Primitive):
 
     @classmethod
     def apply(cls, sch):
-        sch.mod.__class__ = LinearWithSeparateBias
+        old = sch.mod
+        new = copy_module_as(old, LinearWithSeparateBias)
+        sch._set_module(new)
+        # the same module may sit at other paths too (a shared submodule): every holder gets the new one
+        for _, parent in list(sch.root.mod.named_modules(remove_duplicate=False)):
+            for name, child in list(parent._modules.items()):
+                if child is old:
+                    parent._modules[name] = new
         return None

@@ -25,6 +25,7 @@ from torch import nn
 from ..distributed.shard_rules import find_shard_rule
 from ..distributed.sharding import ShardSpec, record_shard_source, shard_tensor
 from ..errors import ScheduleKeyError, ShardError
+from ..module_record import record_shard, shard_specs
 from .base import Param, Primitive, register_primitive
 
 logger = logging.getLogger("schedlang.primitives.shard")
@@ -89,7 +90,7 @@ class Shard(Primitive):
         record_shard_source(new, old, spec)
         for path, holder, name in holders:
             (holder._parameters if is_param else holder._buffers)[name] = new
-            holder._schedlang_shards = {**getattr(holder, "_schedlang_shards", {}), name: spec}
+            record_shard(holder, name, spec)
         for path, holder, name in holders:
             rule = find_shard_rule(holder)
             if rule is not None:
@@ -98,7 +99,6 @@ class Shard(Primitive):
             parent_rule = find_shard_rule(parent) if parent is not None else None
             if parent_rule is not None and hasattr(parent_rule, "after_child_shard"):
                 parent_rule.after_child_shard(parent, child_name, holder, name, axis, world, rank)
-            sch.root[path].metadata.setdefault("shards", {})[name] = spec
         return None
 
 
@@ -128,8 +128,8 @@ def _check_holders(sch, tensor, axis, world) -> int:
     shape = tuple(tensor.shape)
     for path, holder, name in _holders(sch, tensor):
         where = path or "<root>"
-        if name in getattr(holder, "_schedlang_shards", {}):
-            prior = holder._schedlang_shards[name]
+        prior = shard_specs(holder).get(name)
+        if prior is not None:
             raise ShardError(f"{where}: '{name}' is already sharded (along axis {prior.axis}); a tensor can be "
                              "sharded only once")
         rule = find_shard_rule(holder)

@@ -84,10 +84,9 @@ class Sync(Primitive):
     @classmethod
     def apply(cls, sch, mode, sync_op_or_fn, axis=None, tensor_parallel_output_grad=True):
         op = SyncOp(mode, sync_op_or_fn, axis=axis, group=sch.group, grad_is_replicated=tensor_parallel_output_grad)
-        name = attach_sync(sch.mod, op)
+        attach_sync(sch.mod, op)  # lists the sync in the module's record
         if axis is not None:
             op.register_forward_pre_hook(AxisCheck(sch.path, mode, sync_op_or_fn, axis))
-        sch.metadata.setdefault("syncs", []).append(name)
         return None
 
 

@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Optional
 import torch
 from torch import nn
 
+from ..module_record import module_record
 from .graph_svg import describe_graph
 
 __all__ = ["ReportData", "collect"]
@@ -47,14 +48,15 @@ def _local_numel(t: torch.Tensor) -> int:
 
 
 def _module_notes(module: nn.Module, metadata: Dict[str, Any]) -> List[str]:
+    """What the schedule did to ``module``: its record (shards, syncs, checkpointing), what it is now, and
+    the notes primitives left in ``sch.metadata`` at its path."""
     notes = []
-    shards = metadata.get("shards") or {}
-    for name, spec in shards.items():
-        axis = getattr(spec, "axis", spec.get("axis") if isinstance(spec, dict) else None)
-        notes.append(f"{name} split on axis {axis}")
-    for sync in metadata.get("syncs") or ():
-        notes.append(f"sync {sync}")
-    if getattr(module, "_schedlang_checkpointed", False):
+    record = module_record(module)
+    for name, spec in record.shards.items():
+        notes.append(f"{name} split on axis {spec.axis}")
+    for sync in record.syncs:
+        notes.append(f"sync {sync.child}: {sync.describe()}")
+    if record.checkpointed:
         notes.append("activations recomputed in backward")
     if isinstance(module, torch.fx.GraphModule):
         notes.append(f"traced: {sum(1 for _ in module.graph.nodes)} graph nodes")

@@ -18,6 +18,7 @@ import schedlang
 import schedlang.distributed.groups as groups
 from schedlang.distributed.shard_rules import ShardRule, register_shard_rule
 from schedlang.distributed.shard_rules.embedding import VocabParallelEmbedding
+from schedlang.module_record import module_record, shard_specs
 
 
 @contextlib.contextmanager
@@ -110,7 +111,8 @@ def test_row_parallel_conv1d_adds_its_bias_once_after_its_syncs():
 
         local = sharded(conv, steps, 2, rank).mod
         assert type(local).__name__ == "RowParallelConv1D" and (local.nx, local.nf) == (6, 18)
-        assert local._schedlang_inner_post_syncs == ["_schedlang_sync_fwd_post_0"] and not local._forward_hooks
+        assert module_record(local).syncs_before_bias and [s.child for s in module_record(local).syncs] == [
+            "_schedlang_sync_fwd_post_0"] and not local._forward_hooks
         out = local(x[..., rank * 6:(rank + 1) * 6])
         partial_sum += (out - conv.bias).detach() / 2
     torch.testing.assert_close(partial_sum + conv.bias, conv(x))
@@ -158,7 +160,7 @@ def test_gpt2_fused_qkv_is_split_head_wise():
         local = sharded(attn, _shard_attention, 2, rank).mod
         q, k, v = (w[:, i * 64 + rank * 32: i * 64 + (rank + 1) * 32] for i in range(3))
         torch.testing.assert_close(local.c_attn.weight, torch.cat([q, k, v], dim=1))
-        spec = local.c_attn._schedlang_shards["weight"]
+        spec = shard_specs(local.c_attn)["weight"]
         assert spec.groups == 3
         torch.testing.assert_close(spec.slice_of(w), local.c_attn.weight)
         assert (local.split_size, local.num_heads) == (32, 2)
@@ -264,8 +266,8 @@ def test_sharding_a_tied_weight_shards_every_holder():
     sch = sharded(model, lambda s: s["transformer.wte"].shard("weight", axis=0), 2, 1)
     wte, head = sch["transformer.wte"].mod, sch["lm_head"].mod
     assert head.weight is wte.weight and wte.weight.shape == (16, 16)
-    assert head.out_features == 16 and head._schedlang_shards["weight"] == wte._schedlang_shards["weight"]
-    assert sch["lm_head"].metadata["shards"]["weight"].rank == 1
+    assert head.out_features == 16 and shard_specs(head)["weight"] == shard_specs(wte)["weight"]
+    assert shard_specs(sch["lm_head"].mod)["weight"].rank == 1
     assert model.lm_head.weight is model.transformer.wte.weight and model.lm_head.weight.shape == (32, 16)
     with pytest.raises(schedlang.ShardError, match=r"lm_head: 'weight' is already sharded \(along axis 0\)"):
         with fake_group(2, 1):
@@ -387,7 +389,7 @@ def test_generic_rule_splits_phi3_fused_qkv_and_gate_up_per_part_with_a_local_co
     total, ranks = _partial_sum(attn, steps, 2, x, **call)
     torch.testing.assert_close(total, attn(x, **call)[0])
     for rank, local in enumerate(ranks):
-        assert local.qkv_proj._schedlang_shards["weight"].groups == 3
+        assert shard_specs(local.qkv_proj)["weight"].groups == 3
         assert local.config.num_attention_heads == 2 and local.num_key_value_heads == 2
         assert local.config is not attn.config and local.config.hidden_size == 64
     assert attn.config.num_attention_heads == 4 and attn.num_key_value_heads == 4
@@ -400,7 +402,7 @@ def test_generic_rule_splits_phi3_fused_qkv_and_gate_up_per_part_with_a_local_co
 
     total, ranks = _partial_sum(mlp, mlp_steps, 2, x)
     torch.testing.assert_close(total, mlp(x))
-    assert ranks[1].gate_up_proj._schedlang_shards["weight"].groups == 2
+    assert shard_specs(ranks[1].gate_up_proj)["weight"].groups == 2
 
 
 def test_generic_rule_splits_gpt_neox_interleaved_qkv_contiguously():
@@ -420,7 +422,7 @@ def test_generic_rule_splits_gpt_neox_interleaved_qkv_contiguously():
 
     total, ranks = _partial_sum(attn, steps, 2, x, row_bias=attn.dense.bias, **call)
     torch.testing.assert_close(total, attn(x, **call)[0])
-    assert ranks[0].query_key_value._schedlang_shards["weight"].groups == 1
+    assert shard_specs(ranks[0].query_key_value)["weight"].groups == 1
 
 
 def _gemma_attention(kv_heads=2):

@@ -8,6 +8,7 @@ from torch import nn
 
 from schedlang.errors import PatternError
 from schedlang.graph import call_module, find_nodes, find_subgraphs, trace_module
+from schedlang.module_record import update_record
 
 
 def _ops(subgraphs):
@@ -207,6 +208,6 @@ def test_pattern_errors_are_explained():
 def test_graph_modules_of_fused_or_checkpointed_regions_are_not_searched():
     model = nn.Sequential(_BiasAct(), _BiasAct())
     gm = trace_module(model)
-    gm.get_submodule("1")._schedlang_fused = True
+    update_record(gm.get_submodule("1"), fused=True)
     assert [sg[0][0] for sg in find_subgraphs(gm, lambda x, b: F.gelu(b + x))] == ["0"]
     assert isinstance(gm, fx.GraphModule)

@@ -12,6 +12,7 @@ from torch import nn
 
 from schedlang.errors import TraceError
 from schedlang.graph import PH, TracedModule, register_leaf_function, trace_module
+from schedlang.module_record import shard_specs, update_record
 from tests.helpers.models import MLP, Stack
 
 
@@ -131,11 +132,11 @@ class _Decomposed(nn.Module):
 
 def test_shard_records_are_carried_to_the_module_that_now_owns_the_parameters():
     model = nn.Sequential(_Decomposed(), nn.GELU())
-    model[0]._schedlang_shards = {"weight": "w", "bias": "b", "gone": "x"}
+    update_record(model[0], shards={"weight": "w", "bias": "b", "gone": "x"})
     gm = trace_module(model, flatten=True)
     owner = gm.get_submodule("0")
     assert type(owner) is nn.Module and owner.weight is model[0].weight
-    assert owner._schedlang_shards == {"weight": "w", "bias": "b"}
+    assert shard_specs(owner) == {"weight": "w", "bias": "b"}
     _check_fwd_bwd(model, gm, torch.randn(3, 8))
 
 

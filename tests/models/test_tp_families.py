@@ -15,6 +15,7 @@ import torch
 
 import schedlang
 from schedlang.models import shard_model
+from schedlang.module_record import shard_specs
 from tests.helpers.distributed import run_distributed
 from tests.models import tp_checks as T
 
@@ -150,4 +151,4 @@ def test_automatic_plan_is_all_or_nothing_and_names_what_it_cannot_split():
                                  r"has 2 heads, fewer than the 4 ranks"):
             shard_model(sch)
     assert len(sch.plan) == 0
-    assert not getattr(sch["model.layers.0.self_attn.q_proj"].mod, "_schedlang_shards", {})
+    assert not shard_specs(sch["model.layers.0.self_attn.q_proj"].mod)

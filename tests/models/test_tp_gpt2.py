@@ -12,6 +12,7 @@ import torch
 
 import schedlang
 from schedlang.models.gpt2 import shard_gpt2
+from schedlang.module_record import shard_specs
 from tests.helpers.distributed import run_distributed
 from tests.models import tp_checks as T
 
@@ -39,7 +40,7 @@ def _tp_vocab_parallel_loss():
     built, _ = schedlang.build(sch)
     result = T.compare(built, copy.deepcopy(model), {"input_ids": ids, "labels": labels}, logits_split=True)
     attn = built.transformer.h[0].attn
-    result.update(split_size=attn.split_size, num_heads=attn.num_heads, c_attn_groups=attn.c_attn._schedlang_shards[
+    result.update(split_size=attn.split_size, num_heads=attn.num_heads, c_attn_groups=shard_specs(attn.c_attn)[
         "weight"].groups, tied=built.lm_head.weight is built.transformer.wte.weight,
         n_params=len(list(model.named_parameters(remove_duplicate=False))))
     return result

@@ -15,6 +15,7 @@ from torch.distributed.tensor import Shard
 import schedlang
 from schedlang.models import _torch_version
 from schedlang.models.llama import shard_llama
+from schedlang.module_record import shard_specs
 from tests.helpers.distributed import run_distributed
 from tests.models import tp_checks as T
 
@@ -258,9 +259,8 @@ def test_model_schedule_errors():
         shard_llama(sch)
     # layer 0 was sharded before layer 1 failed: all of it is undone
     assert len(sch.plan) == 1 and sch.plan[0].primitive == "replace"
-    assert not getattr(sch["model.layers.0.self_attn.q_proj"].mod, "_schedlang_shards", {})
+    assert not shard_specs(sch["model.layers.0.self_attn.q_proj"].mod)
     assert not any("_schedlang_sync" in n for n, _ in sch.mod.named_modules())
-    assert "shards" not in sch["model.layers.0.self_attn.q_proj"].metadata
     sch = schedlang.create_schedule(_model())
     sch["model.layers.0.mlp.down_proj"].replace(torch.nn.Identity())
     with pytest.raises(schedlang.ScheduleTypeError,

@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from schedlang.checkpoint import full_tensor
 from schedlang.distributed.collectives import all_gather_tensor
+from schedlang.module_record import shard_specs
 
 VOCAB = 128
 HIDDEN = 64
@@ -111,7 +112,7 @@ def compare(model: torch.nn.Module, reference: torch.nn.Module, kwargs: dict, lo
     ref_params = dict(reference.named_parameters(remove_duplicate=False))
     worst, worst_name, compared = 0.0, None, 0
     for mod_name, module in model.named_modules(remove_duplicate=False):
-        specs = getattr(module, "_schedlang_shards", {})
+        specs = shard_specs(module)
         for pname, p in module.named_parameters(recurse=False):
             full = ref_params[f"{mod_name}.{pname}" if mod_name else pname]
             grad = p.grad

@@ -2,6 +2,7 @@ import pytest
 import torch
 
 import schedlang
+from schedlang.module_record import module_record
 from tests.helpers.models import MLP
 
 
@@ -13,7 +14,7 @@ def test_annotation_is_set_kept_through_build_and_replay():
     model, _ = schedlang.build(sch)
     assert model.fc1.weight.orig_shape == (20, 12)
     replayed = schedlang.replay(sch.plan.to_json(), MLP())
-    assert replayed["fc1"].mod._schedlang_annotations == {"weight": {"orig_shape": [20, 12]}}
+    assert module_record(replayed["fc1"].mod).annotations == {"weight": {"orig_shape": [20, 12]}}
 
 
 @pytest.mark.parametrize("args,error,message", [

@@ -10,6 +10,7 @@ from torch import nn
 import schedlang
 from schedlang.distributed.launch import run_distributed
 from schedlang.errors import LoweringError, NotTracedError, ScheduleValueError
+from schedlang.module_record import module_record
 from tests.helpers.devices import on_gpu_when_available
 from tests.helpers.models import MLP
 
@@ -63,7 +64,7 @@ def test_bias_gelu_outputs_and_gradients_match_the_unfused_model(compiler):
     model = MLP(hidden=16, inner=24)
     sch = _fused_mlp(model, compiler)
     fused = sch["BiasGeLU_0"].mod
-    assert fused._schedlang_fused and not list(fused.parameters())
+    assert module_record(fused).fused and not list(fused.parameters())
     assert sch.mod.fc1.bias is not model.fc1.bias and "act" not in dict(sch.mod.named_children())
     assert [n.target for n in sch.mod.graph.nodes if n.op == "call_module"] == ["BiasGeLU_0", "fc2"]
     assert list(sch.mod.state_dict()) == list(model.state_dict())

@@ -8,6 +8,7 @@ from torch import nn
 import schedlang
 from schedlang.errors import ScheduleValueError
 from schedlang.graph import CheckpointedSubgraph
+from schedlang.module_record import module_record
 
 
 class _Attention(nn.Module):
@@ -167,7 +168,7 @@ def test_checkpointed_subgraph_recomputes_in_backward_and_keeps_names():
     found = sch.find(lambda h: torch.tanh(h) * torch.sigmoid(h))
     sch.checkpoint(found)
     wrapper = sch["CheckPointWrapper_0"].mod
-    assert isinstance(wrapper, CheckpointedSubgraph) and wrapper._schedlang_checkpointed
+    assert isinstance(wrapper, CheckpointedSubgraph) and module_record(wrapper).checkpointed
     assert list(sch.mod.state_dict()) == list(model.state_dict())
     runs = []
     wrapper.body.register_forward_pre_hook(lambda m, a: runs.append(1))

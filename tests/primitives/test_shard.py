@@ -4,6 +4,7 @@ from torch import nn
 
 import schedlang
 from schedlang.distributed.sharding import shard_source
+from schedlang.module_record import module_record, shard_specs
 from tests.helpers.models import MLP
 
 
@@ -11,7 +12,7 @@ def test_shard_records_spec_and_keeps_module_consistent_single_rank():
     sch = schedlang.create_schedule(MLP(12, 20))
     sch["fc1"].shard("weight", axis=0)
     sch["fc1"].shard("bias", axis=-1)
-    spec = sch["fc1"].mod._schedlang_shards["bias"]
+    spec = shard_specs(sch["fc1"].mod)["bias"]
     assert spec.axis == 0 and spec.world_size == 1 and spec.full_shape == (20,)
     assert sch["fc1"].mod.out_features == 20
     assert str(sch.plan).count("shard") == 2
@@ -33,7 +34,7 @@ def test_shard_buffer():
     model = nn.BatchNorm1d(6)
     sch = schedlang.create_schedule(model)
     sch.shard("running_mean", axis=0)
-    assert "running_mean" in sch.mod._schedlang_shards
+    assert "running_mean" in shard_specs(sch.mod)
 
 
 @pytest.mark.parametrize("name,axis,error,message", [
@@ -76,5 +77,6 @@ def test_row_parallel_linear_with_bias_adds_bias_once_single_rank():
     sch["fc2"].shard("weight", axis=1)
     x = torch.randn(4, 12)
     torch.testing.assert_close(sch.mod(x), model(x))
-    assert sch["fc2"].mod._schedlang_inner_post_syncs == ["_schedlang_sync_fwd_post_0"]
+    record = module_record(sch["fc2"].mod)
+    assert record.syncs_before_bias and [s.child for s in record.syncs] == ["_schedlang_sync_fwd_post_0"]
     assert not sch["fc2"].mod._forward_hooks

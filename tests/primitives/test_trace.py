@@ -8,6 +8,7 @@ from torch import nn
 import schedlang
 from schedlang.errors import ScheduleKeyError, ScheduleTypeError, ScheduleValueError
 from schedlang.graph import PH
+from schedlang.module_record import module_record, shard_specs
 from tests.helpers.models import MLP, Stack, assert_unchanged, state_snapshot
 
 
@@ -116,11 +117,11 @@ def test_shards_syncs_and_checkpoints_survive_tracing():
     weight = sch["layers.0.mlp.fc1"].mod.weight
     sch.trace()
     fc1 = sch["layers.0.mlp.fc1"].mod
-    assert fc1.weight is weight and "weight" in fc1._schedlang_shards
+    assert fc1.weight is weight and "weight" in shard_specs(fc1)
     fc2 = sch["layers.0.mlp.fc2"].mod
     assert len(fc2._forward_hooks) == 1 and hasattr(fc2, "_schedlang_sync_fwd_post_0")
     layer1 = sch["layers.1"].mod
-    assert layer1._schedlang_checkpointed and not isinstance(layer1, fx.GraphModule)
+    assert module_record(layer1).checkpointed and not isinstance(layer1, fx.GraphModule)
     model.eval()
     sch.mod.eval()
     x = torch.randn(6, 12)

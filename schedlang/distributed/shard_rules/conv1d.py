@@ -28,8 +28,9 @@ from typing import Dict
 import torch
 
 from ...errors import ShardError
+from ...module_record import change_class, shard_specs
 from ..sharding import remember_unsharded
-from ..sync_ops import bias_after_inner_syncs, run_post_syncs_before_bias
+from ..sync_ops import bias_after_inner_syncs, run_post_syncs, run_post_syncs_before_bias
 from . import ShardRule, register_shard_rule
 
 __all__ = ["Conv1DShardRule", "row_parallel_conv1d_class"]
@@ -39,9 +40,7 @@ _ROW_PARALLEL_CLASSES: Dict[type, type] = {}
 
 def _row_parallel_forward(self, x: torch.Tensor) -> torch.Tensor:
     size_out = x.size()[:-1] + (self.nf,)
-    out = torch.mm(x.reshape(-1, x.size(-1)), self.weight).view(size_out)
-    for name in getattr(self, "_schedlang_inner_post_syncs", ()):
-        out = getattr(self, name)(out)
+    out = run_post_syncs(self, torch.mm(x.reshape(-1, x.size(-1)), self.weight).view(size_out))
     return out + bias_after_inner_syncs(self, self.bias)
 
 
@@ -65,7 +64,7 @@ class Conv1DShardRule(ShardRule):
     @classmethod
     def check(cls, path, module, tensor_name, axis, world_size):
         where = path or "<root>"
-        shards = getattr(module, "_schedlang_shards", {})
+        shards = shard_specs(module)
         weight_axis = shards["weight"].axis if "weight" in shards else None
         if tensor_name == "bias" and weight_axis == 0:
             raise ShardError(
@@ -85,6 +84,6 @@ class Conv1DShardRule(ShardRule):
         module.nx, module.nf = module.weight.shape
         if axis != 0:
             return
-        module.__class__ = row_parallel_conv1d_class(type(module))
+        change_class(module, row_parallel_conv1d_class(type(module)))
         run_post_syncs_before_bias(module)
 

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...errors import ShardError
+from ...module_record import change_class
 from ..sharding import remember_unsharded
 from . import ShardRule, register_shard_rule
 
@@ -116,7 +117,7 @@ class EmbeddingShardRule(ShardRule):
         remember_unsharded(module, num_embeddings=full_rows, padding_idx=module.padding_idx)
         start = rank * rows
         padding = module.padding_idx
-        module.__class__ = vocab_parallel_class(type(module))
+        change_class(module, vocab_parallel_class(type(module)))
         module.num_embeddings = rows
         module.vocab_start_index = start
         module.vocab_end_index = start + rows

@@ -38,7 +38,7 @@ from typing import Dict, Optional, Tuple
 from torch import nn
 
 from ...errors import ShardError
-from ..sharding import remember_unsharded, unsharded_view
+from ..sharding import remember_unsharded, shard_specs, unsharded_view
 from . import ShardRule, register_fallback_rule
 from .forward_code import attribute_reads, first_consumer, is_conv1d, is_projection, projection_dataflow
 
@@ -157,7 +157,7 @@ def _direction(child: nn.Module, tensor_name: str, axis: int) -> Optional[str]:
 
 def _width(child: nn.Module, direction: str) -> int:
     """Full (unsharded) output width of a column projection, or input width of a row projection."""
-    spec = getattr(child, "_schedlang_shards", {}).get("weight")
+    spec = shard_specs(child).get("weight")
     shape = spec.full_shape if spec is not None else tuple(child.weight.shape)
     out_axis = 1 if is_conv1d(child) else 0
     return shape[out_axis] if direction == "column" else shape[1 - out_axis]

@@ -13,6 +13,7 @@ from __future__ import annotations
 from torch import nn
 
 from ...errors import ShardError
+from ...module_record import change_class, shard_specs
 from ..sync_ops import run_post_syncs_before_bias
 from . import ShardRule, register_shard_rule
 
@@ -26,7 +27,7 @@ class LinearShardRule(ShardRule):
     def check(cls, path, module, tensor_name, axis, world_size):
         from ...primitives.decompose import LinearWithSeparateBias
 
-        shards = getattr(module, "_schedlang_shards", {})
+        shards = shard_specs(module)
         if tensor_name == "bias" and shards.get("weight") is not None and shards["weight"].axis == 1:
             raise ShardError(
                 f"{path or '<root>'}: cannot shard 'bias' of a row-parallel Linear (weight sharded along axis 1): "
@@ -51,5 +52,6 @@ class LinearShardRule(ShardRule):
         if axis == 1 and module.bias is not None:
             from ...primitives.decompose import LinearWithSeparateBias
 
-            module.__class__ = LinearWithSeparateBias
+            if type(module) is not LinearWithSeparateBias:
+                change_class(module, LinearWithSeparateBias)
             run_post_syncs_before_bias(module)

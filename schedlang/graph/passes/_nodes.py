@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
+from ...module_record import module_record
+
 __all__ = [
     "Piece", "SplitSpec", "arg", "split_spec", "piece_of", "tensor_shape", "tensor_dtype", "num_pieces",
     "shape_key", "is_call", "module_of", "plain_module", "NUM_PIECES_META",
@@ -67,9 +69,10 @@ def plain_module(module: nn.Module, kind: type) -> bool:
              "_state_dict_hooks", "_forward_hooks_with_kwargs")
     if any(getattr(module, h, None) for h in hooks if h != "_forward_hooks_with_kwargs"):
         return False
-    if getattr(module, "_schedlang_shards", None) or getattr(module, "_schedlang_checkpointed", False):
+    record = module_record(module)
+    if record.shards or record.checkpointed or record.syncs:
         return False
-    if any(name.startswith("_schedlang_") for name in module._modules):
+    if any(name.startswith("_schedlang_") for name in module._modules):  # any other child schedlang added
         return False
     return True
 

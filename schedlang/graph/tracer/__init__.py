@@ -38,9 +38,9 @@ is traced through, so its matmul/softmax are visible). A module passed to a leaf
 is replaced by a snapshot of its plain attributes (:class:`ModuleAttributes`).
 
 What survives tracing: parameters and buffers (same objects, same qualified names, even
-those the graph does not use), ``_schedlang_*`` attributes such as shard records, sync-op
-children and the forward hooks of every module that is replaced by a ``TracedModule``,
-container types (``ModuleList``), non-persistent buffers, and the plain attributes of the
+those the graph does not use), ``_schedlang_*`` attributes such as each module's record
+(:mod:`schedlang.module_record`: shards, syncs, checkpointing), sync-op children and the
+forward hooks of every module that is replaced by a ``TracedModule``, container types (``ModuleList``), non-persistent buffers, and the plain attributes of the
 original module (``config``, ...). ``self.training`` and the Python values of the
 arguments are frozen at trace time (e.g. functional dropout's ``training`` flag).
 
@@ -70,6 +70,7 @@ from torch import nn
 from torch.fx import PH
 
 from ...errors import SchedlangError, TraceError
+from ...module_record import module_record
 from .call_spec import CallSpec
 from .common import _describe, _is_fake, _module_device, _new_fake_mode, forward_parameters
 from .core import SchedlangTracer, _Options
@@ -125,7 +126,7 @@ def trace_module(module: nn.Module, *, path: str = "", recursive: bool = True, f
     options = _Options(recursive=recursive, flatten=flatten, leaf_types=tuple(leaf_types), leaf_names=leaf_names,
                        fake_mode=fake_mode)
     where = path or "<root>"
-    if "forward" in module.__dict__ and not getattr(module, "_schedlang_checkpointed", False):
+    if "forward" in module.__dict__ and not module_record(module).checkpointed:
         raise TraceError(f"{where}: {type(module).__name__} has a forward set on the instance, which FX cannot "
                          "trace; trace its parent with this module as a leaf instead")
     tracer = SchedlangTracer(options, path=path)

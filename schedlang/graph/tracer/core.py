@@ -12,6 +12,7 @@ import torch.fx as fx
 from torch import nn
 
 from ...errors import SchedlangError, TraceError
+from ...module_record import module_record
 from .call_spec import CallSpec
 from .common import (
     _P,
@@ -101,8 +102,9 @@ class SchedlangTracer(ExampleValues, fx.Tracer):
         """'leaf' (a call_module node), 'inline' (traced into this graph) or 'subtrace' (own graph)."""
         sync_op, _ = _sync_op_class()
         full = ".".join(p for p in (self.path, qualname) if p)
-        if (sync_op is not None and isinstance(m, sync_op)) or getattr(m, "_schedlang_checkpointed", False) \
-                or getattr(m, "_schedlang_fused", False) or "forward" in m.__dict__:
+        record = module_record(m)
+        if (sync_op is not None and isinstance(m, sync_op)) or record.checkpointed or record.fused \
+                or "forward" in m.__dict__:
             return "leaf"
         if full in self.options.leaf_names or (self.options.leaf_types and isinstance(m, self.options.leaf_types)):
             return "leaf"

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import collections
 import copy
+import dataclasses
 import types
 from typing import TYPE_CHECKING, Any, Dict, Optional
 
 import torch
 import torch.fx as fx
 from torch import nn
+
+from ...module_record import RECORD_ATTR, ModuleRecord
 
 if TYPE_CHECKING:
     from .core import SchedlangTracer
@@ -239,9 +242,10 @@ def _carry_attributes(original: nn.Module, gm: nn.Module) -> None:
             continue
         for key, value in module.__dict__.items():
             if key.startswith("_schedlang_") and key not in target.__dict__:
-                if key == "_schedlang_shards" and isinstance(value, dict):
+                if key == RECORD_ATTR and isinstance(value, ModuleRecord):
+                    # the record moves with the module; shards only of the tensors the new module owns
                     owned = set(target._parameters) | set(target._buffers)
-                    value = {k: v for k, v in value.items() if k in owned}
+                    value = dataclasses.replace(value, shards={k: v for k, v in value.shards.items() if k in owned})
                 object.__setattr__(target, key, value)
         if path == "" or isinstance(target, fx.GraphModule):
             _move_hooks(module, target)
