@@ -14,13 +14,15 @@ import pytest
 import torch
 
 import schedlang
+from schedlang.distributed.sharding import shard_specs
 from schedlang.models import shard_model
 from tests.helpers.distributed import run_distributed
 from tests.models import tp_checks as T
 
 SEQ = 11
-AUTOMATIC = ["opt", "gpt_neox", "gemma", "phi3", "qwen3", "stablelm", "falcon", "gptj"]
-HAND_WRITTEN = ["llama", "mistral", "qwen2", "gpt2", "bert"]
+AUTOMATIC = ["opt", "gpt_neox", "gemma", "phi3", "qwen3", "stablelm", "falcon", "gptj", "mistral", "qwen2"]
+#: families with an override of the automatic plan (their own tests compare split logits and the loss)
+OVERRIDES = ["llama", "gpt2", "bert"]
 
 
 def _inputs():
@@ -39,7 +41,7 @@ def _family(family: str):
         with schedlang.Verify(sch, example_inputs=[ids]):
             plan = shard_model(sch, gather_logits=True)
         out = {"plan": str(plan), "schedule": plan.schedule, "steps": plan.steps}
-        if family in HAND_WRITTEN:  # their own tests compare split logits and the vocabulary-parallel loss
+        if family in OVERRIDES:  # their own tests compare split logits and the vocabulary-parallel loss
             return out
         sch = schedlang.create_schedule(model)
         shard_model(sch)
@@ -77,7 +79,7 @@ def _hand_written_opt():
 
 
 def _world2(rank, world):
-    scenarios = {f: _family(f) for f in AUTOMATIC + HAND_WRITTEN}
+    scenarios = {f: _family(f) for f in AUTOMATIC + OVERRIDES}
     scenarios["hand_written_opt"] = _hand_written_opt
     return T.run_scenarios(scenarios)
 
@@ -87,14 +89,14 @@ def world2():
     return run_distributed(_world2, world_size=2, timeout=400)
 
 
-@pytest.mark.parametrize("family", AUTOMATIC + HAND_WRITTEN)
+@pytest.mark.parametrize("family", AUTOMATIC + OVERRIDES)
 def test_shard_model_passes_verify_and_matches_single_device_at_world_2(world2, family):
     for r in T.value(world2, family):
         assert r["steps"] > 0
-        if family in AUTOMATIC:
-            assert r["schedule"] == "automatic"
-            assert "vocabulary-parallel LM head" in r["plan"] and "row-parallel" in r["plan"], r["plan"]
-        if family in HAND_WRITTEN:
+        # the overrides are the automatic plan with the family's options: the same description
+        assert r["schedule"] == ("automatic" if family in AUTOMATIC else f"shard_{family}")
+        assert "vocabulary-parallel LM head" in r["plan"] and "row-parallel" in r["plan"], r["plan"]
+        if family in OVERRIDES:
             continue
         T.assert_matches(r)
         assert r["local_vocab"] == T.VOCAB // 2
@@ -130,10 +132,6 @@ def test_register_family_and_automatic_plan_errors():
     finally:
         FAMILIES.pop("OPTFor")
     assert calls == [{"gather_logits": True}] and plan.schedule == "<lambda>" and plan.steps == 0
-    with pytest.raises(schedlang.ScheduleValueError,
-                       match=r"^<root>: sequence_parallel=True is not supported by the automatic plan for "
-                             r"OPTForCausalLM; the LLaMA, GPT-2 and BERT schedules have it"):
-        shard_model(schedlang.create_schedule(model), sequence_parallel=True)
 
 
 def test_automatic_plan_is_all_or_nothing_and_names_what_it_cannot_split():
@@ -150,4 +148,4 @@ def test_automatic_plan_is_all_or_nothing_and_names_what_it_cannot_split():
                                  r"has 2 heads, fewer than the 4 ranks"):
             shard_model(sch)
     assert len(sch.plan) == 0
-    assert not getattr(sch["model.layers.0.self_attn.q_proj"].mod, "_schedlang_shards", {})
+    assert not shard_specs(sch["model.layers.0.self_attn.q_proj"].mod)

@@ -14,6 +14,7 @@ from torch.distributed.tensor import Shard
 
 import schedlang
 from schedlang.models import _torch_version
+from schedlang.distributed.sharding import shard_specs
 from schedlang.models.llama import shard_llama
 from tests.helpers.distributed import run_distributed
 from tests.models import tp_checks as T
@@ -248,8 +249,9 @@ def test_model_schedule_errors():
     sch = schedlang.create_schedule(_model())
     sch["model.layers.0.self_attn"].replace(torch.nn.Identity())
     with pytest.raises(schedlang.ScheduleTypeError,
-                       match=r"model.layers.0.self_attn: expected q_proj, k_proj, v_proj and o_proj in a LLaMA "
-                             r"attention, found no submodules"):
+                       match=r"^model.layers.0.self_attn: expected q_proj, k_proj, v_proj and o_proj in a LLaMA "
+                             r"self_attn, found no submodules; for another layout, shard_model\(sch\) finds the plan "
+                             r"from the model's code$"):
         shard_llama(sch)
     sch = schedlang.create_schedule(_model())
     sch["model.layers.1.mlp.up_proj"].replace(torch.nn.Identity())
@@ -258,7 +260,7 @@ def test_model_schedule_errors():
         shard_llama(sch)
     # layer 0 was sharded before layer 1 failed: all of it is undone
     assert len(sch.plan) == 1 and sch.plan[0].primitive == "replace"
-    assert not getattr(sch["model.layers.0.self_attn.q_proj"].mod, "_schedlang_shards", {})
+    assert not shard_specs(sch["model.layers.0.self_attn.q_proj"].mod)
     assert not any("_schedlang_sync" in n for n, _ in sch.mod.named_modules())
     assert "shards" not in sch["model.layers.0.self_attn.q_proj"].metadata
     sch = schedlang.create_schedule(_model())
