@@ -93,7 +93,8 @@ def _cut(module: nn.Module, name: str, full: torch.Tensor) -> torch.Tensor:
     spec = getattr(module, "_schedlang_shards", {}).get(name)
     if spec is None:
         return full.detach()
-    return shard_tensor(full, spec.axis, spec.rank, spec.world_size, getattr(spec, "groups", 1))
+    return shard_tensor(full, spec.axis, spec.rank, spec.world_size, getattr(spec, "groups", 1),
+                        getattr(spec, "blocks", None))
 
 
 class _Materializer:

@@ -78,9 +78,31 @@ def _hand_written_opt():
     return {"num_heads": attn.num_heads, "user_heads": model.model.decoder.layers[0].self_attn.num_heads}
 
 
+def _phi3_grouped_query_attention():
+    """Phi-3 with 4 query and 2 key/value heads: its fused qkv_proj holds q | k | v of unequal widths."""
+    from schedlang.distributed.sharding import shard_specs
+
+    model, _ = T.family_model("phi3_gqa")
+    model = model.to(T.device())
+    ids, _ = _inputs()
+    sch = schedlang.create_schedule(model)
+    with schedlang.Verify(sch, example_inputs=[ids]):  # outputs and every gradient against the unsharded model
+        plan = shard_model(sch, gather_logits=True)
+    attn = sch["model.layers.0.self_attn"].mod
+    out = {"spec": shard_specs(attn.qkv_proj)["weight"], "local_rows": attn.qkv_proj.weight.shape[0],
+           "heads": (attn.config.num_attention_heads, attn.num_key_value_heads, attn.num_key_value_groups),
+           "user_heads": model.model.layers[0].self_attn.num_key_value_heads, "schedule": plan.schedule}
+    try:
+        schedlang.build(sch)
+    except schedlang.ShardError as e:
+        out["build"] = str(e)
+    return out
+
+
 def _world2(rank, world):
     scenarios = {f: _family(f) for f in AUTOMATIC + OVERRIDES}
     scenarios["hand_written_opt"] = _hand_written_opt
+    scenarios["phi3_gqa"] = _phi3_grouped_query_attention
     return T.run_scenarios(scenarios)
 
 
@@ -101,6 +123,34 @@ def test_shard_model_passes_verify_and_matches_single_device_at_world_2(world2, 
         T.assert_matches(r)
         assert r["local_vocab"] == T.VOCAB // 2
         assert r["grads_compared"] == r["n_params"]
+
+
+def test_phi3_fused_qkv_with_fewer_key_value_heads_is_split_in_unequal_blocks(world2):
+    for rank, r in enumerate(T.value(world2, "phi3_gqa")):
+        spec = r["spec"]
+        assert (spec.blocks, spec.groups, spec.full_shape, spec.rank) == ((64, 32, 32), 3, (128, T.HIDDEN), rank)
+        assert r["local_rows"] == 64  # 2 query heads + 1 key head + 1 value head, of 16
+        assert r["heads"] == (2, 1, 2) and r["user_heads"] == 2 and r["schedule"] == "automatic"
+        assert r["build"].startswith("build: a fused tensor of (128, 64) is split in blocks of unequal widths (64, "
+                                     "32, 32 along axis 0), which no DTensor placement describes"), r["build"]
+
+
+def test_phi3_fused_qkv_with_fewer_key_value_heads_than_ranks_is_refused():
+    from unittest import mock
+
+    import schedlang.distributed.groups as groups
+
+    model, _ = T.family_model("phi3_gqa", layers=1)  # 2 key/value heads
+    sch = schedlang.create_schedule(model)
+    with mock.patch.object(groups, "world_size", lambda group=None: 4), \
+            mock.patch.object(groups, "rank", lambda group=None: 0):
+        with pytest.raises(schedlang.ShardError,
+                           match=r"^model.layers.0.self_attn.qkv_proj: cannot shard 'weight': the fused q\|k\|v "
+                                 r"projection has 2 key/value heads, fewer than the 4 ranks; key/value heads are not "
+                                 r"replicated: use at most 2 ranks or a model with more key/value heads; "
+                                 r"Phi3Attention.forward reads "):
+            shard_model(sch)
+    assert len(sch.plan) == 0 and not shard_specs(sch["model.layers.0.self_attn.qkv_proj"].mod)
 
 
 def test_hand_written_opt_schedule_gets_local_head_counts(world2):

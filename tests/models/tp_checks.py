@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from schedlang.checkpoint import full_tensor
 from schedlang.distributed.collectives import all_gather_tensor
+from schedlang.distributed.sharding import shard_specs
 
 VOCAB = 128
 HIDDEN = 64
@@ -111,7 +112,7 @@ def compare(model: torch.nn.Module, reference: torch.nn.Module, kwargs: dict, lo
     ref_params = dict(reference.named_parameters(remove_duplicate=False))
     worst, worst_name, compared = 0.0, None, 0
     for mod_name, module in model.named_modules(remove_duplicate=False):
-        specs = getattr(module, "_schedlang_shards", {})
+        specs = shard_specs(module)
         for pname, p in module.named_parameters(recurse=False):
             full = ref_params[f"{mod_name}.{pname}" if mod_name else pname]
             grad = p.grad
@@ -199,6 +200,10 @@ FAMILY_CONFIGS = {
     "phi3": ("Phi3Config", dict(_COMMON, hidden_size=HIDDEN, num_attention_heads=4, num_key_value_heads=4,
                                 intermediate_size=96, pad_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
                                 attention_dropout=0.0)),
+    # fewer key/value heads than query heads: the fused q|k|v projection holds parts of unequal widths
+    "phi3_gqa": ("Phi3Config", dict(_COMMON, hidden_size=HIDDEN, num_attention_heads=4, num_key_value_heads=2,
+                                    intermediate_size=96, pad_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
+                                    attention_dropout=0.0)),
     "qwen3": ("Qwen3Config", dict(_COMMON, hidden_size=HIDDEN, num_attention_heads=4, num_key_value_heads=2,
                                   head_dim=16, intermediate_size=96)),
     "stablelm": ("StableLmConfig", dict(_COMMON, hidden_size=HIDDEN, num_attention_heads=4, num_key_value_heads=2,
