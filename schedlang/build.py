@@ -97,7 +97,8 @@ def _cut(module: nn.Module, name: str, full: torch.Tensor) -> torch.Tensor:
     spec = shard_specs(module).get(name)
     if spec is None:
         return full.detach()
-    return shard_tensor(full, spec.axis, spec.rank, spec.world_size, getattr(spec, "groups", 1))
+    return shard_tensor(full, spec.axis, spec.rank, spec.world_size, getattr(spec, "groups", 1),
+                        getattr(spec, "blocks", None))
 
 
 class _Materializer:

@@ -2,11 +2,12 @@
 Tensor parallelism for a new model family
 =========================================
 
-``schedlang.models`` has hand-written tensor-parallel schedules for LLaMA (Mistral, Qwen2), GPT-2
-and BERT, and an automatic plan for the rest. This tutorial writes a schedule for HuggingFace OPT
-by hand, from scratch: find the attention and the MLP, shard their projections, place the
-synchronizations, check the result with ``Verify``, and register the schedule so that
-``shard_model`` uses it. Then it lets ``shard_model`` find the same plan by itself.
+``schedlang.models`` finds a tensor-parallel plan for most HuggingFace models by itself, and a few
+families (LLaMA, GPT-2, BERT) adjust that automatic plan with options of their own. This tutorial
+writes a schedule for HuggingFace OPT by hand, from scratch: find the attention and the MLP, shard
+their projections, place the synchronizations, check the result with ``Verify``, and register the
+schedule so that ``shard_model`` uses it. Then it lets ``shard_model`` find the same plan by
+itself, with sequence parallelism, and shows how a family overrides the automatic plan.
 
 Run it as a plain script on CPU (it starts two gloo ranks itself)::
 
@@ -135,6 +136,44 @@ def main(rank, world):
     with schedlang.Verify(sch, example_inputs=[ids]):
         plan = shard_model(sch, gather_logits=True)
     say("the automatic plan, verified:")
+    say(plan)
+
+    # %%
+    # Step 6: sequence parallelism
+    # ----------------------------
+    # ``sequence_parallel=True`` also splits what runs between the blocks (norms, residuals, dropouts)
+    # along the sequence: the first layer keeps each rank's slice, every block all-gathers its input
+    # and reduce-scatters its output, and the norms' weight gradients are summed. The sequence length
+    # (16 here) must be divisible by the number of ranks.
+    sch = schedlang.create_schedule(model)
+    with schedlang.Verify(sch, example_inputs=[ids]):
+        plan = shard_model(sch, sequence_parallel=True, gather_logits=True)
+    say(f"with sequence parallelism, verified: sequence_parallel={plan.sequence_parallel}, {plan.steps} steps")
+
+    # %%
+    # Overriding the automatic plan
+    # -----------------------------
+    # A family whose layout the dataflow cannot find, or that wants options of its own, changes the
+    # plan before applying it: ``plan_tensor_parallel`` finds it, ``apply_tensor_parallel`` writes it.
+    # This is all ``shard_llama`` does for ``grad_sync="norm"`` (the input gradients summed at the norm
+    # in front of each block); ``shard_bert`` names BERT's blocks with ``layer_plan``, since its
+    # attention spans two modules. Here every block sums its input gradient at each column projection
+    # (plain pre-hooks on the Linears) instead of on the block's input:
+    from schedlang.models.auto import apply_tensor_parallel, plan_tensor_parallel
+
+    def shard_opt_column_syncs(sch, gather_logits=False, sequence_parallel=False):
+        plan = plan_tensor_parallel(sch, gather_logits=gather_logits, sequence_parallel=sequence_parallel)
+        for block in plan.all_blocks:
+            block.grad_sync = "columns"
+        plan.schedule = "shard_opt_column_syncs"
+        return apply_tensor_parallel(sch, plan)
+
+    register_family("OPT", shard_opt_column_syncs)
+    sch = schedlang.create_schedule(model)
+    with schedlang.Verify(sch, example_inputs=[ids]):
+        plan = shard_model(sch, gather_logits=True)
+    FAMILIES.pop("OPT")
+    say(f"the override, verified: {plan.schedule}")
     say(plan)
 
     # %%

@@ -53,6 +53,15 @@ def placement_of(spec):
 
     if spec is None:
         return Replicate()
+    blocks = getattr(spec, "blocks", None)
+    if blocks is not None and len(set(blocks)) > 1:
+        from ..errors import ShardError
+
+        raise ShardError(f"build: a fused tensor of {spec.full_shape} is split in blocks of unequal widths "
+                         f"({', '.join(map(str, blocks))} along axis {spec.axis}), which no DTensor placement "
+                         "describes, so build cannot make it a DTensor; split the fused projection into separate "
+                         "q, k and v projections before sharding, or use blocks of equal widths (as many key/value "
+                         "heads as query heads)")
     if spec.groups == 1:
         return Shard(spec.axis)
     from torch.distributed.tensor.placement_types import _StridedShard

@@ -20,8 +20,12 @@ communication volume does not grow; the norms, residuals and dropouts do ``1 / w
 work and keep ``1 / world`` of the activations. Dropout applied to sequence shards draws from
 each rank's own random stream when the module is forked (``fork_rng``).
 
-The sequence axis is 1 for HF's batch-first activations. The model helpers in
-:mod:`schedlang.models` (``sequence_parallel=True``) write these steps.
+The sequence axis is 1 for HF's batch-first activations. The sequence length must be divisible
+by the number of ranks: :class:`SplitSequence` refuses other lengths with a
+:class:`~schedlang.errors.ScheduleValueError` naming the length and the nearest valid ones (pad the
+batch: a causal model's logits at the real positions do not change, an encoder needs the padding
+masked). ``shard_model(sch, sequence_parallel=True)`` (:mod:`schedlang.models`) writes these steps
+for any model its automatic plan handles.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from typing import Type
 
 from torch import nn
 
+from ..errors import ScheduleValueError
 from .collectives import reduce_backward, scatter_forward
 from .groups import world_size as _world_size
 from .shard_rules.norm import is_sequence_parallel_norm, make_sequence_parallel_norm
@@ -53,15 +58,25 @@ class SplitSequence:
         sch["model.layers.0"].sync(mode="fwd_pre", sync_op_or_fn=SplitSequence(axis=1))
     """
 
-    def __init__(self, axis: int = SEQUENCE_AXIS, group=None):
+    def __init__(self, axis: int = SEQUENCE_AXIS, group=None, where: str = ""):
         self.axis = axis
         self.group = group
+        self.where = where  # the schedule path, for messages
 
     def __call__(self, x):
+        world = _world_size(self.group)
+        length = x.shape[self.axis] if -x.dim() <= self.axis < x.dim() else None
+        if world > 1 and length is not None and length % world:
+            lower, upper = (length // world) * world, -(-length // world) * world
+            valid = f"{lower} or {upper}" if lower else f"{upper}"
+            raise ScheduleValueError(
+                f"{self.where or '<root>'}: sequence parallelism splits axis {self.axis} of the input (shape "
+                f"{tuple(x.shape)}) over {world} ranks, but its length {length} is not divisible by {world}; "
+                f"pad the sequence to a multiple of {world} (e.g. {valid}) or shard without sequence_parallel")
         return scatter_forward(x, self.axis, self.group)
 
     def __deepcopy__(self, memo):  # process groups cannot be copied
-        return SplitSequence(self.axis, self.group)
+        return SplitSequence(self.axis, self.group, self.where)
 
     def __repr__(self) -> str:
         return f"SplitSequence(axis={self.axis}, world_size={_world_size(self.group)})"
@@ -94,7 +109,7 @@ class AllReduceGradient:
 
 def split_sequence(sch, axis: int = SEQUENCE_AXIS) -> None:
     """Record a step that splits the input of ``sch``'s module along the sequence (see :class:`SplitSequence`)."""
-    sch.sync(mode="fwd_pre", sync_op_or_fn=SplitSequence(axis, sch.group))
+    sch.sync(mode="fwd_pre", sync_op_or_fn=SplitSequence(axis, sch.group, sch.path))
 
 
 def sequence_parallel_norms(sch, norm_type: Type[nn.Module], group=None, only=None):

@@ -35,6 +35,10 @@ class ShardSpec:
     ``c_attn`` holds q | k | v), each block is split into ``world_size`` parts, and the shard is
     the concatenation of part ``rank`` of every block (rank r gets [q_r, k_r, v_r]). With the
     default ``groups=1`` the shard is one contiguous slice.
+
+    ``blocks`` gives the (full) sizes of blocks of unequal widths instead (Phi-3's ``qkv_proj`` with
+    fewer key/value heads than query heads: ``(q, kv, kv)``); each is split the same way, and
+    ``groups`` is then ``len(blocks)``.
     """
 
     axis: int
@@ -42,16 +46,30 @@ class ShardSpec:
     rank: int
     full_shape: Tuple[int, ...]
     groups: int = 1
+    blocks: Optional[Tuple[int, ...]] = None
+
+    def __post_init__(self):
+        if self.blocks is not None:
+            object.__setattr__(self, "blocks", tuple(int(b) for b in self.blocks))
+            object.__setattr__(self, "groups", len(self.blocks))
+
+    def block_sizes(self, length: int) -> Tuple[int, ...]:
+        """The full sizes of the blocks along ``axis`` of a tensor ``length`` long there."""
+        if self.blocks is not None:
+            return self.blocks
+        return (length // self.groups,) * self.groups
 
     def slice_of(self, full: torch.Tensor) -> torch.Tensor:
         """This shard's part of the unsharded tensor ``full`` (a view when ``groups == 1``)."""
         if self.groups == 1:
             size = full.shape[self.axis] // self.world_size
             return full.narrow(self.axis, self.rank * size, size)
-        block = full.shape[self.axis] // self.groups
-        size = block // self.world_size
-        return torch.cat([full.narrow(self.axis, g * block + self.rank * size, size) for g in range(self.groups)],
-                         dim=self.axis)
+        parts, start = [], 0
+        for block in self.block_sizes(full.shape[self.axis]):
+            size = block // self.world_size
+            parts.append(full.narrow(self.axis, start + self.rank * size, size))
+            start += block
+        return torch.cat(parts, dim=self.axis)
 
 
 @dataclasses.dataclass
@@ -65,13 +83,14 @@ class ShardSource:
 _SOURCES = WeakIdKeyDictionary()
 
 
-def shard_tensor(t: torch.Tensor, axis: int, rank: int, world_size: int, groups: int = 1) -> torch.Tensor:
+def shard_tensor(t: torch.Tensor, axis: int, rank: int, world_size: int, groups: int = 1,
+                 blocks: Optional[Tuple[int, ...]] = None) -> torch.Tensor:
     """A fresh (non-aliasing) copy of this rank's slice of ``t`` along ``axis`` (see :class:`ShardSpec`
-    for ``groups``)."""
-    if groups == 1:
+    for ``groups`` and ``blocks``)."""
+    if groups == 1 and blocks is None:
         size = t.shape[axis] // world_size
         return t.detach().narrow(axis, rank * size, size).clone()
-    return ShardSpec(axis, world_size, rank, tuple(t.shape), groups).slice_of(t.detach()).contiguous()
+    return ShardSpec(axis, world_size, rank, tuple(t.shape), groups, blocks).slice_of(t.detach()).contiguous()
 
 
 def record_shard_source(shard: torch.Tensor, source: torch.Tensor, spec: ShardSpec) -> None:

@@ -1,17 +1,20 @@
-"""Ready-made tensor-parallel schedules for HF model families (transformers 5.x), one file each.
+"""Tensor parallelism for HF models (transformers 5.x): an automatic plan, and family overrides of it.
 
-Each ``shard_<family>(sch, sequence_parallel=False, gather_logits=False)`` writes the ``shard``
-and ``sync`` steps of Megatron-style tensor parallelism (attention heads, MLP, vocabulary-
-parallel embeddings and LM head; optionally sequence parallelism) into a schedule, so they
-are recorded in its plan, checked by ``Verify`` and materialized per rank by ``build``::
+:func:`shard_model` writes the ``shard`` and ``sync`` steps of Megatron-style tensor parallelism
+(attention heads, MLP, vocabulary-parallel embeddings and LM head; optionally sequence
+parallelism) into a schedule, so they are recorded in its plan, checked by ``Verify`` and
+materialized per rank by ``build``::
 
-    from schedlang.models import shard_llama
+    from schedlang.models import shard_model
     sch = schedlang.create_schedule(model)
-    shard_llama(sch, sequence_parallel=True)
+    print(shard_model(sch, sequence_parallel=True))
     model, opt = schedlang.build(sch, optimizer="adamw")
 
-:func:`shard_model` picks the schedule from the model's class, and for families without one finds
-an automatic plan (:mod:`schedlang.models.auto`); :func:`register_family` adds a family's schedule.
+The plan is found from the model's structure and code (:mod:`schedlang.models.auto`). A few
+families have a thin override of it, one file each: ``shard_llama`` (LLaMA's options: where the
+gradients are summed, unsplit embeddings), ``shard_gpt2`` (checks GPT-2's layout, refuses
+cross-attention) and ``shard_bert`` (names BERT's blocks, which span several modules, and keeps
+the MLM loss as it is). :func:`register_family` adds a family's own schedule.
 """
 
 from __future__ import annotations
@@ -31,9 +34,8 @@ from .llama import shard_llama
 __all__ = ["shard_llama", "shard_gpt2", "shard_bert", "shard_auto", "shard_model", "plan_tensor_parallel",
            "register_family", "compile_layers", "optimize_model", "FAMILIES", "TensorParallelPlan"]
 
-#: class-name prefix -> schedule function; :func:`register_family` adds to it
-FAMILIES = {"Llama": shard_llama, "Mistral": shard_llama, "Qwen2": shard_llama, "GPT2": shard_gpt2,
-            "Bert": shard_bert}
+#: class-name prefix -> schedule function (an override of the automatic plan); :func:`register_family` adds to it
+FAMILIES = {"Llama": shard_llama, "GPT2": shard_gpt2, "Bert": shard_bert}
 
 
 def register_family(prefix: str, fn: Callable) -> Callable:
@@ -57,9 +59,11 @@ def register_family(prefix: str, fn: Callable) -> Callable:
 def shard_model(sch, **options) -> TensorParallelPlan:
     """Write tensor parallelism for ``sch``'s model into it; returns the plan it chose (``print`` it).
 
-    A family registered in :data:`FAMILIES` (LLaMA, Mistral, Qwen2, GPT-2, BERT, and what
-    :func:`register_family` adds) uses its own schedule; any other model gets the automatic plan
+    A family registered in :data:`FAMILIES` (LLaMA, GPT-2, BERT, and what :func:`register_family`
+    adds) uses its own schedule; any other model gets the automatic plan
     (:func:`~schedlang.models.auto.shard_auto`), found from the model's structure and code.
+    ``sequence_parallel=True`` also splits the activations between the blocks along the sequence
+    (the returned plan says so); ``gather_logits=True`` all-gathers the logits.
 
     ``float8="tensorwise"`` (or ``"rowwise"``, or a dict of :meth:`Schedule.float8` arguments) then
     converts the decoder layers' Linears to float8 training, checked on their tensor-parallel shards.
@@ -79,10 +83,12 @@ def shard_model(sch, **options) -> TensorParallelPlan:
             prefix = max(matches, key=len)
             fn = FAMILIES[prefix]
             before = len(sch.root.plan)
-            fn(sch, **options)
-            plan = TensorParallelPlan(model=name, schedule=getattr(fn, "__name__", repr(fn)),
-                                      logits="gathered" if options.get("gather_logits") else "split",
-                                      steps=len(sch.root.plan) - before)
+            plan = fn(sch, **options)
+            if not isinstance(plan, TensorParallelPlan):  # a schedule of its own: describe what it did
+                plan = TensorParallelPlan(model=name, schedule=getattr(fn, "__name__", repr(fn)),
+                                          logits="gathered" if options.get("gather_logits") else "split",
+                                          sequence_parallel=bool(options.get("sequence_parallel")),
+                                          steps=len(sch.root.plan) - before)
         if float8_args is not None:
             from .optimize import _layer_paths
 

@@ -1,7 +1,8 @@
-"""Tensor-parallel schedule for HF GPT-2 (``GPT2LMHeadModel`` / ``GPT2Model``, transformers 5.x).
+"""Tensor parallelism for HF GPT-2 (``GPT2LMHeadModel`` / ``GPT2Model``, transformers 5.x): the automatic
+plan (:mod:`schedlang.models.auto`), with a check of GPT-2's layout.
 
 GPT-2's projections are HF ``Conv1D`` layers (weight stored as (in, out)), and attention uses
-one fused projection ``c_attn`` for q | k | v. The schedule:
+one fused projection ``c_attn`` for q | k | v. The plan:
 
 ==========================  ===============================  =====================================
 module                      shard                            sync (tensor parallel)
@@ -17,10 +18,11 @@ module                      shard                            sync (tensor parall
 ``c_attn``'s head-wise split comes from GPT2Attention's shard rule (a plain split of the
 3 * hidden outputs would give rank 0 all of q); the rule also sets ``split_size`` and
 ``num_heads`` to the local values. The LM head shares its weight with ``wte``: sharding one
-shards both, and the tie is kept. Position embeddings ``wpe`` stay whole.
+shards both, and the tie is kept. Position embeddings ``wpe`` stay whole. Blocks with
+cross-attention are refused.
 
-With ``sequence_parallel=True``, ``ln_1`` / ``ln_2`` / ``ln_f`` and the residual dropouts run on
-sequence shards (see :mod:`schedlang.distributed.sequence_parallel`).
+With ``sequence_parallel=True``, ``ln_1`` / ``ln_2`` and the residual dropouts run on sequence
+slices (see :mod:`schedlang.distributed.sequence_parallel`).
 
 Example::
 
@@ -32,19 +34,22 @@ Example::
 from __future__ import annotations
 
 from ..errors import ScheduleTypeError
-from ._common import (base_and_prefix, finish_lm_head, model_schedule, shard_linear_pair, shard_vocab_embedding,
-                      split_sequence_at)
+from ._common import base_and_prefix, model_schedule
+from .auto import TensorParallelPlan, apply_tensor_parallel, family_plan
 
 __all__ = ["shard_gpt2"]
 
+GPT2_BLOCKS = {"attn": (["c_attn"], "c_proj"), "mlp": (["c_fc"], "c_proj")}
+
 
 @model_schedule
-def shard_gpt2(sch, sequence_parallel: bool = False, gather_logits: bool = False):
-    """Write the tensor-parallel steps for a HF GPT-2 model into ``sch``; returns ``sch``.
+def shard_gpt2(sch, sequence_parallel: bool = False, gather_logits: bool = False) -> TensorParallelPlan:
+    """Write the tensor-parallel steps for a HF GPT-2 model into ``sch``; returns the plan applied.
 
     Arguments:
         sch: schedule of a ``GPT2LMHeadModel`` or ``GPT2Model``.
-        sequence_parallel: also split norms, residuals and dropouts along the sequence.
+        sequence_parallel: also split norms, residuals and dropouts along the sequence; the sequence
+            length must be divisible by the number of ranks.
         gather_logits: all-gather the logits (full logits, HF's loss, comparable by ``Verify``); by
             default they stay split along the vocabulary and the loss is the vocabulary-parallel one.
 
@@ -54,20 +59,10 @@ def shard_gpt2(sch, sequence_parallel: bool = False, gather_logits: bool = False
             shard_gpt2(sch, gather_logits=True)
     """
     base, _ = base_and_prefix(sch, "h", "GPT-2")
-    first = None
-    for name, block in base["h"].child.items():
-        first = first or block
-        attn = block["attn"]
-        if getattr(attn.mod, "is_cross_attention", False) or "crossattention" in block.child:
+    for block in base["h"].child.values():
+        if getattr(block["attn"].mod, "is_cross_attention", False) or "crossattention" in block.child:
             raise ScheduleTypeError(f"{block.path}: GPT-2 blocks with cross-attention are not supported by "
                                     "shard_gpt2; shard their projections step by step")
-        shard_linear_pair(block, attn, ["c_attn"], "c_proj", sequence_parallel, norm="ln_1")
-        shard_linear_pair(block, block["mlp"], ["c_fc"], "c_proj", sequence_parallel, norm="ln_2")
-    shard_vocab_embedding(base["wte"])
-    if sequence_parallel:
-        from ..distributed.sequence_parallel import sequence_parallel_norms
-
-        split_sequence_at(first)
-        sequence_parallel_norms(base, type(base["ln_f"].mod))
-    finish_lm_head(sch, base, "ln_f", sequence_parallel, gather_logits)
-    return sch
+    plan = family_plan(sch, "GPT-2", "h", GPT2_BLOCKS, gather_logits=gather_logits,
+                       sequence_parallel=sequence_parallel, name="shard_gpt2")
+    return apply_tensor_parallel(sch, plan)

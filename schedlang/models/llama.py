@@ -1,6 +1,7 @@
-"""Tensor-parallel schedule for HF LLaMA (``LlamaForCausalLM`` / ``LlamaModel``, transformers 5.x).
+"""Tensor parallelism for HF LLaMA (``LlamaForCausalLM`` / ``LlamaModel``, transformers 5.x): the automatic
+plan (:mod:`schedlang.models.auto`) with LLaMA's options.
 
-Megatron-LM's layout, written as ``shard`` / ``sync`` steps:
+The plan is Megatron-LM's layout, as the automatic plan finds it:
 
 =====================================  ===================  ====================================
 module                                 shard                sync (tensor parallel)
@@ -13,16 +14,17 @@ module                                 shard                sync (tensor paralle
 ``lm_head``                            weight axis 0        bwd_post all_reduce; logits stay split
 =====================================  ===================  ====================================
 
-Each rank holds ``heads / world`` query and key/value heads (the attention rule checks that
+Each rank holds ``heads / world`` query and key/value heads (the generic shard rule checks that
 they divide), ``intermediate / world`` MLP columns and ``vocab / world`` rows of the embedding
 and the LM head. Logits stay split along the vocabulary and the loss is the vocabulary-parallel
 cross entropy (:mod:`schedlang.distributed.cross_entropy`), unless ``gather_logits=True``.
 
-With ``sequence_parallel=True`` the activations between the parallel regions are split along
-the sequence (see :mod:`schedlang.distributed.sequence_parallel`): the first decoder layer
-keeps its slice of the sequence, every RMSNorm runs on sequence shards (gradients of their
-weights summed over the group), its output is all-gathered along the sequence before the
-projections, and ``o_proj`` / ``down_proj`` reduce-scatter along the sequence.
+What LLaMA adds to the automatic plan: a check that every layer holds LLaMA's projections,
+``shard_embeddings=False``, and ``grad_sync="norm"``: the block inputs are synchronized at the
+output of the RMSNorm in front of each block (a plain forward hook) instead of on the block's
+keyword-only input. Under ``sequence_parallel=True`` the sequence is all-gathered at those norm
+outputs too; the RMSNorms run on sequence slices (weight gradients summed over the group) and
+``o_proj`` / ``down_proj`` reduce-scatter (see :mod:`schedlang.distributed.sequence_parallel`).
 
 Example::
 
@@ -34,21 +36,27 @@ Example::
 
 from __future__ import annotations
 
-from ..errors import ScheduleTypeError, ScheduleValueError
-from ._common import (base_and_prefix, finish_lm_head, model_schedule, shard_linear_pair, shard_vocab_embedding,
-                      split_sequence_at)
+from ..errors import ScheduleValueError
+from ._common import model_schedule
+from .auto import TensorParallelPlan, apply_tensor_parallel, family_plan
 
 __all__ = ["shard_llama"]
+
+#: block -> (column projections, row projection) in every LLaMA layer, and the norm in front of the block
+LLAMA_BLOCKS = {"self_attn": (["q_proj", "k_proj", "v_proj"], "o_proj"),
+                "mlp": (["gate_proj", "up_proj"], "down_proj")}
+NORM_BEFORE = {"self_attn": "input_layernorm", "mlp": "post_attention_layernorm"}
 
 
 @model_schedule
 def shard_llama(sch, sequence_parallel: bool = False, gather_logits: bool = False, shard_embeddings: bool = True,
-                grad_sync: str = "block"):
-    """Write the tensor-parallel steps for a HF LLaMA model into ``sch``; returns ``sch``.
+                grad_sync: str = "block") -> TensorParallelPlan:
+    """Write the tensor-parallel steps for a HF LLaMA model into ``sch``; returns the plan applied.
 
     Arguments:
         sch: schedule of a ``LlamaForCausalLM`` or ``LlamaModel`` (also Mistral / Qwen2, same layout).
-        sequence_parallel: also split norms and residuals along the sequence (Megatron-SP).
+        sequence_parallel: also split norms and residuals along the sequence (Megatron-SP); the
+            sequence length must be divisible by the number of ranks.
         gather_logits: all-gather the logits along the vocabulary (full logits on every rank, HF's
             own loss, and what ``Verify`` compares); by default they stay split and the model's
             ``loss_function`` becomes the vocabulary-parallel one.
@@ -66,30 +74,17 @@ def shard_llama(sch, sequence_parallel: bool = False, gather_logits: bool = Fals
     """
     if grad_sync not in ("block", "norm"):
         raise ScheduleValueError(f"shard_llama: invalid grad_sync {grad_sync!r}: valid are 'block', 'norm'")
-    base, prefix = base_and_prefix(sch, "layers", "LLaMA")
-    layers = base["layers"]
-    first = None
-    for name, layer in layers.child.items():
-        first = first or layer
-        attn, mlp = layer["self_attn"], layer["mlp"]
-        if not all(n in attn.child for n in ("q_proj", "k_proj", "v_proj", "o_proj")):
-            raise ScheduleTypeError(f"{attn.path}: expected q_proj, k_proj, v_proj and o_proj in a LLaMA attention, "
-                                    f"found {', '.join(attn.child) or 'no submodules'}")
-        at_norm = grad_sync == "norm"
-        shard_linear_pair(layer, attn, ["q_proj", "k_proj", "v_proj"], "o_proj", sequence_parallel,
-                          norm="input_layernorm", grad_sync_at_norm=at_norm)
-        shard_linear_pair(layer, mlp, ["gate_proj", "up_proj"], "down_proj", sequence_parallel,
-                          norm="post_attention_layernorm", grad_sync_at_norm=at_norm)
-    if shard_embeddings or _lm_head_tied(sch, base):
-        shard_vocab_embedding(base["embed_tokens"])
-    if sequence_parallel:
-        from ..distributed.sequence_parallel import sequence_parallel_norms
-
-        split_sequence_at(first)
-        sequence_parallel_norms(base, type(base["norm"].mod))
-    finish_lm_head(sch, base, "norm", sequence_parallel, gather_logits)
-    return sch
+    plan = family_plan(sch, "LLaMA", "layers", LLAMA_BLOCKS, gather_logits=gather_logits,
+                       sequence_parallel=sequence_parallel, name="shard_llama")
+    if grad_sync == "norm" or sequence_parallel:
+        for block in plan.all_blocks:
+            layer, _, name = block.path.rpartition(".")
+            block.grad_sync, block.producer = "producer", f"{layer}.{NORM_BEFORE[name]}"
+    if not shard_embeddings and plan.embedding and not _tied(sch, plan):
+        plan.embedding = None
+    return apply_tensor_parallel(sch, plan)
 
 
-def _lm_head_tied(sch, base) -> bool:
-    return "lm_head" in sch.child and sch["lm_head"].mod.weight is base["embed_tokens"].mod.weight
+def _tied(sch, plan) -> bool:
+    root = sch.root
+    return plan.lm_head is not None and root[plan.lm_head].mod.weight is root[plan.embedding].mod.weight

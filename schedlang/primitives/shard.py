@@ -82,9 +82,11 @@ class Shard(Primitive):
         world, rank = sch.world_size, sch.rank
         old = getattr(module, tensor_name)
         holders = _holders(sch, old)
-        groups = _check_holders(sch, old, axis, world)
-        spec = ShardSpec(axis=axis, world_size=world, rank=rank, full_shape=tuple(old.shape), groups=groups)
-        piece = shard_tensor(old, axis, rank, world, groups)
+        layout = _check_holders(sch, old, axis, world)
+        groups, blocks = (len(layout), layout) if isinstance(layout, tuple) else (layout, None)
+        spec = ShardSpec(axis=axis, world_size=world, rank=rank, full_shape=tuple(old.shape), groups=groups,
+                         blocks=blocks)
+        piece = shard_tensor(old, axis, rank, world, groups, blocks)
         is_param = tensor_name in module._parameters
         new = nn.Parameter(piece, requires_grad=old.requires_grad) if is_param else piece
         record_shard_source(new, old, spec)
@@ -122,8 +124,9 @@ def _parent(sch, path):
     return sch.root[parent_path].mod, child_name
 
 
-def _check_holders(sch, tensor, axis, world) -> int:
-    """Run every holder's rule and its parent's rule; return the layout (``groups``) they agree on."""
+def _check_holders(sch, tensor, axis, world):
+    """Run every holder's rule and its parent's rule; return the layout they agree on: a number of equal
+    blocks (``groups``), or a tuple of the sizes of unequal blocks (``blocks``)."""
     groups_by = {}
     shape = tuple(tensor.shape)
     for path, holder, name in _holders(sch, tensor):
@@ -149,6 +152,12 @@ def _check_holders(sch, tensor, axis, world) -> int:
         raise ShardError(f"{sch.path or '<root>'}: the tied tensor's holders need different fused layouts ({shown}); "
                          "shard them separately or untie them")
     groups = next(iter(groups_by.values()))
+    if isinstance(groups, tuple):
+        if sum(groups) != shape[axis] or any(b % world for b in groups):
+            raise ShardError(f"{sch.path or '<root>'}: cannot shard the fused tensor (shape {shape}, blocks of "
+                             f"{', '.join(map(str, groups))} along axis {axis}) over {world} ranks: the blocks must "
+                             f"add up to {shape[axis]} and each be divisible by {world}")
+        return groups
     if shape[axis] % (world * groups):
         raise ShardError(f"{sch.path or '<root>'}: cannot shard the fused tensor (shape {shape}, {groups} blocks along "
                          f"axis {axis}) over {world} ranks: each block of {shape[axis] // groups} must be divisible "

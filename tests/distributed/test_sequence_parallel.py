@@ -3,7 +3,9 @@
 One process checks the sequence-parallel norms' construction and errors; two gloo ranks check
 that norms on sequence shards give the full outputs and full weight gradients, and that the
 LLaMA, GPT-2 and BERT schedules with ``sequence_parallel=True`` equal the single-device models
-(``Verify`` with gathered logits, and loss / gradients with split logits).
+(``Verify`` with gathered logits, and loss / gradients with split logits). The automatic plan
+(``shard_model`` / ``shard_auto``) is checked the same way on LLaMA, GPT-NeoX and OPT (whose layer
+flattens the tokens before its MLP), and a sequence length the ranks cannot split is refused.
 """
 
 import copy
@@ -105,15 +107,19 @@ def _norms_on_sequence_shards():
 def _verify_and_compare(shard, make, labels_loss=True, seq=12):
     def run():
         model = make().to(T.device())
-        ids = torch.randint(0, T.VOCAB, (2, seq), device=T.device())
+        ids = torch.randint(2, T.VOCAB, (2, seq), device=T.device())
         sch = schedlang.create_schedule(model)
         with schedlang.Verify(sch, example_inputs=[ids]):
-            shard(sch, sequence_parallel=True, gather_logits=True)
+            plan = shard(sch, sequence_parallel=True, gather_logits=True)
         sch = schedlang.create_schedule(model)
         shard(sch, sequence_parallel=True)
         built, _ = schedlang.build(sch)
         if labels_loss:
-            return T.compare(built, copy.deepcopy(model), {"input_ids": ids, "labels": ids}, logits_split=True)
+            labels = ids.clone()
+            labels[0, :3] = -100
+            result = T.compare(built, copy.deepcopy(model), {"input_ids": ids, "labels": labels}, logits_split=True)
+            result["plan"] = str(plan)
+            return result
         from schedlang.distributed.cross_entropy import vocab_parallel_cross_entropy
 
         def loss(out, full):
@@ -126,10 +132,24 @@ def _verify_and_compare(shard, make, labels_loss=True, seq=12):
     return run
 
 
+def _odd_sequence_length():
+    from schedlang.models import shard_model
+
+    model = T.family_model("opt")[0].to(T.device())
+    sch = schedlang.create_schedule(model)
+    shard_model(sch, sequence_parallel=True)
+    built, _ = schedlang.build(sch)
+    try:
+        built(input_ids=torch.randint(2, T.VOCAB, (2, 11), device=T.device()))
+    except schedlang.ScheduleValueError as e:
+        return str(e)
+    return None
+
+
 def _two_ranks(rank, world):
     from transformers import BertForMaskedLM, GPT2LMHeadModel, LlamaForCausalLM
 
-    from schedlang.models import shard_bert, shard_gpt2, shard_llama
+    from schedlang.models import shard_auto, shard_bert, shard_gpt2, shard_llama, shard_model
 
     return T.run_scenarios({
         "norms": _norms_on_sequence_shards,
@@ -137,6 +157,10 @@ def _two_ranks(rank, world):
         "gpt2": _verify_and_compare(shard_gpt2, lambda: GPT2LMHeadModel(T.gpt2_config())),
         "bert": _verify_and_compare(shard_bert, lambda: BertForMaskedLM(T.bert_config()), labels_loss=False,
                                     seq=10),
+        "auto_llama": _verify_and_compare(shard_auto, lambda: LlamaForCausalLM(T.llama_config())),
+        "auto_gpt_neox": _verify_and_compare(shard_model, lambda: T.family_model("gpt_neox")[0], seq=10),
+        "auto_opt": _verify_and_compare(shard_model, lambda: T.family_model("opt")[0]),
+        "odd_length": _odd_sequence_length,
     })
 
 
@@ -159,3 +183,22 @@ def test_sequence_parallel_schedules_match_single_device(two_ranks, family):
         assert r["logits"] <= 2e-5 * max(1.0, r["logits_scale"]), r
         assert r["loss"] <= 2e-5, r
         assert r["grad"] <= 2e-5, r
+
+
+@pytest.mark.parametrize("family", ["auto_llama", "auto_gpt_neox", "auto_opt"])
+def test_automatic_plan_with_sequence_parallelism_matches_single_device(two_ranks, family):
+    for r in T.value(two_ranks, family):
+        T.assert_matches(r)
+        assert r["local_vocab"] == T.VOCAB // 2
+        plan = r["plan"]
+        assert plan.startswith("tensor-parallel plan for ") and ", sequence parallel)" in plan, plan
+        assert "reduce-scattered along the sequence" in plan and "weight gradients summed: " in plan, plan
+        assert "keeps each rank's slice of the sequence" in plan, plan
+
+
+def test_a_sequence_the_ranks_cannot_split_is_refused(two_ranks):
+    for message in T.value(two_ranks, "odd_length"):
+        assert message == (
+            "model.decoder.layers.0: sequence parallelism splits axis 1 of the input (shape (2, 11, 64)) over 2 "
+            "ranks, but its length 11 is not divisible by 2; pad the sequence to a multiple of 2 (e.g. 10 or 12) "
+            "or shard without sequence_parallel"), message

@@ -456,12 +456,14 @@ def test_generic_rule_errors():
     from transformers.models.phi3.modeling_phi3 import Phi3Attention
 
     gqa = Phi3Attention(Phi3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, pad_token_id=0), 0)
+    # q | k | v of unequal widths split part by part (tests/models/test_tp_unequal_blocks.py): refused only
+    # where the key/value heads cannot be divided among the ranks
     with pytest.raises(schedlang.ShardError,
-                       match=r"^qkv_proj: cannot shard 'weight': the fused q\|k\|v projection 'qkv_proj' stores parts "
-                             r"of unequal widths one after the other \(4 query and 2 key/value heads\), which a "
-                             r"block-wise split cannot express; Phi3Attention.forward reads config.num_attention_heads=4,"
+                       match=r"^qkv_proj: cannot shard 'weight': the fused q\|k\|v projection has 2 key/value heads, "
+                             r"fewer than the 4 ranks; key/value heads are not replicated: use at most 2 ranks or a "
+                             r"model with more key/value heads; Phi3Attention.forward reads config.num_attention_heads=4,"
                              r" head_dim=16, layer_idx=0, num_key_value_heads=2; " + hint.format("Phi3Attention")):
-        sharded(gqa, lambda s: s["qkv_proj"].shard("weight", axis=0), 2, 0)
+        sharded(gqa, lambda s: s["qkv_proj"].shard("weight", axis=0), 4, 0)
     from transformers import StableLmConfig
     from transformers.models.stablelm.modeling_stablelm import StableLmAttention
 

@@ -14,14 +14,16 @@ import pytest
 import torch
 
 import schedlang
+from schedlang.distributed.sharding import shard_specs
 from schedlang.models import shard_model
 from schedlang.module_record import shard_specs
 from tests.helpers.distributed import run_distributed
 from tests.models import tp_checks as T
 
 SEQ = 11
-AUTOMATIC = ["opt", "gpt_neox", "gemma", "phi3", "qwen3", "stablelm", "falcon", "gptj"]
-HAND_WRITTEN = ["llama", "mistral", "qwen2", "gpt2", "bert"]
+AUTOMATIC = ["opt", "gpt_neox", "gemma", "phi3", "qwen3", "stablelm", "falcon", "gptj", "mistral", "qwen2"]
+#: families with an override of the automatic plan (their own tests compare split logits and the loss)
+OVERRIDES = ["llama", "gpt2", "bert"]
 
 
 def _inputs():
@@ -40,7 +42,7 @@ def _family(family: str):
         with schedlang.Verify(sch, example_inputs=[ids]):
             plan = shard_model(sch, gather_logits=True)
         out = {"plan": str(plan), "schedule": plan.schedule, "steps": plan.steps}
-        if family in HAND_WRITTEN:  # their own tests compare split logits and the vocabulary-parallel loss
+        if family in OVERRIDES:  # their own tests compare split logits and the vocabulary-parallel loss
             return out
         sch = schedlang.create_schedule(model)
         shard_model(sch)
@@ -77,9 +79,31 @@ def _hand_written_opt():
     return {"num_heads": attn.num_heads, "user_heads": model.model.decoder.layers[0].self_attn.num_heads}
 
 
+def _phi3_grouped_query_attention():
+    """Phi-3 with 4 query and 2 key/value heads: its fused qkv_proj holds q | k | v of unequal widths."""
+    from schedlang.distributed.sharding import shard_specs
+
+    model, _ = T.family_model("phi3_gqa")
+    model = model.to(T.device())
+    ids, _ = _inputs()
+    sch = schedlang.create_schedule(model)
+    with schedlang.Verify(sch, example_inputs=[ids]):  # outputs and every gradient against the unsharded model
+        plan = shard_model(sch, gather_logits=True)
+    attn = sch["model.layers.0.self_attn"].mod
+    out = {"spec": shard_specs(attn.qkv_proj)["weight"], "local_rows": attn.qkv_proj.weight.shape[0],
+           "heads": (attn.config.num_attention_heads, attn.num_key_value_heads, attn.num_key_value_groups),
+           "user_heads": model.model.layers[0].self_attn.num_key_value_heads, "schedule": plan.schedule}
+    try:
+        schedlang.build(sch)
+    except schedlang.ShardError as e:
+        out["build"] = str(e)
+    return out
+
+
 def _world2(rank, world):
-    scenarios = {f: _family(f) for f in AUTOMATIC + HAND_WRITTEN}
+    scenarios = {f: _family(f) for f in AUTOMATIC + OVERRIDES}
     scenarios["hand_written_opt"] = _hand_written_opt
+    scenarios["phi3_gqa"] = _phi3_grouped_query_attention
     return T.run_scenarios(scenarios)
 
 
@@ -88,18 +112,46 @@ def world2():
     return run_distributed(_world2, world_size=2, timeout=400)
 
 
-@pytest.mark.parametrize("family", AUTOMATIC + HAND_WRITTEN)
+@pytest.mark.parametrize("family", AUTOMATIC + OVERRIDES)
 def test_shard_model_passes_verify_and_matches_single_device_at_world_2(world2, family):
     for r in T.value(world2, family):
         assert r["steps"] > 0
-        if family in AUTOMATIC:
-            assert r["schedule"] == "automatic"
-            assert "vocabulary-parallel LM head" in r["plan"] and "row-parallel" in r["plan"], r["plan"]
-        if family in HAND_WRITTEN:
+        # the overrides are the automatic plan with the family's options: the same description
+        assert r["schedule"] == ("automatic" if family in AUTOMATIC else f"shard_{family}")
+        assert "vocabulary-parallel LM head" in r["plan"] and "row-parallel" in r["plan"], r["plan"]
+        if family in OVERRIDES:
             continue
         T.assert_matches(r)
         assert r["local_vocab"] == T.VOCAB // 2
         assert r["grads_compared"] == r["n_params"]
+
+
+def test_phi3_fused_qkv_with_fewer_key_value_heads_is_split_in_unequal_blocks(world2):
+    for rank, r in enumerate(T.value(world2, "phi3_gqa")):
+        spec = r["spec"]
+        assert (spec.blocks, spec.groups, spec.full_shape, spec.rank) == ((64, 32, 32), 3, (128, T.HIDDEN), rank)
+        assert r["local_rows"] == 64  # 2 query heads + 1 key head + 1 value head, of 16
+        assert r["heads"] == (2, 1, 2) and r["user_heads"] == 2 and r["schedule"] == "automatic"
+        assert r["build"].startswith("build: a fused tensor of (128, 64) is split in blocks of unequal widths (64, "
+                                     "32, 32 along axis 0), which no DTensor placement describes"), r["build"]
+
+
+def test_phi3_fused_qkv_with_fewer_key_value_heads_than_ranks_is_refused():
+    from unittest import mock
+
+    import schedlang.distributed.groups as groups
+
+    model, _ = T.family_model("phi3_gqa", layers=1)  # 2 key/value heads
+    sch = schedlang.create_schedule(model)
+    with mock.patch.object(groups, "world_size", lambda group=None: 4), \
+            mock.patch.object(groups, "rank", lambda group=None: 0):
+        with pytest.raises(schedlang.ShardError,
+                           match=r"^model.layers.0.self_attn.qkv_proj: cannot shard 'weight': the fused q\|k\|v "
+                                 r"projection has 2 key/value heads, fewer than the 4 ranks; key/value heads are not "
+                                 r"replicated: use at most 2 ranks or a model with more key/value heads; "
+                                 r"Phi3Attention.forward reads "):
+            shard_model(sch)
+    assert len(sch.plan) == 0 and not shard_specs(sch["model.layers.0.self_attn.qkv_proj"].mod)
 
 
 def test_hand_written_opt_schedule_gets_local_head_counts(world2):
@@ -131,10 +183,6 @@ def test_register_family_and_automatic_plan_errors():
     finally:
         FAMILIES.pop("OPTFor")
     assert calls == [{"gather_logits": True}] and plan.schedule == "<lambda>" and plan.steps == 0
-    with pytest.raises(schedlang.ScheduleValueError,
-                       match=r"^<root>: sequence_parallel=True is not supported by the automatic plan for "
-                             r"OPTForCausalLM; the LLaMA, GPT-2 and BERT schedules have it"):
-        shard_model(schedlang.create_schedule(model), sequence_parallel=True)
 
 
 def test_automatic_plan_is_all_or_nothing_and_names_what_it_cannot_split():

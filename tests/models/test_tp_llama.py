@@ -14,6 +14,7 @@ from torch.distributed.tensor import Shard
 
 import schedlang
 from schedlang.models import _torch_version
+from schedlang.distributed.sharding import shard_specs
 from schedlang.models.llama import shard_llama
 from schedlang.module_record import shard_specs
 from tests.helpers.distributed import run_distributed
@@ -249,8 +250,9 @@ def test_model_schedule_errors():
     sch = schedlang.create_schedule(_model())
     sch["model.layers.0.self_attn"].replace(torch.nn.Identity())
     with pytest.raises(schedlang.ScheduleTypeError,
-                       match=r"model.layers.0.self_attn: expected q_proj, k_proj, v_proj and o_proj in a LLaMA "
-                             r"attention, found no submodules"):
+                       match=r"^model.layers.0.self_attn: expected q_proj, k_proj, v_proj and o_proj in a LLaMA "
+                             r"self_attn, found no submodules; for another layout, shard_model\(sch\) finds the plan "
+                             r"from the model's code$"):
         shard_llama(sch)
     sch = schedlang.create_schedule(_model())
     sch["model.layers.1.mlp.up_proj"].replace(torch.nn.Identity())

@@ -208,6 +208,10 @@ FAMILY_CONFIGS = {
     "phi3": ("Phi3Config", dict(_COMMON, hidden_size=HIDDEN, num_attention_heads=4, num_key_value_heads=4,
                                 intermediate_size=96, pad_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
                                 attention_dropout=0.0)),
+    # fewer key/value heads than query heads: the fused q|k|v projection holds parts of unequal widths
+    "phi3_gqa": ("Phi3Config", dict(_COMMON, hidden_size=HIDDEN, num_attention_heads=4, num_key_value_heads=2,
+                                    intermediate_size=96, pad_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
+                                    attention_dropout=0.0)),
     "qwen3": ("Qwen3Config", dict(_COMMON, hidden_size=HIDDEN, num_attention_heads=4, num_key_value_heads=2,
                                   head_dim=16, intermediate_size=96)),
     "stablelm": ("StableLmConfig", dict(_COMMON, hidden_size=HIDDEN, num_attention_heads=4, num_key_value_heads=2,

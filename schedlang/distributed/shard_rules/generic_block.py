@@ -20,7 +20,9 @@ no rule of its own, keeps such modules consistent:
   are stored. Reshaped into heads first (GPT-NeoX, Falcon: ``view(..., heads, 3 * head_dim)``):
   head by head, so a contiguous split gives every rank its heads. Split or sliced first (Phi-3's
   ``qkv_proj``, ``gate_up_proj``): part after part, so each part is split (``groups``) and rank r
-  gets [q_r, k_r, v_r] or [gate_r, up_r].
+  gets [q_r, k_r, v_r] or [gate_r, up_r]. With fewer key/value heads than query heads the q, k and v
+  parts have unequal widths: the rule asks for blocks of those sizes (``ShardSpec.blocks``), and
+  rank r still gets its query heads and the key/value heads they attend with.
 
 Whatever the rule cannot tell (an integer attribute equal to a head count it has no meaning for,
 a fused layout it cannot read, per-head submodules) is refused at shard time with a
@@ -266,7 +268,7 @@ class GenericBlockShardRule(ShardRule):
 
     # ------------------------------------------------------------------ attention
     @classmethod
-    def _attention_groups(cls, path, module, child_name, child, tensor_name, direction, world) -> int:
+    def _attention_groups(cls, path, module, child_name, child, tensor_name, direction, world):
         heads = heads_of(module)
         width = _width(child, direction)
         if heads is None:
@@ -308,10 +310,17 @@ class GenericBlockShardRule(ShardRule):
                                                                    f"{heads.kv} heads")
                 groups = parts
             elif layout == "split":
-                raise _fail(path, module, tensor_name,
-                            f"the fused {what} projection '{child_name}' stores parts of unequal widths one after the "
-                            f"other ({heads.q} query and {heads.kv} key/value heads), which a block-wise split cannot "
-                            "express", _found(module))
+                # q | k | v of unequal widths (fewer key/value heads): each part split on its own, so rank r
+                # gets its query heads, and the key/value heads they attend with
+                if heads.kv < world:
+                    raise _fail(path, module, tensor_name,
+                                f"the fused q|k|v projection has {heads.kv} key/value heads, fewer than the {world} "
+                                f"ranks; key/value heads are not replicated: use at most {heads.kv} ranks or a model "
+                                "with more key/value heads", _found(module))
+                _whole(path, module, tensor_name, heads.kv, world,
+                       f"the fused q|k|v projection has {heads.kv} key/value heads")
+                _whole(path, module, tensor_name, heads.q, world, f"the fused q|k|v projection has {heads.q} heads")
+                groups = (heads.q * heads.dim, heads.kv * heads.dim, heads.kv * heads.dim)
             else:
                 raise _fail(path, module, tensor_name,
                             f"the layout of the fused {what} projection '{child_name}' cannot be told from the forward "
@@ -370,7 +379,8 @@ class GenericBlockShardRule(ShardRule):
 
     # ------------------------------------------------------------------ hooks
     @classmethod
-    def check_child_shard(cls, path, module, child_name, child, tensor_name, axis, world_size) -> int:
+    def check_child_shard(cls, path, module, child_name, child, tensor_name, axis, world_size):
+        """The fused layout of the split: a number of equal blocks, or a tuple of unequal block sizes."""
         direction = _direction(child, tensor_name, axis)
         if direction is None:
             return 1
