@@ -71,6 +71,7 @@ class ListModel(nn.Module):
 
 
 def _same_computation(split: nn.Module, model: nn.Module, x: torch.Tensor) -> None:
+    model.zero_grad(set_to_none=True)
     xs, xr = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
     out, ref = split(xs), model(xr)
     torch.testing.assert_close(out, ref)
