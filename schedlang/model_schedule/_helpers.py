@@ -61,20 +61,34 @@ def shard_word_embedding(sch, vocab_size: int, word_embed_name: str, head_sch=No
                          gather_logits: bool = True) -> None:
     """Vocabulary-parallel word embedding: each rank holds ``vocab_size / world`` rows; ids outside a
     rank's rows look up zeros and the partial embeddings are summed (:func:`gen_embedding_hooks`).
-    ``head_sch``, an LM head (usually tied to the embedding), is split along the vocabulary too: its
-    input gradient is summed and, with ``gather_logits``, its logits are gathered. Nothing on one rank."""
+    ``head_sch``, an LM head, and every Linear tied to the embedding's weight are split along the
+    vocabulary too: their input gradients are summed and, with ``gather_logits``, their logits are
+    gathered. Nothing on one rank."""
     from .gpt2 import gen_embedding_hooks
 
     if sch.world_size == 1:
         return
     emb = sch[word_embed_name]
+    heads = [head_sch] if head_sch is not None else []
+    # a head tied to the embedding is split with it, so it needs its syncs (and its bias split) too
+    # and so is another embedding module reading the same table (T5's encoder and decoder embed_tokens)
+    root = sch.root
+    lookups = [emb]
+    for path, module in root.mod.named_modules():
+        if getattr(module, "weight", None) is not emb.mod.weight or path == emb.path:
+            continue
+        if isinstance(module, nn.Linear) and all(h.path != path for h in heads):
+            heads.append(root[path])
+        elif isinstance(module, nn.Embedding) and module is not emb.mod:
+            lookups.append(root[path])
     with sch.atomic():
         if not _sharded(emb, "weight"):
             emb.shard("weight", axis=0)
-        pre, post = gen_embedding_hooks(emb, vocab_size)
-        emb.sync(mode="fwd_pre", sync_op_or_fn=pre)
-        emb.sync(mode="fwd_post", sync_op_or_fn=post)
-        if head_sch is not None:
+        for lookup in lookups:
+            pre, post = gen_embedding_hooks(lookup, vocab_size)
+            lookup.sync(mode="fwd_pre", sync_op_or_fn=pre)
+            lookup.sync(mode="fwd_post", sync_op_or_fn=post)
+        for head_sch in heads:
             if not _sharded(head_sch, "weight"):
                 head_sch.shard("weight", axis=0)
             if getattr(head_sch.mod, "bias", None) is not None and not _sharded(head_sch, "bias"):
@@ -169,7 +183,7 @@ def broadcast_input(sch) -> None:
 
     if sch.world_size == 1:
         return
-    group = sch.group
+    group = sch.group if sch.group is not None else dist.group.WORLD
     source = dist.get_global_rank(group, 0)
 
     def broadcast_from_first_rank(tensor: torch.Tensor) -> torch.Tensor:
