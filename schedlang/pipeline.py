@@ -53,25 +53,47 @@ class PipelinePartition(nn.Module):
 
 
 def generate_pipeline_partition(sch, example_inputs=None):
-    """A new schedule over the model split after its ``cut_pipeline_stage`` modules (stage ``i`` is
-    child ``submod_i``; see :func:`schedlang.distributed.pipeline.split_model`)."""
-    from .distributed.pipeline import split_model
+    """A new schedule over the model split after its ``cut_pipeline_stage`` modules; stage ``i`` is
+    child ``submod_i``.
+
+    A model traced down to the cut level (``sch.trace_until(...)``) is split the way Slapo splits
+    it, level by level with ``torch.fx``'s ``split_module``: a traced module holding cuts is split
+    into pieces named after their stage (``submod_k``) and those pieces are inlined in its parent's
+    graph, up to the root, whose split gives the stages. Cutting ``layers.0`` of
+    ``pre -> layers(0, 1) -> post`` gives ``submod_0`` = (``pre``, ``submod_0`` = (``0``)) and
+    ``submod_1`` = (``submod_1`` = (``1``), ``post``). Modules that were not traced keep their type.
+
+    A model that was not traced is split by :func:`schedlang.distributed.pipeline.split_model`
+    (stage ``i`` holds the original modules at their original paths). ``example_inputs`` (shapes
+    only) say what crosses the cuts there.
+    """
     from .schedule import create_schedule
 
     cuts = cut_paths_of(sch)
     if not cuts:
         raise PipelineError(f"{sch.path or '<root>'}: generate_pipeline_partition needs cut_pipeline_stage() steps "
                             "in the schedule; none were applied")
-    stages = split_model(sch.root.mod, cuts, example_inputs=example_inputs)
-    new = create_schedule(PipelinePartition(stages), group=sch.group)
-    for i in range(len(stages)):
-        add_partition_notation(new[f"submod_{i}"], i)
+    root = sch.root.mod
+    if isinstance(root, fx.GraphModule):
+        from .pipeline_split import split_traced
+
+        parts = split_traced(root, cuts)
+    else:
+        from .distributed.pipeline import split_model
+
+        parts = PipelinePartition(split_model(root, cuts, example_inputs=example_inputs))
+    new = create_schedule(parts, group=sch.group)
+    for i, name in enumerate(new.child):
+        add_partition_notation(new[name], i)
     return new
 
 
 def add_partition_notation(sch, idx: int) -> None:
-    """Record that the module of ``sch`` belongs to pipeline stage ``idx`` (``sch.metadata``)."""
+    """Record that the module of ``sch`` and every module under it belong to pipeline stage ``idx``
+    (``metadata["partition_idx"]``)."""
     sch.metadata["partition_idx"] = int(idx)
+    for child in sch.child.values():
+        add_partition_notation(child, idx)
 
 
 def propagate_partition(sch, starting_stage_id: int = 0, stop_at: Optional[str] = None) -> int:

@@ -439,35 +439,17 @@ class Schedule:
         expose a model's layers, e.g. as pipeline cut points. Recorded as one ``trace`` step
         (``leaf_modules`` = those children); ``leaf_modules`` and ``concrete_args`` may be given,
         ``tracer`` may be Slapo's ``"pytorch"`` or ``"huggingface"`` (both the same tracer here).
+        A submodule on the way that cannot be traced stays a call too (logged at INFO and listed
+        in the step's ``leaf_modules``); this module itself failing is a ``TraceError``.
 
         Example::
 
             sch.trace_until("layers")          # root and 'layers' traced, 'layers.0', ... stay calls
             sch["layers.3"].cut_pipeline_stage()
         """
-        where = self._display()
-        if isinstance(self.mod, fx.GraphModule):
-            raise TraceError(f"{where}: trace_until traces a module not traced yet, but this one is traced already "
-                             f"({type(self.mod).__name__}); call trace_until before trace on this schedule")
-        if isinstance(paths, str):
-            paths = [paths]
-        elif not (isinstance(paths, (list, tuple)) and paths and all(isinstance(p, str) for p in paths)):
-            raise ScheduleTypeError(f"{where}: trace_until expects a submodule path or a non-empty list of paths "
-                                    f"(strings relative to this schedule), got {paths!r}")
-        unknown = sorted(set(kwargs) - {"leaf_modules", "concrete_args", "tracer", "config"})
-        if unknown:
-            raise ScheduleTypeError(f"{where}: trace_until got unknown options {', '.join(unknown)}; valid options "
-                                    "are leaf_modules, concrete_args, tracer")
-        leaves: list = []
-        for path in paths:
-            for child in self[path].child:
-                leaves.append(_join(path, child))
-        extra = kwargs.get("leaf_modules")
-        if extra is not None:
-            leaves.extend([extra] if isinstance(extra, (str, type)) else list(extra))
-        tracer = kwargs.get("tracer", "fx")
-        self.trace(recursive=True, flatten=False, leaf_modules=leaves or None,
-                   tracer="fx" if tracer in _SLAPO_TRACERS else tracer, concrete_args=kwargs.get("concrete_args"))
+        from .trace_levels import trace_until
+
+        trace_until(self, paths, **kwargs)
 
     def update_submodule(self, mod: nn.Module, submod_name: str, new_submod: nn.Module) -> None:
         """Put ``new_submod`` in place of the child ``submod_name`` (a dotted path, e.g. ``"layers.0"``)
