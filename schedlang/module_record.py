@@ -13,7 +13,11 @@ The record is plain, immutable data:
 * it is never changed in place: every change assigns a new record, so undoing a failed step
   (which restores each module's attribute dictionary) restores the record exactly;
 * it moves with the module when a primitive puts another module in its place
-  (:func:`copy_module_as`, the tracer's attribute carry-over).
+  (:func:`copy_module_as`, the tracer's attribute carry-over). No module's class is ever changed in
+  place: ``decompose`` and the shard rules that need another class (a row-parallel linear adds its
+  bias after the all-reduce, a vocabulary-parallel embedding masks its lookup) install a new
+  instance holding the same parameters, children, hooks and record, and the record keeps the
+  class the module had before a shard rule replaced it.
 
 Process groups are not data and cannot be copied, so a sync's collective runs in its
 :class:`~schedlang.distributed.sync_ops.SyncOp` child; the record names that child
@@ -32,7 +36,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .distributed.sharding import ShardSpec
 
 __all__ = ["ModuleRecord", "SyncSpec", "RECORD_ATTR", "module_record", "has_record", "update_record", "shard_specs",
-           "record_shard", "record_sync", "sync_specs", "remember_original", "original_view", "change_class",
+           "record_shard", "record_sync", "sync_specs", "remember_original", "original_view",
            "copy_module_as"]
 
 #: the one attribute of a module that holds its record
@@ -63,9 +67,10 @@ class ModuleRecord:
     * ``syncs_before_bias``: the module's own forward runs its ``fwd_post`` syncs, before adding
       its bias (a row-parallel linear adds the bias once, after the all-reduce), instead of the
       forward hook running them after the forward;
-    * ``original_class`` / ``original_attributes``: the class and attributes the module had before
-      a shard rule changed them (None / empty: unchanged); ``build`` initializes a meta-device
-      module at full size from them;
+    * ``original_class`` / ``original_attributes``: the class the module had before a shard rule
+      replaced it by an instance of another class (:func:`copy_module_as` with ``remember_class``),
+      and the attributes it had before a shard rule changed them (None / empty: unchanged);
+      ``build`` initializes a meta-device module at full size from them;
     * ``checkpointed`` / ``checkpoint_options``: the forward runs under activation checkpointing;
     * ``fused``: the module is a kernel made by ``fuse`` (opaque to tracing and pattern search);
     * ``annotations``: parameter name -> ``{key: value}`` set by ``annotate`` (``build`` sets them again
@@ -151,33 +156,21 @@ def original_view(module: nn.Module) -> Tuple[type, Dict[str, Any]]:
     return record.original_class or type(module), dict(record.original_attributes)
 
 
-def change_class(module: nn.Module, new_class: type) -> None:
-    """Give ``module`` the class ``new_class`` (a subclass of its own class, with a different forward),
-    recording its original class.
-
-    This is the one place where schedlang changes a module's class instead of putting a new module in
-    its place. Shard rules need it: a rule fixes up the module it is given (a row-parallel linear must
-    add its bias after the all-reduce, a vocabulary-parallel embedding must mask its lookup), and that
-    same object may be held at several paths of the model, by the schedule's callers and by the parent
-    rules that run next; a new object would leave all of those with a stale module. The new class only
-    overrides ``forward`` (and ``extra_repr``), so every attribute, parameter and hook stays valid, and
-    ``build`` initializes a meta-device module with the recorded original class.
-    """
-    record = module_record(module)
-    if record.original_class is None:
-        update_record(module, original_class=type(module))
-    module.__class__ = new_class
-
-
 # --------------------------------------------------------------------------- replacement
 
-def copy_module_as(module: nn.Module, new_class: type) -> nn.Module:
+def copy_module_as(module: nn.Module, new_class: type, *, remember_class: bool = False) -> nn.Module:
     """A new ``new_class`` instance standing in for ``module``: the same ``Parameter`` and buffer objects,
     the same children, copies of its hook tables and its record; ``module`` itself is left unchanged.
 
     Attributes are copied shallowly (one new dictionary per table), so nothing is shared that a later
     step could change for both. An instance-level forward bound to ``module`` (activation
     checkpointing) is bound to the new module instead.
+
+    With ``remember_class`` the new module's record keeps ``module``'s class as its original class
+    (unless an earlier change recorded one already): a shard rule's replacement (a row-parallel
+    linear, a vocabulary-parallel embedding) is initialized by ``build`` on the meta device as the
+    unsharded class would be. schedlang never assigns ``__class__``; the caller installs the new
+    module wherever the model held the old one, and undoing the step puts the old one back.
     """
     new = new_class.__new__(new_class)
     for key, value in module.__dict__.items():
@@ -186,4 +179,6 @@ def copy_module_as(module: nn.Module, new_class: type) -> nn.Module:
         elif isinstance(value, types.MethodType) and value.__self__ is module:
             value = types.MethodType(value.__func__, new)
         new.__dict__[key] = value
+    if remember_class and module_record(new).original_class is None:
+        update_record(new, original_class=type(module))
     return new

@@ -72,9 +72,10 @@ class _Undo:
     """What it takes to put a schedule back as it was: every module's attribute dictionaries,
     the plan's length and the metadata.
 
-    Primitives never change tensors in place (they swap in new ``Parameter`` objects, child
-    modules, hooks and graphs), so restoring the dictionaries restores the tree. Beyond them
-    it keeps the attributes set on parameters (``annotate``), a transformers config's
+    Primitives never change tensors or a module's class in place (they swap in new ``Parameter``
+    objects, child modules, hooks and graphs; a module that needs another class is replaced by a
+    new instance in its parent's child table), so restoring the dictionaries restores the tree.
+    Beyond them it keeps the attributes set on parameters (``annotate``), a transformers config's
     attributes (``trace`` turns ``use_cache`` off) and a traced module's generated
     ``forward``, which FX stores on the module's own class.
     """
@@ -91,7 +92,7 @@ class _Undo:
         for m in self.root.modules():
             d = {key: _copy_container(value) for key, value in m.__dict__.items()}
             forward = vars(type(m)).get("forward") if isinstance(m, fx.GraphModule) else None
-            self.modules.append((m, m.__class__, d, forward))
+            self.modules.append((m, d, forward))
             extra = list(m._parameters.values())
             config = m.__dict__.get("config")
             if config is not None and hasattr(config, "to_dict"):
@@ -104,12 +105,11 @@ class _Undo:
     def restore(self) -> None:
         state = self.state
         state.module = self.root
-        for m, klass, d, forward in self.modules:
+        for m, d, forward in self.modules:
             m.__dict__.clear()
             m.__dict__.update(d)
-            m.__class__ = klass  # a shard rule may have changed it (module_record.change_class)
-            if forward is not None and vars(klass).get("forward") is not forward:
-                klass.forward = forward
+            if forward is not None and vars(type(m)).get("forward") is not forward:
+                type(m).forward = forward
         for obj, d in self.objects:
             obj.__dict__.clear()
             obj.__dict__.update(d)

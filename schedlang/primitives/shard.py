@@ -13,7 +13,13 @@ Two things beyond the module itself are taken care of:
 * the parent's rule: a module whose behaviour depends on its children's shapes (an
   attention module's head count, GPT-2's fused q|k|v projection) may check the split
   (``check_child_shard``, which may ask for a fused layout: ``groups`` equal blocks split
-  block-wise) and update itself afterwards (``after_child_shard``).
+  block-wise) and update itself afterwards (``after_child_shard``);
+* another class: a rule whose module needs another ``forward`` once split (a row-parallel
+  ``nn.Linear`` adds its bias after the all-reduce) names it (``replacement_class``); a new
+  instance holding the same parameters, buffers, children, hooks and record (which keeps the
+  original class, for ``build``) takes the old module's place at every path of the model, before
+  the rule's ``after_shard`` and the parent's ``after_child_shard`` run on it. The old module is
+  left as it was; a failed step puts it back.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from torch import nn
 from ..distributed.shard_rules import find_shard_rule
 from ..distributed.sharding import ShardSpec, record_shard_source, shard_tensor
 from ..errors import ScheduleKeyError, ShardError
-from ..module_record import record_shard, shard_specs
+from ..module_record import copy_module_as, record_shard, shard_specs
 from .base import Param, Primitive, register_primitive
 
 logger = logging.getLogger("schedlang.primitives.shard")
@@ -93,15 +99,47 @@ class Shard(Primitive):
         for path, holder, name in holders:
             (holder._parameters if is_param else holder._buffers)[name] = new
             record_shard(holder, name, spec)
+        # each distinct holder is fixed up once; the module now in its place (itself, or the replacement its
+        # rule asked for) is what its parent's rule and every later step see
+        now_in_place = {}
         for path, holder, name in holders:
-            rule = find_shard_rule(holder)
-            if rule is not None:
-                rule.after_shard(holder, name, axis, world, rank)
+            if id(holder) not in now_in_place:
+                now_in_place[id(holder)] = _fix_up(sch, holder, name, axis, world, rank)
+            current = now_in_place[id(holder)]
             parent, child_name = _parent(sch, path)
             parent_rule = find_shard_rule(parent) if parent is not None else None
             if parent_rule is not None and hasattr(parent_rule, "after_child_shard"):
-                parent_rule.after_child_shard(parent, child_name, holder, name, axis, world, rank)
+                parent_rule.after_child_shard(parent, child_name, current, name, axis, world, rank)
         return None
+
+
+def _fix_up(sch, holder, name, axis, world, rank):
+    """Run ``holder``'s rule after its tensor ``name`` became a shard: put the replacement it asks for in
+    its place (everywhere the model holds it), then let the rule update that module. Returns the module
+    now in ``holder``'s place."""
+    rule = find_shard_rule(holder)
+    if rule is None:
+        return holder
+    ask = getattr(rule, "replacement_class", None)
+    klass = ask(holder, name, axis, world, rank) if ask is not None else None
+    current = holder
+    if klass is not None and klass is not type(holder):
+        current = copy_module_as(holder, klass, remember_class=True)
+        _install(sch, holder, current)
+    rule.after_shard(current, name, axis, world, rank)
+    return current
+
+
+def _install(sch, old, new):
+    """Put ``new`` wherever the model holds ``old`` (the root, or any child slot: a module may sit at several
+    paths). ``old`` itself is not changed, so undoing the step only restores the holders' child tables."""
+    root = sch.root
+    if root.mod is old:
+        root._set_module(new)
+    for parent in list(root.mod.modules()):
+        for child_name, child in list(parent._modules.items()):
+            if child is old:
+                parent._modules[child_name] = new
 
 
 def _holders(sch, tensor):

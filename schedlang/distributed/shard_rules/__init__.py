@@ -2,7 +2,9 @@
 
 Sharding a tensor changes a module's shapes; a rule keeps the module consistent
 afterwards (a column-parallel ``nn.Linear`` reports its new ``out_features``) and refuses
-splits that cannot work. One rule per module type, one file each; a rule registers
+splits that cannot work. A rule whose module needs another ``forward`` (a row-parallel
+linear, a vocabulary-parallel embedding) names the class in ``replacement_class``; the
+``shard`` primitive installs a new instance of it in the module's place. One rule per module type, one file each; a rule registers
 itself with :func:`register_shard_rule`. Modules without a rule may still be sharded
 (the tensor is split and nothing else changes); a log line says so.
 """
@@ -42,8 +44,22 @@ class ShardRule:
         """Raise :class:`schedlang.ShardError` if the split cannot work. Must not change anything."""
 
     @classmethod
+    def replacement_class(cls, module: nn.Module, tensor_name: str, axis: int, world_size: int,
+                          rank: int) -> Optional[type]:
+        """The class ``module`` must become now that ``tensor_name`` is its shard (a row-parallel linear
+        adds its bias after the all-reduce), or None to keep it. Must not change anything.
+
+        The ``shard`` primitive then puts a new instance of that class in the module's place, holding the
+        same parameters, buffers, children, hooks and record (which keeps the original class, for
+        ``build``), at every path of the model that held the old one; :meth:`after_shard` and the
+        parent's :meth:`after_child_shard` are given the new module. The old module object is left as
+        it was, so undoing a failed step only has to put it back."""
+        return None
+
+    @classmethod
     def after_shard(cls, module: nn.Module, tensor_name: str, axis: int, world_size: int, rank: int) -> None:
-        """Update the module after ``tensor_name`` was replaced by its shard."""
+        """Update the module after ``tensor_name`` was replaced by its shard (and the module, if
+        :meth:`replacement_class` asked for it, by its replacement: ``module`` is the new one)."""
 
     @classmethod
     def check_child_shard(cls, path: str, module: nn.Module, child_name: str, child: nn.Module, tensor_name: str,

@@ -6,8 +6,9 @@
 * weight axis 1 (column parallel): each rank computes ``nf / world`` outputs; shard the bias
   along axis 0 as well;
 * weight axis 0 (row parallel): each rank computes a partial sum over its inputs. The module
-  becomes a ``RowParallelConv1D`` that runs its ``fwd_post`` syncs (the all-reduce, or the
-  reduce-scatter of sequence parallelism) before adding the bias, so that the bias is added once.
+  is replaced by a ``RowParallelConv1D`` (holding the same parameters) that runs its ``fwd_post``
+  syncs (the all-reduce, or the reduce-scatter of sequence parallelism) before adding the bias,
+  so that the bias is added once.
 
 GPT-2's fused attention projection ``c_attn`` (q | k | v along the output axis) is split
 head-wise, each rank getting [q_r, k_r, v_r]: its parent's rule (GPT2Attention, see
@@ -28,7 +29,7 @@ from typing import Dict
 import torch
 
 from ...errors import ShardError
-from ...module_record import change_class, shard_specs
+from ...module_record import shard_specs
 from ..sharding import remember_unsharded
 from ..sync_ops import bias_after_inner_syncs, run_post_syncs, run_post_syncs_before_bias
 from . import ShardRule, register_shard_rule
@@ -77,13 +78,17 @@ class Conv1DShardRule(ShardRule):
                 "weight (axis 1)")
 
     @classmethod
+    def replacement_class(cls, module, tensor_name, axis, world_size, rank):
+        if tensor_name != "weight" or axis != 0 or type(module) in _ROW_PARALLEL_CLASSES.values():
+            return None
+        return row_parallel_conv1d_class(type(module))
+
+    @classmethod
     def after_shard(cls, module, tensor_name, axis, world_size, rank):
         if tensor_name != "weight":
             return
         remember_unsharded(module, nx=module.nx, nf=module.nf)
         module.nx, module.nf = module.weight.shape
-        if axis != 0:
-            return
-        change_class(module, row_parallel_conv1d_class(type(module)))
-        run_post_syncs_before_bias(module)
+        if axis == 0:
+            run_post_syncs_before_bias(module)
 

@@ -1,9 +1,10 @@
 """Shard rule for ``nn.Embedding`` (weight of shape (num_embeddings, embedding_dim)).
 
-* axis 0 (vocabulary parallel): rank r holds rows ``[r*V/w, (r+1)*V/w)``. The module becomes a
-  :class:`VocabParallelEmbedding`: it remembers its vocabulary range, looks up the ids that fall
-  inside it and returns zero rows for the others, so that a ``fwd_post`` ``all_reduce`` (or a
-  ``reduce_scatter`` along the sequence, for sequence parallelism) yields the full embedding.
+* axis 0 (vocabulary parallel): rank r holds rows ``[r*V/w, (r+1)*V/w)``. The module is replaced
+  by a :class:`VocabParallelEmbedding` holding the same table: it remembers its vocabulary range,
+  looks up the ids that fall inside it and returns zero rows for the others, so that a ``fwd_post``
+  ``all_reduce`` (or a ``reduce_scatter`` along the sequence, for sequence parallelism) yields the
+  full embedding.
   The backward needs no collective: each rank's rows receive exactly their tokens' gradients.
 * axis 1 (hidden parallel): rank r holds columns ``[r*D/w, (r+1)*D/w)`` of every row; the output
   is a slice of the hidden size and a ``fwd_post`` ``all_gather`` with ``axis=-1`` makes it whole.
@@ -21,7 +22,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...errors import ShardError
-from ...module_record import change_class
 from ..sharding import remember_unsharded
 from . import ShardRule, register_shard_rule
 
@@ -105,6 +105,13 @@ class EmbeddingShardRule(ShardRule):
                 "its place; shard along axis 1 instead, or replace the module by an nn.Embedding first")
 
     @classmethod
+    def replacement_class(cls, module, tensor_name, axis, world_size, rank):
+        if tensor_name != "weight" or axis != 0:
+            return None
+        klass = vocab_parallel_class(type(module))
+        return None if klass is type(module) else klass
+
+    @classmethod
     def after_shard(cls, module, tensor_name, axis, world_size, rank):
         if tensor_name != "weight":
             return
@@ -117,7 +124,6 @@ class EmbeddingShardRule(ShardRule):
         remember_unsharded(module, num_embeddings=full_rows, padding_idx=module.padding_idx)
         start = rank * rows
         padding = module.padding_idx
-        change_class(module, vocab_parallel_class(type(module)))
         module.num_embeddings = rows
         module.vocab_start_index = start
         module.vocab_end_index = start + rows

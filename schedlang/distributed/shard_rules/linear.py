@@ -4,8 +4,8 @@
   the bias, if any, must be sharded along axis 0 too.
 * weight axis 1 (row parallel): each rank computes a partial sum over its inputs. The
   partial sums are added by a ``fwd_post`` all-reduce, and the bias must be added once,
-  after it: the module becomes a :class:`~schedlang.primitives.decompose.LinearWithSeparateBias`
-  that runs its forward-post syncs before adding the (unsharded) bias.
+  after it: the module is replaced by a :class:`~schedlang.primitives.decompose.LinearWithSeparateBias`
+  (holding the same parameters) that runs its forward-post syncs before adding the (unsharded) bias.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 from torch import nn
 
 from ...errors import ShardError
-from ...module_record import change_class, shard_specs
+from ...module_record import shard_specs
 from ..sync_ops import run_post_syncs_before_bias
 from . import ShardRule, register_shard_rule
 
@@ -45,13 +45,17 @@ class LinearShardRule(ShardRule):
                 "column-parallel weight (axis 0)")
 
     @classmethod
+    def replacement_class(cls, module, tensor_name, axis, world_size, rank):
+        from ...primitives.decompose import LinearWithSeparateBias
+
+        if tensor_name == "weight" and axis == 1 and module.bias is not None and type(module) is nn.Linear:
+            return LinearWithSeparateBias
+        return None
+
+    @classmethod
     def after_shard(cls, module, tensor_name, axis, world_size, rank):
         if tensor_name != "weight":
             return
         module.out_features, module.in_features = module.weight.shape
         if axis == 1 and module.bias is not None:
-            from ...primitives.decompose import LinearWithSeparateBias
-
-            if type(module) is not LinearWithSeparateBias:
-                change_class(module, LinearWithSeparateBias)
             run_post_syncs_before_bias(module)
