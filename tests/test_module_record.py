@@ -1,5 +1,6 @@
 """One record per module: what shard, sync, decompose, checkpoint and fuse did to a module lives in its
-``ModuleRecord`` and nowhere else, survives copies and replacement, and goes away with a failed step."""
+``ModuleRecord`` and nowhere else, survives copies and replacement, and goes away with a failed step.
+A module that needs another class is replaced by a new instance, never changed in place."""
 
 import contextlib
 import copy
@@ -130,7 +131,7 @@ def test_a_failed_step_leaves_no_trace_in_the_record():
     assert module_record(sch["layers.1"].mod) == ModuleRecord()
 
 
-def test_a_shard_rule_class_change_records_the_original_class_and_build_initializes_at_full_size():
+def test_a_shard_rule_replacement_records_the_original_class_and_build_initializes_at_full_size():
     torch.manual_seed(0)
     full = nn.Embedding(16, 6)
     with schedlang.init_empty_weights():

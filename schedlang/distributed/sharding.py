@@ -124,8 +124,8 @@ def remember_unsharded(module: nn.Module, **attributes) -> None:
     """Record the given attributes of ``module`` as they were before any shard.
 
     Shard rules call this before they change a module (a vocabulary-parallel embedding
-    changes ``num_embeddings`` and ``padding_idx``; its class change goes through
-    :func:`schedlang.module_record.change_class`, which records the class); ``build`` uses the
+    changes ``num_embeddings`` and ``padding_idx``; the replacement module of another class that
+    ``shard`` installs records the original class); ``build`` uses the
     record to initialize a meta-device module at full size exactly as the unsharded module
     would be. The first record of an attribute wins, so a second shard keeps the original values.
     """

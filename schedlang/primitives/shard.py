@@ -18,8 +18,8 @@ Two things beyond the module itself are taken care of:
   ``nn.Linear`` adds its bias after the all-reduce) names it (``replacement_class``); a new
   instance holding the same parameters, buffers, children, hooks and record (which keeps the
   original class, for ``build``) takes the old module's place at every path of the model, before
-  the rule's ``after_shard`` and the parent's ``after_child_shard`` run on it. The old module is
-  left as it was; a failed step puts it back.
+  the rule's ``after_shard`` and the parent's ``after_child_shard`` run on it. The old object
+  keeps its class; undoing a failed step puts it back at its paths.
 """
 
 from __future__ import annotations
@@ -132,7 +132,8 @@ def _fix_up(sch, holder, name, axis, world, rank):
 
 def _install(sch, old, new):
     """Put ``new`` wherever the model holds ``old`` (the root, or any child slot: a module may sit at several
-    paths). ``old`` itself is not changed, so undoing the step only restores the holders' child tables."""
+    paths). ``old`` keeps its class, so undoing the step only has to restore the holders' child tables
+    (and, for the root, the schedule's module)."""
     root = sch.root
     if root.mod is old:
         root._set_module(new)

@@ -52,8 +52,8 @@ class ShardRule:
         The ``shard`` primitive then puts a new instance of that class in the module's place, holding the
         same parameters, buffers, children, hooks and record (which keeps the original class, for
         ``build``), at every path of the model that held the old one; :meth:`after_shard` and the
-        parent's :meth:`after_child_shard` are given the new module. The old module object is left as
-        it was, so undoing a failed step only has to put it back."""
+        parent's :meth:`after_child_shard` are given the new module. The old module object keeps its
+        class, so undoing a failed step only has to put it back."""
         return None
 
     @classmethod
