@@ -334,6 +334,47 @@ def test_a_replaced_root_goes_back_when_its_block_fails():
     assert module_record(old) == ModuleRecord()
 
 
+def test_a_meta_row_parallel_linear_builds_at_full_size_from_its_original_class():
+    torch.manual_seed(0)
+    full = MLP(hidden=7, inner=12)
+    with schedlang.init_empty_weights():
+        meta = MLP(hidden=7, inner=12)
+    with fake_group(2, 1):
+        sch = schedlang.create_schedule(meta)
+        sch["fc2"].shard("weight", axis=1)
+        assert type(sch["fc2"].mod) is LinearWithSeparateBias and sch["fc2"].mod.weight.is_meta
+        torch.manual_seed(0)
+        built = schedlang.build(sch, device="cpu")[0]
+    assert type(built.fc2) is LinearWithSeparateBias
+    torch.testing.assert_close(built.fc2.weight, full.fc2.weight[:, 6:])
+    torch.testing.assert_close(built.fc2.bias, full.fc2.bias)
+    torch.testing.assert_close(built.fc1.weight, full.fc1.weight)
+
+
+def test_a_row_parallel_conv1d_is_a_new_module_in_place():
+    from transformers.pytorch_utils import Conv1D
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c_proj = Conv1D(5, 8)  # nf=5 outputs, nx=8 inputs
+
+        def forward(self, x):
+            return self.c_proj(x)
+
+    block = Block()
+    with fake_group(2, 0):
+        sch = schedlang.create_schedule(block)
+        old = sch["c_proj"].mod
+        sch["c_proj"].shard("weight", axis=0)
+    new = sch["c_proj"].mod
+    assert type(new).__name__ == "RowParallelConv1D" and isinstance(new, Conv1D) and type(old) is Conv1D
+    assert sch.mod.c_proj is new and new.weight is old.weight and new.bias is old.bias
+    assert original_view(new) == (Conv1D, {"nx": 8, "nf": 5}) and new.nx == 4
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(new(x[:, :4]), x[:, :4] @ block.c_proj.weight[:4] + block.c_proj.bias)
+
+
 def test_a_replayed_plan_installs_the_replacement_too():
     _, sch, _ = _row_parallel_fc2(2, 1)
     with fake_group(2, 1):
