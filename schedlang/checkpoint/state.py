@@ -187,19 +187,8 @@ def _gather(t, contiguous_outer: bool = False) -> torch.Tensor:
     return local
 
 
-def full_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The unsharded value of ``t`` (a DTensor or a plain tensor); collective over a DTensor's mesh.
-
-    Block-wise shards (a fused q|k|v weight: rank r holds part r of every block) are gathered here,
-    one mesh dimension at a time, where DTensor's own ``full_tensor`` cannot reassemble them on every
-    torch version this runs on (see :func:`_gathered_by_hand` and :func:`_fsdp_over_block_shards`).
-
-    Example::
-
-        w = full_tensor(model.transformer.h[0].attn.c_attn.weight)   # same on every rank
-    """
-    if not _is_dtensor(t):
-        return t
+def _global_value(t) -> torch.Tensor:
+    """The DTensor's own global value (for a rank-major tensor, the re-ordered one); collective."""
     if _gathered_by_hand(t):
         return _gather(t)
     try:
@@ -210,43 +199,95 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
         return _gather(t, contiguous_outer=True)
 
 
-def _to_contiguous_shards(t):
-    """``t`` (strided, see :func:`_strided`) re-laid as ``Shard(axis)``: one chunk per rank."""
+def full_tensor(t: torch.Tensor, spec=None) -> torch.Tensor:
+    """The unsharded value of ``t`` (a DTensor or a plain tensor); collective over a DTensor's mesh.
+
+    Block-wise shards (a fused q|k|v weight: rank r holds part r of every block) are gathered here,
+    one mesh dimension at a time, where DTensor's own ``full_tensor`` cannot reassemble them on every
+    torch version this runs on (see :func:`_gathered_by_hand` and :func:`_fsdp_over_block_shards`).
+    A tensor split in blocks of unequal widths (Phi-3's q|k|v with fewer key/value heads) is laid out
+    rank-major (:attr:`ShardSpec.rank_major`): its rows are put back in their unsharded order. A built
+    model's parameters and their gradients are recognized; for another tensor shaped like such a
+    parameter (its optimizer state) pass the parameter's ``spec`` (its module's ``shard_specs``).
+
+    Example::
+
+        w = full_tensor(model.transformer.h[0].attn.c_attn.weight)   # same on every rank
+    """
+    if not _is_dtensor(t):
+        return t
+    from ..distributed.dtensor_params import rank_major_spec, to_unsharded
+
+    if spec is None:
+        spec = rank_major_spec(t)
+    elif not spec.rank_major:
+        spec = None
+    value = _global_value(t)
+    if spec is None:
+        return value
+    if value.dim() <= spec.axis or value.shape[spec.axis] != spec.full_shape[spec.axis]:
+        from ..errors import ShardError
+
+        raise ShardError(f"full_tensor: a tensor of shape {tuple(value.shape)} cannot be laid out as the shard "
+                         f"spec says (blocks {spec.blocks} along axis {spec.axis} of {tuple(spec.full_shape)}); "
+                         "pass the spec of the parameter this tensor belongs to")
+    return to_unsharded(value, spec)
+
+
+def _spec_of_key(key: str, rank_major: Dict[str, Any], value):
+    """The rank-major ``ShardSpec`` a state entry is laid out by: a model name, or an optimizer state entry
+    (``state.<parameter name>.<state name>``) shaped like its parameter; None otherwise."""
+    if not rank_major or not _is_dtensor(value):
+        return None
+    spec = rank_major.get(key)
+    if spec is None and key.startswith(_STATE):
+        spec = rank_major.get(key[len(_STATE):].rpartition(".")[0])
+    if spec is None or tuple(value.shape) != tuple(spec.full_shape):
+        return None
+    return spec
+
+
+def _to_contiguous_shards(t, spec=None):
+    """``t`` (strided, see :func:`_strided`, or rank-major with ``spec``) re-laid as contiguous chunks of
+    its unsharded value, one per rank (``Shard(axis)`` on every mesh dimension), as DCP addresses them."""
     from torch.distributed.tensor import DTensor, Shard
 
-    mesh, dim = t.device_mesh, t.placements[0].dim
-    full = full_tensor(t)
-    local = full.chunk(mesh.size(), dim)[mesh.get_local_rank()].clone()
-    return DTensor.from_local(local, mesh, [Shard(dim)], run_check=False, shape=full.shape, stride=full.stride())
+    from ..distributed.dtensor_params import local_part
+
+    mesh = t.device_mesh
+    dim = spec.axis if spec is not None else t.placements[0].dim
+    full = full_tensor(t, spec)
+    placements = [Shard(dim)] * mesh.ndim
+    local = local_part(full, mesh, placements).clone()
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=full.shape, stride=full.stride())
 
 
-def _to_strided_like(plain, like):
-    """The inverse of :func:`_to_contiguous_shards`: ``plain`` laid out as ``like``."""
-    from torch.distributed.tensor import DTensor
+def _dcp_ready(state: Dict[str, Any], rank_major: Optional[Dict[str, Any]] = None
+               ) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """``state`` with strided and rank-major DTensors re-laid for DCP (a checkpoint holds every tensor in its
+    unsharded layout, whatever layout saved it), and ``{key: (original, spec or None)}`` of those entries.
 
-    mesh, placement = like.device_mesh, like.placements[0]
-    dim, n, r = placement.dim, mesh.size(), mesh.get_local_rank()
-    full = plain.full_tensor()
-    # rank r holds part r of each of split_factor equal blocks (schedlang's ShardSpec.groups)
-    local = torch.cat([block.chunk(n, dim)[r] for block in full.chunk(placement.split_factor, dim)], dim)
-    return DTensor.from_local(local.to(like.dtype), mesh, [placement], run_check=False, shape=full.shape,
-                              stride=full.stride())
-
-
-def _dcp_ready(state: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str, Any]]:
-    """``state`` with strided DTensors re-laid for DCP, and the originals of those entries."""
+    ``rank_major``: ``{parameter name: ShardSpec}`` of the rank-major parameters (``rank_major_specs``)."""
     out, originals = {}, {}
     for key, value in state.items():
-        if _strided(value):
-            originals[key] = value
-            value = _to_contiguous_shards(value)
+        spec = _spec_of_key(key, rank_major, value)
+        if spec is not None or _strided(value):
+            originals[key] = (value, spec)
+            value = _to_contiguous_shards(value, spec)
         out[key] = value
     return out, originals
 
 
 def _restore_strided(state: Dict[str, Any], originals: Dict[str, Any]) -> None:
-    for key, like in originals.items():
-        value = _to_strided_like(state[key], like)
+    """Put what DCP read into the contiguous chunks back in the original tensors' layouts, in place."""
+    from ..distributed.dtensor_params import local_part, to_rank_major
+
+    for key, (like, spec) in originals.items():
+        full = state[key].full_tensor()
+        if spec is not None:
+            full = to_rank_major(full, spec)
+        local = local_part(full, like.device_mesh, like.placements)
         with torch.no_grad():
-            like.copy_(value)  # the optimizer's or the module's own tensor, updated in place
+            # the optimizer's or the module's own tensor, updated in place
+            like.to_local().copy_(local.to(like.dtype))
         state[key] = like
