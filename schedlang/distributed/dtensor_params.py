@@ -154,18 +154,45 @@ def _chunk(indices: torch.Tensor, n: int) -> List[torch.Tensor]:
     return pieces + [indices[:0]] * (n - len(pieces))
 
 
+def _is_strided(placement) -> bool:
+    # _StridedShard is not a Shard subclass on every torch version: recognized by name
+    return type(placement).__name__ == "_StridedShard"
+
+
+def _splits(placement) -> bool:
+    return _is_strided(placement) or placement.is_shard()
+
+
+def _fsdp_nested(placements) -> set:
+    """Mesh dimensions whose shard is FSDP2's contiguous chunk of a later (tensor-parallel) mesh dimension's shard
+    of the same tensor dimension. FSDP2 marks them (or the tensor-parallel shard they split) ``_StridedShard``,
+    with a ``split_factor`` torch versions name differently; what the local tensor holds does not depend on it."""
+    nested = set()
+    for i, outer in enumerate(placements):
+        for inner in placements[i + 1:]:
+            if (_splits(outer) and _splits(inner) and outer.dim == inner.dim
+                    and (_is_strided(outer) or _is_strided(inner))):
+                nested.add(i)
+    return nested
+
+
 def placement_indices(shape, placements, coordinate, mesh_sizes) -> List[torch.Tensor]:
     """Per dimension, the indices of the DTensor's global tensor that a rank's local tensor holds, in local
-    order (``coordinate``: the rank's position on the mesh)."""
+    order (``coordinate``: the rank's position on the mesh).
+
+    ``Shard(d)``: one chunk of dimension ``d``; ``_StridedShard(d, split_factor=k)``: part c of each of k
+    blocks (a fused q|k|v weight); FSDP2 over a tensor-parallel shard of the same dimension: a contiguous
+    chunk of the tensor-parallel shard (see :func:`_fsdp_nested`)."""
     indices = [torch.arange(int(n)) for n in shape]
-    for placement, c, n in zip(placements, coordinate, mesh_sizes):
-        # _StridedShard is not a Shard subclass on every torch version: recognized by name
-        strided = type(placement).__name__ == "_StridedShard"
-        if not (strided or placement.is_shard()):
+    nested = _fsdp_nested(placements)
+    steps = [i for i in range(len(placements)) if i not in nested] + sorted(nested, reverse=True)
+    for i in steps:
+        placement, c, n = placements[i], coordinate[i], mesh_sizes[i]
+        if not _splits(placement):
             continue  # Replicate, Partial: the whole (current) extent
         d = placement.dim
         split_factor = getattr(placement, "split_factor", None)
-        if strided and split_factor is not None:
+        if i not in nested and _is_strided(placement) and split_factor is not None:
             # part c of each of split_factor blocks, concatenated (torch's _StridedShard layout)
             indices[d] = torch.cat([_chunk(block, n)[c] for block in _chunk(indices[d], int(split_factor))])
         else:
