@@ -10,7 +10,9 @@ already built. Either way:
   tensor parallelism (DTensor parameters), pipeline stages and FSDP2 are in place. A DTensor's
   placements say which indices of the unsharded tensor its local shard holds: ``Shard(d)`` one
   chunk of dimension ``d``, ``_StridedShard(d, split_factor=k)`` part r of each of k blocks (a
-  fused q|k|v or gate|up weight, and FSDP2's shard of a tensor-parallel shard). Each contiguous
+  fused q|k|v or gate|up weight, and FSDP2's shard of a tensor-parallel shard); a fused weight of
+  blocks of unequal widths (Phi-3's q|k|v with fewer key/value heads) is ``Shard(d)`` of its
+  rank-major rows, mapped back through its ``ShardSpec`` (``ShardSpec.rank_major``). Each contiguous
   run of those indices is read with safetensors' lazy slicing (``safe_open(...).get_slice(name)
   [a:b, c:d]``), so no rank ever holds a full tensor it does not keep. HF's ``Conv1D`` (GPT-2)
   stores its weight as (in, out) in the checkpoint and in the module alike, and schedlang's shard
