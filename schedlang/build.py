@@ -519,6 +519,9 @@ def build(sch, init_weights: Union[None, bool, Callable[[nn.Module], None]] = No
             apply_annotations(module)
     with agreement(group, phase="build: tensor, pipeline and data parallelism"):
         model = _parallelize(root, model, pipeline)
+        from .distributed.dtensor_params import register_rank_major
+
+        register_rank_major(model)  # FSDP2 replaced parameters: full_tensor still knows the rank-major ones
     opt = None
     with agreement(group, phase="build: loading the weights and making the optimizer"):
         if weights is not None:

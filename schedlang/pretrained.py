@@ -10,7 +10,9 @@ already built. Either way:
   tensor parallelism (DTensor parameters), pipeline stages and FSDP2 are in place. A DTensor's
   placements say which indices of the unsharded tensor its local shard holds: ``Shard(d)`` one
   chunk of dimension ``d``, ``_StridedShard(d, split_factor=k)`` part r of each of k blocks (a
-  fused q|k|v or gate|up weight, and FSDP2's shard of a tensor-parallel shard). Each contiguous
+  fused q|k|v or gate|up weight, and FSDP2's shard of a tensor-parallel shard); a fused weight of
+  blocks of unequal widths (Phi-3's q|k|v with fewer key/value heads) is ``Shard(d)`` of its
+  rank-major rows, mapped back through its ``ShardSpec`` (``ShardSpec.rank_major``). Each contiguous
   run of those indices is read with safetensors' lazy slicing (``safe_open(...).get_slice(name)
   [a:b, c:d]``), so no rank ever holds a full tensor it does not keep. HF's ``Conv1D`` (GPT-2)
   stores its weight as (in, out) in the checkpoint and in the module alike, and schedlang's shard
@@ -166,30 +168,6 @@ def read_index(source) -> Tuple[Dict[str, _Entry], str]:
 
 
 # ------------------------------------------------------------------------------------------------ regions
-def _chunk(indices: torch.Tensor, n: int) -> List[torch.Tensor]:
-    """``torch.chunk`` padded with empty pieces to exactly ``n`` (the split DTensor and FSDP2 use)."""
-    pieces = list(indices.chunk(n)) if indices.numel() else []
-    return pieces + [indices[:0]] * (n - len(pieces))
-
-
-def _placement_indices(shape, placements, coordinate, mesh_sizes) -> List[torch.Tensor]:
-    """Per dimension, the global indices this rank's local tensor holds, in local order."""
-    indices = [torch.arange(int(n)) for n in shape]
-    for placement, c, n in zip(placements, coordinate, mesh_sizes):
-        # _StridedShard is not a Shard subclass on every torch version: recognized by name
-        strided = type(placement).__name__ == "_StridedShard"
-        if not (strided or placement.is_shard()):
-            continue  # Replicate, Partial: the whole (current) extent
-        d = placement.dim
-        split_factor = getattr(placement, "split_factor", None)
-        if strided and split_factor is not None:
-            # part c of each of split_factor blocks, concatenated (torch's _StridedShard layout)
-            indices[d] = torch.cat([_chunk(block, n)[c] for block in _chunk(indices[d], int(split_factor))])
-        else:
-            indices[d] = _chunk(indices[d], n)[c]
-    return indices
-
-
 def _runs(indices: torch.Tensor) -> List[Tuple[int, int, int]]:
     """``(local offset, global start, length)`` of each contiguous run of ascending ``indices``."""
     if indices.numel() == 0:
@@ -199,18 +177,21 @@ def _runs(indices: torch.Tensor) -> List[Tuple[int, int, int]]:
     return [(a, int(indices[a]), b - a) for a, b in zip(starts, ends)]
 
 
-def local_regions(tensor: torch.Tensor) -> List[Tuple[Tuple[slice, ...], Tuple[slice, ...]]]:
+def local_regions(tensor: torch.Tensor, spec=None) -> List[Tuple[Tuple[slice, ...], Tuple[slice, ...]]]:
     """Where this rank's local part of ``tensor`` (a DTensor or a plain tensor) lies in the unsharded one.
 
     A list of ``(local index, global index)`` pairs of slices, one per block: a ``Shard`` or FSDP2
     shard is one block; a block-wise shard of a fused tensor (q|k|v) is one block per part.
+    ``spec``: the ``ShardSpec`` of a tensor laid out rank-major (blocks of unequal widths, see
+    :attr:`ShardSpec.rank_major`), whose DTensor indices are mapped back to the unsharded tensor's;
+    found by itself for a built model's parameters.
 
     Example::
 
         local_regions(c_attn.weight)   # (32, 96) as _StridedShard(1, split_factor=3), rank 1 of 2:
         # [((:, 0:16), (:, 16:32)), ((:, 16:32), (:, 48:64)), ((:, 32:48), (:, 80:96))]
     """
-    from .distributed.dtensor_params import is_dtensor
+    from .distributed.dtensor_params import is_dtensor, placement_indices, rank_major_spec
 
     if not is_dtensor(tensor):
         full = tuple(slice(0, int(n)) for n in tensor.shape)
@@ -219,8 +200,10 @@ def local_regions(tensor: torch.Tensor) -> List[Tuple[Tuple[slice, ...], Tuple[s
     coordinate = mesh.get_coordinate()
     if coordinate is None:  # this rank is not in the tensor's mesh: it holds nothing of it
         return []
-    indices = _placement_indices(tensor.shape, tensor.placements, coordinate,
-                                 [mesh.size(d) for d in range(mesh.ndim)])
+    indices = placement_indices(tensor.shape, tensor.placements, coordinate, [mesh.size(d) for d in range(mesh.ndim)])
+    spec = spec if spec is not None else rank_major_spec(tensor)
+    if spec is not None:  # rank-major DTensor: its index j is index order[j] of the unsharded tensor
+        indices[spec.axis] = spec.rank_major_order()[indices[spec.axis]]
     local_shape = tuple(tensor.to_local().shape)
     if tuple(len(i) for i in indices) != local_shape:
         raise CheckpointError(f"pretrained: cannot tell which part of a tensor of shape {_shape(tensor.shape)} "
@@ -388,10 +371,12 @@ class _Plan:
 
 
 # ------------------------------------------------------------------------------------------------ reading
-def _read(targets: Sequence[_Target], source: Dict[str, str], entries: Dict[str, _Entry]) -> Tuple[int, int]:
+def _read(targets: Sequence[_Target], source: Dict[str, str], entries: Dict[str, _Entry],
+          rank_major: Dict[str, Any]) -> Tuple[int, int]:
     """Copy every target's local slices from the files; returns (tensors, bytes read).
 
-    A tensor held under several names (tied) is read once.
+    A tensor held under several names (tied) is read once. ``rank_major``: the ``ShardSpec`` of each
+    tensor name laid out rank-major (see :func:`local_regions`).
     """
     from .distributed.dtensor_params import is_dtensor
     from .progress import Progress
@@ -409,7 +394,7 @@ def _read(targets: Sequence[_Target], source: Dict[str, str], entries: Dict[str,
             done.add(id(t.tensor))
             entry = entries[source[t.name]]
             local = t.tensor.to_local() if is_dtensor(t.tensor) else t.tensor
-            regions = local_regions(t.tensor)
+            regions = local_regions(t.tensor, rank_major.get(t.name))
             # one open per tensor: safetensors maps the file, and closing it releases the pages this read touched
             with _safe_open(entry.file) as handle:
                 if not entry.shape:  # a scalar: nothing to slice
@@ -489,6 +474,8 @@ class PretrainedWeights:
 
     def load(self, model: nn.Module) -> Dict[str, Any]:
         """Read this rank's slices into ``model`` (built: DTensors, FSDP2, pipeline stages); collective."""
+        from .distributed.dtensor_params import rank_major_specs
+
         started = time.perf_counter()
         targets, states = _built_targets(model)
         naming = _Naming.of(model, targets).merged(self.naming)
@@ -497,7 +484,7 @@ class PretrainedWeights:
         _agree(plan.problem)
         problem, count, nbytes = None, 0, 0
         try:
-            count, nbytes = _read(targets, plan.source, self.entries)
+            count, nbytes = _read(targets, plan.source, self.entries, rank_major_specs(_stages(model)))
         except CheckpointError as e:
             problem = str(e)
         except Exception as e:  # a file changed or broke since its header was read

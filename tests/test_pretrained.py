@@ -249,7 +249,7 @@ def _spawned(rank, world, root):
 def _spawned_2d(rank, world, root):
     """dp=2 x tp=2: FSDP2 shards the tensor-parallel shards again (strided on both mesh dimensions)."""
     from schedlang.checkpoint import full_tensor
-    from schedlang.checkpoint.state import _fsdp_over_block_shards, _gather
+    from schedlang.checkpoint.state import _gather_by_hand, _strided
     from schedlang.distributed.mesh import make_mesh
     from schedlang.models import shard_model
 
@@ -267,9 +267,9 @@ def _spawned_2d(rank, world, root):
         # gathered, every parameter is the one transformers loads (tensors cannot cross the result queue)
         reference = _model_class(family).from_pretrained(os.path.join(root, family)).state_dict()
         wrong = [n for n, p in model.named_parameters() if not torch.equal(full_tensor(p.detach()), reference[n])]
-        # the gather full_tensor falls back to where DTensor refuses FSDP2 over a fused q|k|v shard (torch 2.11)
-        by_hand = {n: torch.equal(_gather(p.detach(), contiguous_outer=True), reference[n])
-                   for n, p in model.named_parameters() if _fsdp_over_block_shards(p)}
+        # the gather full_tensor does by hand where DTensor refuses FSDP2 over a fused q|k|v shard (torch 2.11)
+        by_hand = {n: torch.equal(_gather_by_hand(p.detach()), reference[n])
+                   for n, p in model.named_parameters() if _strided(p)}
         out[family] = {"loss": _loss_of(model, _tokens(FAMILIES[family][0]().vocab_size)), "placements": placements,
                        "wrong": wrong, "by_hand": by_hand}
     return out

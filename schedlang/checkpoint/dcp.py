@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from ..distributed.dtensor_params import rank_major_specs
 from ..errors import CheckpointError
 from .ranks import _agree, _all_gather, _dist, _names, _rank, _world
 from .state import (_STATE, _dcp_ready, _model_state, _OptimView, _optimizer_is_empty, _options, _reset_optimizer,
@@ -92,7 +93,8 @@ def save_checkpoint(path, model: nn.Module, optimizer: Optional[torch.optim.Opti
             os.remove(os.path.join(path, ".metadata"))
     _agree(problem)  # also keeps every rank from writing before the old .metadata is gone
 
-    model_state, _ = _dcp_ready(_model_state(model))
+    rank_major = rank_major_specs(_stages(model))
+    model_state, _ = _dcp_ready(_model_state(model), rank_major)
     state: Dict[str, Any] = {_MODEL: model_state, _META: blob}
     was_empty = _optimizer_is_empty(optimizer)
     try:
@@ -102,7 +104,7 @@ def save_checkpoint(path, model: nn.Module, optimizer: Optional[torch.optim.Opti
                 # the state torch just created stands for "no step taken yet": save it so (see _reset_optimizer)
                 optim_state = {k: _zero_step(v) if k.startswith(_STATE) and k.endswith(".step") else v
                                for k, v in optim_state.items()}
-            state[_OPTIM], _ = _dcp_ready(optim_state)
+            state[_OPTIM], _ = _dcp_ready(optim_state, rank_major)
         _dcp_call(dcp.save, state, path)
     finally:
         if was_empty:
@@ -267,11 +269,13 @@ def load_checkpoint(path, model: nn.Module, optimizer: Optional[torch.optim.Opti
     if skipped:
         logger.info("the checkpoint has no value for %d optimizer hyperparameter(s) (%s); they keep their values",
                     len(skipped), _names(skipped))
-    model_read, model_strided = _dcp_ready({k: v for k, v in model_state.items() if f"{_MODEL}.{k}" in ckpt_keys})
+    rank_major = rank_major_specs(_stages(model))
+    model_read, model_strided = _dcp_ready({k: v for k, v in model_state.items() if f"{_MODEL}.{k}" in ckpt_keys},
+                                           rank_major)
     state: Dict[str, Any] = {_MODEL: model_read}
     optim_strided = {}
     if view is not None:
-        optim_read, optim_strided = _dcp_ready(optim_read)
+        optim_read, optim_strided = _dcp_ready(optim_read, rank_major)
         state[_OPTIM] = optim_read
     _dcp_call(dcp.load, state, path)
 

@@ -13,6 +13,7 @@ from typing import Dict, Optional
 import torch
 from torch import nn
 
+from ..distributed.dtensor_params import rank_major_specs
 from .ranks import _NAMES_SHOWN, _agree, _all_gather, _dist, _names, _rank
 from .state import _is_dtensor, _model_state, _stages, full_tensor
 
@@ -36,6 +37,7 @@ def _full_state_on_rank0(model: nn.Module) -> Dict[str, torch.Tensor]:
     lowest of them; pipeline ranks then send what they kept to rank 0.
     """
     local = _model_state(model)
+    rank_major = rank_major_specs(_stages(model))  # tensors laid out rank-major: put back in their order
     names = [k for k, v in local.items() if isinstance(v, torch.Tensor)]
     owner: Dict[str, int] = {}
     for r, keys in enumerate(_all_gather(names)):
@@ -46,7 +48,7 @@ def _full_state_on_rank0(model: nn.Module) -> Dict[str, torch.Tensor]:
     for key in names:  # the same order on every rank holding the same stage (same module structure)
         value = local[key]
         if _is_dtensor(value):
-            value = full_tensor(value)  # every rank of the tensor's mesh takes part
+            value = full_tensor(value, rank_major.get(key))  # every rank of the tensor's mesh takes part
         if owner[key] == me:
             kept[key] = value.detach().to("cpu", copy=True) if value.device.type != "cpu" else value.detach()
     if any(r != 0 for r in owner.values()):

@@ -3,6 +3,7 @@ state dicts by original name, optimizer views, and FSDP2's strided shards of ten
 
 from __future__ import annotations
 
+import itertools
 import logging
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -126,73 +127,75 @@ def _zero_step(value):
 
 
 # ------------------------------------------------------------------------------------------------ strided shards
+def _has_strided(t) -> bool:
+    return _is_dtensor(t) and any(type(p).__name__ == "_StridedShard" for p in t.placements)
+
+
 def _strided(t) -> bool:
-    """A DTensor on a 1-D mesh sharded block-wise (a fused q|k|v tensor): DCP cannot address it.
-
-    Each rank holds part r of every block, i.e. several separate chunks of the global tensor,
-    while DCP records one chunk per rank. On multi-dimensional meshes FSDP2 uses the same
-    placement class for a contiguous chunk, which DCP does handle.
-    """
-    if not _is_dtensor(t) or t.device_mesh.ndim != 1:
+    """A DTensor whose chunks DCP cannot address: a block-wise shard (a fused q|k|v tensor, rank r holding part r
+    of every block: several separate runs of the global tensor, while DCP records one chunk per rank), also
+    under FSDP2. FSDP2's shard of a plain ``Shard`` (``(_StridedShard(d), Shard(d))``) is one chunk that DCP
+    places right."""
+    if not _has_strided(t):
         return False
-    return type(t.placements[0]).__name__ == "_StridedShard"
-
-
-def _splits(placement) -> bool:
-    """Whether a placement splits a tensor dimension: ``Shard`` or the block-wise ``_StridedShard``
-    (neither a ``Shard`` subclass nor ``is_shard()`` on every torch version)."""
-    return placement.is_shard() or type(placement).__name__ == "_StridedShard"
-
-
-def _gathered_by_hand(t) -> bool:
-    """Whether :func:`full_tensor` reassembles ``t`` itself: block-wise shards on a 1-D mesh, or any
-    block-wise shard on a mesh whose dimensions each split a different tensor dimension (FSDP2 rows
-    of a fused q|k|v weight split by columns). DTensor's own ``full_tensor`` refuses both on some torch
-    versions this runs on (2.11); shards of one tensor dimension on several mesh dimensions are left
-    to DTensor, whose placement order defines them."""
-    if not _is_dtensor(t) or not any(type(p).__name__ == "_StridedShard" for p in t.placements):
-        return False
-    shards = [(i, p) for i, p in enumerate(t.placements) if _splits(p)]
-    dims = [p.dim for _, p in shards]
-    # all_gather needs equal pieces: FSDP2's padded uneven shards go to DTensor
-    even = all(t.shape[p.dim] % (t.device_mesh.size(i) * getattr(p, "split_factor", 1)) == 0 for i, p in shards)
-    return even and len(dims) == len(set(dims)) and not any(p.is_partial() for p in t.placements)
-
-
-def _fsdp_over_block_shards(t) -> bool:
-    """FSDP2 rows of a tensor-parallel fused q|k|v shard on a 2-D mesh, both splitting one tensor
-    dimension (torch 2.11 calls it ``(Shard(d), _StridedShard(d, sf=3))`` and cannot gather it)."""
     p = t.placements
-    return (t.device_mesh.ndim == 2 and all(_splits(x) for x in p) and p[0].dim == p[1].dim
-            and type(p[1]).__name__ == "_StridedShard")
+    plain_fsdp = (len(p) == 2 and type(p[0]).__name__ == "_StridedShard" and type(p[1]).__name__ == "Shard"
+                  and p[0].dim == p[1].dim)
+    return not plain_fsdp
 
 
-def _gather(t, contiguous_outer: bool = False) -> torch.Tensor:
-    """All-gather ``t``'s local pieces one mesh dimension at a time, outermost first, and put them
-    back: a ``Shard`` by concatenation, a ``_StridedShard`` block by block (rank r held part r of each
-    block). With ``contiguous_outer`` the outermost dimension is FSDP2's contiguous chunks of the
-    inner shard, whatever its placement says."""
+def _gather_by_hand(t) -> torch.Tensor:
+    """All-gather ``t``'s local pieces over its whole mesh and put each where its placements say
+    (:func:`~schedlang.distributed.dtensor_params.placement_indices`). Pieces of uneven size are padded for the
+    collective and cut back after it."""
     import torch.distributed as dist
 
-    mesh, local = t.device_mesh, t.to_local().contiguous()
-    for mesh_dim, placement in enumerate(t.placements):
-        if not _splits(placement):
-            continue
-        dim = placement.dim
-        blocks = 1 if contiguous_outer and mesh_dim == 0 else getattr(placement, "split_factor", 1)
-        parts = [torch.empty_like(local) for _ in range(mesh.size(mesh_dim))]
-        dist.all_gather(parts, local, group=mesh.get_group(mesh_dim))
-        pieces = [part.chunk(blocks, dim) for part in parts]  # pieces[r][b]: part r of block b
-        local = torch.cat([pieces[r][b] for b in range(blocks) for r in range(len(parts))], dim).contiguous()
-    return local
+    from ..distributed.dtensor_params import placement_indices
+
+    mesh, shape = t.device_mesh, tuple(t.shape)
+    sizes = [mesh.size(d) for d in range(mesh.ndim)]
+    coords = list(itertools.product(*[range(n) for n in sizes]))
+    where = {c: placement_indices(shape, t.placements, c, sizes) for c in coords}
+    padded_shape = [max(len(where[c][d]) for c in coords) for d in range(len(shape))]
+    local = t.to_local().detach()
+    piece = local.new_zeros(padded_shape)
+    piece[tuple(slice(0, n) for n in local.shape)] = local
+    # innermost mesh dimension first: gathered[c_i, ..., c_last] is the piece of the rank at that coordinate
+    gathered = piece
+    for mesh_dim in reversed(range(mesh.ndim)):
+        parts = [torch.empty_like(gathered) for _ in range(sizes[mesh_dim])]
+        dist.all_gather(parts, gathered.contiguous(), group=mesh.get_group(mesh_dim))
+        gathered = torch.stack(parts)
+    full = local.new_empty(shape)
+    for c in coords:
+        index = where[c]
+        held = gathered[c][tuple(slice(0, len(i)) for i in index)]
+        grid = tuple(i.to(full.device).view([-1 if d == k else 1 for k in range(len(shape))])
+                     for d, i in enumerate(index))
+        full[grid] = held
+    return full
 
 
-def full_tensor(t: torch.Tensor) -> torch.Tensor:
+def _global_value(t) -> torch.Tensor:
+    """The DTensor's own global value (for a rank-major tensor, the re-ordered one); collective.
+
+    Block-wise shards (a fused q|k|v weight, also under FSDP2) are gathered by hand: DTensor's own
+    ``full_tensor`` refuses some of them, or names FSDP2's shard of them differently, on the torch
+    versions this runs on; everything else is DTensor's."""
+    if _has_strided(t) and not any(p.is_partial() for p in t.placements):
+        return _gather_by_hand(t)
+    return t.full_tensor()
+
+
+def full_tensor(t: torch.Tensor, spec=None) -> torch.Tensor:
     """The unsharded value of ``t`` (a DTensor or a plain tensor); collective over a DTensor's mesh.
 
-    Block-wise shards (a fused q|k|v weight: rank r holds part r of every block) are gathered here,
-    one mesh dimension at a time, where DTensor's own ``full_tensor`` cannot reassemble them on every
-    torch version this runs on (see :func:`_gathered_by_hand` and :func:`_fsdp_over_block_shards`).
+    Block-wise shards (a fused q|k|v weight: rank r holds part r of every block) are gathered here
+    (:func:`_global_value`), also under FSDP2.
+    A tensor split in blocks of unequal widths (Phi-3's q|k|v with fewer key/value heads) is laid out
+    rank-major (:attr:`ShardSpec.rank_major`): its rows are put back in their unsharded order. A built
+    model's parameters and their gradients are recognized; for another tensor shaped like such a
+    parameter (its optimizer state) pass the parameter's ``spec`` (its module's ``shard_specs``).
 
     Example::
 
@@ -200,53 +203,78 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """
     if not _is_dtensor(t):
         return t
-    if _gathered_by_hand(t):
-        return _gather(t)
-    try:
-        return t.full_tensor()
-    except ValueError:
-        if not _fsdp_over_block_shards(t):
-            raise
-        return _gather(t, contiguous_outer=True)
+    from ..distributed.dtensor_params import rank_major_spec, to_unsharded
+
+    if spec is None:
+        spec = rank_major_spec(t)
+    elif not spec.rank_major:
+        spec = None
+    value = _global_value(t)
+    if spec is None:
+        return value
+    if value.dim() <= spec.axis or value.shape[spec.axis] != spec.full_shape[spec.axis]:
+        from ..errors import ShardError
+
+        raise ShardError(f"full_tensor: a tensor of shape {tuple(value.shape)} cannot be laid out as the shard "
+                         f"spec says (blocks {spec.blocks} along axis {spec.axis} of {tuple(spec.full_shape)}); "
+                         "pass the spec of the parameter this tensor belongs to")
+    return to_unsharded(value, spec)
 
 
-def _to_contiguous_shards(t):
-    """``t`` (strided, see :func:`_strided`) re-laid as ``Shard(axis)``: one chunk per rank."""
+def _spec_of_key(key: str, rank_major: Dict[str, Any], value):
+    """The rank-major ``ShardSpec`` a state entry is laid out by: a model name, or an optimizer state entry
+    (``state.<parameter name>.<state name>``) shaped like its parameter; None otherwise."""
+    if not rank_major or not _is_dtensor(value):
+        return None
+    spec = rank_major.get(key)
+    if spec is None and key.startswith(_STATE):
+        spec = rank_major.get(key[len(_STATE):].rpartition(".")[0])
+    if spec is None or tuple(value.shape) != tuple(spec.full_shape):
+        return None
+    return spec
+
+
+def _to_contiguous_shards(t, spec=None):
+    """``t`` (strided, see :func:`_strided`, or rank-major with ``spec``) re-laid as contiguous chunks of
+    its unsharded value, one per rank (``Shard(axis)`` on every mesh dimension), as DCP addresses them."""
     from torch.distributed.tensor import DTensor, Shard
 
-    mesh, dim = t.device_mesh, t.placements[0].dim
-    full = full_tensor(t)
-    local = full.chunk(mesh.size(), dim)[mesh.get_local_rank()].clone()
-    return DTensor.from_local(local, mesh, [Shard(dim)], run_check=False, shape=full.shape, stride=full.stride())
+    from ..distributed.dtensor_params import local_part
+
+    mesh = t.device_mesh
+    dim = spec.axis if spec is not None else next(p.dim for p in t.placements if type(p).__name__ == "_StridedShard")
+    full = full_tensor(t, spec)
+    placements = [Shard(dim)] * mesh.ndim
+    local = local_part(full, mesh, placements).clone()
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=full.shape, stride=full.stride())
 
 
-def _to_strided_like(plain, like):
-    """The inverse of :func:`_to_contiguous_shards`: ``plain`` laid out as ``like``."""
-    from torch.distributed.tensor import DTensor
+def _dcp_ready(state: Dict[str, Any], rank_major: Optional[Dict[str, Any]] = None
+               ) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """``state`` with strided and rank-major DTensors re-laid for DCP (a checkpoint holds every tensor in its
+    unsharded layout, whatever layout saved it), and ``{key: (original, spec or None)}`` of those entries.
 
-    mesh, placement = like.device_mesh, like.placements[0]
-    dim, n, r = placement.dim, mesh.size(), mesh.get_local_rank()
-    full = plain.full_tensor()
-    # rank r holds part r of each of split_factor equal blocks (schedlang's ShardSpec.groups)
-    local = torch.cat([block.chunk(n, dim)[r] for block in full.chunk(placement.split_factor, dim)], dim)
-    return DTensor.from_local(local.to(like.dtype), mesh, [placement], run_check=False, shape=full.shape,
-                              stride=full.stride())
-
-
-def _dcp_ready(state: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str, Any]]:
-    """``state`` with strided DTensors re-laid for DCP, and the originals of those entries."""
+    ``rank_major``: ``{parameter name: ShardSpec}`` of the rank-major parameters (``rank_major_specs``)."""
     out, originals = {}, {}
     for key, value in state.items():
-        if _strided(value):
-            originals[key] = value
-            value = _to_contiguous_shards(value)
+        spec = _spec_of_key(key, rank_major, value)
+        if spec is not None or _strided(value):
+            originals[key] = (value, spec)
+            value = _to_contiguous_shards(value, spec)
         out[key] = value
     return out, originals
 
 
 def _restore_strided(state: Dict[str, Any], originals: Dict[str, Any]) -> None:
-    for key, like in originals.items():
-        value = _to_strided_like(state[key], like)
+    """Put what DCP read into the contiguous chunks back in the original tensors' layouts, in place."""
+    from ..distributed.dtensor_params import local_part, to_rank_major
+
+    for key, (like, spec) in originals.items():
+        full = state[key].full_tensor()
+        if spec is not None:
+            full = to_rank_major(full, spec)
+        local = local_part(full, like.device_mesh, like.placements)
         with torch.no_grad():
-            like.copy_(value)  # the optimizer's or the module's own tensor, updated in place
+            # the optimizer's or the module's own tensor, updated in place
+            like.to_local().copy_(local.to(like.dtype))
         state[key] = like

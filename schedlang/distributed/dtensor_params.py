@@ -3,7 +3,9 @@
 At build, every parameter of a tensor-parallel model becomes a ``DTensor`` on the mesh's ``tp``
 dimension: ``Shard(axis)`` for a tensor split by ``shard`` (a block-wise split of a fused tensor,
 GPT-2's q|k|v, is ``_StridedShard(axis, split_factor=blocks)``: rank r holds part r of every
-block), ``Replicate()`` for every other one. Sharded buffers become DTensors too; replicated
+block), ``Replicate()`` for every other one. A fused tensor of blocks of *unequal* widths (Phi-3's
+q|k|v with fewer key/value heads) is ``Shard(axis)`` of its rank-major re-ordering (see
+:func:`placement_of` and :attr:`ShardSpec.rank_major`). Sharded buffers become DTensors too; replicated
 buffers stay plain tensors. That placement is what FSDP2 (2-D sharding), distributed checkpoints
 (resharding to another layout), the optimizers and ``export_hf`` read.
 
@@ -25,8 +27,11 @@ from typing import Dict, List
 
 import torch
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["distribute_parameters", "placement_of", "is_dtensor", "local_tensor", "LOCAL_VIEW_ATTR"]
+__all__ = ["distribute_parameters", "placement_of", "is_dtensor", "local_tensor", "LOCAL_VIEW_ATTR",
+           "rank_major_spec", "rank_major_specs", "register_rank_major", "to_unsharded", "to_rank_major",
+           "placement_indices", "local_part"]
 
 logger = logging.getLogger("schedlang.distributed.dtensor_params")
 
@@ -48,25 +53,162 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 def placement_of(spec):
-    """The DTensor placement for a ``ShardSpec`` (None: replicated)."""
+    """The DTensor placement for a ``ShardSpec`` (None: replicated).
+
+    Blocks of unequal widths (``spec.rank_major``): rank r holds [q_r, k_r, v_r], three separate runs
+    of the unsharded tensor of unequal lengths, which neither ``Shard`` nor ``_StridedShard`` (equal
+    blocks only) can say. The DTensor then describes the *rank-major* tensor instead, the unsharded
+    one with its rows re-ordered so that every rank's shard is one contiguous chunk: ``Shard(axis)``.
+    That keeps every engine working unchanged on it (elementwise optimizers, gradient norms, FSDP2's
+    second split, DCP's chunks, redistribution), at the price that the DTensor's own global value is
+    the re-ordered tensor: what reads the global value maps it back through the spec (the module's
+    record, :func:`rank_major_specs`): ``schedlang.checkpoint.full_tensor``, DCP save/load (which
+    store the unsharded layout), ``export_hf`` and pretrained loading.
+    """
     from torch.distributed.tensor import Replicate, Shard
 
     if spec is None:
         return Replicate()
-    blocks = getattr(spec, "blocks", None)
-    if blocks is not None and len(set(blocks)) > 1:
-        from ..errors import ShardError
-
-        raise ShardError(f"build: a fused tensor of {spec.full_shape} is split in blocks of unequal widths "
-                         f"({', '.join(map(str, blocks))} along axis {spec.axis}), which no DTensor placement "
-                         "describes, so build cannot make it a DTensor; split the fused projection into separate "
-                         "q, k and v projections before sharding, or use blocks of equal widths (as many key/value "
-                         "heads as query heads)")
-    if spec.groups == 1:
+    if spec.groups == 1 or spec.rank_major:
         return Shard(spec.axis)
     from torch.distributed.tensor.placement_types import _StridedShard
 
     return _StridedShard(spec.axis, split_factor=spec.groups)
+
+
+# ------------------------------------------------------------------------------------------------ rank-major tensors
+# parameter -> its ShardSpec, for parameters whose DTensor holds the rank-major re-ordering (keyed by identity:
+# tensors compare elementwise); filled by distribute_parameters and register_rank_major
+_RANK_MAJOR = WeakIdKeyDictionary()
+
+
+def register_rank_major(model: nn.Module) -> int:
+    """Remember which DTensor parameters of ``model`` are laid out rank-major (read from the module records),
+    so that :func:`rank_major_spec` knows them, also after FSDP2 replaced them; returns how many."""
+    from .sharding import shard_specs
+
+    count = 0
+    stages = getattr(model, "stage_modules", None)  # a pipeline's stage modules
+    for module in [m for part in (stages or [model]) for m in part.modules()]:
+        for name, spec in shard_specs(module).items():
+            t = module._parameters.get(name)
+            if t is None:
+                t = module._buffers.get(name)
+            if spec.rank_major and t is not None and is_dtensor(t):
+                _RANK_MAJOR[t] = spec
+                count += 1
+    return count
+
+
+def rank_major_spec(t: torch.Tensor):
+    """The ``ShardSpec`` of a parameter laid out rank-major, or of its gradient; None for any other tensor.
+
+    Tensors are known by identity: a parameter of a built model and its ``.grad``. Others shaped
+    like it (optimizer state, a detached copy) are not: read their spec from the module record
+    (:func:`rank_major_specs`)."""
+    if not is_dtensor(t):
+        return None
+    spec = _RANK_MAJOR.get(t)
+    if spec is not None:
+        return spec
+    for param, spec in list(_RANK_MAJOR.items()):
+        if param.grad is t:
+            return spec
+    return None
+
+
+#: module names that torch's wrappers insert and state dicts leave out
+_WRAPPER_NAMES = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
+
+
+def rank_major_specs(modules) -> Dict[str, "object"]:
+    """``{tensor name: ShardSpec}`` of the rank-major tensors of ``modules`` (a module or a list of them, e.g.
+    a pipeline's stage modules, named as in their state dicts)."""
+    from .sharding import shard_specs
+
+    out = {}
+    for module in [modules] if isinstance(modules, nn.Module) else modules:
+        for path, sub in module.named_modules(remove_duplicate=False):
+            for name, spec in shard_specs(sub).items():
+                if spec.rank_major:
+                    # state dicts leave out the wrappers' own names (torch.compile, activation checkpointing)
+                    parts = [p for p in f"{path}.{name}".split(".") if p and p not in _WRAPPER_NAMES]
+                    out[".".join(parts)] = spec
+    return out
+
+
+def to_unsharded(rank_major: torch.Tensor, spec) -> torch.Tensor:
+    """The unsharded tensor from its rank-major re-ordering (plain tensors)."""
+    order = spec.rank_major_order().to(rank_major.device)
+    return rank_major.index_select(spec.axis, torch.argsort(order))
+
+
+def to_rank_major(unsharded: torch.Tensor, spec) -> torch.Tensor:
+    """The rank-major re-ordering of the unsharded tensor (plain tensors)."""
+    return unsharded.index_select(spec.axis, spec.rank_major_order().to(unsharded.device))
+
+
+def _chunk(indices: torch.Tensor, n: int) -> List[torch.Tensor]:
+    """``torch.chunk`` padded with empty pieces to exactly ``n`` (the split DTensor and FSDP2 use)."""
+    pieces = list(indices.chunk(n)) if indices.numel() else []
+    return pieces + [indices[:0]] * (n - len(pieces))
+
+
+def _is_strided(placement) -> bool:
+    # _StridedShard is not a Shard subclass on every torch version: recognized by name
+    return type(placement).__name__ == "_StridedShard"
+
+
+def _splits(placement) -> bool:
+    return _is_strided(placement) or placement.is_shard()
+
+
+def _fsdp_nested(placements) -> set:
+    """Mesh dimensions whose shard is FSDP2's contiguous chunk of a later (tensor-parallel) mesh dimension's shard
+    of the same tensor dimension. FSDP2 marks them (or the tensor-parallel shard they split) ``_StridedShard``,
+    with a ``split_factor`` torch versions name differently; what the local tensor holds does not depend on it."""
+    nested = set()
+    for i, outer in enumerate(placements):
+        for inner in placements[i + 1:]:
+            if (_splits(outer) and _splits(inner) and outer.dim == inner.dim
+                    and (_is_strided(outer) or _is_strided(inner))):
+                nested.add(i)
+    return nested
+
+
+def placement_indices(shape, placements, coordinate, mesh_sizes) -> List[torch.Tensor]:
+    """Per dimension, the indices of the DTensor's global tensor that a rank's local tensor holds, in local
+    order (``coordinate``: the rank's position on the mesh).
+
+    ``Shard(d)``: one chunk of dimension ``d``; ``_StridedShard(d, split_factor=k)``: part c of each of k
+    blocks (a fused q|k|v weight); FSDP2 over a tensor-parallel shard of the same dimension: a contiguous
+    chunk of the tensor-parallel shard (see :func:`_fsdp_nested`)."""
+    indices = [torch.arange(int(n)) for n in shape]
+    nested = _fsdp_nested(placements)
+    steps = [i for i in range(len(placements)) if i not in nested] + sorted(nested, reverse=True)
+    for i in steps:
+        placement, c, n = placements[i], coordinate[i], mesh_sizes[i]
+        if not _splits(placement):
+            continue  # Replicate, Partial: the whole (current) extent
+        d = placement.dim
+        split_factor = getattr(placement, "split_factor", None)
+        if i not in nested and _is_strided(placement) and split_factor is not None:
+            # part c of each of split_factor blocks, concatenated (torch's _StridedShard layout)
+            indices[d] = torch.cat([_chunk(block, n)[c] for block in _chunk(indices[d], int(split_factor))])
+        else:
+            indices[d] = _chunk(indices[d], n)[c]
+    return indices
+
+
+def local_part(full: torch.Tensor, mesh, placements) -> torch.Tensor:
+    """The local tensor this rank holds of the global tensor ``full`` under ``placements`` on ``mesh``."""
+    coordinate = mesh.get_coordinate()
+    indices = placement_indices(full.shape, placements, coordinate, [mesh.size(d) for d in range(mesh.ndim)])
+    out = full
+    for dim, index in enumerate(indices):
+        if len(index) != full.shape[dim]:
+            out = out.index_select(dim, index.to(full.device))
+    return out
 
 
 def _contiguous_stride(shape) -> tuple:
@@ -157,5 +299,6 @@ def distribute_parameters(model: nn.Module, tp_mesh) -> int:
                 count += 1
         if owns:
             _install_local_view(module)
+    register_rank_major(model)
     logger.info("%d tensors are DTensors on %s", count, tp_mesh)
     return count

@@ -39,6 +39,12 @@ class ShardSpec:
     ``blocks`` gives the (full) sizes of blocks of unequal widths instead (Phi-3's ``qkv_proj`` with
     fewer key/value heads than query heads: ``(q, kv, kv)``); each is split the same way, and
     ``groups`` is then ``len(blocks)``.
+
+    No DTensor placement describes such a shard, so a built model lays its DTensor out *rank-major*
+    (:attr:`rank_major`): the DTensor's global tensor is the unsharded one with its rows along
+    ``axis`` re-ordered so that each rank's shard is one contiguous chunk (``Shard(axis)``).
+    :meth:`rank_major_order` is that re-ordering; whatever reads the global value (checkpoints,
+    export, pretrained loading) maps it back through the spec.
     """
 
     axis: int
@@ -58,6 +64,24 @@ class ShardSpec:
         if self.blocks is not None:
             return self.blocks
         return (length // self.groups,) * self.groups
+
+    @property
+    def rank_major(self) -> bool:
+        """Whether a DTensor of this shard holds the rank-major re-ordering of the unsharded tensor (blocks of
+        unequal widths, see the class docstring) rather than the unsharded tensor itself."""
+        return self.blocks is not None and len(set(self.blocks)) > 1
+
+    def rank_major_order(self) -> torch.Tensor:
+        """Indices along ``axis``: position ``j`` of the rank-major layout holds index ``order[j]`` of the
+        unsharded tensor (rank 0's [q_0, k_0, v_0], then rank 1's ...). ``unsharded.index_select(axis, order)``
+        is the rank-major tensor; ``rank_major.index_select(axis, argsort(order))`` the unsharded one."""
+        length = int(self.full_shape[self.axis])
+        starts, start = [], 0
+        for block in self.block_sizes(length):
+            starts.append((start, block // self.world_size))
+            start += block
+        return torch.cat([torch.arange(s + r * size, s + (r + 1) * size)
+                          for r in range(self.world_size) for s, size in starts])
 
     def slice_of(self, full: torch.Tensor) -> torch.Tensor:
         """This shard's part of the unsharded tensor ``full`` (a view when ``groups == 1``)."""
