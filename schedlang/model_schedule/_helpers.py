@@ -17,6 +17,7 @@ from torch import nn
 
 from ..errors import ScheduleKeyError, ScheduleValueError
 from ..logger import get_logger
+from ..module_record import shard_specs
 from ._base import fuse_bias_act, shard_column, shard_row
 
 __all__ = ["expand_paths", "get_sch_config_str", "shard_word_embedding", "shard_vocabulary", "shard_attention", "shard_mlp", "checkpoint",
@@ -54,7 +55,7 @@ def get_sch_config_str(sch_config: Dict[str, Any]) -> str:
 
 
 def _sharded(sch, name: str) -> bool:
-    return name in getattr(sch.mod, "_schedlang_shards", {})
+    return name in shard_specs(sch.mod)
 
 
 def shard_word_embedding(sch, vocab_size: int, word_embed_name: str, head_sch=None,
@@ -229,7 +230,7 @@ def annotate_layernorm_and_bias(sch) -> int:
             if isinstance(mod, nn.LayerNorm):
                 names = [n for n, _ in mod.named_parameters(recurse=False)]
             elif isinstance(mod, nn.Linear) and mod.bias is not None and \
-                    getattr(getattr(mod, "_schedlang_shards", {}).get("weight"), "axis", None) == 1:
+                    getattr(shard_specs(mod).get("weight"), "axis", None) == 1:
                 names = ["bias"]
             for name in names:
                 sub.annotate(name, "replicated_param", True)
