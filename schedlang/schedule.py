@@ -42,9 +42,6 @@ logger = logging.getLogger("schedlang.schedule")
 
 _INTERNAL_CHILD = re.compile(r"^_schedlang_")
 
-#: Slapo's tracer names: both mean schedlang's one tracer
-_SLAPO_TRACERS = ("pytorch", "huggingface")
-
 
 class _RootState:
     """What all views of one schedule share."""

@@ -10,13 +10,14 @@ encoder layer (each ``N`` is matched against the schedule tree, so ALBERT's
 from __future__ import annotations
 
 import json
-from typing import Any, Dict, Iterable, List, Sequence
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from ..errors import ScheduleKeyError, ScheduleValueError
 from ..logger import get_logger
+from ..module_record import shard_specs
 from ._base import fuse_bias_act, shard_column, shard_row
 
 __all__ = ["expand_paths", "get_sch_config_str", "shard_word_embedding", "shard_vocabulary", "shard_attention", "shard_mlp", "checkpoint",
@@ -54,7 +55,7 @@ def get_sch_config_str(sch_config: Dict[str, Any]) -> str:
 
 
 def _sharded(sch, name: str) -> bool:
-    return name in getattr(sch.mod, "_schedlang_shards", {})
+    return name in shard_specs(sch.mod)
 
 
 def shard_word_embedding(sch, vocab_size: int, word_embed_name: str, head_sch=None,
@@ -194,27 +195,61 @@ def broadcast_input(sch) -> None:
     sch.sync(mode="fwd_pre", sync_op_or_fn=broadcast_from_first_rank)
 
 
-def _expand_heads_locally(world_size: int):
-    def expand_local_heads(tensor, *sizes):
-        if len(sizes) == 1 and isinstance(sizes[0], (tuple, list, torch.Size)):
-            sizes = tuple(sizes[0])
-        return tensor.expand(sizes[0], sizes[1] // world_size, *sizes[2:]).contiguous()
+def expand_local_heads(tensor: torch.Tensor, *size_inputs, layout: Sequence[Sequence[Any]], world_size: int):
+    """``tensor.expand(B, H / world_size, ...)``: the sizes are rebuilt from ``layout`` (per size,
+    ``("input", k)``: the ``k``-th traced size value in ``size_inputs``, or ``("const", n)``), and the
+    head dimension (the second) is split over the ranks."""
+    sizes = [size_inputs[value] if kind == "input" else value for kind, value in layout]
+    sizes[1] = sizes[1] // world_size
+    return tensor.expand(*sizes).contiguous()
 
-    return expand_local_heads
+
+def _expand_sizes(node) -> Optional[List[Any]]:
+    """The size arguments of a traced ``x.expand(B, H, S, S)`` (or ``x.expand((B, H, S, S))``), when four."""
+    sizes = list(node.args[1:])
+    if len(sizes) == 1 and isinstance(sizes[0], (tuple, list)):
+        sizes = list(sizes[0])
+    return sizes if len(sizes) == 4 and not node.kwargs else None
+
+
+def _size_layout(node, sizes: List[Any]) -> List[Tuple[str, Any]]:
+    """Where each size comes from when the replacement is called with the node's inputs (as ``replace``
+    passes them: each distinct input node once, in order of first use), the tensor first."""
+    from torch import fx
+
+    inputs: List[Any] = []
+
+    def visit(arg):
+        if arg not in inputs:
+            inputs.append(arg)
+        return arg
+
+    fx.node.map_arg((node.args, node.kwargs), visit)
+    # expand_local_heads takes the tensor first, then the other inputs
+    return [("input", inputs.index(size) - 1) if isinstance(size, fx.Node) else ("const", size) for size in sizes]
 
 
 def fix_attention_mask_shape(sch) -> int:
     """In a traced attention, make every ``mask.expand(B, H, S, S)`` expand to this rank's ``H / world``
     heads (an attention kernel that takes the mask per head would otherwise see all heads). Traces the
-    module first if needed. Returns how many expands were changed (none on one rank)."""
+    module first if needed. Returns how many expands were changed (none on one rank).
+
+    The mask is taken to be data (a padding or causal mask): its gradient, if it had one, would be
+    this rank's heads' part only."""
     if sch.world_size == 1:
         return 0
-    nodes = sch.find_node(lambda n: n.op == "call_method" and n.target == "expand" and len(n.args) == 5)
-    fn = _expand_heads_locally(sch.world_size)
+    found = sch.find_node(lambda n: n.op == "call_method" and n.target == "expand" and _expand_sizes(n) is not None)
     with sch.atomic():
-        for path, node in nodes:
-            (sch[path] if path else sch).replace(fn, node)
-    return len(nodes)
+        for path, node in found:
+            layout = _size_layout(node, _expand_sizes(node))
+            kind, heads = layout[1]
+            if kind == "const" and (not isinstance(heads, int) or heads % sch.world_size):
+                raise ScheduleValueError(f"{sch.path or '<root>'}: fix_attention_mask_shape: '{node.name}' expands "
+                                         f"to {heads!r} heads, which do not split over {sch.world_size} ranks; valid "
+                                         f"head counts are multiples of {sch.world_size}")
+            sch.replace(expand_local_heads, target_ops=[(path, node)],
+                        concrete_args={"layout": layout, "world_size": sch.world_size})
+    return len(found)
 
 
 def annotate_layernorm_and_bias(sch) -> int:
@@ -229,7 +264,7 @@ def annotate_layernorm_and_bias(sch) -> int:
             if isinstance(mod, nn.LayerNorm):
                 names = [n for n, _ in mod.named_parameters(recurse=False)]
             elif isinstance(mod, nn.Linear) and mod.bias is not None and \
-                    getattr(getattr(mod, "_schedlang_shards", {}).get("weight"), "axis", None) == 1:
+                    getattr(shard_specs(mod).get("weight"), "axis", None) == 1:
                 names = ["bias"]
             for name in names:
                 sub.annotate(name, "replicated_param", True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from . import _helpers
 from ..errors import ScheduleValueError
+from ..module_record import shard_specs
 from ._base import finish, prepare, register_head_count_rule, shard_block
 from ._helpers import broadcast_input
 from .registry import register_schedule
@@ -86,7 +87,7 @@ def fix_position_bias_shape(sch, delay_init=True):
     with sch.atomic():
         for attn in _attentions(sch):
             if "relative_attention_bias" in attn.child and \
-                    "weight" not in getattr(attn["relative_attention_bias"].mod, "_schedlang_shards", {}):
+                    "weight" not in shard_specs(attn["relative_attention_bias"].mod):
                 attn["relative_attention_bias"].shard("weight", axis=1)
                 count += 1
     return count

@@ -18,7 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..distributed.sync_ops import bias_after_inner_syncs, run_post_syncs
 from ..errors import ScheduleTypeError, ScheduleValueError
+from ..module_record import module_record
 from .fused_bias import ACTIVATIONS, bias_act, bias_dropout
 
 __all__ = ["FusedQKV", "LinearWithSeparateBias", "LinearWithSyncFunc", "LinearWithAct", "LinearWithDropout"]
@@ -75,7 +77,13 @@ def _describe_fn(fn: Optional[Callable]) -> str:
 
 class LinearWithSyncFunc(nn.Linear):
     """A Linear that calls ``sync_fn`` on ``x @ W.T`` before adding the bias (a row-parallel
-    Linear must all-reduce its partial sums before the bias, which is added once)."""
+    Linear must all-reduce its partial sums before the bias, which is added once).
+
+    Sharded row parallel by a schedule (``shard("weight", axis=1)`` and a ``fwd_post`` sync), it
+    runs its forward-post syncs itself, at the same point: ``x @ W.T``, the syncs, then the bias
+    (and, in the subclasses, the activation or dropout fused with it). Its record says so
+    (``syncs_before_bias``), so no class change is needed.
+    """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None,
                  sync_fn: Optional[Callable[[torch.Tensor], torch.Tensor]] = None):
@@ -85,12 +93,22 @@ class LinearWithSyncFunc(nn.Linear):
         self.sync_fn = sync_fn
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T`` through the schedule's forward-post syncs (row parallel), then ``sync_fn``."""
         out = F.linear(x, self.weight)
+        if module_record(self).syncs_before_bias:
+            out = run_post_syncs(self, out)
         return out if self.sync_fn is None else self.sync_fn(out)
+
+    def _bias(self) -> Optional[torch.Tensor]:
+        """The bias to add after :meth:`_matmul` (its gradient summed where the syncs split the output)."""
+        if self.bias is None or not module_record(self).syncs_before_bias:
+            return self.bias
+        return bias_after_inner_syncs(self, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self._matmul(x)
-        return out if self.bias is None else out + self.bias
+        bias = self._bias()
+        return out if bias is None else out + bias
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, sync_fn={_describe_fn(self.sync_fn)}"
@@ -116,7 +134,7 @@ class LinearWithAct(LinearWithSyncFunc):
         self.act = ACTIVATIONS[act_fn]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return bias_act(self._matmul(x), self.bias, self.act)
+        return bias_act(self._matmul(x), self._bias(), self.act)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, act_fn={self.act_fn}"
@@ -124,7 +142,13 @@ class LinearWithAct(LinearWithSyncFunc):
 
 class LinearWithDropout(LinearWithSyncFunc):
     """``dropout(x @ W.T + b, p)`` with the bias add fused into the dropout. ``use_torchscript``
-    is accepted for compatibility and ignored (``torch.compile`` fuses the two)."""
+    is accepted for compatibility and ignored (``torch.compile`` fuses the two).
+
+    Row parallel, it computes ``dropout(all_reduce(x_local @ W_local.T) + b)``: the bias is added once,
+    to the summed output, which every rank then holds whole; the dropout draws from the default
+    random stream, so ranks seeded alike drop the same elements (the same mask the unsharded module
+    draws under that seed). Do not ``fork_rng`` such a module: a per-rank stream would make the
+    replicated output differ between ranks."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, p: float = 0.5, inplace: bool = False,
                  device=None, dtype=None, sync_fn=None, use_torchscript: bool = False):
@@ -135,7 +159,7 @@ class LinearWithDropout(LinearWithSyncFunc):
         self.p, self.inplace, self.use_torchscript = p, inplace, use_torchscript
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return bias_dropout(self._matmul(x), self.bias, self.p, self.training, self.inplace)
+        return bias_dropout(self._matmul(x), self._bias(), self.p, self.training, self.inplace)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, p={self.p}, inplace={self.inplace}"

@@ -101,8 +101,7 @@ def _sharded_helpers(rank, world):
     sch = slapo.create_schedule(model)
     with slapo.Verify(sch, example_kwargs={"input_ids": ids}):
         gpt2.replace_modules(sch["transformer"], cfg, {"attn_op_name": "math"})
-        # (the fused MLP's fc_out adds its bias inside the dropout, which the row-parallel rule refuses)
-        out["gpt2"] = gpt2.shard_parameters(sch["transformer"], sch["lm_head"], cfg, ["embed", "attention"])
+        out["gpt2"] = gpt2.shard_parameters(sch["transformer"], sch["lm_head"], cfg, ["embed", "attention", "mlp"])
     out["gpt2_annotated"] = gpt2.annotate_layernorm_and_bias(sch)
 
     model, kwargs = _tiny("opt")
@@ -146,7 +145,8 @@ def _sharded_helpers(rank, world):
 def test_family_helpers_shard_on_two_ranks():
     results = run_distributed(_sharded_helpers, world_size=2, timeout=600)
     first = results[0]
-    assert first["gpt2"] == ["Shard input embedding and output embedding", "Shard 2 attention layers"]
+    assert first["gpt2"] == ["Shard input embedding and output embedding", "Shard 2 attention layers",
+                             "Shard 2 MLP layers"]
     assert first["gpt2_annotated"] > 0
     assert first["opt"] == (2, 2) and first["bert"] == (2, 2) and first["albert"] == (1, 1)
     assert first["t5"] == (6, 0, 2)   # 2 encoder + 2x2 decoder attentions; bias tables already split

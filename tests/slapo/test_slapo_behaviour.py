@@ -115,6 +115,35 @@ def test_concrete_args_fill_the_parameters_the_subgraph_has_no_input_for():
     torch.testing.assert_close(sch.mod(x), expected)
 
 
+def test_a_failed_replace_raises_and_leaves_no_module_behind():
+    # Slapo registers the new module before checking that the subgraph's inputs fit its forward, so
+    # after the failed call the module stays in the model and the next replace is named ``NewMod_1``.
+    # schedlang applies a primitive all or nothing: the failed call raises, the model, its graph and
+    # the plan are as before, and the next replace takes the first free name.
+    model = _ScaledResidual()
+    x = torch.randn(5, 13)
+    sch = schedlang.create_schedule(model)
+    sub = sch.find(lambda x: torch.tanh(x) + x)
+
+    class Weighted(nn.Module):
+        def forward(self, a, b, scale):
+            return torch.tanh(a) + scale * b
+
+    def state():
+        return (list(sch.child), [name for name, _ in sch.mod.named_modules()], sch.mod.code, sch.plan.to_json())
+
+    before = state()
+    with pytest.raises(ScheduleValueError, match=r"^<root>: Weighted\(a, b, scale\) cannot be called with the 2 "
+                                                 r"input\(s\)"):
+        sch.replace(Weighted(), target_ops=sub)
+    assert state() == before
+    assert not any(isinstance(m, Weighted) for m in sch.mod.modules())
+    sch.replace(Weighted(), target_ops=sub, concrete_args={"scale": 0.25})
+    assert [name for name in sch.child if name.startswith("Weighted")] == ["Weighted_0"]
+    with torch.no_grad():
+        torch.testing.assert_close(sch.mod(x), torch.tanh(model.proj(x)) + 0.25 * x)
+
+
 def test_concrete_args_need_subgraphs():
     sch = schedlang.create_schedule(_ScaledResidual())
     with pytest.raises(ScheduleValueError, match=r"^proj: concrete_args= only applies when replacing subgraphs"):
