@@ -23,6 +23,7 @@ import functools
 import inspect
 import logging
 import re
+from collections.abc import MutableMapping
 from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple, Type, Union
 
 import torch.fx as fx
@@ -30,8 +31,7 @@ from torch import nn
 
 from . import primitives  # noqa: F401  (registers every primitive before the methods below are checked)
 from .distributed import groups
-from .errors import (ArgumentTypeError, PatternError, ScheduleKeyError, ScheduleTypeError, ScheduleValueError,
-                     TraceError)
+from .errors import ArgumentTypeError, PatternError, ScheduleKeyError, ScheduleTypeError, ScheduleValueError
 from .fingerprint import ModelFingerprint
 from .plan import Plan, Step
 from .primitives.base import get_primitive, signature_mismatch
@@ -63,6 +63,57 @@ def _copy_container(value: Any) -> Any:
     if isinstance(value, list):
         return list(value)
     return value
+
+
+class ScheduleMetadata(MutableMapping):
+    """A schedule's notes at one path (reads and writes go to the schedule's own dictionary), plus the
+    attributes Slapo scripts read from ``sch.metadata``, computed from the model so they cannot go stale:
+
+    * ``tie_weights``: every parameter held by more than one module of the whole model, mapped to itself
+      (sharding keeps ties: every holder gets the same new parameter);
+    * ``param_tags``: the annotation keys ``annotate`` set on this module's parameters;
+    * ``primitives``: the notes themselves.
+    """
+
+    def __init__(self, notes: Dict[str, Any], sch: "Schedule"):
+        self._notes, self._sch = notes, sch
+
+    def __getitem__(self, key):
+        return self._notes[key]
+
+    def __setitem__(self, key, value):
+        self._notes[key] = value
+
+    def __delitem__(self, key):
+        del self._notes[key]
+
+    def __iter__(self):
+        return iter(self._notes)
+
+    def __len__(self):
+        return len(self._notes)
+
+    def __repr__(self):
+        return f"ScheduleMetadata({self._notes!r})"
+
+    @property
+    def tie_weights(self) -> Dict[Any, Any]:
+        holders: Dict[int, list] = {}
+        for module in self._sch.root.mod.modules():
+            for param in module._parameters.values():
+                if param is not None:
+                    holders.setdefault(id(param), []).append(param)
+        return {found[0]: found[0] for found in holders.values() if len(found) > 1}
+
+    @property
+    def param_tags(self) -> set:
+        from .module_record import module_record
+
+        return {key for tags in module_record(self._sch.mod).annotations.values() for key in tags}
+
+    @property
+    def primitives(self) -> Dict[str, Any]:
+        return self._notes
 
 
 class _Undo:
@@ -247,10 +298,11 @@ class Schedule:
         return groups.rank(self._state.group)
 
     @property
-    def metadata(self) -> Dict[str, Any]:
-        """Free-form per-path notes (a primitive's summary for the report, a user's own notes). The facts later
-        steps rely on (shards, syncs, checkpointing) are in each module's record, not here."""
-        return self._state.metadata.setdefault(self._path, {})
+    def metadata(self) -> "ScheduleMetadata":
+        """Free-form per-path notes (a primitive's summary for the report, a user's own notes), a mapping, with
+        Slapo's attribute names read from the model (``tie_weights``, ``param_tags``). The facts later steps rely
+        on (shards, syncs, checkpointing) are in each module's record, not here."""
+        return ScheduleMetadata(self._state.metadata.setdefault(self._path, {}), self)
 
     def _display(self) -> str:
         return self._path or "<root>"

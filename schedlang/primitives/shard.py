@@ -75,6 +75,10 @@ class Shard(Primitive):
                 f"{where}: cannot shard '{tensor_name}' (shape {shape}) along axis {axis}: valid axes are {valid}")
         axis = axis % ndim
         world = sch.world_size
+        if _sharded_through_tie(sch, tensor_name, axis):
+            logger.info("%s: '%s' is tied to another module's tensor and was sharded with it along axis %d; "
+                        "nothing to do", where, tensor_name, axis)
+            return {"tensor_name": tensor_name, "axis": axis}
         if shape[axis] % world:
             raise ShardError(
                 f"{where}: cannot shard '{tensor_name}' (shape {shape}) along axis {axis}: size {shape[axis]} is not "
@@ -85,6 +89,8 @@ class Shard(Primitive):
     @classmethod
     def apply(cls, sch, tensor_name, axis):
         module = sch.mod
+        if _sharded_through_tie(sch, tensor_name, axis):
+            return None  # sharded already, together with the module it is tied to
         world, rank = sch.world_size, sch.rank
         old = getattr(module, tensor_name)
         holders = _holders(sch, old)
@@ -128,6 +134,14 @@ def _fix_up(sch, holder, name, axis, world, rank):
         _install(sch, holder, current)
     rule.after_shard(current, name, axis, world, rank)
     return current
+
+
+def _sharded_through_tie(sch, tensor_name, axis) -> bool:
+    """Whether ``tensor_name`` is a tied tensor (held by several modules) already sharded along ``axis``:
+    sharding one holder shards every holder, so a script that then shards each holder too (as Slapo's
+    do) asks for what is already done. Sharding a tensor only this module holds twice stays an error."""
+    prior = shard_specs(sch.mod).get(tensor_name)
+    return prior is not None and prior.axis == axis and len(_holders(sch, getattr(sch.mod, tensor_name))) > 1
 
 
 def _install(sch, old, new):

@@ -237,3 +237,48 @@ def test_analyze_tie_ranks_refuses_stages_of_different_sizes():
     with pytest.raises(ScheduleValueError, match=r"^analyze_tie_ranks: the stages of tied weight 'w' hold different "
                                                  r"numbers of ranks \(\{0: 1, 1: 2\}\)"):
         analyze_tie_ranks([[("w", 0), ("w", 1)]], Uneven())
+
+
+class _TiedStages(torch.nn.Module):
+    """An embedding whose weight two later Linears share (Slapo's pipeline tie test shape)."""
+
+    def __init__(self):
+        super().__init__()
+        self.wte = torch.nn.Embedding(8, 8)
+        self.first = torch.nn.Linear(8, 8, bias=False)
+        self.second = torch.nn.Linear(8, 8, bias=False)
+        self.single = torch.nn.Linear(8, 8, bias=False)
+        self.first.weight = self.wte.weight
+        self.second.weight = self.wte.weight
+
+    def forward(self, ids):
+        return self.single(self.second(self.first(self.wte(ids))))
+
+
+def test_metadata_reads_tied_weights_from_the_model_and_keeps_notes():
+    sch = schedlang.create_schedule(_TiedStages())
+    tied = sch.metadata.tie_weights
+    assert list(tied) == [sch.mod.wte.weight] and tied[sch.mod.wte.weight] is sch.mod.wte.weight
+    sch["wte"].shard("weight", axis=0)
+    # the tie survives sharding, so the mapping names the new shard
+    assert list(sch.metadata.tie_weights) == [sch.mod.wte.weight]
+    sch.metadata["note"] = 1
+    assert sch.metadata["note"] == 1 and dict(sch.metadata) == {"note": 1} and sch.metadata.primitives == {"note": 1}
+
+
+def test_sharding_each_holder_of_a_tied_tensor_is_done_once():
+    sch = schedlang.create_schedule(_TiedStages())
+    sch["wte"].shard("weight", axis=0)
+    shard = sch.mod.wte.weight
+    # Slapo scripts shard every holder; the first call sharded all of them, so these change nothing
+    sch["first"].shard("weight", axis=0)
+    sch["second"].shard("weight", axis=0)
+    assert sch.mod.first.weight is shard and sch.mod.second.weight is shard
+    # another axis, or a tensor only one module holds, is still an error
+    with pytest.raises(schedlang.ShardError, match=r"^first: 'weight' is already sharded \(along axis 0\)"):
+        sch["first"].shard("weight", axis=1)
+    sch["single"].shard("weight", axis=0)
+    with pytest.raises(schedlang.ShardError, match=r"^single: 'weight' is already sharded \(along axis 0\)"):
+        sch["single"].shard("weight", axis=0)
+    again = schedlang.replay(sch.plan.to_json(), _TiedStages())
+    assert again.mod.first.weight is again.mod.wte.weight
