@@ -29,7 +29,8 @@ from typing import Any, ClassVar, Dict, List, Tuple, Type
 from ..errors import ArgumentTypeError, ScheduleKeyError
 from .params import DecodeContext, Param, check_type, format_type, short_repr
 
-__all__ = ["Primitive", "Param", "register_primitive", "get_primitive", "list_primitives", "signature_mismatch"]
+__all__ = ["Primitive", "Param", "register_primitive", "get_primitive", "list_primitives", "signature_mismatch",
+           "install_in_place_of"]
 
 _REGISTRY: Dict[str, Type["Primitive"]] = {}
 
@@ -272,3 +273,16 @@ def list_primitives() -> List[str]:
     """Names of all registered primitives, sorted."""
     return sorted(_REGISTRY)
 
+
+def install_in_place_of(sch, old, new) -> None:
+    """Put module ``new`` wherever the schedule's model holds ``old``: the root, or any child slot (a module
+    may sit at several paths). ``old`` is left as it was (its class too), so undoing the step only has to
+    restore the holders' child tables and, for the root, the schedule's module. Primitives that change what
+    a module is (``decompose``, a shard whose rule needs another class) install the new one this way."""
+    root = sch.root
+    if root.mod is old:
+        root._set_module(new)
+    for parent in list(root.mod.modules()):
+        for child_name, child in list(parent._modules.items()):
+            if child is old:
+                parent._modules[child_name] = new

@@ -15,7 +15,7 @@ from torch import nn
 from ..distributed.sync_ops import bias_after_inner_syncs, run_post_syncs
 from ..errors import ScheduleTypeError, ScheduleValueError
 from ..module_record import copy_module_as, module_record
-from .base import Primitive, register_primitive
+from .base import Primitive, install_in_place_of, register_primitive
 
 __all__ = ["LinearWithSeparateBias"]
 
@@ -61,11 +61,5 @@ class Decompose(Primitive):
     @classmethod
     def apply(cls, sch):
         old = sch.mod
-        new = copy_module_as(old, LinearWithSeparateBias)
-        sch._set_module(new)
-        # the same module may sit at other paths too (a shared submodule): every holder gets the new one
-        for _, parent in list(sch.root.mod.named_modules(remove_duplicate=False)):
-            for name, child in list(parent._modules.items()):
-                if child is old:
-                    parent._modules[name] = new
+        install_in_place_of(sch, old, copy_module_as(old, LinearWithSeparateBias))
         return None

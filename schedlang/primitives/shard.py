@@ -32,7 +32,7 @@ from ..distributed.shard_rules import find_shard_rule
 from ..distributed.sharding import ShardSpec, record_shard_source, shard_tensor
 from ..errors import ScheduleKeyError, ShardError
 from ..module_record import copy_module_as, record_shard, shard_specs
-from .base import Param, Primitive, register_primitive
+from .base import Param, Primitive, install_in_place_of, register_primitive
 
 logger = logging.getLogger("schedlang.primitives.shard")
 
@@ -131,7 +131,7 @@ def _fix_up(sch, holder, name, axis, world, rank):
     current = holder
     if klass is not None and klass is not type(holder):
         current = copy_module_as(holder, klass, remember_class=True)
-        _install(sch, holder, current)
+        install_in_place_of(sch, holder, current)
     rule.after_shard(current, name, axis, world, rank)
     return current
 
@@ -142,19 +142,6 @@ def _sharded_through_tie(sch, tensor_name, axis) -> bool:
     do) asks for what is already done. Sharding a tensor only this module holds twice stays an error."""
     prior = shard_specs(sch.mod).get(tensor_name)
     return prior is not None and prior.axis == axis and len(_holders(sch, getattr(sch.mod, tensor_name))) > 1
-
-
-def _install(sch, old, new):
-    """Put ``new`` wherever the model holds ``old`` (the root, or any child slot: a module may sit at several
-    paths). ``old`` keeps its class, so undoing the step only has to restore the holders' child tables
-    (and, for the root, the schedule's module)."""
-    root = sch.root
-    if root.mod is old:
-        root._set_module(new)
-    for parent in list(root.mod.modules()):
-        for child_name, child in list(parent._modules.items()):
-            if child is old:
-                parent._modules[child_name] = new
 
 
 def _holders(sch, tensor):

@@ -269,9 +269,15 @@ def test_sharding_a_tied_weight_shards_every_holder():
     assert head.out_features == 16 and shard_specs(head)["weight"] == shard_specs(wte)["weight"]
     assert shard_specs(sch["lm_head"].mod)["weight"].rank == 1
     assert model.lm_head.weight is model.transformer.wte.weight and model.lm_head.weight.shape == (32, 16)
+    # sharding the other holder the same way asks for what is done already (Slapo scripts do): nothing changes
+    before = head.weight
+    with fake_group(2, 1):
+        sch["lm_head"].shard("weight", axis=0)
+    assert sch["lm_head"].mod.weight is before and before.shape == (16, 16)
+    # another axis is a second split of the shard: an error
     with pytest.raises(schedlang.ShardError, match=r"lm_head: 'weight' is already sharded \(along axis 0\)"):
         with fake_group(2, 1):
-            sch["lm_head"].shard("weight", axis=0)
+            sch["lm_head"].shard("weight", axis=1)
 
 
 class _FusedParent(nn.Module):
