@@ -16,7 +16,8 @@ from typing import Dict, List, Optional, Type
 
 from torch import nn
 
-__all__ = ["ShardRule", "register_shard_rule", "register_fallback_rule", "find_shard_rule"]
+__all__ = ["ShardRule", "register_shard_rule", "register_fallback_rule", "find_shard_rule",
+           "refuse_bias_of_row_parallel"]
 
 logger = logging.getLogger("schedlang.distributed.shard_rules")
 
@@ -74,6 +75,18 @@ class ShardRule:
     def after_child_shard(cls, module: nn.Module, child_name: str, child: nn.Module, tensor_name: str, axis: int,
                           world_size: int, rank: int) -> None:
         """Update the parent after a child's tensor was sharded (e.g. its local head count)."""
+
+
+def refuse_bias_of_row_parallel(path: str, kind: str, shards, tensor_name: str, row_axis: int) -> None:
+    """The check every Linear-like rule shares: a row-parallel module (its weight split along ``row_axis``, the
+    input features) adds its bias once, after the all-reduce, so the bias cannot be split."""
+    weight = shards.get("weight")
+    if tensor_name == "bias" and weight is not None and weight.axis == row_axis:
+        from ...errors import ShardError
+
+        raise ShardError(
+            f"{path or '<root>'}: cannot shard 'bias' of a row-parallel {kind} (weight sharded along axis "
+            f"{row_axis}): its bias is added once after the all-reduce; keep it whole")
 
 
 def register_shard_rule(rule: Type[ShardRule]) -> Type[ShardRule]:

@@ -32,7 +32,7 @@ from ...errors import ShardError
 from ...module_record import shard_specs
 from ..sharding import remember_unsharded
 from ..sync_ops import bias_after_inner_syncs, run_post_syncs, run_post_syncs_before_bias
-from . import ShardRule, register_shard_rule
+from . import ShardRule, refuse_bias_of_row_parallel, register_shard_rule
 
 __all__ = ["Conv1DShardRule", "row_parallel_conv1d_class"]
 
@@ -66,11 +66,7 @@ class Conv1DShardRule(ShardRule):
     def check(cls, path, module, tensor_name, axis, world_size):
         where = path or "<root>"
         shards = shard_specs(module)
-        weight_axis = shards["weight"].axis if "weight" in shards else None
-        if tensor_name == "bias" and weight_axis == 0:
-            raise ShardError(
-                f"{where}: cannot shard 'bias' of a row-parallel Conv1D (weight sharded along axis 0): its bias is "
-                "added once after the all-reduce; keep it whole")
+        refuse_bias_of_row_parallel(path, "Conv1D", shards, tensor_name, row_axis=0)
         if tensor_name == "weight" and axis == 0 and "bias" in shards:
             raise ShardError(
                 f"{where}: cannot shard 'weight' along axis 0 (row parallel): 'bias' is already sharded (column "

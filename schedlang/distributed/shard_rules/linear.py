@@ -15,7 +15,7 @@ from torch import nn
 from ...errors import ShardError
 from ...module_record import shard_specs
 from ..sync_ops import run_post_syncs_before_bias
-from . import ShardRule, register_shard_rule
+from . import ShardRule, refuse_bias_of_row_parallel, register_shard_rule
 
 
 @register_shard_rule
@@ -28,10 +28,7 @@ class LinearShardRule(ShardRule):
         from ...primitives.decompose import LinearWithSeparateBias
 
         shards = shard_specs(module)
-        if tensor_name == "bias" and shards.get("weight") is not None and shards["weight"].axis == 1:
-            raise ShardError(
-                f"{path or '<root>'}: cannot shard 'bias' of a row-parallel Linear (weight sharded along axis 1): "
-                "its bias is added once after the all-reduce; keep it whole")
+        refuse_bias_of_row_parallel(path, "Linear", shards, tensor_name, row_axis=1)
         if (tensor_name == "weight" and axis == 1 and module.bias is not None
                 and type(module) not in (nn.Linear, LinearWithSeparateBias)):
             raise ShardError(

@@ -16,7 +16,7 @@ from ...module_record import shard_specs
 from ...op.linear import LinearWithAct, LinearWithDropout, LinearWithSyncFunc
 from ..sharding import remember_unsharded
 from ..sync_ops import run_post_syncs_before_bias
-from . import ShardRule, register_shard_rule
+from . import ShardRule, refuse_bias_of_row_parallel, register_shard_rule
 
 __all__ = ["FusedBiasLinearShardRule"]
 
@@ -34,11 +34,7 @@ class FusedBiasLinearShardRule(ShardRule):
         where = path or "<root>"
         kind = type(module).__name__
         shards = shard_specs(module)
-        weight_axis = shards["weight"].axis if "weight" in shards else None
-        if tensor_name == "bias" and weight_axis == 1:
-            raise ShardError(
-                f"{where}: cannot shard 'bias' of a row-parallel {kind} (weight sharded along axis 1): its bias is "
-                "added once after the all-reduce; keep it whole")
+        refuse_bias_of_row_parallel(path, kind, shards, tensor_name, row_axis=1)
         if tensor_name == "bias" and axis != 0:
             raise ShardError(
                 f"{where}: cannot shard 'bias' of {kind} along axis {axis}: a bias has one axis; valid is axis 0 "
