@@ -59,7 +59,9 @@ fails records "FAIL <error>" and the others still run.
 Timing: ``--warmup`` steps, then ``--repeats`` repeats of ``--iters`` steps between CUDA events;
 ``ms`` is the median repeat, all repeats are in ``ms_runs``; ``host_ms`` is the host's time to issue
 a step (``bench/harness.py``). MFU at 989 TFLOP/s per GPU. ``--profile DIR`` also writes a
-torch.profiler trace of 3 steps of every variant. Results: a table on rank 0 and
+torch.profiler trace of 3 steps of every variant, and on a GPU each row gets ``profile``: those
+steps' GPU time by kernel kind (``bench/profile_summary.py``), which ``bench/render_readme.py``
+shows. Results: a table on rank 0 and
 ``bench/results/<date>-train.json`` (``-train-tiny`` with ``--tiny``), rows of the same day merged.
 """
 
@@ -117,6 +119,7 @@ SCHEDLANG = ("schedlang-layers", "schedlang-optimize", "schedlang-optimize-fp8",
              "schedlang-optimize-fp8-cg", "schedlang-tp",
              "schedlang-tp-optimize", "schedlang-fsdp", "schedlang-fsdp-noreshard", "schedlang-fsdp-optimize",
              "schedlang-tp-fsdp")
+PROFILE_STEPS = 3
 OPTIMIZER_SUFFIX = {"torch-fused": "", "schedlang-fused": "+FusedAdamW"}
 
 
@@ -306,9 +309,13 @@ def run_variant(ctx: B.Context, name: str, cfg, ids, labels) -> Dict[str, Any]:
     timing = harness.time_steps(step, ctx.device, warmup=0, repeats=ctx.args.repeats, iters=ctx.args.iters)
     timing["warmup_s"] = round(warm_s, 2)
     mem = harness.peak_memory_gib(ctx.device)
-    if ctx.args.profile:
-        harness.profile_steps(step, Path(ctx.args.profile), f"{ctx.work_name}-{name}")
     notes = {k: v for k, v in setup.notes.items() if v is not None}
+    if ctx.args.profile:
+        trace = harness.profile_steps(step, Path(ctx.args.profile), f"{ctx.work_name}-{name}", steps=PROFILE_STEPS)
+        if ctx.cuda:  # GPU time by kernel kind, kept with the row (the trace itself stays in DIR)
+            import profile_summary
+
+            notes["profile"] = profile_summary.summarize(trace, steps=PROFILE_STEPS, top=12)
     return {"timing": timing, "mem": mem, "record": record, "layout": f"dp={setup.dp} x tp={setup.tp}", "notes": notes}
 
 

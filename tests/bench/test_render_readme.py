@@ -107,3 +107,32 @@ def test_missing_markers_are_named(bench, results, tmp_path):
 
 def test_train_works_listed_in_the_renderer_are_the_harness_works(bench):
     assert tuple(bench("bench_train").WORKS) == bench("render_readme").TRAIN_WORKS
+
+
+def test_profiles_are_rendered_from_rows_that_carry_them(bench, results, tmp_path):
+    render = bench("render_readme")
+    rows = [_row("llama-1.1b-1gpu", "titan-style", "baseline", 130.0, 63000.0),
+            _row("llama-1.1b-1gpu", "schedlang-optimize", "schedlang", 120.0, 68250.0),
+            _row("llama-1.1b-1gpu", "eager", "baseline", 210.0, 39060.0)]
+    rows[0]["profile"] = {"span_ms": 131.0, "gpu_busy_ms": 125.0, "idle_share": 0.0458, "launches_per_step": 1692.0,
+                          "by_kind_ms": {"gemm": 80.0, "optimizer": 13.7, "cast_copy": 1.8}}
+    rows[1]["profile"] = {"span_ms": 121.0, "gpu_busy_ms": 119.5, "idle_share": 0.0124, "launches_per_step": 1689.0,
+                          "by_kind_ms": {"gemm": 81.0, "optimizer": 13.6, "schedlang": 0.12}}
+    _write(results / "2026-12-01-train.json", rows, "2026-12-01", "f" * 40)
+    readme = tmp_path / "README.md"
+    readme.write_text(README)
+    assert render.main(["--results", str(results), "--readme", str(readme), "--no-chart"]) == 0
+    text = readme.read_text()
+    assert "| llama-1.1b-1gpu (ms per step) | titan-style | schedlang-optimize |" in text  # eager has none
+    assert "| step ms (timed) | 130.0 | 120.0 |" in text
+    assert "| GPU idle share | 4.6% | 1.2% |" in text
+    assert "| kernel launches | 1,692 | 1,689 |" in text
+    # kinds by their largest time; a kind one row lacks is 0 there
+    body = text[text.index("| gemm |"):]
+    assert body.index("| gemm | 80.0 | 81.0 |") < body.index("| optimizer | 13.7 | 13.6 |") < body.index(
+        "| cast_copy | 1.8 | 0.0 |") < body.index("| schedlang | 0.0 | 0.1 |")
+    # without profiled rows there is no such section
+    readme.write_text(README)
+    (results / "2026-12-01-train.json").unlink()
+    render.main(["--results", str(results), "--readme", str(readme), "--no-chart"])
+    assert "ms per step)" not in readme.read_text()
