@@ -18,6 +18,13 @@ Chained, they turn the seed post's ``split -> N x LayerNorm -> N x tanh -> cat``
 ``unflatten -> group_layer_norm -> tanh -> flatten``, and N parallel
 ``Linear -> LayerNorm -> ReLU`` branches into one of each.
 
+Shapes: the rules use the shapes a graph carries (``ShapeProp``, fake-tensor values) or
+that ``example_inputs`` give; without them they reason from structure. Where only the
+length of a tensor can tell whether a group is uniform (the last piece of
+``x.split(D, 1)`` may be shorter), the fused op checks it at run time and falls back to the
+exact per-piece computation (``group_ops.piecewise_layer_norm``, ``span_of_pieces``), so
+every branch of the seed chain is fused either way.
+
 Fusion rules group candidates in two steps: by a rule key (same input and in_features;
 same shapes and dtype ...), then into sets without data dependencies between members
 (ancestor bitsets, see ``_grouping.py``). Work is done on a copy of the graph and

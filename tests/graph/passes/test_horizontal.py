@@ -362,3 +362,14 @@ def test_seed_cases_on_the_gpu(dtype, tol):
         model = randomize(model).to("cuda", dtype)
         gm, _ = check_fusion(model, [x.to("cuda", dtype)], atol=tol, rtol=tol)
         assert next(gm.parameters()).is_cuda
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("with_examples", [False, True])
+def test_embedding_chain_on_the_gpu(dtype, tol, with_examples):
+    model = randomize(EmbeddingChain(n=50, d=64, rows=1000)).to("cuda", dtype)
+    inputs = [t.cuda() for t in embedding_inputs(batch=64, rows=1000)]
+    gm, report = check_fusion(model, inputs, atol=tol, rtol=tol, example_inputs=inputs if with_examples else None)
+    _fused_every_branch(report, 50)
+    assert count_calls(gm)["group_layer_norm" if with_examples else "piecewise_layer_norm"] == 1
