@@ -26,6 +26,7 @@ import re
 from collections.abc import MutableMapping
 from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple, Type, Union
 
+import torch
 import torch.fx as fx
 from torch import nn
 
@@ -581,7 +582,8 @@ class Schedule:
     def fuse(self, subgraph: Any, compiler: str = "triton", name: str = "FusedModule"): ...
 
     @_primitive_method
-    def horizontal_fuse(self, rules: Optional[Sequence[str]] = None, min_group_size: int = 2): ...
+    def horizontal_fuse(self, rules: Optional[Sequence[str]] = None, min_group_size: int = 2,
+                        example_inputs: Optional[Sequence[torch.Tensor]] = None): ...
 
     @_primitive_method
     def combine_sparse_features(self, features: Sequence[Sequence[str]],

@@ -64,6 +64,14 @@ print(report)
 print(sch.mod.code)
 
 # %%
+# Here the layer norms normalize the split dim, so the last piece must be whole. When that
+# does not follow from the graph (``torch.split(x, D, dim=1)``: the graph has no shapes,
+# so dim 1 need not be the last dim), every branch is fused all the same: the layer norms
+# become one ``piecewise_layer_norm``, which checks the length of ``x`` at run time and
+# takes the grouped path when all N pieces are whole, else normalizes each piece as the
+# original did. ``sch.horizontal_fuse(example_inputs=[x])`` gives the rules every shape
+# instead (the graph runs once on fake tensors), and then no check is needed.
+#
 # Same outputs, same gradients. A gradient of a stacked parameter holds the gradients of
 # the originals: slice ``i`` belongs to ``norms[i]``.
 
@@ -119,8 +127,8 @@ torch.testing.assert_close(sch2.mod(x), towers(x))
 # Candidates are grouped in two steps: by a rule key (here: same input shape and
 # features), then into sets with no data dependency between members. A chain
 # ``l2(l1(x))`` of equal-shape linears has nothing to fuse: each needs the previous one.
-# (Shapes recorded by ``ShapeProp`` let the rules compare inputs that are not pieces of
-# one split.)
+# (Shapes let the rules compare inputs that are not pieces of one split: recorded by
+# ``ShapeProp`` as below, or given as ``horizontal_fuse(example_inputs=[...])``.)
 
 from torch.fx.passes.shape_prop import ShapeProp  # noqa: E402
 

@@ -11,9 +11,10 @@ import torch
 from torch import fx
 
 from ._context import ParamSource, RewriteContext
-from ._nodes import piece_of, shape_key
+from ._nodes import piece_of, settled_size, shape_key
 
-__all__ = ["TensorRef", "attr_ref", "module_ref", "fuse_tensors", "stack", "unstack", "group_key"]
+__all__ = ["TensorRef", "attr_ref", "module_ref", "fuse_tensors", "stack", "unstack", "group_key", "unsettled",
+           "stack_dim_for"]
 
 
 @dataclass(frozen=True)
@@ -80,20 +81,31 @@ def unstack(ctx: RewriteContext, grouped: fx.Node, dim: int, count: int) -> List
     return [ctx.call(operator.getitem, parts, i) for i in range(count)]
 
 
-def group_key(ctx: RewriteContext, node: fx.Node, last_dim: Optional[int] = None):
+def group_key(ctx: RewriteContext, node: fx.Node, last_dim: Optional[int] = None, short_pieces: bool = False):
     """Grouping key of an operand: the split it is a piece of, else a same-shape key.
 
     Preferring the split keeps the pieces of one split together, which the round-trip
-    rules then turn into a view of the split's input instead of a copy.
+    rules then turn into a view of the split's input instead of a copy. With
+    ``short_pieces``, an int split's last piece of unknown size (it may be shorter) joins
+    the group of its whole siblings: the rule must then not stack it, but guard it (see
+    :func:`unsettled`).
     """
     piece = piece_of(node)
     if piece is not None:
         if piece.spec.kind == "unbind":
             return ("pieces", piece.spec.node)
-        size = piece.size if piece.size is not None else (last_dim if piece.spec.dim == -1 else None)
+        size = settled_size(piece, last_dim)
+        if size is None and short_pieces:
+            size = piece.spec.sizes  # an int split (a list of sizes settles every piece)
         if size is not None:
             return ("pieces", piece.spec.node, size)
     return shape_key(node, ctx, last_dim)
+
+
+def unsettled(node: fx.Node, last_dim: Optional[int] = None) -> bool:
+    """Whether ``node`` is an int split's last piece whose size nothing settles (it may be shorter)."""
+    piece = piece_of(node)
+    return piece is not None and piece.spec.kind == "split" and settled_size(piece, last_dim) is None
 
 
 def stack_dim_for(inputs: Sequence[fx.Node], default: int) -> int:

@@ -2,9 +2,10 @@
 
 The horizontal rules work on graphs from ``torch.fx.symbolic_trace`` (no shapes) as well
 as on graphs whose nodes carry shapes (``node.meta["tensor_meta"]`` from
-``torch.fx.passes.shape_prop.ShapeProp``, or ``node.meta["val"]`` from fake-tensor
-tracing). Without shapes they reason from structure: the pieces of one ``unbind`` have one
-shape, a layer norm keeps its input's shape, and so on (:func:`shape_key`).
+``torch.fx.passes.shape_prop.ShapeProp``, ``node.meta["val"]`` from fake-tensor tracing, or
+``node.meta[EXAMPLE_META]``, set for one run of the rules from ``example_inputs``). Without
+shapes they reason from structure: the pieces of one ``unbind`` have one shape, a layer
+norm keeps its input's shape, and so on (:func:`shape_key`).
 """
 
 from __future__ import annotations
@@ -21,11 +22,13 @@ from ...module_record import module_record
 
 __all__ = [
     "Piece", "SplitSpec", "arg", "split_spec", "piece_of", "tensor_shape", "tensor_dtype", "num_pieces",
-    "shape_key", "is_call", "module_of", "plain_module", "NUM_PIECES_META",
+    "shape_key", "is_call", "module_of", "plain_module", "NUM_PIECES_META", "EXAMPLE_META", "settled_size",
 ]
 
 #: node.meta key under which the rules record how many pieces a split/unbind they create has
 NUM_PIECES_META = "schedlang_num_pieces"
+#: node.meta key of the fake value a node took on ``example_inputs`` (present only while the rules run)
+EXAMPLE_META = "schedlang_example_value"
 
 
 def arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
@@ -185,6 +188,19 @@ def piece_of(node: Any) -> Optional[Piece]:
     return Piece(node, spec, index, index * spec.sizes, size)
 
 
+def settled_size(piece: Piece, last_dim: Optional[int] = None) -> Optional[int]:
+    """The size of ``piece`` along its split dim, when it is known.
+
+    ``last_dim`` is a size the consuming operator requires of the piece's last dimension (the
+    normalized size of a layer norm, ``in_features`` of a linear): for a split along ``-1`` it
+    settles the size of an int split's possibly shorter last piece, since the operator would
+    reject a shorter one. None for an unbind, and for a last piece nothing settles.
+    """
+    if piece.size is not None or piece.spec.kind == "unbind":
+        return piece.size
+    return last_dim if piece.spec.dim == -1 else None
+
+
 def _highest_index_used(split_node: fx.Node) -> int:
     """Highest constant index taken from ``split_node`` in the graph (pieces below it are whole)."""
     used = [u.args[1] for u in split_node.users
@@ -196,6 +212,9 @@ def _highest_index_used(split_node: fx.Node) -> int:
 def _meta_tensor(node: Any):
     if not isinstance(node, fx.Node):
         return None
+    example = node.meta.get(EXAMPLE_META)
+    if isinstance(example, torch.Tensor):
+        return example
     tm = node.meta.get("tensor_meta")
     if tm is not None and hasattr(tm, "shape") and hasattr(tm, "dtype"):
         return tm

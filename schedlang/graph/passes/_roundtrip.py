@@ -8,6 +8,7 @@ from typing import Any, List, Optional, Sequence
 import torch
 from torch import fx
 
+from . import group_ops
 from ._context import RewriteContext
 from ._nodes import (
     Piece,
@@ -142,12 +143,21 @@ def unbind_run_source(ctx: RewriteContext, run: Run) -> fx.Node:
 
 
 def run_source(ctx: RewriteContext, run: Run) -> Optional[fx.Node]:
-    """A node equal to the concatenation of the run's pieces along the split dim (splits only)."""
+    """A node equal to the concatenation of the run's pieces along the split dim (splits only).
+
+    A run that ends with an int split's last piece of unknown size (it may be shorter) becomes
+    :func:`~schedlang.graph.passes.group_ops.span_of_pieces`, which finds the end at run time.
+    """
     spec = run.spec
     if run.covers_all():
         return spec.base
-    first = run.pieces[0]
-    if first.offset is None or any(p.size is None for p in run.pieces):
+    first, last = run.pieces[0], run.pieces[-1]
+    if first.offset is None or any(p.size is None for p in run.pieces[:-1]):
         return None
+    if last.size is None:
+        if type(spec.sizes) is not int or last.offset is None:
+            return None
+        return ctx.call(group_ops.span_of_pieces, spec.base, spec.dim, first.offset, last.offset + spec.sizes,
+                        spec.sizes)
     length = sum(p.size for p in run.pieces)
     return ctx.method("narrow", spec.base, spec.dim, first.offset, length)

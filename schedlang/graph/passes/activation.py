@@ -12,7 +12,8 @@ Two shapes of group:
       t0 = torch.tanh(unbind[0]); t1 = torch.tanh(unbind[1])    # unbind = y.unbind(-2)
       ->  tanh = torch.tanh(y); unbind_1 = tanh.unbind(-2); t0 = unbind_1[0]; t1 = unbind_1[1]
 
-* otherwise (same-shape operands): stack, one activation, unbind.
+* otherwise (same-shape operands): stack, one activation, unbind. The last piece of an
+  int split, whose size is not known (it may be shorter), is left out of the stack.
 """
 
 from __future__ import annotations
@@ -110,9 +111,12 @@ class ActivationGroup(Rule):
                 for m, out in zip(members, outs):
                     ctx.replace(m, out)
                 return True
-            sizes = {p.size for p in pieces}
-            if spec.kind == "split" and (len(sizes) != 1 or None in sizes):
-                return False  # pieces of different (or unknown) sizes cannot be stacked
+            if spec.kind == "split":
+                # an int split's last piece of unknown size may be shorter: it stays apart, the others stack
+                kept = [i for i, p in enumerate(pieces) if p.size is not None]
+                if len(kept) < ctx.min_group_size or len({pieces[i].size for i in kept}) != 1:
+                    return False  # pieces of different sizes cannot be stacked
+                members, inputs = [members[i] for i in kept], [inputs[i] for i in kept]
         dim = stack_dim_for(inputs, 0)
         n = len(members)
         with ctx.graph.inserting_before(members[0]):

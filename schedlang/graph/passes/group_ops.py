@@ -6,6 +6,11 @@ are plain PyTorch, differentiable, and readable in a printed graph; they take th
 number of dimensions from the tensor at run time, so a graph without shape metadata
 can use them.
 
+Two of them work on the pieces of an int split whose last piece may be shorter (its size
+is not known when the graph is rewritten). They take the split's input and check at run
+time, with one comparison, whether every piece is whole: then they do the grouped work on a
+view; otherwise they do exactly what the unfused graph did, piece by piece.
+
 Example::
 
     x = torch.randn(8, 3, 16)                      # 3 pieces of shape (8, 16)
@@ -21,7 +26,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-__all__ = ["group_layer_norm", "batched_linear", "merge_group_dim"]
+__all__ = ["group_layer_norm", "batched_linear", "merge_group_dim", "piecewise_layer_norm", "span_of_pieces"]
 
 
 def group_layer_norm(x: torch.Tensor, normalized_shape: Sequence[int], weight: Optional[torch.Tensor],
@@ -83,3 +88,61 @@ def merge_group_dim(x: torch.Tensor, group_dim: int, dim: int) -> torch.Tensor:
     g = group_dim % x.dim()
     d = dim % (x.dim() - 1)
     return x.movedim(g, d).flatten(d, d + 1)
+
+
+def _split_dim(x: torch.Tensor, dim: int) -> int:
+    """``dim`` as a non-negative index of ``x``; IndexError (as ``torch.split`` raises) when out of range."""
+    ndim = x.dim()
+    if not -ndim <= dim < ndim:
+        raise IndexError(f"Dimension out of range (expected to be in range of [{-ndim}, {ndim - 1}], but got {dim})")
+    return dim + ndim if dim < 0 else dim
+
+
+def piecewise_layer_norm(x: torch.Tensor, size: int, dim: int, count: int, normalized_shape: Sequence[int],
+                         weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], eps: float) -> torch.Tensor:
+    """Layer norm ``i`` (``weight[i]``, ``bias[i]``) on piece ``i`` of ``x.split(size, dim)``, ``i < count``,
+    joined back along ``dim``: ``y.split(size, dim)[i]`` is the ``i``-th layer norm's result.
+
+    When all ``count`` pieces are whole (``x.shape[dim] == count * size``) and ``dim`` lies before
+    the normalized dims, this is one :func:`group_layer_norm` on the ``(..., count, size, ...)``
+    view of ``x``. Otherwise (the last piece is shorter, or ``x`` has more pieces than are
+    normalized) each piece is normalized on its own, as in the unfused graph; a part of ``x``
+    after the ``count`` pieces is passed through unchanged.
+
+    Example::
+
+        x = torch.randn(4, 7 * 13 - 5, 6)             # 7 pieces of 13 along dim 1, the last of 8
+        w, b = torch.randn(7, 6), torch.randn(7, 6)
+        y = piecewise_layer_norm(x, 13, 1, 7, (6,), w, b, 1e-5)
+        torch.testing.assert_close(y.split(13, 1)[6], F.layer_norm(x[:, 78:], (6,), w[6], b[6]))
+    """
+    normalized_shape = tuple(normalized_shape)
+    d = _split_dim(x, dim)
+    length = x.shape[d]
+    if length == count * size and d <= x.dim() - len(normalized_shape):
+        y = group_layer_norm(x.unflatten(d, (count, size)), normalized_shape, weight, bias, eps, d)
+        return y.flatten(d, d + 1)
+    pieces = x.split(size, d)
+    outs = [F.layer_norm(pieces[i], normalized_shape, None if weight is None else weight[i],
+                         None if bias is None else bias[i], eps) for i in range(count)]
+    if length > count * size:
+        outs.append(x.narrow(d, count * size, length - count * size))
+    return torch.cat(outs, d)
+
+
+def span_of_pieces(x: torch.Tensor, dim: int, start: int, stop: int, size: int) -> torch.Tensor:
+    """``torch.cat`` of the pieces of ``x.split(size, dim)`` that cover ``[start, stop)`` along ``dim``,
+    without the pieces: a ``narrow`` view, or ``x`` itself when they cover all of it.
+
+    The last of these pieces (from ``stop - size``) may be shorter: it ends where ``x`` ends.
+    If it does not exist at all, this raises IndexError, as taking it from the split would.
+    """
+    d = _split_dim(x, dim)
+    length = x.shape[d]
+    if length <= stop - size:
+        raise IndexError(f"piece {(stop - size) // size} of a split into pieces of {size} along dim {dim} does not "
+                         f"exist: the tensor has {length} there")
+    end = min(length, stop)
+    if start == 0 and end == length:
+        return x
+    return x.narrow(d, start, end - start)

@@ -18,6 +18,13 @@ Chained, they turn the seed post's ``split -> N x LayerNorm -> N x tanh -> cat``
 ``unflatten -> group_layer_norm -> tanh -> flatten``, and N parallel
 ``Linear -> LayerNorm -> ReLU`` branches into one of each.
 
+Shapes: the rules use the shapes a graph carries (``ShapeProp``, fake-tensor values) or
+that ``example_inputs`` give; without them they reason from structure. Where only the
+length of a tensor can tell whether a group is uniform (the last piece of
+``x.split(D, 1)`` may be shorter), the fused op checks it at run time and falls back to the
+exact per-piece computation (``group_ops.piecewise_layer_norm``, ``span_of_pieces``), so
+every branch of the seed chain is fused either way.
+
 Fusion rules group candidates in two steps: by a rule key (same input and in_features;
 same shapes and dtype ...), then into sets without data dependencies between members
 (ancestor bitsets, see ``_grouping.py``). Work is done on a copy of the graph and
@@ -53,6 +60,7 @@ from ._context import (
     SimplifyRule,
 )
 from ._grouping import Reachability, SweepGuard, independent_sets
+from ._shapes import check_example_inputs, forget_example_values, note_example_values
 from .activation import ActivationGroup
 from .cat_unbind import CatUnbind
 from .layer_norm import LayerNormGroup
@@ -132,7 +140,8 @@ def resolve_rules(rules: Optional[Sequence[str]], where: str = "<root>") -> List
 
 
 def horizontal_fuse(gm: fx.GraphModule, rules: Optional[Sequence[str]] = None, min_group_size: int = 2,
-                    path: str = "", max_sweeps: int = 100) -> HorizontalFusionReport:
+                    path: str = "", max_sweeps: int = 100,
+                    example_inputs: Optional[Sequence[torch.Tensor]] = None) -> HorizontalFusionReport:
     """Apply the atomic horizontal rules to ``gm`` in place until nothing changes.
 
     ``rules``: None (all) or names from :data:`RULES`. Groups smaller than
@@ -140,15 +149,26 @@ def horizontal_fuse(gm: fx.GraphModule, rules: Optional[Sequence[str]] = None, m
     registered on ``gm`` and listed in ``gm._schedlang_fused_params`` (see
     :func:`fused_parameter_sources`); the originals they replace are removed.
 
+    ``example_inputs``: tensors shaped like ``gm``'s inputs (only shape and dtype count). The
+    graph then runs once on fake tensors, so that the rules know every node's shape, as they
+    do on a graph that carries shape metadata already (``ShapeProp``). Without shapes, the
+    rules still fuse what structure proves; where an int split's last piece may be shorter,
+    the fused op checks the length at run time (see :mod:`~schedlang.graph.passes.group_ops`).
+
     Example::
 
         gm = torch.fx.symbolic_trace(model)
         print(horizontal_fuse(gm, rules=["layer_norm", "activation", "stack_unbind", "cat_unbind"]))
     """
-    names = resolve_rules(rules, path or "<root>")
+    where = path or "<root>"
+    names = resolve_rules(rules, where)
     if type(min_group_size) is not int or min_group_size < 2:
-        raise ScheduleValueError(f"{path or '<root>'}: min_group_size must be an int >= 2, got {min_group_size!r}")
+        raise ScheduleValueError(f"{where}: min_group_size must be an int >= 2, got {min_group_size!r}")
+    if example_inputs is not None:
+        example_inputs = check_example_inputs(gm, example_inputs, where)
     ctx = RewriteContext(gm, min_group_size)
+    if example_inputs is not None:
+        note_example_values(gm, ctx.graph, example_inputs, where)
     report = HorizontalFusionReport(path=path, rules=names, nodes_before=len(ctx.graph.nodes))
     progress = _progress(len(ctx.graph.nodes))
     while report.sweeps < max_sweeps:
@@ -166,6 +186,7 @@ def horizontal_fuse(gm: fx.GraphModule, rules: Optional[Sequence[str]] = None, m
                        path or "<root>", max_sweeps)
     if progress is not None:
         progress.close()
+    forget_example_values(ctx.graph)  # shapes may change in later steps: no stale notes in the installed graph
     ctx.commit()
     report.records = list(ctx.records)
     report.nodes_after = len(gm.graph.nodes)

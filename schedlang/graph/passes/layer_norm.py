@@ -13,6 +13,18 @@ After: one normalization over a ``(B, N, D)`` stack, one affine step with stacke
     unbind = y.unbind(-2)
     n0 = unbind[0]; ...
 
+Without shapes, the last piece of an int split (``x.split(64, 1)``) may be shorter than
+the others, so it cannot be stacked with them. When the group is every piece
+``0 .. N-1`` of the split, once each, the rule emits instead::
+
+    y = group_ops.piecewise_layer_norm(x, 64, 1, N, (64,), self.hfused_ln_weight_0, self.hfused_ln_bias_0, 1e-05)
+    split_1 = y.split(64, 1)
+    n0 = split_1[0]; ...
+
+which checks at run time that all N pieces are whole (then: one group layer norm on a
+view) and otherwise normalizes each piece on its own, exactly as before. Otherwise that
+last piece stays apart and the others are stacked.
+
 Candidates: ``nn.LayerNorm`` (exact class, no hooks) and ``F.layer_norm`` whose weight
 and bias are module attributes or None. Key: operand shape/split, normalized shape,
 eps, which affine parameters exist, their dtype/device.
@@ -20,7 +32,8 @@ eps, which affine parameters exist, their dtype/device.
 
 from __future__ import annotations
 
-from typing import Hashable, List, Optional, Tuple
+import operator
+from typing import Hashable, List, Optional, Sequence, Tuple
 
 import torch.nn.functional as F
 from torch import fx, nn
@@ -34,10 +47,11 @@ from ._build import (
     module_ref,
     stack,
     stack_dim_for,
+    unsettled,
     unstack,
 )
 from ._context import RewriteContext, Rule
-from ._nodes import arg, is_call, module_of, plain_module
+from ._nodes import NUM_PIECES_META, arg, is_call, module_of, piece_of, plain_module
 
 __all__ = ["LayerNormGroup"]
 
@@ -89,13 +103,22 @@ class LayerNormGroup(Rule):
     operands = staticmethod(layer_norm_operands)
 
     def group_of(self, ctx: RewriteContext, x, shape, eps, weight, bias) -> Optional[Hashable]:
-        key = group_key(ctx, x, shape[-1] if len(shape) == 1 else None)
+        key = group_key(ctx, x, _last_dim(shape), short_pieces=True)
         if key[0] == "node":
             return None
         return (key, shape, eps, _param_signature(weight), _param_signature(bias))
 
     def rewrite(self, ctx: RewriteContext, key: Hashable, members: List[fx.Node]) -> bool:
         operands = [layer_norm_operands(ctx, m) for m in members]
+        last_dim = _last_dim(operands[0][1])
+        if any(unsettled(o[0], last_dim) for o in operands):
+            if _every_piece_once(operands):
+                return self._rewrite_piecewise(ctx, members, operands)
+            # the possibly shorter piece cannot be stacked: the others still can
+            kept = [(m, o) for m, o in zip(members, operands) if not unsettled(o[0], last_dim)]
+            if len(kept) < ctx.min_group_size:
+                return False
+            members, operands = [m for m, _ in kept], [o for _, o in kept]
         inputs = [o[0] for o in operands]
         shape, eps = operands[0][1], operands[0][2]
         weights = [o[3] for o in operands]
@@ -115,3 +138,43 @@ class LayerNormGroup(Rule):
         for m, out in zip(members, outs):
             ctx.replace(m, out)
         return True
+
+    def _rewrite_piecewise(self, ctx: RewriteContext, members: List[fx.Node], operands: List[_Operands]) -> bool:
+        """Every piece of an int split, whose last piece may be shorter -> one guarded piecewise layer norm."""
+        order = sorted(range(len(members)), key=lambda i: piece_of(operands[i][0]).index)
+        spec = piece_of(operands[0][0]).spec
+        shape, eps = operands[0][1], operands[0][2]
+        weights = [operands[i][3] for i in order]
+        biases = [operands[i][4] for i in order]
+        n = len(members)
+        with ctx.graph.inserting_before(members[0]):
+            w = fuse_tensors(ctx, "ln_weight", weights, "stack", 0) if weights[0] is not None else None
+            b = fuse_tensors(ctx, "ln_bias", biases, "stack", 0) if biases[0] is not None else None
+            y = ctx.call(group_ops.piecewise_layer_norm, spec.base, spec.sizes, spec.dim, n, shape, w, b, eps)
+            parts = ctx.node("call_method", "split", (y, spec.sizes, spec.dim),
+                             num_pieces=spec.node.meta.get(NUM_PIECES_META))
+            outs = [ctx.call(operator.getitem, parts, i) for i in range(n)]
+        ordered = [members[i] for i in order]
+        ctx.record(self.name, ordered, y, f"{n} x layer_norm{shape} on the pieces of '{spec.node.name}' -> 1 "
+                                          f"piecewise_layer_norm on '{spec.base.name}' (one group layer norm when "
+                                          f"all {n} pieces are whole, else one per piece)")
+        for m, out in zip(ordered, outs):
+            ctx.replace(m, out)
+        return True
+
+
+def _last_dim(shape: Tuple[int, ...]) -> Optional[int]:
+    """The size a layer norm requires of its input's last dim, when it normalizes one dim."""
+    return shape[-1] if len(shape) == 1 else None
+
+
+def _every_piece_once(operands: Sequence[_Operands]) -> bool:
+    """Whether the inputs are pieces ``0 .. n-1`` of one int split, each once (so piece ``n-1`` is its
+    last used piece, and the pieces tile the start of the split's input)."""
+    pieces = [piece_of(o[0]) for o in operands]
+    if any(p is None for p in pieces) or len({p.spec.node for p in pieces}) != 1:
+        return False
+    spec = pieces[0].spec
+    if spec.kind != "split" or type(spec.sizes) is not int:
+        return False
+    return sorted(p.index for p in pieces) == list(range(len(pieces)))

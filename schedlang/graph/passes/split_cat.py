@@ -7,7 +7,10 @@ Before::
 
 After: ``y = x``. A consecutive run of pieces inside a longer list becomes one
 ``narrow`` view of ``x`` (``torch.cat([a, split[1], split[2], b])`` ->
-``torch.cat([a, x.narrow(-1, 16, 48), b])``). The cat must be along the split's dim.
+``torch.cat([a, x.narrow(-1, 16, 48), b])``). The cat must be along the split's dim. A run
+that ends with the last piece of an int split whose size is not known (it may be shorter)
+becomes ``group_ops.span_of_pieces(x, dim, start, stop, size)``: ``x`` itself, or a
+``narrow`` view, whichever the length of ``x`` at run time says.
 
 Also: a forward that returns the tuple of all the pieces of a split or unbind, in order,
 returns the split's own tuple (no getitem per piece on every call).

@@ -32,6 +32,54 @@ class SplitLayerNormTanhCat(nn.Module):
         return torch.cat([torch.tanh(self.norms[i](pieces[i])) for i in range(self.n)], -1)
 
 
+class EmbeddingChain(nn.Module):
+    """Seed case 1 as a recommendation model writes it: N embedding bags make one (B, N*D) tensor,
+    ``torch.split(x, D, dim=1)`` cuts it into features, LayerNorm + an activation each, concatenated.
+
+    Traced without shapes, nothing says the last piece of the split is whole (``dim=1`` need not
+    be the dim the layer norm normalizes), so the rules must guard it.
+    """
+
+    def __init__(self, n=7, d=13, rows=11, form="function", activation=torch.tanh):
+        super().__init__()
+        self.n, self.d, self.form, self.activation = n, d, form, activation
+        self.bags = nn.ModuleList(nn.EmbeddingBag(rows, d, mode="sum") for _ in range(n))
+        self.norms = nn.ModuleList(nn.LayerNorm(d) for _ in range(n))
+
+    def forward(self, indices, offsets):
+        x = torch.cat([bag(indices, offsets) for bag in self.bags], 1)
+        if self.form == "method":
+            pieces = x.split(self.d, 1)
+        elif self.form == "sizes":
+            pieces = torch.split(x, [self.d] * self.n, dim=1)
+        else:
+            pieces = torch.split(x, self.d, dim=1)
+        return torch.cat([self.activation(self.norms[i](pieces[i])) for i in range(self.n)], dim=1)
+
+
+class SplitAlongRows(nn.Module):
+    """N pieces of ``x.split(D, 1)`` of a (B, W, E) tensor, LayerNorm(E) + tanh each, concatenated.
+
+    The last piece really is shorter when W < N*D; when W > N*D the rest of ``x`` is not used.
+    """
+
+    def __init__(self, n=7, d=13, e=6):
+        super().__init__()
+        self.n, self.d = n, d
+        self.norms = nn.ModuleList(nn.LayerNorm(e) for _ in range(n))
+
+    def forward(self, x):
+        pieces = torch.split(x, self.d, dim=1)
+        return torch.cat([torch.tanh(self.norms[i](pieces[i])) for i in range(self.n)], 1)
+
+
+def embedding_inputs(batch=5, rows=11, per_sample=3):
+    """Random (indices, offsets) for ``EmbeddingChain``: ``per_sample`` rows for each of ``batch`` samples."""
+    indices = torch.randint(0, rows, (batch * per_sample,))
+    offsets = torch.arange(0, batch * per_sample, per_sample)
+    return [indices, offsets]
+
+
 class ParallelBranches(nn.Module):
     """Seed case 2: N parallel Linear -> LayerNorm -> ReLU branches on one input."""
 
@@ -101,7 +149,8 @@ def assert_close_scaled(actual, expected, atol, rtol):
 
 
 def check_fusion(model: nn.Module, inputs: Sequence[torch.Tensor], rules=None, min_group_size: int = 2,
-                 atol: float = 1e-5, rtol: float = 1.3e-6, gm: Optional[fx.GraphModule] = None):
+                 atol: float = 1e-5, rtol: float = 1.3e-6, gm: Optional[fx.GraphModule] = None,
+                 example_inputs: Optional[Sequence[torch.Tensor]] = None):
     """Trace, fuse, and compare outputs, input gradients and every parameter gradient.
 
     A fused parameter's gradient is compared slice by slice with the gradients of the
@@ -109,8 +158,15 @@ def check_fusion(model: nn.Module, inputs: Sequence[torch.Tensor], rules=None, m
     """
     traced = gm if gm is not None else fx.symbolic_trace(model)
     fused = copy.deepcopy(traced)
-    report = horizontal_fuse(fused, rules=rules, min_group_size=min_group_size)
+    report = horizontal_fuse(fused, rules=rules, min_group_size=min_group_size, example_inputs=example_inputs)
     fused.graph.lint()
+    compare_with_model(model, fused, inputs, atol, rtol)
+    return fused, report
+
+
+def compare_with_model(model: nn.Module, fused: fx.GraphModule, inputs: Sequence[torch.Tensor],
+                       atol: float = 1e-5, rtol: float = 1.3e-6) -> None:
+    """Outputs, input gradients and every parameter gradient of ``fused`` against ``model``'s."""
     ref_out, ref_in_grads = run_with_grads(model, inputs)
     out, in_grads = run_with_grads(fused, inputs)
     assert len(out) == len(ref_out)
@@ -132,7 +188,6 @@ def check_fusion(model: nn.Module, inputs: Sequence[torch.Tensor], rules=None, m
             covered.add(name)
             assert_close_scaled(p.grad, originals[name].grad, atol, rtol)
     assert covered == set(originals), f"parameters not accounted for: {set(originals) - covered}"
-    return fused, report
 
 
 def count_calls(gm: fx.GraphModule) -> Dict[str, int]:

@@ -12,8 +12,8 @@ import schedlang
 from schedlang.graph.passes import horizontal
 from schedlang.graph.passes.horizontal import RULES, fused_sources, horizontal_fuse
 
-from .models import (BranchesOnPieces, DependentLinears, ParallelBranches, SplitLayerNormTanhCat, check_fusion,
-                     count_calls, randomize)
+from .models import (BranchesOnPieces, DependentLinears, EmbeddingChain, ParallelBranches, SplitAlongRows,
+                     SplitLayerNormTanhCat, check_fusion, compare_with_model, count_calls, embedding_inputs, randomize)
 
 
 @pytest.mark.parametrize("n,d,batch,list_sizes", [(5, 8, (7,), False), (3, 13, (2, 7), True), (50, 4, (3,), False)])
@@ -42,6 +42,86 @@ def test_branches_on_the_pieces_of_a_split_use_one_batched_matmul():
     calls = count_calls(gm)
     assert (calls["batched_linear"], calls["group_layer_norm"], calls["gelu"]) == (1, 1, 1)
     assert "stack" not in calls and "cat" not in calls  # the stacks became views
+
+
+# ------------------------------------------------------------------ seed case 1 as an embedding chain
+_DTYPE_TOLERANCES = [(torch.float32, 1e-5, 1.3e-6), (torch.bfloat16, 3e-2, 1.6e-2), (torch.float16, 5e-3, 1e-3)]
+
+
+def _fused_every_branch(report, n):
+    """The layer norms and activations of all ``n`` branches went into one op each."""
+    by_rule = {r.rule: r for r in report.records}
+    assert len(by_rule["layer_norm"].members) == n and len(by_rule["activation"].members) == n
+    assert report.counts["layer_norm"] == 1 and report.counts["activation"] == 1
+
+
+@pytest.mark.parametrize("form", ["function", "method", "sizes"])
+@pytest.mark.parametrize("dtype,atol,rtol", _DTYPE_TOLERANCES)
+def test_every_branch_of_an_embedding_chain_fuses_without_shapes(form, dtype, atol, rtol):
+    model = randomize(EmbeddingChain(n=7, d=13, form=form)).to(dtype)
+    gm, report = check_fusion(model, embedding_inputs(), atol=atol, rtol=rtol)
+    _fused_every_branch(report, 7)
+    calls = count_calls(gm)
+    assert not {"LayerNorm", "getitem", "stack"} & set(calls)
+    assert calls["tanh"] == 1
+    if form == "sizes":  # every size is known: the view-based chain of the seed post
+        assert calls["group_layer_norm"] == 1
+    else:  # the last piece may be shorter: guarded at run time, and the cat is a span of the result
+        assert (calls["piecewise_layer_norm"], calls["span_of_pieces"]) == (1, 1) and "cat" in calls  # of the bags
+    assert len(list(gm.parameters())) == 7 + 2  # the bags, and one stacked weight and bias for the norms
+
+
+@pytest.mark.parametrize("activation", [torch.relu, torch.nn.functional.gelu, torch.sigmoid])
+def test_other_activations_fuse_on_every_branch_too(activation):
+    model = randomize(EmbeddingChain(n=5, d=3, activation=activation))
+    _, report = check_fusion(model, embedding_inputs(batch=4))
+    _fused_every_branch(report, 5)
+
+
+@pytest.mark.parametrize("dtype,atol,rtol", _DTYPE_TOLERANCES)
+def test_a_last_piece_that_really_is_shorter_gives_the_unfused_result(dtype, atol, rtol):
+    model = randomize(SplitAlongRows(n=7, d=13, e=6)).to(dtype)
+    gm, report = check_fusion(model, [torch.randn(4, 7 * 13, 6, dtype=dtype)], atol=atol, rtol=rtol)
+    _fused_every_branch(report, 7)
+    # the same fused graph on inputs whose last piece is shorter, or with a part after the pieces
+    for width in (7 * 13 - 5, 6 * 13 + 1, 7 * 13 + 5):
+        compare_with_model(model, gm, [torch.randn(3, width, 6, dtype=dtype)], atol=atol, rtol=rtol)
+    with pytest.raises(IndexError):  # piece 6 does not exist: as in the unfused model
+        gm(torch.randn(3, 6 * 13, 6, dtype=dtype))
+
+
+def test_example_inputs_give_the_rules_every_shape():
+    model = randomize(EmbeddingChain(n=7, d=13))
+    inputs = embedding_inputs()
+    gm, report = check_fusion(model, inputs, example_inputs=inputs)
+    _fused_every_branch(report, 7)
+    calls = count_calls(gm)
+    assert calls["group_layer_norm"] == 1 and not {"piecewise_layer_norm", "span_of_pieces"} & set(calls)
+    assert all(not k.startswith("schedlang") for n in gm.graph.nodes for k in n.meta)  # no notes left behind
+    # a genuinely shorter last piece, with shapes known: it stays apart, exactly as computed before
+    model = randomize(SplitAlongRows(n=7, d=13, e=6))
+    x = torch.randn(4, 7 * 13 - 5, 6)
+    gm, report = check_fusion(model, [x], example_inputs=[x])
+    assert len(report.records[0].members) == 6 and count_calls(gm)["LayerNorm"] == 1
+
+
+def test_bad_example_inputs_name_the_path_and_the_inputs():
+    gm = fx.symbolic_trace(SplitAlongRows(n=2, d=3, e=4))
+    before, meta = gm.code, [set(n.meta) for n in gm.graph.nodes]
+    with pytest.raises(schedlang.ScheduleTypeError, match=r"^feats: horizontal_fuse example_inputs must be a list "
+                                                          r"of tensors, one per input of the traced forward \(x\), "
+                                                          r"got \[\(2, 6, 4\) float32, int\]$"):
+        horizontal_fuse(gm, path="feats", example_inputs=[torch.randn(2, 6, 4), 3])
+    with pytest.raises(schedlang.ScheduleValueError, match=r"^feats: horizontal_fuse example_inputs has 2 tensor\(s\), "
+                                                           r"but the traced forward takes 1 \(x\); pass one tensor per "
+                                                           r"input$"):
+        horizontal_fuse(gm, path="feats", example_inputs=[torch.randn(2, 6, 4)] * 2)
+    with pytest.raises(schedlang.ScheduleValueError, match=r"^<root>: horizontal_fuse cannot run the traced graph on "
+                                                           r"example_inputs \[\(2, 6, 5\) float32\] at node 'norms_0': "
+                                                           r"RuntimeError: Given normalized_shape=\[4\], .+; pass tensors "
+                                                           r"shaped as in a real call of forward \(x\)$"):
+        horizontal_fuse(gm, example_inputs=[torch.randn(2, 6, 5)])  # the layer norms need a last dim of 4
+    assert gm.code == before and [set(n.meta) for n in gm.graph.nodes] == meta
 
 
 def _traced_with_shapes(model, *inputs):
@@ -282,3 +362,14 @@ def test_seed_cases_on_the_gpu(dtype, tol):
         model = randomize(model).to("cuda", dtype)
         gm, _ = check_fusion(model, [x.to("cuda", dtype)], atol=tol, rtol=tol)
         assert next(gm.parameters()).is_cuda
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("with_examples", [False, True])
+def test_embedding_chain_on_the_gpu(dtype, tol, with_examples):
+    model = randomize(EmbeddingChain(n=50, d=64, rows=1000)).to("cuda", dtype)
+    inputs = [t.cuda() for t in embedding_inputs(batch=64, rows=1000)]
+    gm, report = check_fusion(model, inputs, atol=tol, rtol=tol, example_inputs=inputs if with_examples else None)
+    _fused_every_branch(report, 50)
+    assert count_calls(gm)["group_layer_norm" if with_examples else "piecewise_layer_norm"] == 1

@@ -1,3 +1,4 @@
+import pytest
 import torch
 from torch import fx, nn
 from torch.fx.passes.shape_prop import ShapeProp
@@ -38,3 +39,22 @@ def test_dims_of_either_sign_match_when_the_rank_is_known():
     ShapeProp(gm).propagate(x)
     fused, report = check_fusion(SignedDims(), [x], gm=gm, rules=["split_cat"])
     assert report.counts == {"split_cat": 1} and count_calls(fused) == {}
+
+
+class RunToTheEnd(nn.Module):
+    def forward(self, x, y):
+        s = x.split(4, 1)
+        return torch.cat([s[0], s[1], s[2]], 1) * 2, torch.cat([y, s[1], s[2]], 1)
+
+
+def test_a_run_ending_with_a_piece_of_unknown_size_is_a_span_checked_at_run_time():
+    model = RunToTheEnd()
+    fused = None
+    for width in (12, 10, 9, 15):  # whole, the last piece short, and one piece more than used
+        fused, report = check_fusion(model, [torch.randn(3, width), torch.randn(3, 2)], rules=["split_cat"])
+        assert report.counts == {"split_cat": 2}
+        assert count_calls(fused) == {"span_of_pieces": 2, "cat": 1, "mul": 1}
+    with pytest.raises(IndexError):  # piece 2 does not exist: the unfused graph raises too
+        fused(torch.randn(3, 8), torch.randn(3, 2))
+    with pytest.raises(IndexError):
+        RunToTheEnd()(torch.randn(3, 8), torch.randn(3, 2))
