@@ -25,6 +25,8 @@ Works (batch x seq; ``--batch`` / ``--seq`` override):
   baseline ``titan-style``.
 * ``llama-1.1b-1gpu-fp8``: LLaMA-1.1B with float8 training of the blocks' Linears (torchao,
   tensorwise); baseline ``titan-style-fp8``. Skipped with a message when torchao is missing.
+* ``llama-1.1b-1gpu-ckpt``: as ``llama-1.1b-1gpu``, selective activation checkpointing's memory and
+  speed; baseline ``schedlang-optimize``.
 * ``llama-1.1b-tp2``: tensor parallelism over 2 GPUs, b4 s2048 for the group (as ``tp_titan``);
   baseline ``tp-titan``.
 * ``llama-1.1b-2gpu``: 2 GPUs in the best layout, b4 s2048 per GPU (a global batch of 8
@@ -44,6 +46,9 @@ schedlang's, through its schedule API:
   backend, per-layer compile (with ``float8="tensorwise"``);
 * ``schedlang-optimize-cg`` (``-fp8-cg``): ``optimize_model(compile="layers-cudagraphs")``: every compiled
   layer replays its kernels from CUDA graphs (torch.compile's cudagraph trees);
+* ``schedlang-optimize-ckpt<n>``: ``optimize_model(selective_checkpoint=n)``: every n-th layer
+  recomputes its activations in the backward (n = 4, 2, 1): less memory for more time. The work
+  ``llama-1.1b-1gpu-ckpt`` measures that curve against ``schedlang-optimize`` (no checkpointing);
 * ``schedlang-tp`` (``-optimize``): ``shard_model`` on a ``tp`` mesh (vocabulary-parallel
   embedding, head and cross entropy), ``compile_layers`` (or ``optimize_model``);
 * ``schedlang-fsdp`` (``-noreshard``, ``-optimize``): ``fully_shard`` per layer and at the root with
@@ -106,6 +111,10 @@ WORKS: Dict[str, Work] = {
     "llama-1.1b-1gpu-fp8": Work("llama", "llama-1.1b", 4, 2048, 1, True, "titan-style-fp8",
                                 ("titan-style-fp8", "schedlang-optimize-fp8", "schedlang-optimize-fp8-cg"),
                                 needs="torchao"),
+    # the memory / speed curve of selective activation checkpointing (every n-th layer recomputed)
+    "llama-1.1b-1gpu-ckpt": Work("llama", "llama-1.1b", 4, 2048, 1, True, "schedlang-optimize",
+                                 ("schedlang-optimize", "schedlang-optimize-ckpt4", "schedlang-optimize-ckpt2",
+                                  "schedlang-optimize-ckpt1")),
     "llama-1.1b-tp2": Work("llama", "llama-1.1b", 4, 2048, 2, False, "tp-titan",
                            ("dtensor-compile", "tp-titan", "schedlang-tp", "schedlang-tp-optimize")),
     "llama-1.1b-2gpu": Work("llama", "llama-1.1b", 4, 2048, 2, True, "fsdp2-titan",
@@ -115,8 +124,9 @@ WORKS: Dict[str, Work] = {
                                  ("fsdp2-titan", "tp-titan", "tp-fsdp-titan", "schedlang-fsdp",
                                   "schedlang-fsdp-noreshard", "schedlang-tp", "schedlang-tp-fsdp")),
 }
+CHECKPOINT_STRIDES = (4, 2, 1)
 SCHEDLANG = ("schedlang-layers", "schedlang-optimize", "schedlang-optimize-fp8", "schedlang-optimize-cg",
-             "schedlang-optimize-fp8-cg", "schedlang-tp",
+             "schedlang-optimize-fp8-cg", *(f"schedlang-optimize-ckpt{n}" for n in CHECKPOINT_STRIDES), "schedlang-tp",
              "schedlang-tp-optimize", "schedlang-fsdp", "schedlang-fsdp-noreshard", "schedlang-fsdp-optimize",
              "schedlang-tp-fsdp")
 PROFILE_STEPS = 3
@@ -148,11 +158,12 @@ def _compile(ctx: B.Context, model) -> None:
         compile_layers(model)
 
 
-def _optimize(ctx: B.Context, sch, float8=None, cudagraphs: bool = False) -> Dict[str, Any]:
+def _optimize(ctx: B.Context, sch, float8=None, cudagraphs: bool = False, checkpoint_every: int = 0
+              ) -> Dict[str, Any]:
     from schedlang.models import optimize_model
 
     compile = ("layers-cudagraphs" if cudagraphs and ctx.cuda else "layers") if ctx.args.compile else None
-    optimize_model(sch, compile=compile, float8=float8)
+    optimize_model(sch, compile=compile, float8=float8, selective_checkpoint=checkpoint_every or None)
     return sch.root.metadata["optimize"]
 
 
@@ -173,11 +184,13 @@ def _null():
     return contextlib.nullcontext()
 
 
-def make_schedlang_single(ctx: B.Context, cfg, optimize: bool, float8=None, cudagraph_layers: bool = False) -> B.Setup:
+def make_schedlang_single(ctx: B.Context, cfg, optimize: bool, float8=None, cudagraph_layers: bool = False,
+                          checkpoint_every: int = 0) -> B.Setup:
     import schedlang
 
     sch = schedlang.create_schedule(B.full_model(cfg, ctx.device))
-    info = _optimize(ctx, sch, float8, cudagraphs=cudagraph_layers) if optimize else None
+    info = (_optimize(ctx, sch, float8, cudagraphs=cudagraph_layers, checkpoint_every=checkpoint_every)
+            if optimize else None)
     model, opt = _build(ctx, sch)
     del sch  # the schedule holds the original; let it go before the timed steps
     if optimize:
@@ -257,6 +270,8 @@ def make_variant(ctx: B.Context, name: str, cfg) -> B.Setup:
         return make_schedlang_single(ctx, cfg, optimize=name != "schedlang-layers",
                                      float8="tensorwise" if "fp8" in name else None,
                                      cudagraph_layers=name.endswith("-cg"))
+    if name.startswith("schedlang-optimize-ckpt") and name in SCHEDLANG:
+        return make_schedlang_single(ctx, cfg, optimize=True, checkpoint_every=int(name.rpartition("ckpt")[2]))
     if name in ("schedlang-tp", "schedlang-tp-optimize"):
         return make_schedlang_tp(ctx, cfg, optimize=name.endswith("optimize"))
     if name == "schedlang-tp-fsdp":

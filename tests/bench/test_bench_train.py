@@ -102,3 +102,15 @@ def test_two_rank_works_on_gloo(tmp_path):
     assert layouts[("llama-1.1b-2gpu", "schedlang-fsdp-optimize")] == "dp=2 x tp=1"
     tp = next(r for r in rows if r["variant"] == "schedlang-tp" and r["work"] == "llama-1.1b-tp2")
     assert tp["batch"] == 2 and tp["baseline"] == "tp-titan"  # the group's batch, not per GPU
+
+
+def test_selective_checkpointing_variants_recompute_every_nth_layer(bench, tmp_path):
+    train = bench("bench_train")
+    rows = train.main(["--tiny", "--work", "llama-1.1b-1gpu-ckpt", "--variants",
+                       "schedlang-optimize,schedlang-optimize-ckpt2,schedlang-optimize-ckpt1",
+                       "--results-dir", str(tmp_path), "--repeats", "1", "--iters", "1", "--warmup", "2"])
+    assert [r["check"] for r in rows] == ["ok"] * 3, rows
+    assert all(r["baseline"] == "schedlang-optimize" for r in rows)
+    applied = {r["variant"]: [a for a in r["optimize"]["applied"] if a.startswith("checkpoint")] for r in rows}
+    assert applied == {"schedlang-optimize": [], "schedlang-optimize-ckpt2": ["checkpoint: 1 of 2 layers"],
+                       "schedlang-optimize-ckpt1": ["checkpoint: 2 of 2 layers"]}
