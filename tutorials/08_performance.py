@@ -85,6 +85,35 @@ else:
     print("No GPU step times are recorded yet: run bench/bench_train.py on a GPU to fill bench/results/.")
 
 # %%
+# Where a step's GPU time goes
+# ----------------------------
+# ``bench_train.py --profile DIR`` profiles three steps of every variant and keeps, with each row, the
+# GPU time per kernel kind (``bench/profile_summary.py``: GEMMs, attention, the optimizer, Inductor's
+# fused kernels, casts...). Stacked bars show what a schedule removed and what is left; a wide gap
+# between the bar and the step time is time the GPU waited for the host.
+profiled = {w: [r for r in works[w][1] if isinstance(r.get("profile"), dict)] for w in works}
+profiled = {w: rows for w, rows in profiled.items() if rows}
+for work, rows in profiled.items():
+    kinds = sorted({k for r in rows for k in r["profile"]["by_kind_ms"]},
+                   key=lambda k: -max(r["profile"]["by_kind_ms"].get(k, 0.0) for r in rows))
+    fig, ax = plt.subplots(figsize=(9, 0.5 * len(rows) + 1.6))
+    left = [0.0] * len(rows)
+    for kind in kinds:
+        widths = [r["profile"]["by_kind_ms"].get(kind, 0.0) for r in rows]
+        ax.barh([str(r.get("variant")) for r in rows], widths, left=left, label=kind)
+        left = [a + b for a, b in zip(left, widths)]
+    ax.scatter([r.get("ms") or 0 for r in rows], [str(r.get("variant")) for r in rows], marker="|", s=300,
+               color="black", label="step time")
+    ax.set_xlabel("ms per step")
+    ax.set_title(f"{work}: GPU time by kernel kind ({_label(works[work][0])})", fontsize=8)
+    ax.legend(fontsize=6, ncol=4, loc="lower right")
+    ax.tick_params(labelsize=7)
+    fig.tight_layout()
+    plt.show()
+if not profiled:
+    print("No profiled GPU rows are recorded yet: run bench/bench_train.py --profile DIR on a GPU.")
+
+# %%
 # Fused kernels against eager PyTorch and torch.compile
 # -----------------------------------------------------
 # ``bench/bench_kernels.py`` times each training-step kernel (forward and backward, LLaMA-1.1B sizes)
