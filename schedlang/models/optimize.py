@@ -356,6 +356,9 @@ def optimize_model(sch, *, fused_kernels: bool = True, compile: Optional[str] = 
         fused_kernels: fused RMSNorm and fused linear + cross-entropy loss from :mod:`schedlang.kernels`.
         compile: ``"layers"`` (each decoder layer compiled on its own), ``"layers-cudagraphs"`` (the same,
             replayed from CUDA graphs: for host-bound steps; a step's shapes must not change) or None.
+            Float8 steps are the usual host-bound case: the GEMMs get faster while the many small
+            scaling kernels cost the host as much as before, so ``float8=`` pairs well with
+            ``"layers-cudagraphs"`` (compare both with ``bench/bench_train.py --work llama-1.1b-1gpu-fp8``).
         sdpa_backend: ``"auto"`` (measured on the GPU; default on the CPU), ``"default"`` (leave it to
             PyTorch), or one of ``"cudnn"``, ``"flash"``, ``"efficient"``, ``"math"``.
         selective_checkpoint: None, ``"all"`` (every layer) or n (every n-th layer, from the first).
