@@ -42,6 +42,7 @@ from typing import Dict, List, Optional, Union
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import sdpa_kernel
 
 from ..errors import ScheduleValueError
 from ..module_record import shard_specs
@@ -274,8 +275,6 @@ def choose_sdpa_backend(batch: int, heads: int, seq: int, head_dim: int, dtype=t
     device = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None)
     if device is None or device.type != "cuda":
         return None
-    from torch.nn.attention import sdpa_kernel
-
     gen = torch.Generator(device=device).manual_seed(0)
     q, k, v = (torch.randn(batch, heads, seq, head_dim, device=device, dtype=dtype, generator=gen).requires_grad_()
                for _ in range(3))
@@ -306,16 +305,15 @@ def choose_sdpa_backend(batch: int, heads: int, seq: int, head_dim: int, dtype=t
 
 
 class _WithSDPABackend:
-    """A layer's forward run with the SDPA backend pinned (outside any compiled region, so the compiler
-    traces the chosen kernel). An object rather than a closure: copies of the model call their own layer."""
+    """A layer's forward run with the SDPA backend pinned; ``compile_layers`` compiles it with the layer, so the
+    pin is traced (no graph break) and the graph holds the chosen kernel. An object rather than a closure:
+    copies of an uncompiled model call their own layer."""
 
     def __init__(self, layer: nn.Module, backend: str):
         self.layer, self.backend = layer, backend
         self.inner = layer.__dict__.get("forward")  # an instance forward (checkpoint, compile) or the class's
 
     def __call__(self, *args, **kwargs):
-        from torch.nn.attention import sdpa_kernel
-
         forward = self.inner if self.inner is not None else type(self.layer).forward.__get__(self.layer)
         # the chosen backend first; the others stay allowed for shapes it cannot take (masks, odd head dims)
         order = [self.backend] + [n for n in ("flash", "efficient", "cudnn", "math") if n != self.backend]
@@ -400,6 +398,12 @@ def optimize_model(sch, *, fused_kernels: bool = True, compile: Optional[str] = 
                 root[path].checkpoint()
             done.append(f"checkpoint: {len(layer_paths[::every])} of {len(layer_paths)} layers")
     backend = _resolve_sdpa(root, sdpa_backend, skipped)
+    if backend is not None:
+        # pinned inside each layer's forward before it is compiled: the compiler traces the pin and the chosen
+        # attention kernel into the layer's graph, so no Python context manager runs on every call
+        for layer in _layers(root.mod):
+            layer.forward = _WithSDPABackend(layer, backend)
+        done.append(f"sdpa: {backend}")
     if compile in ("layers", "layers-cudagraphs"):
         from . import compile_layers
 
@@ -409,10 +413,6 @@ def optimize_model(sch, *, fused_kernels: bool = True, compile: Optional[str] = 
         options = {"mode": "reduce-overhead"} if compile == "layers-cudagraphs" else {}
         done.append(f"compile: {compile_layers(root.mod, **options)} layers"
                     + (" (CUDA graphs)" if options else ""))
-    if backend is not None:
-        for layer in _layers(root.mod):
-            layer.forward = _WithSDPABackend(layer, backend)
-        done.append(f"sdpa: {backend}")
     for part, why in skipped.items():
         logger.info("optimize_model: %s skipped: %s", part, why)
     root.metadata["optimize"] = {"applied": done, "skipped": skipped, "sdpa_backend": backend}

@@ -153,3 +153,37 @@ def test_under_autocast_the_head_projects_in_the_autocast_dtype():
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
     got.backward()
     assert built.lm_head.weight.grad.dtype == torch.float32 and built.lm_head.weight.grad.abs().sum() > 0
+
+
+def test_pinned_attention_backend_is_compiled_into_the_layer_without_graph_breaks(monkeypatch):
+    """The backend pin wraps the layer's forward first and is compiled with it: one graph per layer, the same
+    loss and gradients as the plain model."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    compiled = []
+    real_compile = torch.compile
+
+    def compile_on_aot_eager(fn, **options):  # Inductor's C++ build is slow on the CPU; dynamo is what counts
+        compiled.append(fn)
+        return real_compile(fn, backend="aot_eager", **options)
+
+    monkeypatch.setattr(torch, "compile", compile_on_aot_eager)
+    model = _llama()
+    ids, labels = _batch(model.config.vocab_size)
+    sch = schedlang.create_schedule(model)
+    optimize_model(sch, compile="layers", sdpa_backend="math")
+    assert sch.metadata["optimize"]["sdpa_backend"] == "math"
+    assert all(isinstance(fn, optimize._WithSDPABackend) for fn in compiled) and len(compiled) == len(
+        model.model.layers)
+    built, _ = schedlang.build(sch)
+    torch._dynamo.reset()
+    counters.clear()
+    loss = built(input_ids=ids, labels=labels, use_cache=False).loss
+    loss.backward()
+    assert dict(counters["graph_break"]) == {}
+    ref = model(input_ids=ids, labels=labels, use_cache=False).loss
+    ref.backward()
+    torch.testing.assert_close(loss, ref)
+    for (name, p), q in zip(built.named_parameters(), model.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
