@@ -193,8 +193,8 @@ def embedding_bag_operands(ctx: RewriteContext, node: fx.Node):
     elif node.op == "call_function" and node.target is F.embedding_bag:
         if len(node.args) > 3 or set(node.kwargs) - {"input", "weight", "offsets", "mode", "include_last_offset",
                                                      "max_norm", "scale_grad_by_freq", "sparse",
-                                                     "per_sample_weights", "padding_idx"}:
-            return None  # norm_type and the rest given positionally: read them as a module would, not here
+                                                     "per_sample_weights", "padding_idx", "norm_type"}:
+            return None  # max_norm and the rest given positionally: not read here
         x, offsets = arg(node, 0, "input"), arg(node, 2, "offsets")
         weight = attr_ref(ctx, arg(node, 1, "weight"))
         kw = node.kwargs
