@@ -57,6 +57,32 @@ def combine_sparse_features(features: Sequence[Tuple[torch.Tensor, torch.Tensor]
     if isinstance(features, (torch.Tensor, str)) or not isinstance(features, Sequence) or not features:
         raise ScheduleTypeError(f"combine_sparse_features: expects a non-empty list of (indices, lengths) pairs, "
                                 f"got {_describe(features)}")
+    if _uniform(features):  # the usual case, checked in bulk (the checks one by one cost more than the copy)
+        indices = [pair[0] for pair in features]
+        lengths = [pair[1] for pair in features]
+    else:
+        indices, lengths = _checked(features)
+    return _cat(indices, pin_memory), _cat(lengths, pin_memory)
+
+
+def _uniform(features) -> bool:
+    """Whether every feature is a pair of 1-D integer tensors, all indices of one kind, all lengths alike."""
+    if not all(type(pair) in (tuple, list) and len(pair) == 2 for pair in features):
+        return False
+    index_kinds = {(type(p[0]), p[0].dtype, p[0].device, p[0].dim()) if isinstance(p[0], torch.Tensor) else None
+                   for p in features}
+    length_kinds = {(type(p[1]), p[1].dtype, p[1].device, p[1].shape) if isinstance(p[1], torch.Tensor) else None
+                    for p in features}
+    if len(index_kinds) != 1 or len(length_kinds) != 1 or None in index_kinds or None in length_kinds:
+        return False
+    (_, index_dtype, _, index_dim), = index_kinds
+    (_, length_dtype, _, length_shape), = length_kinds
+    return index_dim == 1 and len(length_shape) == 1 and all(
+        not (d.is_floating_point or d.is_complex or d == torch.bool) for d in (index_dtype, length_dtype))
+
+
+def _checked(features) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+    """The indices and lengths of ``features`` after checking each feature; a clear error for the first bad one."""
     batch = None
     for i, pair in enumerate(features):
         if not isinstance(pair, (tuple, list)) or len(pair) != 2 or not all(isinstance(t, torch.Tensor) for t in pair):
@@ -79,7 +105,7 @@ def combine_sparse_features(features: Sequence[Tuple[torch.Tensor, torch.Tensor]
             shown = ", ".join(f"{d} on {dev}" for d, dev in sorted(kinds, key=str))
             raise ScheduleValueError(f"combine_sparse_features: the {what} tensors mix dtypes/devices ({shown}); "
                                      "they must share one; convert them first")
-    return _cat(indices, pin_memory), _cat(lengths, pin_memory)
+    return indices, lengths
 
 
 def _cat(parts: List[torch.Tensor], pin_memory: bool) -> torch.Tensor:
@@ -94,8 +120,6 @@ def _describe(value) -> str:
         return f"a tensor of shape {tuple(value.shape)}"
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
-
-
 
 
 def _is_integer_tensor(t) -> bool:
