@@ -11,9 +11,13 @@ Cases (the seed posts' micro-patterns, sizes as in the reference figures):
   ``horizontal_fuse`` model (alone, under ``torch.compile``, and replayed as a CUDA graph);
 * 1000 sparse features (512 indices and 128 lengths each) host to device: 2N pinned copies
   against the 2 copies of the pair from ``schedlang.sparse.combine_sparse_features``; the
-  host-side combine and the device-side split are timed separately, and the whole path end to end
-  (host tensors in, per-feature device tensors out, wall clock: combine + copy + split against the
-  2N copies);
+  host-side combine and the device-side split (lazy; with its offsets; with the N per-feature
+  pairs read) are timed separately. Then a model pooling each feature with its own
+  ``EmbeddingBag(1000, 16)``: alone on device inputs, and end to end (host tensors in, the
+  ``(B, N*16)`` output ready on the device, wall clock) as 2N copies + N EmbeddingBags, as
+  combine + 2 copies + split + N EmbeddingBags (the ``combine_sparse_features`` primitive only),
+  and as combine + 2 copies + one lookup (then ``horizontal_fuse``'s ``embedding_bags`` rule),
+  with and without the host combine; each checked against the 2N-copies output first;
 * ``horizontal_fuse`` itself on a traced graph of 10,000 nodes (CPU time).
 
 Forward passes without gradients, as in the reference figures. GPU times are medians of
@@ -200,19 +204,66 @@ def bench_parallel_linears(n=32, d_in=256, d_out=64, b=2048):
 
 
 # ----------------------------------------------------------------------------- 3. sparse features
-def bench_sparse(n=1000, n_idx=512, batch=128):
+def many_bags_model(n, rows, dim, mode="sum"):
+    """A recommendation model's pooling: N sparse features ``(i<k>, l<k>)``, each by its own EmbeddingBag.
+
+    Written out for N named inputs (as a user's model with N features would be), so tracing gives one
+    placeholder per tensor and ``combine_sparse_features`` can name them.
+    """
+    names = ", ".join(f"i{k}, l{k}" for k in range(n))
+    pairs = ", ".join(f"(i{k}, l{k})" for k in range(n))
+    namespace = {}
+    exec(f"def forward(self, {names}):\n    return self.pool([{pairs}])\n", namespace)
+
+    class ManyBags(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bags = nn.ModuleList(nn.EmbeddingBag(rows, dim, mode=mode) for _ in range(n))
+
+        def pool(self, pairs):
+            out = [bag(i, torch.cat([lens.new_zeros(1), lens.cumsum(0)[:-1]])) for bag, (i, lens) in zip(self.bags, pairs)]
+            return torch.cat(out, -1)
+
+        forward = namespace["forward"]
+
+    return ManyBags()
+
+
+def sparse_batch(n, n_idx, batch, rows, pin):
+    """N features of ``n_idx`` indices each, split at random among ``batch`` samples (some empty)."""
+    gen = torch.Generator().manual_seed(0)
+    features = []
+    for _ in range(n):
+        cuts = torch.sort(torch.randint(0, n_idx + 1, (batch - 1,), generator=gen)).values
+        lens = torch.diff(cuts, prepend=torch.tensor([0]), append=torch.tensor([n_idx]))
+        idx = torch.randint(0, rows, (n_idx,), generator=gen)
+        features.append((idx.pin_memory(), lens.pin_memory()) if pin else (idx, lens))
+    return features
+
+
+def sparse_models(n, rows, dim):
+    """(model with N EmbeddingBags, the same taking the combined pair, the same after horizontal_fuse)."""
+    from schedlang.graph.passes.combine_sparse_features import combine_sparse_inputs
+
+    torch.manual_seed(0)
+    model = many_bags_model(n, rows, dim).to(DEV)
+    combined = torch.fx.symbolic_trace(model)
+    combine_sparse_inputs(combined, [(f"i{k}", f"l{k}") for k in range(n)])
+    fused = copy.deepcopy(combined)
+    report = horizontal_fuse(fused)
+    return model, combined, fused, report
+
+
+def bench_sparse(n=1000, n_idx=512, batch=128, rows=1000, dim=16):
     case = f"H2D sparse features N={n}"
-    idx = [torch.randint(0, 1000, (n_idx,)).pin_memory() for _ in range(n)]
-    lens = []
-    for _ in range(n):  # a random split of the n_idx indices among the batch's samples
-        cuts = torch.sort(torch.randint(0, n_idx + 1, (batch - 1,))).values
-        lens.append(torch.diff(cuts, prepend=torch.tensor([0]), append=torch.tensor([n_idx])).pin_memory())
-    features = list(zip(idx, lens))
+    pin = DEV == "cuda"
+    features = sparse_batch(n, n_idx, batch, rows, pin)
+    flat = [t for pair in features for t in pair]
 
     def many():
-        return [t.to(DEV, non_blocking=True) for t in idx + lens]
+        return [t.to(DEV, non_blocking=True) for t in flat]
 
-    indices, lengths = combine_sparse_features(features, pin_memory=True)
+    indices, lengths = combine_sparse_features(features, pin_memory=pin)
 
     def combined():
         return indices.to(DEV, non_blocking=True), lengths.to(DEV, non_blocking=True)
@@ -221,37 +272,84 @@ def bench_sparse(n=1000, n_idx=512, batch=128):
     row(case, "2N copies", ms_many, first, host)
     ms, first, host = timed(combined)
     row(case, "schedlang combined (2 copies)", ms, first, host, ms_many, 0.11)
-    # what the combined pair costs around the copy: on the host, and on the device (one D2H of N sums)
+    # what the combined pair costs around the copy: on the host, and on the device
     t = []
     for _ in range(5):
         t0 = time.perf_counter()
-        combine_sparse_features(features, pin_memory=True)
+        combine_sparse_features(features, pin_memory=pin)
         t.append((time.perf_counter() - t0) * 1e3)
     log(f"{case:34s} {'host: combine_sparse_features':34s} {statistics.median(t):8.4f} ms (CPU, median of 5)")
     ROWS.append(dict(case=case, variant="host: combine_sparse_features (CPU)", ms=statistics.median(t), first=0,
                      host=statistics.median(t), ref=None, target=None))
     d_idx, d_len = combined()
     back = split_sparse_features(d_idx, d_len, n)
-    assert all(torch.equal(a.cpu(), i) and torch.equal(l.cpu(), c) for (a, l), (i, c) in zip(back, features[:3]))
+    assert all(torch.equal(a.cpu(), i) and torch.equal(l.cpu(), c) for (a, l), (i, c) in zip(back, features))
+    # the split as a model meets it: lazy (nothing waits), with the device offsets a consumer of the
+    # combined form reads, and with the N per-feature pairs read (one device-to-host copy + 2N views)
     ms, first, host = timed(lambda: split_sparse_features(d_idx, d_len, n))
-    row(case, "device: split_sparse_features", ms, first, host)
-    # end to end, as a training step sees it: host tensors in, device tensors per feature out, wall clock
-    # to the last one being ready; schedlang: combine on the host, two copies, split on the device
-    def end_to_end_many():
-        out = many()
-        torch.cuda.synchronize()
-        return out
+    row(case, "device: split_sparse_features (lazy)", ms, first, host, None, 0.05)
+    ms, first, host = timed(lambda: split_sparse_features(d_idx, d_len, n).offsets)
+    row(case, "device: split + offsets (cumsum)", ms, first, host, None, 0.05)
+    ms, first, host = timed(lambda: split_sparse_features(d_idx, d_len, n).pieces())
+    row(case, "device: split + N per-feature pairs", ms, first, host)
 
-    def end_to_end_schedlang():
-        i, l = combine_sparse_features(features, pin_memory=True)
-        out = split_sparse_features(i.to(DEV, non_blocking=True), l.to(DEV, non_blocking=True), n)
-        torch.cuda.synchronize()
-        return out
+    # end to end, as a training step sees it: host tensors in, pooled (B, N*D) embeddings out, wall clock
+    # until the output is ready on the device
+    model, model_combined, model_fused, report = sparse_models(n, rows, dim)
+    log(str(report).splitlines()[0] + f"; {report.counts}")
+    assert report.counts.get("embedding_bags") == 1, report.counts
+    with torch.no_grad():
+        ref = model(*many())
+        torch.testing.assert_close(model_combined(*combined()), ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(model_fused(*combined()), ref, rtol=1e-5, atol=1e-5)
+        # the models alone, inputs already on the device
+        case_model = f"sparse N={n} -> EmbeddingBag D={dim} model"
+        d_flat, d_pair = many(), combined()
+        ms_ref, first, host = timed(lambda: model(*d_flat))
+        row(case_model, "N EmbeddingBags (eager, device inputs)", ms_ref, first, host)
+        ms, first, host = timed(lambda: model_combined(*d_pair))
+        row(case_model, "schedlang split + N EmbeddingBags (device inputs)", ms, first, host, ms_ref)
+        ms, first, host = timed(lambda: model_fused(*d_pair))
+        row(case_model, "schedlang fused lookup (device inputs)", ms, first, host, ms_ref)
 
-    ms_ref = wall_ms(end_to_end_many)
-    row(case + " end to end", "2N copies (wall)", ms_ref, 0.0, ms_ref)
-    ms = wall_ms(end_to_end_schedlang)
-    row(case + " end to end", "schedlang combine + copy + split (wall)", ms, 0.0, ms, ms_ref, 1.0)
+        def sync():
+            if DEV == "cuda":
+                torch.cuda.synchronize()
+
+        def e2e_many():
+            out = model(*many())
+            sync()
+            return out
+
+        def e2e_split():
+            i, l = combine_sparse_features(features, pin_memory=pin)
+            out = model_combined(i.to(DEV, non_blocking=True), l.to(DEV, non_blocking=True))
+            sync()
+            return out
+
+        def e2e_fused():
+            i, l = combine_sparse_features(features, pin_memory=pin)
+            out = model_fused(i.to(DEV, non_blocking=True), l.to(DEV, non_blocking=True))
+            sync()
+            return out
+
+        def e2e_fused_precombined():
+            out = model_fused(indices.to(DEV, non_blocking=True), lengths.to(DEV, non_blocking=True))
+            sync()
+            return out
+
+        case_e2e = case_model + " end to end"
+        for fn in (e2e_split, e2e_fused, e2e_fused_precombined):
+            torch.testing.assert_close(fn(), ref, rtol=1e-5, atol=1e-5)
+        ms_ref = wall_ms(e2e_many)
+        row(case_e2e, "2N copies + N EmbeddingBags (wall)", ms_ref, 0.0, ms_ref)
+        ms = wall_ms(e2e_split)
+        row(case_e2e, "schedlang combine + 2 copies + split + N EmbeddingBags (wall)", ms, 0.0, ms, ms_ref)
+        ms = wall_ms(e2e_fused)
+        row(case_e2e, "schedlang combine + 2 copies + fused lookup (wall)", ms, 0.0, ms, ms_ref, 1.0)
+        ms = wall_ms(e2e_fused_precombined)
+        row(case_e2e, "schedlang 2 copies + fused lookup, combined by the input pipeline (wall)", ms, 0.0, ms,
+            ms_ref, 1.0)
 
 
 def wall_ms(fn, repeats=21):

@@ -3,7 +3,11 @@
 ``features`` lists the model's sparse-feature inputs as ``(indices_input, lengths_input)``
 name pairs. The traced forward then takes one ``(indices, lengths)`` pair in their place
 and splits it on the device (:func:`schedlang.sparse.split_sparse_features`), so the
-input pipeline makes 2 host-to-device copies per batch instead of 2N. Returns the
+input pipeline makes 2 host-to-device copies per batch instead of 2N. The split waits
+for the device (one copy of the N per-feature totals to the host) only if a
+per-feature tensor is read; ``horizontal_fuse()`` afterwards turns N embedding bags over
+the features into one lookup on the combined pair (rule ``embedding_bags``), which reads
+none. Returns the
 :class:`~schedlang.graph.passes.combine_sparse_features.SparseFeatureLayout` whose
 ``combine`` builds the pair from a batch.
 
@@ -11,6 +15,7 @@ Example::
 
     sch.trace()
     layout = sch.combine_sparse_features([("user_ids", "user_lengths"), ("item_ids", "item_lengths")])
+    sch.horizontal_fuse()    # the features' EmbeddingBags -> one lookup
     indices, lengths = layout.combine(batch, pin_memory=True)
     out = model(dense, indices.cuda(non_blocking=True), lengths.cuda(non_blocking=True))
 """

@@ -83,7 +83,7 @@ def test_an_untraced_module_is_refused():
 @pytest.mark.parametrize("kwargs,error,message", [
     (dict(rules=["layer_norm", "nope"]), schedlang.ScheduleValueError,
      r"^heads: unknown horizontal fusion rule 'nope': valid rules are linear_same_input, linear_batched, "
-     r"layer_norm, activation, split_cat, stack_unbind, cat_unbind$"),
+     r"layer_norm, activation, split_cat, stack_unbind, cat_unbind, embedding_bags$"),
     (dict(rules="layer_norm"), schedlang.ScheduleTypeError,
      r"^heads: horizontal_fuse rules must be None or a list of rule names, got 'layer_norm'; valid rules are "
      r"linear_same_input, "),

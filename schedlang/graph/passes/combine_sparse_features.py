@@ -11,6 +11,12 @@ After::
         a_idx = split[0][0]; a_len = split[0][1]; b_idx = split[1][0]; b_len = split[1][1]
         ...
 
+The split is lazy (:class:`schedlang.sparse.SparseFeatureSplit`): it costs nothing until
+a piece is read, and reading one makes all N pairs after one device-to-host copy of the N
+per-feature totals. ``horizontal_fuse``'s ``embedding_bags`` rule replaces N embedding
+bags over the pieces with one lookup on the combined pair, after which no piece is read
+and nothing waits for the device.
+
 The combined inputs take the place of the first feature input; the other inputs keep
 their order. Feed the model with :func:`schedlang.sparse.combine_sparse_features` over
 the features in the order given here.

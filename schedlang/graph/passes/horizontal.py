@@ -12,6 +12,7 @@ activation          tanh / relu / sigmoid / gelu / silu over such groups -> one 
 split_cat           ``cat`` of all pieces of a split, in order -> the split's input
 stack_unbind        ``stack`` of unbind pieces (or equal split pieces) -> a view; and the reverse
 cat_unbind          ``cat`` of unbind pieces -> ``flatten`` of the grouped tensor
+embedding_bags      embedding bags over the pieces of a sparse-feature split -> one lookup
 ==================  ============================================================================
 
 Chained, they turn the seed post's ``split -> N x LayerNorm -> N x tanh -> cat`` into
@@ -63,6 +64,7 @@ from ._grouping import Reachability, SweepGuard, independent_sets
 from ._shapes import check_example_inputs, forget_example_values, note_example_values
 from .activation import ActivationGroup
 from .cat_unbind import CatUnbind
+from .embedding_bags import EmbeddingBagGroup
 from .layer_norm import LayerNormGroup
 from .linear_batched import LinearBatched
 from .linear_same_input import LinearSameInput
@@ -76,7 +78,8 @@ logger = logging.getLogger("schedlang.graph.passes.horizontal")
 
 #: every rule by name, in the order a sweep applies them
 RULES: Dict[str, Rule] = {rule.name: rule for rule in (
-    LinearSameInput(), LinearBatched(), LayerNormGroup(), ActivationGroup(), SplitCat(), StackUnbind(), CatUnbind())}
+    LinearSameInput(), LinearBatched(), LayerNormGroup(), ActivationGroup(), SplitCat(), StackUnbind(), CatUnbind(),
+    EmbeddingBagGroup())}
 
 
 @dataclass
