@@ -314,11 +314,14 @@ class _WithSDPABackend:
         self.inner = layer.__dict__.get("forward")  # an instance forward (checkpoint, compile) or the class's
 
     def __call__(self, *args, **kwargs):
-        forward = self.inner if self.inner is not None else type(self.layer).forward.__get__(self.layer)
         # the chosen backend first; the others stay allowed for shapes it cannot take (masks, odd head dims)
         order = [self.backend] + [n for n in ("flash", "efficient", "cudnn", "math") if n != self.backend]
         with sdpa_kernel([_sdpa_backends()[n] for n in order], set_priority=True):
-            return forward(*args, **kwargs)
+            if self.inner is not None:
+                return self.inner(*args, **kwargs)
+            # the class's forward called with the layer, not bound through __get__: torch 2.11's compiler
+            # cannot trace function.__get__ and would break the layer's graph there
+            return type(self.layer).forward(self.layer, *args, **kwargs)
 
 
 def _layers(model: nn.Module) -> List[nn.Module]:
