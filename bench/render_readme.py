@@ -125,7 +125,7 @@ def render_profiles(files: Sequence[dict]) -> str:
         for k in kinds:
             lines.append(f"| {k} | " + " | ".join(_fmt_profile(r["profile"]["by_kind_ms"].get(k, 0.0), "ms")
                                                    for r in profiled) + " |")
-        sha = str(header.get("git_sha", "unknown"))[:10]
+        sha = str(profiled[0].get("git_sha") or header.get("git_sha", "unknown"))[:10]
         blocks.append(f"{header.get('device')}, {header.get('date')}, {sha}:\n\n" + "\n".join(lines))
     return "\n\n".join(blocks)
 
