@@ -77,6 +77,7 @@ class RewriteContext:
         self.created: Set[fx.Node] = set()
         self.fused_parameters: Dict[str, FusedParameter] = {}
         self._pending: Dict[str, nn.Parameter] = {}
+        self._pending_buffers: Dict[str, torch.Tensor] = {}
         self._retired_targets: Set[str] = set()
         self._counters: Dict[str, int] = {}
         self._modules_cache: Dict[str, nn.Module] = {}
@@ -110,9 +111,11 @@ class RewriteContext:
         return module
 
     def tensor(self, target: str) -> Any:
-        """The value a get_attr target names (a pending new parameter or an attribute of the module)."""
+        """The value a get_attr target names (a pending new parameter or buffer, or an attribute of the module)."""
         if target in self._pending:
             return self._pending[target]
+        if target in self._pending_buffers:
+            return self._pending_buffers[target]
         obj: Any = self.gm
         for part in target.split("."):
             obj = getattr(obj, part)
@@ -153,7 +156,7 @@ class RewriteContext:
         while True:
             name = f"{hint}_{k}"
             k += 1
-            if name not in self._pending and not hasattr(self.gm, name):
+            if name not in self._pending and name not in self._pending_buffers and not hasattr(self.gm, name):
                 self._counters[hint] = k
                 return name
 
@@ -166,6 +169,16 @@ class RewriteContext:
         name = self.unique(hint)
         self._pending[name] = nn.Parameter(value.detach().clone(), requires_grad=requires_grad)
         self.fused_parameters[name] = FusedParameter(name, tuple(value.shape), list(sources))
+        return self.node("get_attr", name)
+
+    def new_buffer(self, hint: str, value: torch.Tensor) -> fx.Node:
+        """Register (at commit, like :meth:`new_parameter`) a non-persistent buffer holding ``value``: data a
+        rewrite needs, not in the state dict, moved by ``.to()``. Returns a get_attr node for it.
+
+        Deferred so that a rewrite that fails before commit leaves the module as it was.
+        """
+        name = self.unique(hint)
+        self._pending_buffers[name] = value
         return self.node("get_attr", name)
 
     def node(self, op: str, target: Any, args: tuple = (), kwargs: Optional[dict] = None,
@@ -252,6 +265,9 @@ class RewriteContext:
         for name, param in self._pending.items():
             if name in used:
                 gm.register_parameter(name, param)
+        for name, buffer in self._pending_buffers.items():
+            if name in used:
+                gm.register_buffer(name, buffer, persistent=False)
         gm.graph = self.graph
         gm.recompile()
         registry: Dict[str, FusedParameter] = dict(getattr(gm, "_schedlang_fused_params", {}))

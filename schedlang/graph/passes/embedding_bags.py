@@ -283,13 +283,8 @@ def _erase_if_unused(ctx: RewriteContext, node: fx.Node) -> None:
 
 
 def _constant(ctx: RewriteContext, hint: str, values: List[int], device: torch.device) -> fx.Node:
-    """A get_attr node for a new non-persistent buffer holding ``values``.
-
-    The buffer is registered at once (the context only defers new parameters), under a
-    name nothing uses; it is not in the state dict and moves with ``.to()``. A meta model
-    gets it on the CPU (it holds data, not weights to initialize).
-    """
-    name = ctx.unique(hint)
+    """A get_attr node for a new non-persistent buffer holding ``values`` (registered when the rewrite
+    commits; not in the state dict, moved by ``.to()``). A meta model gets it on the CPU: it holds
+    data, not weights to initialize."""
     place = torch.device("cpu") if device.type == "meta" else device
-    ctx.gm.register_buffer(name, torch.tensor(values, dtype=torch.int64, device=place), persistent=False)
-    return ctx.node("get_attr", name)
+    return ctx.new_buffer(hint, torch.tensor(values, dtype=torch.int64, device=place))

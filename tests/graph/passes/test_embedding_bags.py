@@ -265,3 +265,25 @@ def test_offsets_are_recognized_by_what_they_compute(body, include_last, recogni
     assert (nodes is not None) == recognized
     if recognized:
         assert nodes[-1] is output and lengths not in nodes
+
+
+def test_a_failing_rule_leaves_no_buffer_or_parameter_behind(monkeypatch):
+    """The row-offset buffer, like the fused table, is registered only when the rewrite commits."""
+    from schedlang.graph.passes.horizontal import RULES
+
+    model = randomize(SevenBags())
+    gm = fx.symbolic_trace(model)
+    combine_sparse_inputs(gm, FEATURES)
+    code, params, buffers = gm.code, dict(gm.named_parameters()), dict(gm.named_buffers())
+    original = type(RULES["embedding_bags"]).rewrite
+
+    def broken(self, ctx, key, members):
+        original(self, ctx, key, members)  # the buffer and the table are made on the private copy ...
+        raise RuntimeError("boom")  # ... then a failure
+
+    monkeypatch.setattr(type(RULES["embedding_bags"]), "rewrite", broken)
+    with pytest.raises(RuntimeError, match="boom"):
+        horizontal_fuse(gm, rules=["embedding_bags"])
+    assert gm.code == code and dict(gm.named_parameters()) == params and dict(gm.named_buffers()) == buffers
+    feats = batch()
+    torch.testing.assert_close(gm(*combine_sparse_features(feats)), model(*[t for p in feats for t in p]))
