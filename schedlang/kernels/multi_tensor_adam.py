@@ -27,6 +27,12 @@ only a tensor's last block is masked. A second, tiny launch adds one to every st
 bf16 parameters are stored back rounded to nearest even (done with integer arithmetic so that the
 numpy interpreter, which truncates on that conversion, rounds as the GPU does).
 
+Master weights: with ``masters`` (one fp32 tensor per parameter), ``p`` above is read from and
+written to the master, and the parameter (bf16 or fp16, the copy the model computes with) is only
+written: the master rounded to nearest even. Bytes per element for bf16 parameters and gradients:
+read master, g, m, v and write master, m, v, p: 6 * 4 + 2 * 2 = 28 bytes, against 7 * 4 = 28 for
+fp32 parameters updated in place (and the model's per-step weight casts disappear).
+
 Example::
 
     multi_tensor_adam(params, grads, exp_avgs, exp_avg_sqs, [], steps, lr=lr_tensor,
@@ -51,7 +57,7 @@ __all__ = ["multi_tensor_adam", "AdamLauncher", "reference", "DEFAULT_CONFIG", "
 reference = multi_tensor_adam_reference
 
 # tensor table columns
-_P, _G, _M, _V, _VMAX, _STEP = range(6)
+_P, _G, _M, _V, _VMAX, _STEP, _MASTER = range(7)
 
 #: launch shape on a GPU: elements per program, elements per loop iteration, warps. The best of
 #: bench/bench_optim.py --sweep on an H200 (bench/results/2026-11-21-optim.md; the configurations
@@ -91,12 +97,15 @@ def _store_rounded(ptr, x, mask, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _adam_block(p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, offs, mask,
+def _adam_block(p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, master_ptr, offs, mask,
                 lr, step_size, inv_sqrt_bc2, one_minus_beta1, beta2, one_minus_beta2, eps,
                 weight_decay,
                 PARAM_DTYPE: tl.constexpr, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr,
-                DECOUPLED: tl.constexpr, HAS_WEIGHT_DECAY: tl.constexpr):
-    p = tl.load(p_ptr + offs, mask=mask).to(tl.float32)
+                DECOUPLED: tl.constexpr, HAS_WEIGHT_DECAY: tl.constexpr, HAS_MASTER: tl.constexpr):
+    if HAS_MASTER:  # the fp32 truth; the parameter is only written
+        p = tl.load(master_ptr + offs, mask=mask)
+    else:
+        p = tl.load(p_ptr + offs, mask=mask).to(tl.float32)
     g = tl.load(g_ptr + offs, mask=mask).to(tl.float32)
     m = tl.load(m_ptr + offs, mask=mask)
     v = tl.load(v_ptr + offs, mask=mask)
@@ -118,6 +127,8 @@ def _adam_block(p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, offs, mask,
     else:
         denom = tl.sqrt(v) * inv_sqrt_bc2 + eps
     p = p - step_size * (m / denom)
+    if HAS_MASTER:
+        tl.store(master_ptr + offs, p, mask=mask)
     _store_rounded(p_ptr + offs, p, mask, PARAM_DTYPE)
 
 
@@ -127,7 +138,7 @@ def _multi_tensor_adam_kernel(
     beta1, beta2, one_minus_beta1, one_minus_beta2, log_beta1, log_beta2, eps, weight_decay,
     PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr, LR_ON_DEVICE: tl.constexpr,
     AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr, DECOUPLED: tl.constexpr,
-    HAS_WEIGHT_DECAY: tl.constexpr, ALIGNED: tl.constexpr,
+    HAS_WEIGHT_DECAY: tl.constexpr, HAS_MASTER: tl.constexpr, ALIGNED: tl.constexpr,
     CHUNK: tl.constexpr, BLOCK: tl.constexpr, ROW: tl.constexpr,
 ):
     row, start, size, full, p_ptr, g_ptr = program_param_and_grad(tensor_table, chunk_map, PARAM_DTYPE, GRAD_DTYPE,
@@ -135,6 +146,7 @@ def _multi_tensor_adam_kernel(
     m_ptr = chunk_pointer(row, 2, tl.float32, ALIGNED, start)
     v_ptr = chunk_pointer(row, 3, tl.float32, ALIGNED, start)
     vmax_ptr = chunk_pointer(row, 4, tl.float32, ALIGNED, start)
+    master_ptr = chunk_pointer(row, 6, tl.float32, ALIGNED, start)
     step_ptr = tl.load(row + 5).to(tl.pointer_type(tl.float32))
 
     lr = learning_rate(lr_ptr, lr_value, LR_ON_DEVICE)
@@ -147,14 +159,14 @@ def _multi_tensor_adam_kernel(
     # full blocks: no mask, so the accesses stay vectorized
     for i in range(0, full, BLOCK):
         offs = i + tl.arange(0, BLOCK)
-        _adam_block(p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, offs, None,
+        _adam_block(p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, master_ptr, offs, None,
                     lr, step_size, inv_sqrt_bc2, one_minus_beta1, beta2, one_minus_beta2, eps,
-                    weight_decay, PARAM_DTYPE, AMSGRAD, MAXIMIZE, DECOUPLED, HAS_WEIGHT_DECAY)
+                    weight_decay, PARAM_DTYPE, AMSGRAD, MAXIMIZE, DECOUPLED, HAS_WEIGHT_DECAY, HAS_MASTER)
     if full < size:
         offs = full + tl.arange(0, BLOCK)
-        _adam_block(p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, offs, offs < size,
+        _adam_block(p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, master_ptr, offs, offs < size,
                     lr, step_size, inv_sqrt_bc2, one_minus_beta1, beta2, one_minus_beta2, eps,
-                    weight_decay, PARAM_DTYPE, AMSGRAD, MAXIMIZE, DECOUPLED, HAS_WEIGHT_DECAY)
+                    weight_decay, PARAM_DTYPE, AMSGRAD, MAXIMIZE, DECOUPLED, HAS_WEIGHT_DECAY, HAS_MASTER)
 
 
 @triton.jit
@@ -179,7 +191,8 @@ class AdamLauncher:
     references to the parameters and state but not to the gradients, whose addresses it
     recorded: the caller passes the same gradients (same addresses) to every call. Tensors
     that are not contiguous, and CPU tensors without the Triton interpreter, go through
-    :func:`reference` on each call.
+    :func:`reference` on each call. ``masters`` (fp32, one per parameter, or None) turns on
+    master weights: see :func:`multi_tensor_adam`.
 
     Example::
 
@@ -188,16 +201,19 @@ class AdamLauncher:
     """
 
     def __init__(self, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *,
-                 amsgrad: bool = False, tables: ChunkTables | None = None, config: dict | None = None):
+                 amsgrad: bool = False, masters=None, tables: ChunkTables | None = None,
+                 config: dict | None = None):
         n = len(params)
         self.amsgrad = amsgrad
+        self.has_master = bool(masters)
         vmaxes = list(max_exp_avg_sqs) if amsgrad else [None] * n
+        masters = list(masters) if self.has_master else [None] * n
         device = params[0].device if n else torch.device("cpu")
         triton_ok = use_triton(device)
-        dense = [triton_ok and is_dense(p, g, m, v, vm)
-                 for p, g, m, v, vm in zip(params, grads, exp_avgs, exp_avg_sqs, vmaxes)]
+        dense = [triton_ok and is_dense(p, g, m, v, vm, w)
+                 for p, g, m, v, vm, w in zip(params, grads, exp_avgs, exp_avg_sqs, vmaxes, masters)]
         self.strided = [i for i, d in enumerate(dense) if not d]
-        self.strided_state = [(params[i], exp_avgs[i], exp_avg_sqs[i], vmaxes[i], state_steps[i])
+        self.strided_state = [(params[i], exp_avgs[i], exp_avg_sqs[i], vmaxes[i], state_steps[i], masters[i])
                               for i in self.strided]
         keep = [i for i, d in enumerate(dense) if d]
         self.n_kernel = len(keep)
@@ -207,22 +223,25 @@ class AdamLauncher:
         cfg.update(config or {})
         self.config = cfg
         rows = [(params[i].data_ptr(), grads[i].data_ptr(), exp_avgs[i].data_ptr(), exp_avg_sqs[i].data_ptr(),
-                 vmaxes[i].data_ptr() if amsgrad else 0, state_steps[i].data_ptr()) for i in keep]
+                 vmaxes[i].data_ptr() if amsgrad else 0, state_steps[i].data_ptr(),
+                 masters[i].data_ptr() if self.has_master else 0) for i in keep]
         tables = tables if tables is not None else ChunkTables()
         self.tensor_table, self.chunk_map, self.aligned = tables.get(
             rows, [params[i].numel() for i in keep], cfg["chunk_size"], device)
         self.param_dtype = _TRITON_DTYPES[params[keep[0]].dtype]
         self.grad_dtype = _TRITON_DTYPES[grads[keep[0]].dtype]
         # the kernel reads through raw addresses: keep what it writes alive with the tables
-        self._alive = [(params[i], exp_avgs[i], exp_avg_sqs[i], vmaxes[i], state_steps[i]) for i in keep]
+        self._alive = [(params[i], exp_avgs[i], exp_avg_sqs[i], vmaxes[i], state_steps[i], masters[i])
+                       for i in keep]
 
     def __call__(self, grads, *, lr, beta1: float, beta2: float, eps: float, weight_decay: float,
                  maximize: bool = False, decoupled_weight_decay: bool = False) -> None:
         if self.strided:
-            p, m, v, vm, s = (list(x) for x in zip(*self.strided_state))
+            p, m, v, vm, s, w = (list(x) for x in zip(*self.strided_state))
             reference(p, [grads[i] for i in self.strided], m, v, vm if self.amsgrad else [], s,
                       lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, amsgrad=self.amsgrad,
-                      maximize=maximize, decoupled_weight_decay=decoupled_weight_decay)
+                      maximize=maximize, decoupled_weight_decay=decoupled_weight_decay,
+                      masters=w if self.has_master else None)
         if not self.n_kernel:
             return
         n = self.n_kernel
@@ -238,7 +257,7 @@ class AdamLauncher:
             float(eps), float(weight_decay),
             PARAM_DTYPE=self.param_dtype, GRAD_DTYPE=self.grad_dtype, LR_ON_DEVICE=lr_on_device,
             AMSGRAD=self.amsgrad, MAXIMIZE=bool(maximize), DECOUPLED=bool(decoupled_weight_decay),
-            HAS_WEIGHT_DECAY=weight_decay != 0, ALIGNED=self.aligned,
+            HAS_WEIGHT_DECAY=weight_decay != 0, HAS_MASTER=self.has_master, ALIGNED=self.aligned,
             CHUNK=cfg["chunk_size"], BLOCK=cfg["block_size"], ROW=ROW_WIDTH, num_warps=cfg["num_warps"],
         )
 
@@ -246,7 +265,7 @@ class AdamLauncher:
 def multi_tensor_adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *,
                       lr, beta1: float, beta2: float, eps: float, weight_decay: float,
                       amsgrad: bool = False, maximize: bool = False,
-                      decoupled_weight_decay: bool = False, tables: ChunkTables | None = None,
+                      decoupled_weight_decay: bool = False, masters=None, tables: ChunkTables | None = None,
                       config: dict | None = None) -> None:
     """One Adam(W) step over lists of tensors, in place: steps, state and parameters.
 
@@ -256,6 +275,10 @@ def multi_tensor_adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, sta
     device (incremented here). ``lr`` is a float or a 0-d tensor on that device. ``tables``
     keeps the launch tables between calls; ``config`` overrides the launch shape
     (``chunk_size``, ``block_size``: powers of two, ``num_warps``).
+
+    ``masters``, when given (a list of fp32 tensors shaped like the params, one per param),
+    holds the values the update applies to: each is read and written in fp32, and its param
+    (typically bf16 or fp16) is overwritten with the new master rounded to nearest even.
 
     Tensors that are not contiguous, and CPU tensors when the Triton interpreter is off, go
     through :func:`reference`.
@@ -268,6 +291,6 @@ def multi_tensor_adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, sta
     if not params:
         return
     AdamLauncher(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, amsgrad=amsgrad,
-                 tables=tables, config=config)(
+                 masters=masters, tables=tables, config=config)(
         grads, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, maximize=maximize,
         decoupled_weight_decay=decoupled_weight_decay)

@@ -8,6 +8,9 @@ precision on the host), so this function is also the bridge that lets tests comp
 parameters: torch.optim keeps bf16 state for bf16 parameters and cannot serve as the reference
 there. It is also what the optimizers run on CPU tensors when the Triton interpreter is off.
 
+With ``masters`` (fp32 tensors, one per parameter) the update applies to the master in place
+and the parameter receives the new master rounded to its dtype.
+
 Example::
 
     multi_tensor_adam_reference([w], [w.grad], [m], [v], [], [step], lr=1e-3, beta1=0.9,
@@ -27,7 +30,7 @@ __all__ = ["multi_tensor_adam_reference"]
 def multi_tensor_adam_reference(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *,
                                 lr, beta1: float, beta2: float, eps: float, weight_decay: float,
                                 amsgrad: bool = False, maximize: bool = False,
-                                decoupled_weight_decay: bool = False, tables=None,
+                                decoupled_weight_decay: bool = False, masters=None, tables=None,
                                 config: dict | None = None) -> None:
     """Reference Adam(W) step; ``tables`` and ``config`` are accepted and ignored."""
     lr = float(lr)  # a host read of a device tensor: fine for a reference
@@ -38,7 +41,8 @@ def multi_tensor_adam_reference(params, grads, exp_avgs, exp_avg_sqs, max_exp_av
         grad = grads[i].float()
         if maximize:
             grad = -grad
-        p = param.float()  # param itself when fp32: updated in place like torch.optim
+        # the fp32 master, or param itself when fp32: updated in place like torch.optim
+        p = masters[i] if masters else param.float()
         if weight_decay != 0:
             if decoupled_weight_decay:
                 p.mul_(1 - lr * weight_decay)

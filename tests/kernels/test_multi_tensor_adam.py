@@ -127,3 +127,80 @@ def test_chunk_tables_rebuild_only_when_an_address_changes():
     # 91 elements: 1 chunk; 1000: 4 chunks of 256; 1: 1; 105: 1
     assert chunk_map == [[0, 0], [1, 0], [1, 1], [1, 2], [1, 3], [2, 0], [3, 0]]
     assert tables.tensor_table[:, -1].tolist() == [91, 1000, 1, 105]
+
+
+def _master_state(params, dtype, amsgrad):
+    """Parameters rounded to ``dtype`` plus their fp32 masters, and fresh state."""
+    p, m, v, vm, s = _state(params, amsgrad)
+    return [t.to(dtype) for t in p], m, v, vm, s, [t.clone() for t in params]
+
+
+def _run_master(fn, state, grads_per_step, lrs, **kw):
+    p, m, v, vm, s, masters = state
+    grads = [g.clone() for g in grads_per_step[0]]
+    for new_grads, lr in zip(grads_per_step, lrs):
+        for g, new in zip(grads, new_grads):
+            g.copy_(new)
+        fn(p, grads, m, v, vm, s, lr=lr, masters=masters, **kw)
+    return state
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("variant", [
+    dict(amsgrad=False, maximize=False, decoupled_weight_decay=True, weight_decay=0.1),
+    dict(amsgrad=True, maximize=True, decoupled_weight_decay=False, weight_decay=0.05),
+])
+def test_master_weights_kernel_matches_reference(dtype, variant):
+    """With masters: fp32 masters and state as the reference's; the parameter is exactly the
+    master rounded to nearest even (the kernel's integer rounding against ``Tensor.to``)."""
+    params = [torch.randn(s) for s in SHAPES]
+    steps = [[torch.randn(s).to(dtype) for s in SHAPES] for _ in range(3)]
+    lrs = [1e-2, torch.tensor(1e-2), 3e-3]
+    kw = dict(beta1=0.9, beta2=0.999, eps=1e-8, **variant)
+    tables = ChunkTables()
+    ours = _run_master(lambda *a, **k: multi_tensor_adam(*a, **k, tables=tables, config=SMALL),
+                       _master_state(params, dtype, variant["amsgrad"]), steps, lrs, **kw)
+    ref = _run_master(reference, _master_state(params, dtype, variant["amsgrad"]), steps, lrs, **kw)
+    for lists in zip(ours[1:4] + ours[5:], ref[1:4] + ref[5:]):  # m, v, vmax, masters
+        for got, want in zip(*lists):
+            assert got.dtype == torch.float32
+            torch.testing.assert_close(got, want)
+    for p, master, before in zip(ours[0], ours[5], params):
+        assert p.dtype == dtype
+        assert torch.equal(p, master.to(dtype))
+        assert not torch.equal(master, before)  # the masters did move
+    for p, master in zip(ref[0], ref[5]):
+        assert torch.equal(p, master.to(dtype))
+    assert tables.rebuilds == 1 and tables.tensor_table[:, 6].tolist() == [w.data_ptr() for w in ours[5]]
+
+
+def test_master_weights_round_ties_to_even():
+    """Values exactly halfway between two bf16 numbers: the kernel must round to the even one
+    (truncation, or rounding half up, would differ on one of the two)."""
+    # 1 + 2^-8 lies halfway between bf16 1 and 1 + 2^-7; 1 + 3 * 2^-8 halfway between 1 + 2^-7 and 1 + 2^-6
+    halfway = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8)] * 30)
+    masters = [halfway.clone()]
+    params = [torch.zeros(90, dtype=torch.bfloat16)]
+    zero = [torch.zeros(90, dtype=torch.bfloat16)]
+    # lr = 0: the masters keep their values, and the parameter is their rounding
+    multi_tensor_adam(params, zero, [torch.zeros(90)], [torch.zeros(90)], [], [torch.zeros(())], lr=0.0,
+                      beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, masters=masters, config=SMALL)
+    assert torch.equal(masters[0], halfway)
+    assert params[0][:3].tolist() == [1.0, 1 + 2**-6, -1.0]
+    assert torch.equal(params[0], halfway.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_reference_with_masters_is_the_fp32_update(amsgrad):
+    """The masters follow exactly the fp32 update of the same values with the upcast gradients."""
+    params = [torch.randn(s) for s in SHAPES]
+    plain = _state(params, amsgrad)
+    with_masters = _master_state(params, torch.bfloat16, amsgrad)
+    kw = dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, amsgrad=amsgrad,
+              decoupled_weight_decay=True)
+    for _ in range(4):
+        grads = [torch.randn(s).to(torch.bfloat16) for s in SHAPES]
+        reference(plain[0], [g.float() for g in grads], *plain[1:], **kw)
+        reference(with_masters[0], grads, *with_masters[1:5], masters=with_masters[5], **kw)
+    for got, want in zip(with_masters[5], plain[0]):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
