@@ -246,7 +246,8 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     # -- state dict -----------------------------------------------------------------------
 
-    # -- state dict -----------------------------------------------------------------------
+    def _check_state_dict_to_load(self, state_dict: dict) -> None:
+        """Raise if ``state_dict`` cannot be loaded; runs before anything changes."""
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state dict of this class or of the matching ``torch.optim`` class.
@@ -262,6 +263,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         stash = {}
 
         def keep_original(optimizer, sd):
+            optimizer._check_state_dict_to_load(sd)  # before anything is loaded
             stash["sd"] = sd
 
         # runs after any user pre-hook: it sees the dict that is really loaded

@@ -1,0 +1,103 @@
+"""fp32 master weights for low-precision parameters: what the fused Adam keeps and checks.
+
+A param group with ``master_weights=True`` trains its parameters in a compute dtype (bf16 or
+fp16) while the optimizer keeps the fp32 value of each, the *master*, in its state under the key
+``"master"``. Every step updates the master in fp32 and writes the parameter back as the master
+rounded to nearest even. The model then computes with its own low-precision weights: no
+fp32 -> bf16 cast of every weight in each forward, no bf16 -> fp32 cast of every weight gradient
+in each backward, half the parameter and gradient memory. For one micro-batch per step the
+numbers are those of autocast over fp32 weights: autocast's cast of a weight is the rounded
+master, and its fp32 weight gradient is the upcast of the bf16 gradient computed here.
+
+The optimizer **changes the dtype of the parameters** it is given: at construction the fp32
+data of each parameter of such a group moves into the optimizer's state and the parameter
+(the same ``nn.Parameter`` object, so modules and hooks keep working) gets its rounded copy.
+Consequences, by design:
+
+* the fp32 truth lives in the optimizer: read it with ``optimizer.masters()`` or
+  ``optimizer.master_state_dict(model)``, and checkpoint the optimizer with the model;
+* writing into a parameter afterwards (an initialization, ``model.load_state_dict``) changes the
+  bf16 copy, not the master, and the next step overwrites it: load weights *before* building the
+  optimizer, or load the optimizer's state dict after (which refreshes every parameter from its
+  master);
+* parameters that are views of a larger buffer stop being views (their data is replaced).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from schedlang.errors import ScheduleTypeError, ScheduleValueError
+
+__all__ = ["COMPUTE_DTYPES", "check_master_group_params", "adopt_masters", "refresh_params_from_masters"]
+
+logger = logging.getLogger("schedlang.optim.master_weights")
+
+#: dtypes a master-weights group may compute in
+COMPUTE_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def check_master_settings(group: dict, where: str) -> None:
+    """Raise on a ``master_weights`` flag that is not a bool or a ``compute_dtype`` not in COMPUTE_DTYPES."""
+    flag = group.get("master_weights", False)
+    if not isinstance(flag, bool):
+        raise ScheduleTypeError(f"Invalid master_weights value: {flag!r}{where}: expected True or False")
+    dtype = group.get("compute_dtype", torch.bfloat16)
+    if dtype not in COMPUTE_DTYPES:
+        raise ScheduleValueError(f"Invalid compute_dtype: {dtype!r}{where}: must be torch.bfloat16 or torch.float16 "
+                                 "(the dtype the model computes with; the masters are fp32)")
+
+
+def check_master_group_params(owner: str, params: list, group_index: int, compute_dtype: torch.dtype,
+                              dtensor_class) -> None:
+    """Raise unless every parameter of a master-weights group is a plain fp32 tensor."""
+    for i, p in enumerate(params):
+        if not isinstance(p, torch.Tensor):
+            continue  # the generic check names it
+        if dtensor_class and isinstance(p, dtensor_class):
+            raise ScheduleTypeError(
+                f"{owner}: param group {group_index} has master_weights=True, but parameter {i} (shape "
+                f"{tuple(p.shape)}) is a DTensor; master weights support plain tensors only for now: put "
+                "DTensor parameters in a group with master_weights=False")
+        if p.dtype != torch.float32:
+            raise ScheduleTypeError(
+                f"{owner}: param group {group_index} has master_weights=True, but parameter {i} (shape "
+                f"{tuple(p.shape)}) has dtype {p.dtype}: master weights need float32 parameters (the optimizer "
+                f"keeps their fp32 value and turns them into {compute_dtype} copies); pass float32 parameters "
+                "or use master_weights=False")
+
+
+def _set_data(p: torch.Tensor, value: torch.Tensor) -> None:
+    """Give ``p`` new data of another dtype, keeping the object (and a gradient's dtype in step)."""
+    p.data = value
+    if p.grad is not None and p.grad.dtype != value.dtype:
+        p.grad = p.grad.to(value.dtype)
+
+
+@torch.no_grad()
+def adopt_masters(params, state, compute_dtype: torch.dtype) -> None:
+    """Move each fp32 parameter into ``state[p]["master"]`` and leave ``p`` its rounded copy."""
+    for p in params:
+        if "master" in state[p]:  # a parameter listed twice in its group
+            continue
+        master = p.detach().clone(memory_format=torch.preserve_format)
+        state[p]["master"] = master
+        _set_data(p, master.to(compute_dtype))
+
+
+@torch.no_grad()
+def refresh_params_from_masters(params, state) -> None:
+    """Overwrite every parameter with its master, rounded to nearest even to the parameter's dtype."""
+    for p in params:
+        master = state[p].get("master")
+        if master is not None:
+            p.copy_(master)
+
+
+def master_from_param(p: torch.Tensor, owner: str, why: str) -> torch.Tensor:
+    """An fp32 master built from a parameter's current (low-precision) value, with a warning."""
+    logger.warning("%s: %s; its fp32 master is rebuilt from the %s parameter of shape %s (the bits below "
+                   "%s precision are lost)", owner, why, p.dtype, tuple(p.shape), p.dtype)
+    return p.detach().to(torch.float32, memory_format=torch.preserve_format)
