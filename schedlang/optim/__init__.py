@@ -2,7 +2,9 @@
 
 ``FusedAdamW``, ``FusedAdam`` and ``FusedSGD`` are ``torch.optim.Optimizer`` subclasses with
 torch.optim's arguments and state-dict layout; ``make_optimizer(name, params, **kw)`` builds
-one by name. Triton is imported on the first ``step``, not here.
+one by name. Triton is imported on the first ``step``, not here. ``FusedAdam(W)(...,
+master_weights=True)`` keeps fp32 masters and turns the parameters into bf16 (or fp16) copies
+(:mod:`schedlang.optim.master_weights`).
 
 Example::
 

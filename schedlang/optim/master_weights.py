@@ -20,7 +20,17 @@ Consequences, by design:
   bf16 copy, not the master, and the next step overwrites it: load weights *before* building the
   optimizer, or load the optimizer's state dict after (which refreshes every parameter from its
   master);
-* parameters that are views of a larger buffer stop being views (their data is replaced).
+* parameters that are views of a larger buffer stop being views (their data is replaced);
+* gradients have the parameters' dtype: several micro-batches accumulated into ``.grad`` add up
+  in bf16, where autocast over fp32 weights would add them in fp32. With one micro-batch per
+  step the two give the same numbers.
+
+Example::
+
+    opt = FusedAdamW(model.parameters(), lr=3e-4, master_weights=True)  # model is now bf16
+    model(x.bfloat16()).float().sum().backward()                        # bf16 gradients
+    opt.step()                                                          # fp32 update, bf16 write-back
+    torch.save(opt.master_state_dict(model), "fp32_weights.pt")
 """
 
 from __future__ import annotations

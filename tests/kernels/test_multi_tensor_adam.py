@@ -204,3 +204,25 @@ def test_reference_with_masters_is_the_fp32_update(amsgrad):
         reference(with_masters[0], grads, *with_masters[1:5], masters=with_masters[5], **kw)
     for got, want in zip(with_masters[5], plain[0]):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_master_weights_of_a_strided_parameter_go_through_the_reference():
+    """A transposed parameter (and its master) is updated by the reference, master included."""
+    fp32 = [torch.randn(13, 7).t(), torch.randn(1000)]
+    masters = [t.clone(memory_format=torch.preserve_format) for t in fp32]
+    params = [t.to(torch.bfloat16) for t in masters]
+    assert not params[0].is_contiguous() and not masters[0].is_contiguous()
+    grads = [torch.randn(7, 13).to(torch.bfloat16), torch.randn(1000).to(torch.bfloat16)]
+    state = ([torch.zeros(7, 13), torch.zeros(1000)], [torch.zeros(7, 13), torch.zeros(1000)], [],
+             [torch.zeros(()), torch.zeros(())])
+    ref = _master_state([t.contiguous() for t in fp32], torch.bfloat16, False)
+    kw = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled_weight_decay=True)
+    launcher = AdamLauncher(params, grads, *state, masters=masters, config=SMALL)
+    assert launcher.strided == [0]
+    for _ in range(3):
+        launcher(grads, **kw)
+        reference(ref[0], grads, *ref[1:5], masters=ref[5], **kw)
+    for got, want in zip(masters, ref[5]):
+        torch.testing.assert_close(got, want)
+    for p, master in zip(params, masters):
+        assert torch.equal(p, master.to(torch.bfloat16))

@@ -129,3 +129,48 @@ def test_bf16_params_match_the_reference_on_cuda():
         torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)
     for a, b in zip(states[0][2], states[1][2]):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_master_weights_match_torch_and_replay_in_a_graph(dtype):
+    """Masters follow torch.optim on fp32 weights given the upcast low-precision gradients; the
+    parameters are exactly the masters rounded (the GPU's conversion); a captured step replays."""
+    ours, ref = _pairs()
+    lr = torch.tensor(1e-2, device="cuda")
+    opt = FusedAdamW(ours, lr=lr, weight_decay=0.1, master_weights=True, compute_dtype=dtype)
+    ref_opt = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1)
+    addresses = [p.data_ptr() for p in ours]
+
+    def set_grads():
+        for a, b in zip(ours, ref):
+            g = torch.randn_like(b).to(dtype)
+            if a.grad is None:
+                a.grad = g
+            else:
+                a.grad.copy_(g)
+            b.grad = g.float()
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            set_grads()
+            opt.step()
+            ref_opt.step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opt.step()
+    for value in (5e-3, 2e-3, 1e-3):
+        lr.fill_(value)
+        ref_opt.param_groups[0]["lr"] = value
+        set_grads()
+        graph.replay()
+        ref_opt.step()
+    torch.cuda.synchronize()
+    masters = opt.masters()
+    assert [p.data_ptr() for p in ours] == addresses
+    for a, b in zip(ours, ref):
+        assert a.dtype == dtype
+        torch.testing.assert_close(masters[a], b.detach(), rtol=1e-5, atol=1e-6)
+        assert torch.equal(a.detach(), masters[a].to(dtype))
