@@ -49,6 +49,10 @@ schedlang's, through its schedule API:
 * ``schedlang-optimize-ckpt<n>``: ``optimize_model(selective_checkpoint=n)``: every n-th layer
   recomputes its activations in the backward (n = 4, 2, 1): less memory for more time. The work
   ``llama-1.1b-1gpu-ckpt`` measures that curve against ``schedlang-optimize`` (no checkpointing);
+* ``schedlang-optimize-mw``: ``optimize_model(sch)`` with fp32 master weights for the Linear weights
+  (``schedlang.optim.master_weight_groups``: bf16 parameters in the model, fp32 masters in the
+  optimizer), so the step has no weight or gradient casts; needs ``--optimizer schedlang-fused`` (the
+  masters live in schedlang's FusedAdamW, which every row then uses);
 * ``schedlang-tp`` (``-optimize``): ``shard_model`` on a ``tp`` mesh (vocabulary-parallel
   embedding, head and cross entropy), ``compile_layers`` (or ``optimize_model``);
 * ``schedlang-fsdp`` (``-noreshard``, ``-optimize``): ``fully_shard`` per layer and at the root with
@@ -126,7 +130,8 @@ WORKS: Dict[str, Work] = {
 }
 CHECKPOINT_STRIDES = (4, 2, 1)
 SCHEDLANG = ("schedlang-layers", "schedlang-optimize", "schedlang-optimize-fp8", "schedlang-optimize-cg",
-             "schedlang-optimize-fp8-cg", *(f"schedlang-optimize-ckpt{n}" for n in CHECKPOINT_STRIDES), "schedlang-tp",
+             "schedlang-optimize-fp8-cg", *(f"schedlang-optimize-ckpt{n}" for n in CHECKPOINT_STRIDES),
+             "schedlang-optimize-mw", "schedlang-tp",
              "schedlang-tp-optimize", "schedlang-fsdp", "schedlang-fsdp-noreshard", "schedlang-fsdp-optimize",
              "schedlang-tp-fsdp")
 PROFILE_STEPS = 3
@@ -185,17 +190,31 @@ def _null():
 
 
 def make_schedlang_single(ctx: B.Context, cfg, optimize: bool, float8=None, cudagraph_layers: bool = False,
-                          checkpoint_every: int = 0) -> B.Setup:
+                          checkpoint_every: int = 0, master_weights: bool = False) -> B.Setup:
     import schedlang
 
+    if master_weights and ctx.args.optimizer != "schedlang-fused":
+        # the fp32 masters live in schedlang's fused AdamW: like for like only when every row uses that class
+        raise B.NotAvailable("master weights need schedlang's FusedAdamW on every row: run with "
+                             "--optimizer schedlang-fused")
+    if master_weights and not ctx.bf16:
+        raise B.NotAvailable("master weights keep bf16 parameters for bf16 compute: a bf16 run (on a GPU) needs "
+                             "them; this run computes in fp32")
     sch = schedlang.create_schedule(B.full_model(cfg, ctx.device))
     info = (_optimize(ctx, sch, float8, cudagraphs=cudagraph_layers, checkpoint_every=checkpoint_every)
             if optimize else None)
-    model, opt = _build(ctx, sch)
+    if master_weights:
+        from schedlang.optim import FusedAdamW, master_weight_groups
+
+        model, _ = schedlang.build(sch)
+        opt = FusedAdamW(master_weight_groups(model), lr=B.LR, weight_decay=0.01)
+    else:
+        model, opt = _build(ctx, sch)
     del sch  # the schedule holds the original; let it go before the timed steps
     if optimize:
         return B.Setup(model, opt, _labels_loss(ctx, model), notes={"loss": "fused linear + cross entropy (labels=)",
-                                                                    "optimize": info, "compile": "layers"})
+                                                                    "optimize": info, "compile": "layers",
+                                                                    "master_weights": master_weights or None})
     _compile(ctx, model)
     loss_fn = B._head_loss(ctx, B.body(model), model.lm_head)
     return B.Setup(model, opt, loss_fn, notes={"loss": "body -> lm_head -> F.cross_entropy (fp32)",
@@ -270,6 +289,8 @@ def make_variant(ctx: B.Context, name: str, cfg) -> B.Setup:
         return make_schedlang_single(ctx, cfg, optimize=name != "schedlang-layers",
                                      float8="tensorwise" if "fp8" in name else None,
                                      cudagraph_layers=name.endswith("-cg"))
+    if name == "schedlang-optimize-mw":
+        return make_schedlang_single(ctx, cfg, optimize=True, master_weights=True)
     if name.startswith("schedlang-optimize-ckpt") and name in SCHEDLANG:
         return make_schedlang_single(ctx, cfg, optimize=True, checkpoint_every=int(name.rpartition("ckpt")[2]))
     if name in ("schedlang-tp", "schedlang-tp-optimize"):

@@ -421,6 +421,21 @@ def _check_optimizer(optimizer, optimizer_kwargs, device: torch.device, dtypes) 
         raise kind(f"build: optimizer {name!r} rejects its options {optimizer_kwargs}: {e}") from e
 
 
+def _check_master_weights(master_weights, optimizer) -> None:
+    """``master_weights=True`` needs one of schedlang's fused Adams, which keep the fp32 masters."""
+    if not isinstance(master_weights, bool):
+        raise ScheduleTypeError(f"build: master_weights must be True or False, got {master_weights!r}")
+    if not master_weights:
+        return
+    from .optim import FusedAdam
+
+    fused_adam = (optimizer.lower() in ("adam", "adamw") if isinstance(optimizer, str)
+                  else isinstance(optimizer, type) and issubclass(optimizer, FusedAdam))
+    if not fused_adam:
+        raise ScheduleValueError(f"build: master_weights=True needs optimizer='adamw' or 'adam' (schedlang's fused "
+                                 f"Adam keeps the fp32 masters), got optimizer={optimizer!r}")
+
+
 def _check_arguments(model: nn.Module, init_weights, optimizer, optimizer_kwargs, device, dtype) -> torch.device:
     """Every check of build's arguments, before anything is cast, moved or initialized; returns the device
     meta tensors are materialized on."""
@@ -462,7 +477,10 @@ def build(sch, init_weights: Union[None, bool, Callable[[nn.Module], None]] = No
             them) to load the weights from; each rank reads only the slices it holds and the tensors
             it loads are never initialized (see :mod:`schedlang.pretrained`). Names and shapes are
             checked before anything is allocated.
-        **optimizer_kwargs: passed to the optimizer (``lr=...``). Slapo's ``target="deepspeed"`` (and any
+        **optimizer_kwargs: passed to the optimizer (``lr=...``). ``master_weights=True`` (with ``"adamw"`` /
+            ``"adam"``) gives the Linear weights fp32 master weights in the optimizer and bf16 (``compute_dtype``)
+            parameters in the model (:func:`schedlang.optim.master_weight_groups`): autocast's numbers without
+            its weight and gradient casts. Slapo's ``target="deepspeed"`` (and any
             target registered in :mod:`schedlang.framework_dialect`) hands the built model to that
             framework's engine instead.
 
@@ -486,12 +504,14 @@ def build(sch, init_weights: Union[None, bool, Callable[[nn.Module], None]] = No
         given = {k: v for k, v in (("optimizer", optimizer), ("device", device), ("dtype", dtype),
                                    ("pipeline", pipeline), ("pretrained", pretrained)) if v is not None}
         return build_with_target(sch, target_framework, init_weights=init_weights, **given, **optimizer_kwargs)
+    master_weights = optimizer_kwargs.pop("master_weights", False)
     root = sch.root
     model: nn.Module = root.mod
     group = _agreement_group(root)
     # every phase ends in an agreement: a rank that fails makes every rank fail within seconds (naming
     # it), instead of leaving the others blocked in the next collective
     with agreement(group, phase="build: checking the arguments"):
+        _check_master_weights(master_weights, optimizer)
         target = _check_arguments(model, init_weights, optimizer, optimizer_kwargs, device, dtype)
         weights = None
         if pretrained is not None:
@@ -527,6 +547,13 @@ def build(sch, init_weights: Union[None, bool, Callable[[nn.Module], None]] = No
         if weights is not None:
             weights.load(model)
         if optimizer is not None:
-            params = [p for p in model.parameters() if p.requires_grad]
+            if master_weights:
+                from .optim import master_weight_groups
+
+                # the Linear weights only: embeddings, norms and biases stay fp32, as autocast computes them
+                params = master_weight_groups(model, **({"compute_dtype": optimizer_kwargs["compute_dtype"]}
+                                                        if "compute_dtype" in optimizer_kwargs else {}))
+            else:
+                params = [p for p in model.parameters() if p.requires_grad]
             opt = _make_optimizer(optimizer, params, optimizer_kwargs)
     return model, opt

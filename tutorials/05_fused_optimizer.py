@@ -130,6 +130,33 @@ else:
 #     opt.param_groups[0]["lr"].fill_(5e-4)
 #     graph.replay()
 #
+# Master weights: bf16 parameters, fp32 in the optimizer
+# -------------------------------------------------------
+# Under bf16 autocast over fp32 weights every step casts each Linear weight to bf16 (forward) and
+# each bf16 weight gradient back to fp32 (backward). With ``master_weights=True`` the optimizer
+# keeps the fp32 value of each parameter of the group (the *master*) and turns the parameter into
+# its bf16 rounding; its fused step updates the master and writes the rounding back, so those
+# casts disappear and the numbers stay autocast's. ``master_weight_groups`` picks the weights
+# autocast would cast (plain ``nn.Linear`` weights); the LayerNorm and the biases stay fp32.
+# ``schedlang.build(sch, optimizer="adamw", master_weights=True)`` does the same.
+mw_model, autocast_model = make_model(), make_model()
+groups = schedlang.optim.master_weight_groups(mw_model)
+mw_opt = schedlang.optim.FusedAdamW(groups, lr=1e-2, weight_decay=0.1)
+autocast_opt = torch.optim.AdamW(autocast_model.parameters(), lr=1e-2, weight_decay=0.1)
+print({name: p.dtype for name, p in mw_model.named_parameters()})
+for model, opt in ((mw_model, mw_opt), (autocast_model, autocast_opt)):
+    opt.zero_grad(set_to_none=True)
+    with torch.autocast(device, dtype=torch.bfloat16):
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    print(f"{type(opt).__name__}: loss {loss.item():.6f}")
+masters = mw_opt.master_state_dict(mw_model)  # the fp32 truth, for checkpoints and exports
+for name, value in autocast_model.state_dict().items():
+    torch.testing.assert_close(masters[name], value, rtol=1e-5, atol=1e-6)
+print("after one step the fp32 masters equal the fp32 weights trained under autocast")
+
+# %%
 # By name
 # -------
 # ``schedlang.build(sch, optimizer="adamw", lr=...)`` builds its optimizer with

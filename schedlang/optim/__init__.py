@@ -4,7 +4,8 @@
 torch.optim's arguments and state-dict layout; ``make_optimizer(name, params, **kw)`` builds
 one by name. Triton is imported on the first ``step``, not here. ``FusedAdam(W)(...,
 master_weights=True)`` keeps fp32 masters and turns the parameters into bf16 (or fp16) copies
-(:mod:`schedlang.optim.master_weights`).
+(:mod:`schedlang.optim.master_weights`); ``master_weight_groups(model)`` makes that group of the
+Linear weights only, which keeps autocast's numbers.
 
 Example::
 
@@ -14,6 +15,7 @@ Example::
 
 from schedlang.optim.adam import FusedAdam, FusedAdamW
 from schedlang.optim.factory import OPTIMIZERS, make_optimizer
+from schedlang.optim.master_weights import master_weight_groups
 from schedlang.optim.sgd import FusedSGD
 
-__all__ = ["FusedAdam", "FusedAdamW", "FusedSGD", "make_optimizer", "OPTIMIZERS"]
+__all__ = ["FusedAdam", "FusedAdamW", "FusedSGD", "make_optimizer", "OPTIMIZERS", "master_weight_groups"]

@@ -37,11 +37,15 @@ from __future__ import annotations
 
 import logging
 
+from typing import Dict, List
+
 import torch
+from torch import nn
 
 from schedlang.errors import ScheduleTypeError, ScheduleValueError
 
-__all__ = ["COMPUTE_DTYPES", "check_master_group_params", "adopt_masters", "refresh_params_from_masters"]
+__all__ = ["COMPUTE_DTYPES", "check_master_group_params", "adopt_masters", "refresh_params_from_masters",
+           "master_weight_groups"]
 
 logger = logging.getLogger("schedlang.optim.master_weights")
 
@@ -111,3 +115,38 @@ def master_from_param(p: torch.Tensor, owner: str, why: str) -> torch.Tensor:
     logger.warning("%s: %s; its fp32 master is rebuilt from the %s parameter of shape %s (the bits below "
                    "%s precision are lost)", owner, why, p.dtype, tuple(p.shape), p.dtype)
     return p.detach().to(torch.float32, memory_format=torch.preserve_format)
+
+
+def master_weight_groups(model: nn.Module, compute_dtype: torch.dtype = torch.bfloat16) -> List[Dict]:
+    """Parameter groups for a fused Adam: the weights autocast would cast for a matmul with master weights, the
+    rest as they are.
+
+    The first group (``master_weights=True``) holds the plain fp32 weights of the model's ``nn.Linear``
+    modules that no other module also holds; the second every other trainable parameter. Embeddings, norms
+    and biases stay fp32, so what they compute does not change (an fp32 embedding keeps the residual stream
+    in fp32, as under autocast), and so does a weight shared with another module (a head tied to the
+    embedding, which the embedding reads in fp32). Empty groups are left out.
+
+    Example::
+
+        opt = FusedAdamW(master_weight_groups(model), lr=1e-4, weight_decay=0.01)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(**batch).loss
+    """
+    holders: Dict[int, int] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            holders[id(p)] = holders.get(id(p), 0) + 1
+    chosen: Dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if (type(module) is nn.Linear and isinstance(weight, nn.Parameter) and type(weight.data) is torch.Tensor
+                and weight.requires_grad and weight.dtype == torch.float32 and holders.get(id(weight)) == 1):
+            chosen[id(weight)] = weight
+    rest = [p for p in model.parameters() if p.requires_grad and id(p) not in chosen]
+    groups: List[Dict] = []
+    if chosen:
+        groups.append({"params": list(chosen.values()), "master_weights": True, "compute_dtype": compute_dtype})
+    if rest:
+        groups.append({"params": rest})
+    return groups

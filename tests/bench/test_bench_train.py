@@ -114,3 +114,17 @@ def test_selective_checkpointing_variants_recompute_every_nth_layer(bench, tmp_p
     applied = {r["variant"]: [a for a in r["optimize"]["applied"] if a.startswith("checkpoint")] for r in rows}
     assert applied == {"schedlang-optimize": [], "schedlang-optimize-ckpt2": ["checkpoint: 1 of 2 layers"],
                        "schedlang-optimize-ckpt1": ["checkpoint: 2 of 2 layers"]}
+
+
+def test_master_weights_variant_runs_only_with_schedlang_fused_adamw_on_every_row(bench, tmp_path):
+    train = bench("bench_train")
+    (row,) = train.main(["--tiny", "--work", "llama-1.1b-1gpu", "--variants", "schedlang-optimize-mw",
+                         "--results-dir", str(tmp_path), "--repeats", "1", "--iters", "1", "--warmup", "1"])
+    assert row["check"] == ("FAIL not available: master weights need schedlang's FusedAdamW on every row: run with "
+                            "--optimizer schedlang-fused")
+    rows = train.main(["--tiny", "--work", "llama-1.1b-1gpu", "--variants", "schedlang-optimize,schedlang-optimize-mw",
+                       "--optimizer", "schedlang-fused", "--results-dir", str(tmp_path), "--repeats", "1",
+                       "--iters", "1", "--warmup", "2"])
+    assert rows[0]["check"] == "ok"  # the tiny run computes in fp32, where bf16 parameters have no place
+    assert rows[1]["check"] == ("FAIL not available: master weights keep bf16 parameters for bf16 compute: a bf16 "
+                                "run (on a GPU) needs them; this run computes in fp32")

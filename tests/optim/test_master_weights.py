@@ -291,3 +291,97 @@ def test_dtensor_parameters_are_refused():
     finally:
         if created:
             dist.destroy_process_group()
+
+
+class _Tied(torch.nn.Module):
+    """An embedding, a norm, two Linears (one with a bias) and a head tied to the embedding."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(11, 6)
+        self.norm = torch.nn.LayerNorm(6)
+        self.up = torch.nn.Linear(6, 13)
+        self.down = torch.nn.Linear(13, 6, bias=False)
+        self.head = torch.nn.Linear(6, 11, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        h = self.norm(self.embed(ids))
+        return self.head(h + self.down(torch.relu(self.up(h))))
+
+
+def test_master_weight_groups_take_the_linear_weights_only():
+    from schedlang.optim import master_weight_groups
+
+    model = _Tied()
+    model.norm.weight.requires_grad_(False)
+    groups = master_weight_groups(model, compute_dtype=torch.float16)
+    assert [g.get("master_weights", False) for g in groups] == [True, False]
+    assert groups[0]["compute_dtype"] == torch.float16
+    ids = {id(p) for p in groups[0]["params"]}
+    assert ids == {id(model.up.weight), id(model.down.weight)}  # not the tied head, not the bias
+    rest = {id(p) for p in groups[1]["params"]}
+    assert rest == {id(model.embed.weight), id(model.norm.bias), id(model.up.bias)}  # frozen norm weight left out
+    assert master_weight_groups(torch.nn.Embedding(3, 2))[0].get("master_weights") is None  # no empty group
+
+
+def test_build_with_master_weights_trains_like_autocast_over_fp32_weights():
+    """schedlang.build(..., master_weights=True) on a small LLaMA: bf16 Linear weights, fp32 everything else,
+    and the losses of torch's AdamW over fp32 weights under autocast."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import schedlang
+
+    cfg = LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=72,
+                      vocab_size=97, max_position_embeddings=32)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    twin = LlamaForCausalLM(cfg)
+    twin.load_state_dict(model.state_dict())
+    built, opt = schedlang.build(schedlang.create_schedule(model), optimizer="adamw", lr=1e-2, weight_decay=0.01,
+                                 master_weights=True)
+    ref_opt = torch.optim.AdamW(twin.parameters(), lr=1e-2, weight_decay=0.01, foreach=False)
+    assert not cfg.tie_word_embeddings  # an untied head is a Linear like the others
+    linear = {n for n, m in built.named_modules() if type(m) is torch.nn.Linear}
+    assert "lm_head" in linear and len(linear) == 1 + 2 * 7
+    for name, p in built.named_parameters():
+        owner = name.rpartition(".")[0]
+        assert p.dtype == (torch.bfloat16 if owner in linear else torch.float32), name
+    ids = torch.randint(0, cfg.vocab_size, (3, 11), generator=torch.Generator().manual_seed(1))
+    losses = {}
+    for step in range(4):
+        for m, o, key in ((built, opt, "master"), (twin, ref_opt, "autocast")):
+            o.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = m(input_ids=ids, labels=ids, use_cache=False).loss
+            loss.backward()
+            losses.setdefault(key, []).append(loss.item())
+        if step == 0:  # the same forward: autocast's fp32 gradients are the upcast bf16 ones, bit for bit
+            twins = dict(twin.named_parameters())
+            for name, p in built.named_parameters():
+                assert torch.equal(p.grad.float(), twins[name].grad), name
+        opt.step()
+        ref_opt.step()
+        if step == 0:  # one update from identical gradients: the masters are torch's fp32 weights
+            masters = opt.master_state_dict(built)
+            for name, value in twin.state_dict().items():
+                torch.testing.assert_close(masters[name], value, rtol=1e-6, atol=1e-7)
+    # later steps drift apart only by the two optimizers' fp32 rounding, which Adam's normalization amplifies
+    torch.testing.assert_close(losses["master"], losses["autocast"], rtol=2e-3, atol=0)
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({"optimizer": "sgd", "master_weights": True}, ScheduleValueError,
+     "build: master_weights=True needs optimizer='adamw' or 'adam' (schedlang's fused Adam keeps the fp32 masters), "
+     "got optimizer='sgd'"),
+    ({"optimizer": "adamw", "master_weights": "yes"}, ScheduleTypeError,
+     "build: master_weights must be True or False, got 'yes'"),
+])
+def test_build_master_weights_errors(kwargs, error, message):
+    import schedlang
+
+    model = torch.nn.Linear(4, 3)
+    with pytest.raises(error) as info:
+        schedlang.build(schedlang.create_schedule(model), **kwargs)
+    assert str(info.value) == message
+    assert model.weight.dtype == torch.float32
