@@ -82,9 +82,22 @@ class FusedAdam(FusedOptimizer):
         self._constructing = True
         super().__init__(params, defaults)
         self._constructing = False
+        if any(group["master_weights"] for group in self.param_groups):
+            for group in self.param_groups:
+                if group["master_weights"]:
+                    mw.adopt_masters(group["params"], self.state, group["compute_dtype"])
+            self._init_missing_state()
+
+    def _init_missing_state(self) -> None:
+        """Create now, for every parameter, the state its first step would create (step 0, zero moments).
+
+        With master weights the state is not empty from the start, and
+        ``torch.distributed.checkpoint`` takes a non-empty state for a complete one: it loads only
+        the keys it finds. A complete state makes a checkpoint load every moment and step count."""
         for group in self.param_groups:
-            if group["master_weights"]:
-                mw.adopt_masters(group["params"], self.state, group["compute_dtype"])
+            states_of = self._states_of(group)
+            for p in group["params"]:
+                states_of(p, self.state)
 
     def _check_group(self, group: dict, where: str) -> None:
         eps, betas = group["eps"], group["betas"]
@@ -114,6 +127,7 @@ class FusedAdam(FusedOptimizer):
         group = self.param_groups[-1]
         if group["master_weights"] and not self.__dict__.get("_constructing", False):
             mw.adopt_masters(group["params"], self.state, group["compute_dtype"])
+            self._init_missing_state()
 
     def masters(self) -> dict:
         """``{parameter: its fp32 master}`` over the master-weights groups (the optimizer's own
