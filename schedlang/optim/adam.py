@@ -204,12 +204,13 @@ class FusedAdam(FusedOptimizer):
                 if not group["master_weights"]:
                     raise ScheduleValueError(
                         f"{owner}.load_state_dict: the state dict holds an fp32 master for parameter {i} of "
-                        f"param group {gi}, but that group has master_weights=False; build the optimizer "
-                        "with master_weights=True for this group to resume from it")
+                        f"param group {gi}, but that group has master_weights=False; use master_weights=True "
+                        "for this group to resume from it")
                 if master.shape != p.shape:
                     raise ScheduleValueError(
                         f"{owner}.load_state_dict: the master of parameter {i} of param group {gi} has shape "
-                        f"{tuple(master.shape)}, the parameter {tuple(p.shape)}")
+                        f"{tuple(master.shape)}, the parameter {tuple(p.shape)}; a master must match its "
+                        "parameter's shape (was the state dict saved for another model?)")
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state dict of this class or of the matching ``torch.optim`` class.

@@ -57,11 +57,11 @@ def check_master_settings(group: dict, where: str) -> None:
     """Raise on a ``master_weights`` flag that is not a bool or a ``compute_dtype`` not in COMPUTE_DTYPES."""
     flag = group.get("master_weights", False)
     if not isinstance(flag, bool):
-        raise ScheduleTypeError(f"Invalid master_weights value: {flag!r}{where}: expected True or False")
+        raise ScheduleTypeError(f"master_weights: expected True or False, got {flag!r}{where}")
     dtype = group.get("compute_dtype", torch.bfloat16)
     if dtype not in COMPUTE_DTYPES:
-        raise ScheduleValueError(f"Invalid compute_dtype: {dtype!r}{where}: must be torch.bfloat16 or torch.float16 "
-                                 "(the dtype the model computes with; the masters are fp32)")
+        raise ScheduleValueError(f"compute_dtype: must be torch.bfloat16 or torch.float16 (the dtype the model "
+                                 f"computes with; the masters are fp32), got {dtype!r}{where}")
 
 
 def check_master_group_params(owner: str, params: list, group_index: int, compute_dtype: torch.dtype,

@@ -228,9 +228,9 @@ def test_low_precision_parameter_is_refused_and_nothing_changes():
 
 @pytest.mark.parametrize("kw, error, message", [
     (dict(compute_dtype=torch.float32), ScheduleValueError,
-     r"^Invalid compute_dtype: torch\.float32: must be torch\.bfloat16 or torch\.float16 \(the dtype the model "
-     r"computes with; the masters are fp32\)$"),
-    (dict(master_weights="yes"), ScheduleTypeError, r"^Invalid master_weights value: 'yes': expected True or False$"),
+     r"^compute_dtype: must be torch\.bfloat16 or torch\.float16 \(the dtype the model computes with; the masters "
+     r"are fp32\), got torch\.float32$"),
+    (dict(master_weights="yes"), ScheduleTypeError, r"^master_weights: expected True or False, got 'yes'$"),
 ])
 def test_bad_settings(kw, error, message):
     p = torch.randn(3, requires_grad=True)
@@ -242,7 +242,7 @@ def test_bad_settings(kw, error, message):
 def test_bad_settings_in_a_later_group():
     opt = FusedAdamW([torch.randn(3, requires_grad=True)])
     extra = torch.randn(4, requires_grad=True)
-    with pytest.raises(ScheduleValueError, match=r"^Invalid compute_dtype: torch\.float64 \(param group 1\)"):
+    with pytest.raises(ScheduleValueError, match=r"^compute_dtype: must be .*, got torch\.float64 \(param group 1\)$"):
         opt.add_param_group({"params": [extra], "master_weights": True, "compute_dtype": torch.float64})
     assert len(opt.param_groups) == 1 and extra.dtype == torch.float32
 
@@ -256,8 +256,8 @@ def test_masters_into_a_group_without_master_weights_is_refused():
     before = [p.detach().clone() for p in plain]
     with pytest.raises(ScheduleValueError, match=r"^FusedAdamW\.load_state_dict: the state dict holds an fp32 master "
                                                  r"for parameter 0 of param group 0, but that group has "
-                                                 r"master_weights=False; build the optimizer with "
-                                                 r"master_weights=True for this group to resume from it$"):
+                                                 r"master_weights=False; use master_weights=True for this "
+                                                 r"group to resume from it$"):
         plain_opt.load_state_dict(opt.state_dict())
     assert len(plain_opt.state) == 0 and all(torch.equal(p.detach(), b) for p, b in zip(plain, before))
 
@@ -268,7 +268,9 @@ def test_master_of_another_shape_is_refused():
     state = opt.state_dict()
     state["state"][1] = {"master": torch.randn(999)}
     with pytest.raises(ScheduleValueError, match=r"the master of parameter 1 of param group 0 has shape \(999,\), "
-                                                 r"the parameter \(1000,\)$"):
+                                                 r"the parameter \(1000,\); a master must match its "
+                                                 r"parameter's shape \(was the state dict saved for another "
+                                                 r"model\?\)$"):
         opt.load_state_dict(state)
 
 
