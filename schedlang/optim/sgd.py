@@ -54,6 +54,9 @@ class FusedSGD(FusedOptimizer):
             raise ScheduleValueError(
                 f"Nesterov momentum requires a momentum and zero dampening{where}: got momentum={momentum}, "
                 f"dampening={dampening}")
+        if group.get("master_weights"):  # an option of the Adams; ignoring it would train without masters
+            raise ScheduleValueError(f"master_weights: FusedSGD keeps no fp32 masters{where}; use FusedAdamW or "
+                                     "FusedAdam for master weights, or drop the option")
 
     def _plan_flags(self, group: dict) -> tuple:
         return (_as_float(group["momentum"]) != 0,)

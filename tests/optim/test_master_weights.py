@@ -387,3 +387,14 @@ def test_build_master_weights_errors(kwargs, error, message):
         schedlang.build(schedlang.create_schedule(model), **kwargs)
     assert str(info.value) == message
     assert model.weight.dtype == torch.float32
+
+
+def test_fused_sgd_refuses_master_weights_instead_of_ignoring_them():
+    from schedlang.optim import FusedSGD
+
+    p = torch.nn.Parameter(torch.randn(7, 13))
+    with pytest.raises(ScheduleValueError, match=r"^master_weights: FusedSGD keeps no fp32 masters; "
+                                                 r"use FusedAdamW or FusedAdam for master weights, or drop the "
+                                                 r"option$"):
+        FusedSGD([{"params": [p], "master_weights": True}], lr=0.1)
+    assert p.dtype == torch.float32
