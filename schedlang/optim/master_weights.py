@@ -122,7 +122,7 @@ def master_weight_groups(model: nn.Module, compute_dtype: torch.dtype = torch.bf
     rest as they are.
 
     The first group (``master_weights=True``) holds the plain fp32 weights of the model's ``nn.Linear``
-    modules that no other module also holds; the second every other trainable parameter. Embeddings, norms
+    modules (and HF's ``Conv1D``, GPT-2's transposed Linear) that no other module also holds; the second every other trainable parameter. Embeddings, norms
     and biases stay fp32, so what they compute does not change (an fp32 embedding keeps the residual stream
     in fp32, as under autocast), and so does a weight shared with another module (a head tied to the
     embedding, which the embedding reads in fp32). Empty groups are left out.
@@ -140,7 +140,7 @@ def master_weight_groups(model: nn.Module, compute_dtype: torch.dtype = torch.bf
     chosen: Dict[int, nn.Parameter] = {}
     for module in model.modules():
         weight = getattr(module, "weight", None)
-        if (type(module) is nn.Linear and isinstance(weight, nn.Parameter) and type(weight.data) is torch.Tensor
+        if (_is_matmul_module(module) and isinstance(weight, nn.Parameter) and type(weight.data) is torch.Tensor
                 and weight.requires_grad and weight.dtype == torch.float32 and holders.get(id(weight)) == 1):
             chosen[id(weight)] = weight
     rest = [p for p in model.parameters() if p.requires_grad and id(p) not in chosen]
@@ -150,3 +150,11 @@ def master_weight_groups(model: nn.Module, compute_dtype: torch.dtype = torch.bf
     if rest:
         groups.append({"params": rest})
     return groups
+
+
+def _is_matmul_module(module: nn.Module) -> bool:
+    """A plain ``nn.Linear``, or transformers' ``Conv1D`` (GPT-2's Linear with a transposed weight, one
+    ``addmm``): the modules whose weight autocast casts for a matmul. Subclasses (float8 Linears, fused heads)
+    keep their own handling of the weight."""
+    cls = type(module)
+    return cls is nn.Linear or (cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers."))

@@ -398,3 +398,33 @@ def test_fused_sgd_refuses_master_weights_instead_of_ignoring_them():
                                                  r"option$"):
         FusedSGD([{"params": [p], "master_weights": True}], lr=0.1)
     assert p.dtype == torch.float32
+
+
+def test_gpt2_conv1d_weights_take_master_weights_and_train_like_autocast():
+    """GPT-2's Conv1D (a transposed Linear) is what autocast casts there: its weights get masters."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    import schedlang
+    from schedlang.optim import master_weight_groups
+
+    cfg = GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=97, n_positions=32, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(cfg)
+    twin = GPT2LMHeadModel(cfg)
+    twin.load_state_dict(model.state_dict())
+    (group, _) = master_weight_groups(model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert sorted(names[id(p)].split(".", 3)[-1] for p in group["params"]) == sorted(
+        ["attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"] * 2)
+    built, opt = schedlang.build(schedlang.create_schedule(model), optimizer="adamw", lr=1e-2, master_weights=True)
+    ref_opt = torch.optim.AdamW(twin.parameters(), lr=1e-2, foreach=False)
+    ids = torch.randint(0, cfg.vocab_size, (3, 11), generator=torch.Generator().manual_seed(1))
+    for m, o in ((built, opt), (twin, ref_opt)):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            m(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        o.step()
+    masters = opt.master_state_dict(built)
+    for name, value in twin.state_dict().items():
+        if value.is_floating_point():
+            torch.testing.assert_close(masters[name], value, rtol=1e-6, atol=1e-7, msg=name)
