@@ -62,6 +62,11 @@ def latest_rows(files: Sequence[dict]) -> Dict[str, Tuple[dict, List[dict]]]:
     return works
 
 
+def work_order(works) -> List[str]:
+    """The training works in TRAIN_WORKS's order, then every other work with results, sorted."""
+    return list(TRAIN_WORKS) + sorted(w for w in works if w not in TRAIN_WORKS)
+
+
 def same_run(row: dict, rows: Sequence[dict], header: dict) -> List[dict]:
     """The rows measured by the same command on the same revision as ``row``: a ratio compares only
     rows of one run (one process, like for like), never rows merged in from another day's code."""
@@ -80,8 +85,7 @@ def render_table(files: Sequence[dict]) -> str:
     head = ["work", "variant", "role", "step ms", "tokens/s", "MFU", "peak GiB", "vs baseline", "optimizer", "check",
             "device", "date", "sha"]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join(" --- " for _ in head) + "|"]
-    order = list(TRAIN_WORKS) + sorted(w for w in works if w not in TRAIN_WORKS)
-    for work in order:
+    for work in work_order(works):
         if work not in works:
             lines.append(f"| {work} | {NO_RESULT} |" + " |" * (len(head) - 2))
             continue
@@ -108,7 +112,7 @@ def render_profiles(files: Sequence[dict]) -> str:
     time goes, one column per profiled row, one line per kernel kind (ms per step). Empty without any."""
     works = latest_rows(files)
     blocks = []
-    for work in list(TRAIN_WORKS) + sorted(w for w in works if w not in TRAIN_WORKS):
+    for work in work_order(works):
         if work not in works:
             continue
         header, rows = works[work]
@@ -144,7 +148,7 @@ def render_chart(files: Sequence[dict], path: Path) -> Optional[Path]:
     """A horizontal bar per row that ran: its speed against its baseline (1.0 = as fast). None without rows."""
     works = latest_rows(files)
     bars = []
-    for work in list(TRAIN_WORKS) + sorted(w for w in works if w not in TRAIN_WORKS):
+    for work in work_order(works):
         if work not in works:
             continue
         header, rows = works[work]

@@ -174,6 +174,12 @@ def compare_with_model(model: nn.Module, fused: fx.GraphModule, inputs: Sequence
         assert_close_scaled(a, b, atol, rtol)
     for a, b in zip(in_grads, ref_in_grads):
         assert_close_scaled(a, b, atol, rtol)
+    compare_parameters(model, fused, atol, rtol)
+
+
+def compare_parameters(model: nn.Module, fused: fx.GraphModule, atol: float = 1e-5, rtol: float = 1.3e-6) -> None:
+    """Every original parameter of ``model``, and its gradient, against where ``fused`` holds it (itself, or its
+    slice of a fused parameter); every original must be accounted for."""
     originals = dict(model.named_parameters())
     fused_info = fused_parameter_sources(fused)
     covered = set()

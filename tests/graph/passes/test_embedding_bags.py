@@ -12,7 +12,7 @@ from schedlang.graph.passes.combine_sparse_features import combine_sparse_inputs
 from schedlang.graph.passes.horizontal import fused_parameter_sources, horizontal_fuse
 from schedlang.sparse import combine_sparse_features
 
-from .models import assert_close_scaled, count_calls, run_with_grads
+from .models import assert_close_scaled, compare_parameters, count_calls, run_with_grads
 
 SIZES = [3, 17, 1, 8, 30, 5, 11]  # rows of the 7 tables
 FEATURES = [(f"i{k}", f"l{k}") for k in range(7)]
@@ -67,18 +67,7 @@ def check(model, fused, feats, extra=(), atol=1e-5, rtol=1.3e-6):
     assert len(out) == len(ref_out)
     for a, b in zip(out, ref_out):
         assert_close_scaled(a, b, atol, rtol)
-    originals = dict(model.named_parameters())
-    sources = fused_parameter_sources(fused)
-    covered = set()
-    for name, p in fused.named_parameters():
-        for src in sources[name].sources if name in sources else ():
-            covered.add(src.name)
-            torch.testing.assert_close(src.take(p.detach()), originals[src.name].detach(), atol=0, rtol=0)
-            assert_close_scaled(src.take(p.grad), originals[src.name].grad, atol, rtol)
-        if name not in sources:
-            covered.add(name)
-            assert_close_scaled(p.grad, originals[name].grad, atol, rtol)
-    assert covered == set(originals), f"parameters not accounted for: {set(originals) - covered}"
+    compare_parameters(model, fused, atol, rtol)
 
 
 def randomize(model):
