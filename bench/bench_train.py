@@ -49,10 +49,11 @@ schedlang's, through its schedule API:
 * ``schedlang-optimize-ckpt<n>``: ``optimize_model(selective_checkpoint=n)``: every n-th layer
   recomputes its activations in the backward (n = 4, 2, 1): less memory for more time. The work
   ``llama-1.1b-1gpu-ckpt`` measures that curve against ``schedlang-optimize`` (no checkpointing);
-* ``schedlang-optimize-mw``: ``optimize_model(sch)`` with fp32 master weights for the Linear weights
-  (``schedlang.optim.master_weight_groups``: bf16 parameters in the model, fp32 masters in the
-  optimizer), so the step has no weight or gradient casts; needs ``--optimizer schedlang-fused`` (the
-  masters live in schedlang's FusedAdamW, which every row then uses);
+* ``schedlang-optimize-mw`` (``-mw-cg``, ``-fp8-mw``, ``-fp8-mw-cg``): as above with fp32 master weights
+  for the Linear weights, float8 ones included (``schedlang.optim.master_weight_groups``: bf16
+  parameters in the model, fp32 masters in the optimizer), so the step has no weight or gradient casts
+  to and from fp32; needs ``--optimizer schedlang-fused`` (the masters live in schedlang's FusedAdamW,
+  which every row then uses);
 * ``schedlang-tp`` (``-optimize``): ``shard_model`` on a ``tp`` mesh (vocabulary-parallel
   embedding, head and cross entropy), ``compile_layers`` (or ``optimize_model``);
 * ``schedlang-fsdp`` (``-noreshard``, ``-optimize``): ``fully_shard`` per layer and at the root with
@@ -129,9 +130,11 @@ WORKS: Dict[str, Work] = {
                                   "schedlang-fsdp-noreshard", "schedlang-tp", "schedlang-tp-fsdp")),
 }
 CHECKPOINT_STRIDES = (4, 2, 1)
-SCHEDLANG = ("schedlang-layers", "schedlang-optimize", "schedlang-optimize-fp8", "schedlang-optimize-cg",
-             "schedlang-optimize-fp8-cg", *(f"schedlang-optimize-ckpt{n}" for n in CHECKPOINT_STRIDES),
-             "schedlang-optimize-mw", "schedlang-tp",
+# schedlang-optimize[-fp8][-mw][-cg]: float8 Linears, fp32 master weights, per-layer CUDA graphs
+OPTIMIZE_VARIANTS = tuple("schedlang-optimize" + fp8 + mw + cg for fp8 in ("", "-fp8") for mw in ("", "-mw")
+                          for cg in ("", "-cg"))
+SCHEDLANG = ("schedlang-layers", *OPTIMIZE_VARIANTS, *(f"schedlang-optimize-ckpt{n}" for n in CHECKPOINT_STRIDES),
+             "schedlang-tp",
              "schedlang-tp-optimize", "schedlang-fsdp", "schedlang-fsdp-noreshard", "schedlang-fsdp-optimize",
              "schedlang-tp-fsdp")
 PROFILE_STEPS = 3
@@ -284,13 +287,12 @@ def make_schedlang_fsdp(ctx: B.Context, cfg, reshard: Optional[bool], optimize: 
 def make_variant(ctx: B.Context, name: str, cfg) -> B.Setup:
     if name in B.BASELINES:
         return B.BASELINES[name](ctx, cfg)
-    if name in ("schedlang-layers", "schedlang-optimize", "schedlang-optimize-fp8", "schedlang-optimize-cg",
-                "schedlang-optimize-fp8-cg"):
-        return make_schedlang_single(ctx, cfg, optimize=name != "schedlang-layers",
-                                     float8="tensorwise" if "fp8" in name else None,
-                                     cudagraph_layers=name.endswith("-cg"))
-    if name == "schedlang-optimize-mw":
-        return make_schedlang_single(ctx, cfg, optimize=True, master_weights=True)
+    if name == "schedlang-layers":
+        return make_schedlang_single(ctx, cfg, optimize=False)
+    if name in OPTIMIZE_VARIANTS:
+        options = set(name[len("schedlang-optimize"):].split("-")[1:])
+        return make_schedlang_single(ctx, cfg, optimize=True, float8="tensorwise" if "fp8" in options else None,
+                                     cudagraph_layers="cg" in options, master_weights="mw" in options)
     if name.startswith("schedlang-optimize-ckpt") and name in SCHEDLANG:
         return make_schedlang_single(ctx, cfg, optimize=True, checkpoint_every=int(name.rpartition("ckpt")[2]))
     if name in ("schedlang-tp", "schedlang-tp-optimize"):

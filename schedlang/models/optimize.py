@@ -49,7 +49,7 @@ from ..module_record import shard_specs
 
 logger = logging.getLogger("schedlang.models.optimize")
 
-__all__ = ["optimize_model", "FusedLinearCrossEntropyHead", "choose_sdpa_backend", "COMPILE_MODES",
+__all__ = ["optimize_model", "FusedLinearCrossEntropyHead", "choose_sdpa_backend", "SDPA_LAYOUTS", "COMPILE_MODES",
            "SDPA_BACKENDS"]
 
 COMPILE_MODES = ("layers", "layers-cudagraphs", None)
@@ -268,17 +268,44 @@ def _sdpa_backends():
             "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
 
 
+#: how a model lays out the q, k, v it gives SDPA (the probe times the backends on the same layout:
+#: some copy strided inputs, and a backend fast on contiguous tensors can be slow on the model's own)
+SDPA_LAYOUTS = ("heads-first", "per-projection", "fused-qkv")
+
+
+def _probe_inputs(batch: int, heads: int, seq: int, head_dim: int, dtype, device, layout: str, gen):
+    """q, k, v and the output's gradient as a model of this ``layout`` hands them to SDPA: all (B, H, S, D)
+    shaped; ``heads-first`` contiguous; ``per-projection`` each the (B, S, H, D) output of its own projection,
+    transposed (LLaMA); ``fused-qkv`` three slices of one (B, S, 3, H, D) projection, transposed (GPT-2's
+    ``c_attn``). The gradient arrives as the transpose of a (B, S, H, D) tensor, as from the output projection."""
+    def randn(*shape):
+        return torch.randn(*shape, device=device, dtype=dtype, generator=gen)
+
+    if layout == "heads-first":
+        qkv = [randn(batch, heads, seq, head_dim).requires_grad_() for _ in range(3)]
+        return qkv, qkv, randn(batch, heads, seq, head_dim)
+    grad = randn(batch, seq, heads, head_dim).transpose(1, 2)
+    if layout == "per-projection":
+        leaves = [randn(batch, seq, heads, head_dim).requires_grad_() for _ in range(3)]
+        return leaves, [t.transpose(1, 2) for t in leaves], grad
+    packed = randn(batch, seq, 3, heads, head_dim).requires_grad_()
+    return [packed], [packed[:, :, i].transpose(1, 2) for i in range(3)], grad
+
+
 def choose_sdpa_backend(batch: int, heads: int, seq: int, head_dim: int, dtype=torch.bfloat16,
-                        device: Optional[torch.device] = None, causal: bool = True, repeats: int = 5) -> Optional[str]:
-    """The fastest SDPA backend (forward + backward) at these shapes on the current GPU, by measurement;
-    None on the CPU (PyTorch's default is kept) or when no backend runs."""
+                        device: Optional[torch.device] = None, causal: bool = True, repeats: int = 5,
+                        layout: str = "heads-first") -> Optional[str]:
+    """The fastest SDPA backend (forward + backward) at these shapes and this q/k/v ``layout`` (one of
+    SDPA_LAYOUTS) on the current GPU, by measurement; None on the CPU (PyTorch's default is kept) or when no
+    backend runs."""
+    if layout not in SDPA_LAYOUTS:
+        raise ScheduleValueError(f"choose_sdpa_backend: invalid layout {layout!r}: valid are "
+                                 f"{', '.join(map(repr, SDPA_LAYOUTS))}")
     device = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None)
     if device is None or device.type != "cuda":
         return None
     gen = torch.Generator(device=device).manual_seed(0)
-    q, k, v = (torch.randn(batch, heads, seq, head_dim, device=device, dtype=dtype, generator=gen).requires_grad_()
-               for _ in range(3))
-    grad = torch.randn(batch, heads, seq, head_dim, device=device, dtype=dtype, generator=gen)
+    leaves, (q, k, v), grad = _probe_inputs(batch, heads, seq, head_dim, dtype, device, layout, gen)
     times = {}
     for name, backend in _sdpa_backends().items():
         if name == "math":
@@ -290,16 +317,17 @@ def choose_sdpa_backend(batch: int, heads: int, seq: int, head_dim: int, dtype=t
                         torch.cuda.synchronize(device)
                         t0 = time.perf_counter()
                     out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-                    out.backward(grad)
+                    # the gradients of the leaves, as the model's backward reaches its projections
+                    torch.autograd.grad(out, leaves, grad)
                 torch.cuda.synchronize(device)
             times[name] = (time.perf_counter() - t0) / repeats
         except RuntimeError as e:  # not supported at these shapes / on this GPU
             logger.info("SDPA probe: %s unavailable (%s)", name, str(e).splitlines()[0][:200])
-    del q, k, v, grad
+    del leaves, q, k, v, grad
     if not times:
         return None
     best = min(times, key=times.get)
-    logger.info("SDPA probe (b%d h%d s%d d%d): %s -> %s", batch, heads, seq, head_dim,
+    logger.info("SDPA probe (b%d h%d s%d d%d, %s): %s -> %s", batch, heads, seq, head_dim, layout,
                 ", ".join(f"{n} {t * 1e3:.3f} ms" for n, t in sorted(times.items())), best)
     return best
 
@@ -344,7 +372,9 @@ def _attention_shapes(config) -> Dict[str, int]:
     hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd")
     heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head")
     seq = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", 1024)
-    return {"heads": heads, "head_dim": hidden // heads, "seq": min(seq, 2048)}
+    # GPT-2 computes q, k, v with one fused projection (c_attn) and slices them; LLaMA and BERT with three
+    layout = "fused-qkv" if getattr(config, "model_type", None) == "gpt2" else "per-projection"
+    return {"heads": heads, "head_dim": hidden // heads, "seq": min(seq, 2048), "layout": layout}
 
 
 # ------------------------------------------------------------------------------------------------- entry
@@ -455,7 +485,7 @@ def _resolve_sdpa(root, sdpa_backend: str, skipped: Dict[str, str]) -> Optional[
     choice = None
     with contextlib.suppress(Exception):
         choice = choose_sdpa_backend(batch=max(1, 8192 // shapes["seq"]), heads=shapes["heads"], seq=shapes["seq"],
-                                     head_dim=shapes["head_dim"])
+                                     head_dim=shapes["head_dim"], layout=shapes["layout"])
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:

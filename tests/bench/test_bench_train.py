@@ -122,9 +122,20 @@ def test_master_weights_variant_runs_only_with_schedlang_fused_adamw_on_every_ro
                          "--results-dir", str(tmp_path), "--repeats", "1", "--iters", "1", "--warmup", "1"])
     assert row["check"] == ("FAIL not available: master weights need schedlang's FusedAdamW on every row: run with "
                             "--optimizer schedlang-fused")
-    rows = train.main(["--tiny", "--work", "llama-1.1b-1gpu", "--variants", "schedlang-optimize,schedlang-optimize-mw",
+    rows = train.main(["--tiny", "--work", "llama-1.1b-1gpu", "--variants",
+                       "schedlang-optimize,schedlang-optimize-mw,schedlang-optimize-fp8-mw-cg",
                        "--optimizer", "schedlang-fused", "--results-dir", str(tmp_path), "--repeats", "1",
                        "--iters", "1", "--warmup", "2"])
     assert rows[0]["check"] == "ok"  # the tiny run computes in fp32, where bf16 parameters have no place
-    assert rows[1]["check"] == ("FAIL not available: master weights keep bf16 parameters for bf16 compute: a bf16 "
+    for row in rows[1:]:
+        assert row["check"] == ("FAIL not available: master weights keep bf16 parameters for bf16 compute: a bf16 "
                                 "run (on a GPU) needs them; this run computes in fp32")
+
+
+def test_optimize_variant_names_compose_float8_master_weights_and_cuda_graphs(bench):
+    train = bench("bench_train")
+    assert len(set(train.OPTIMIZE_VARIANTS)) == 8
+    assert {"schedlang-optimize", "schedlang-optimize-fp8-cg", "schedlang-optimize-mw-cg",
+            "schedlang-optimize-fp8-mw-cg"} <= set(train.OPTIMIZE_VARIANTS)
+    with pytest.raises(ValueError, match="unknown variant 'schedlang-optimize-cg-mw'"):
+        train.make_variant(None, "schedlang-optimize-cg-mw", None)

@@ -187,3 +187,39 @@ def test_pinned_attention_backend_is_compiled_into_the_layer_without_graph_break
     torch.testing.assert_close(loss, ref)
     for (name, p), q in zip(built.named_parameters(), model.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("layout", optimize.SDPA_LAYOUTS)
+def test_the_attention_probe_feeds_sdpa_the_models_own_layout(layout):
+    """The probe's q, k, v have the strides the model hands SDPA; their gradients reach its leaves."""
+    b, h, s, d = 2, 3, 5, 8
+    leaves, (q, k, v), grad = optimize._probe_inputs(b, h, s, d, torch.float32, torch.device("cpu"), layout,
+                                                     torch.Generator().manual_seed(0))
+    assert all(t.shape == (b, h, s, d) for t in (q, k, v, grad))
+    contiguous = layout == "heads-first"
+    assert all(t.is_contiguous() == contiguous for t in (q, k, v, grad))
+    if layout == "fused-qkv":  # slices of one projection: a row of q is 3 * h * d apart from the next
+        assert len(leaves) == 1 and q.stride() == (s * 3 * h * d, d, 3 * h * d, 1)
+        assert {t.untyped_storage().data_ptr() for t in (q, k, v)} == {leaves[0].untyped_storage().data_ptr()}
+    elif layout == "per-projection":
+        assert len(leaves) == 3 and q.stride() == (s * h * d, d, h * d, 1)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    grads = torch.autograd.grad(out, leaves, grad)
+    assert all(g.shape == t.shape and g.abs().sum() > 0 for g, t in zip(grads, leaves))
+
+
+def test_each_family_is_probed_in_its_layout_and_a_bad_layout_is_refused():
+    assert optimize._attention_shapes(_gpt2().config)["layout"] == "fused-qkv"
+    assert optimize._attention_shapes(_llama().config)["layout"] == "per-projection"
+    with pytest.raises(SchedlangError, match=r"^choose_sdpa_backend: invalid layout 'bshd': valid are "
+                                             r"'heads-first', 'per-projection', 'fused-qkv'$"):
+        optimize.choose_sdpa_backend(1, 2, 8, 16, layout="bshd")
+    if not torch.cuda.is_available():
+        assert optimize.choose_sdpa_backend(1, 2, 8, 16, layout="fused-qkv") is None  # CPU: PyTorch's default
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", optimize.SDPA_LAYOUTS)
+def test_the_attention_probe_picks_a_backend_that_runs_on_the_gpu(layout):
+    choice = optimize.choose_sdpa_backend(2, 16, 1024, 64, layout=layout)
+    assert choice in ("cudnn", "flash", "efficient")

@@ -256,3 +256,88 @@ def test_verify_still_catches_a_wrong_float8_schedule():
             # a planted bug: the MLP's output halved, as a lost all-reduce of two ranks would leave it
             sch["model.layers.0.mlp.down_proj"].sync(mode="fwd_post", sync_op_or_fn=lambda t: t * 0.5)
     assert len(sch.plan) == 0  # the failed block is undone
+
+
+class _RoundedToBf16(nn.Module):
+    """A weight read as its bf16 rounding (the gradient flows back to the fp32 weight as the upcast of the
+    bf16 one): what a float8 Linear computes with when the optimizer keeps the fp32 masters."""
+
+    def forward(self, weight):
+        return weight.to(torch.bfloat16)
+
+
+def _float8_master_weights_run(device: str, emulate: bool, steps: int = 4):
+    """A small LLaMA in float8 trained three times from the same weights: torch's AdamW over fp32 weights
+    (``fp32``); the same with each float8 Linear reading its weight rounded to bf16 (``rounded``, the exact
+    reference); and schedlang's master weights (``masters``: bf16 weights, fp32 masters in the optimizer)."""
+    from torch.nn.utils import parametrize
+    from torchao.float8.float8_linear import Float8Linear
+
+    from schedlang.optim import master_weight_groups
+
+    base = _llama()
+    built = {}
+    for kind in ("fp32", "rounded", "masters"):
+        sch = schedlang.create_schedule(copy.deepcopy(base))
+        for i in range(2):
+            sch[f"model.layers.{i}"].float8(min_features=16, emulate=emulate)
+        model, _ = schedlang.build(sch, device=device)
+        if kind == "masters":
+            opt = schedlang.optim.FusedAdamW(master_weight_groups(model), lr=1e-3, weight_decay=0.01)
+        else:
+            if kind == "rounded":
+                for m in model.modules():
+                    if isinstance(m, Float8Linear):
+                        parametrize.register_parametrization(m, "weight", _RoundedToBf16(), unsafe=True)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
+        built[kind] = (model, opt)
+    ids = torch.randint(0, 256, (steps, 2, 24), generator=torch.Generator().manual_seed(3)).to(device)
+    losses = {k: [] for k in built}
+    for step in range(steps):
+        for kind, (model, opt) in built.items():
+            with torch.autocast(device, dtype=torch.bfloat16):
+                loss = model(input_ids=ids[step], labels=ids[step], use_cache=False).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses[kind].append(loss.item())
+    return built, losses
+
+
+def _check_float8_masters(built, losses, rtol: float, atol: float):
+    model, opt = built["masters"]
+    # the same numbers as fp32 weights read in bf16, to fp32 tolerance: the masters are the fp32 weights
+    truth = opt.master_state_dict(model)
+    rounded = {k.replace(".parametrizations.weight.original", ".weight"): v
+               for k, v in built["rounded"][0].state_dict().items()}
+    assert truth.keys() == rounded.keys()
+    for name, value in rounded.items():
+        if value.is_floating_point():
+            torch.testing.assert_close(truth[name], value, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+    # and within float8 numerics of fp32 weights cast straight to float8 (one rounding fewer)
+    for a, b in zip(losses["masters"], losses["fp32"]):
+        assert abs(a - b) / b < 2e-2, losses
+
+
+def test_master_weights_give_the_float8_linears_bf16_weights_and_train_like_fp32_weights():
+    from torchao.float8.float8_linear import Float8Linear
+
+    built, losses = _float8_master_weights_run("cpu", emulate=True)
+    model, opt = built["masters"]
+    float8_weights = {id(m.weight) for m in model.modules() if isinstance(m, Float8Linear)}
+    assert len(float8_weights) == 14  # 7 Linears in each of the 2 layers
+    masters = {id(p) for g in opt.param_groups if g.get("master_weights") for p in g["params"]}
+    assert float8_weights <= masters
+    for m in model.modules():
+        if isinstance(m, Float8Linear):
+            assert m.weight.dtype == torch.bfloat16
+            torch.testing.assert_close(m.weight, opt.state[m.weight]["master"].to(torch.bfloat16), rtol=0, atol=0)
+    _check_float8_masters(built, losses, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_master_weights_with_float8_gemms_train_like_fp32_weights():
+    if not torch.cuda.get_device_capability() >= (8, 9):
+        pytest.skip("needs float8 tensor cores (compute capability 8.9+)")
+    built, losses = _float8_master_weights_run("cuda", emulate=False, steps=8)
+    _check_float8_masters(built, losses, rtol=1e-4, atol=1e-5)
