@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from typing import Dict, List, Optional, Union
 
 import torch
@@ -292,12 +291,30 @@ def _probe_inputs(batch: int, heads: int, seq: int, head_dim: int, dtype, device
     return [packed], [packed[:, :, i].transpose(1, 2) for i in range(3)], grad
 
 
+def _gpu_ms_per_call(run, device: torch.device, repeats: int) -> float:
+    """GPU time of one ``run()``: the kernels back to back, not the host's rate of launching them. A sleep
+    kernel holds the GPU while the host queues every timed call, so the events between them time only the
+    GPU's work; at these sizes a host launching fwd + bwd is slower than the kernels it launches."""
+    run()
+    run()  # the first calls build plans and pick kernels
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(100_000_000)  # tens of ms at GPU clocks: longer than queueing the calls below
+    start.record()
+    for _ in range(repeats):
+        run()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / repeats
+
+
 def choose_sdpa_backend(batch: int, heads: int, seq: int, head_dim: int, dtype=torch.bfloat16,
                         device: Optional[torch.device] = None, causal: bool = True, repeats: int = 5,
-                        layout: str = "heads-first") -> Optional[str]:
-    """The fastest SDPA backend (forward + backward) at these shapes and this q/k/v ``layout`` (one of
-    SDPA_LAYOUTS) on the current GPU, by measurement; None on the CPU (PyTorch's default is kept) or when no
-    backend runs."""
+                        layout: str = "heads-first", margin: float = 0.03) -> Optional[str]:
+    """The fastest SDPA backend (forward + backward, GPU time) at these shapes and this q/k/v ``layout`` (one
+    of SDPA_LAYOUTS) on the current GPU, by measurement. None (keep PyTorch's own choice) on the CPU, when
+    no backend runs, or when no backend beats PyTorch's default by more than ``margin``: a pin is worth
+    making only where it is measurably faster."""
     if layout not in SDPA_LAYOUTS:
         raise ScheduleValueError(f"choose_sdpa_backend: invalid layout {layout!r}: valid are "
                                  f"{', '.join(map(repr, SDPA_LAYOUTS))}")
@@ -306,30 +323,29 @@ def choose_sdpa_backend(batch: int, heads: int, seq: int, head_dim: int, dtype=t
         return None
     gen = torch.Generator(device=device).manual_seed(0)
     leaves, (q, k, v), grad = _probe_inputs(batch, heads, seq, head_dim, dtype, device, layout, gen)
+
+    def fwd_bwd():
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        torch.autograd.grad(out, leaves, grad)  # to the leaves, as the model's backward reaches its projections
+
     times = {}
-    for name, backend in _sdpa_backends().items():
-        if name == "math":
-            continue
+    for name, backend in [("default", None)] + [(n, b) for n, b in _sdpa_backends().items() if n != "math"]:
         try:
-            with sdpa_kernel([backend]):
-                for i in range(repeats + 2):
-                    if i == 2:
-                        torch.cuda.synchronize(device)
-                        t0 = time.perf_counter()
-                    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-                    # the gradients of the leaves, as the model's backward reaches its projections
-                    torch.autograd.grad(out, leaves, grad)
-                torch.cuda.synchronize(device)
-            times[name] = (time.perf_counter() - t0) / repeats
+            with sdpa_kernel([backend]) if backend is not None else contextlib.nullcontext():
+                times[name] = _gpu_ms_per_call(fwd_bwd, device, repeats)
         except RuntimeError as e:  # not supported at these shapes / on this GPU
             logger.info("SDPA probe: %s unavailable (%s)", name, str(e).splitlines()[0][:200])
-    del leaves, q, k, v, grad
-    if not times:
+    pinned = {n: t for n, t in times.items() if n != "default"}
+    if not pinned:
         return None
-    best = min(times, key=times.get)
-    logger.info("SDPA probe (b%d h%d s%d d%d, %s): %s -> %s", batch, heads, seq, head_dim, layout,
-                ", ".join(f"{n} {t * 1e3:.3f} ms" for n, t in sorted(times.items())), best)
-    return best
+    best = min(pinned, key=pinned.get)
+    if "default" in times and pinned[best] > (1 - margin) * times["default"]:
+        choice = None
+    else:
+        choice = best
+    logger.info("SDPA probe (b%d h%d s%d d%d, %s; GPU ms per fwd+bwd): %s -> %s", batch, heads, seq, head_dim,
+                layout, ", ".join(f"{n} {t:.3f}" for n, t in sorted(times.items())), choice or "PyTorch's default")
+    return choice
 
 
 class _WithSDPABackend:
@@ -494,5 +510,5 @@ def _resolve_sdpa(root, sdpa_backend: str, skipped: Dict[str, str]) -> Optional[
         dist.broadcast_object_list(box, src=0)
         choice = box[0]
     if choice is None:
-        skipped["sdpa"] = "the probe found no faster backend: PyTorch's default"
+        skipped["sdpa"] = "the probe found no backend faster than PyTorch's default: PyTorch's default"
     return choice
