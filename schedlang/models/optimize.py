@@ -13,6 +13,9 @@ What it does, each part through the schedule where a primitive exists (so it is 
 * **attention**: the SDPA backend, chosen by a short measured probe on the GPU (cuDNN, Flash,
   memory-efficient; the fastest forward + backward at the model's shapes) and pinned around every
   decoder layer; on the CPU PyTorch's default is kept;
+* **masks**: transformers' packed-sequence check waits for the GPU once per forward; for calls
+  without ``position_ids`` (the model counts positions up itself, so nothing is packed) it is
+  answered without asking the GPU (:mod:`schedlang.models.packed_sequences`);
 * **checkpointing** (``selective_checkpoint``): ``checkpoint()`` on every layer or every n-th one;
 * **float8** (``float8="tensorwise"`` / ``"rowwise"``): the decoder layers' Linears become torchao's
   float8 training Linears (the ``float8`` primitive, with its skip rules);
@@ -45,6 +48,7 @@ from torch.nn.attention import sdpa_kernel
 
 from ..errors import ScheduleValueError
 from ..module_record import shard_specs
+from .packed_sequences import skip_packed_sequence_check
 
 logger = logging.getLogger("schedlang.models.optimize")
 
@@ -442,6 +446,10 @@ def optimize_model(sch, *, fused_kernels: bool = True, compile: Optional[str] = 
             _fuse_loss(root, done, skipped)
         if float8 is not None:
             _float8(root, layer_paths, float8, done)
+        if skip_packed_sequence_check(root.mod):
+            done.append("masks: no host sync in transformers' packed-sequence check for positions the model makes")
+        else:
+            skipped["masks"] = "this transformers has no packed-sequence check"
         if every:
             for path in layer_paths[::every]:
                 root[path].checkpoint()

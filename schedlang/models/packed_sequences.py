@@ -1,0 +1,95 @@
+"""No host synchronization for HF's packed-sequence check when the model makes its own positions.
+
+transformers' mask builder (``masking_utils``) looks for several sequences packed into one row
+whenever a training call has position ids and no attention mask: ``find_packed_sequence_indices``
+computes, on the device, where the positions restart, then asks the host whether they ever do. That
+question waits for the GPU to finish everything queued before it, once per forward; the GPU then
+idles while the host queues the next kernels. For a step whose host and GPU times are close (GPT-2
+medium on an H100, or any step replayed from CUDA graphs) the lost overlap costs milliseconds.
+
+The positions a model makes itself (no ``position_ids`` passed) count up from the cache's length one
+by one, so the check's answer is known: no packing. :func:`skip_packed_sequence_check` tells the
+check so for such calls of one model, and only for them. A call that passes ``position_ids`` (packed
+batches among them) goes through the check as before.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import inspect
+
+from torch import nn
+
+__all__ = ["skip_packed_sequence_check"]
+
+# set while a hooked model runs a forward whose positions it makes itself
+_OWN_POSITIONS = contextvars.ContextVar("schedlang_own_positions", default=False)
+# transformers' own check, which the wrapper calls for every other call
+_ORIGINAL = []
+
+
+def _install() -> bool:
+    """Wrap ``transformers.masking_utils.find_packed_sequence_indices`` once; False where there is none."""
+    try:
+        from transformers import masking_utils
+    except ImportError:
+        return False
+    original = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if original is None:
+        return False
+    if getattr(original, "_schedlang_wrapped", False):
+        return True
+
+    _ORIGINAL[:] = [original]
+
+    def find_packed_sequence_indices(position_ids, *args, **kwargs):
+        if _OWN_POSITIONS.get():
+            return None  # positions the model counted up itself: one sequence per row
+        return _ORIGINAL[0](position_ids, *args, **kwargs)
+
+    find_packed_sequence_indices._schedlang_wrapped = True
+    find_packed_sequence_indices.__wrapped__ = original
+    find_packed_sequence_indices.__doc__ = original.__doc__
+    masking_utils.find_packed_sequence_indices = find_packed_sequence_indices
+    return True
+
+
+class _OwnPositions:
+    """Root forward pre-hook (with kwargs): marks a call that passes no ``position_ids``."""
+
+    def __init__(self, model: nn.Module):
+        params = list(inspect.signature(type(model).forward).parameters)
+        # its index among the positional arguments after self, or None when it cannot be given positionally
+        self.index = params.index("position_ids") - 1 if "position_ids" in params else None
+        self.tokens = []
+
+    def __call__(self, module, args, kwargs):
+        given = kwargs.get("position_ids")
+        if given is None and self.index is not None and len(args) > self.index:
+            given = args[self.index]
+        self.tokens.append(_OWN_POSITIONS.set(given is None))
+        return None
+
+
+class _Reset:
+    """Root forward hook, run also when the forward raises: the mark never outlives its call."""
+
+    def __init__(self, mark: _OwnPositions):
+        self.mark = mark
+
+    def __call__(self, module, args, output):
+        if self.mark.tokens:
+            _OWN_POSITIONS.reset(self.mark.tokens.pop())
+        return output
+
+
+def skip_packed_sequence_check(model: nn.Module) -> bool:
+    """Skip transformers' packed-sequence check (a host sync) in ``model``'s calls without ``position_ids``.
+
+    Returns False, changing nothing, where the installed transformers has no such check."""
+    if not _install():
+        return False
+    mark = _OwnPositions(model)
+    model.register_forward_pre_hook(mark, with_kwargs=True)
+    model.register_forward_hook(_Reset(mark), always_call=True)
+    return True

@@ -1,0 +1,89 @@
+"""transformers' packed-sequence check is answered without the GPU only for positions the model makes."""
+
+import pytest
+import torch
+
+import schedlang
+from schedlang.models import optimize_model, packed_sequences
+
+transformers = pytest.importorskip("transformers")
+
+
+def _llama():
+    cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                                   intermediate_size=56, vocab_size=89, max_position_embeddings=32)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _gpt2():
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=89, n_positions=32, resid_pdrop=0.0,
+                                  embd_pdrop=0.0, attn_pdrop=0.0)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+@pytest.fixture
+def checks(monkeypatch):
+    """How often transformers' own check ran."""
+    optimize_model(schedlang.create_schedule(_llama()), compile=None)  # installs the wrapper
+    calls = []
+    original = packed_sequences._ORIGINAL[0]
+
+    def counting(position_ids, *args, **kwargs):
+        calls.append(position_ids.clone())
+        return original(position_ids, *args, **kwargs)
+
+    monkeypatch.setattr(packed_sequences, "_ORIGINAL", [counting])
+    return calls
+
+
+@pytest.mark.parametrize("make", [_llama, _gpt2], ids=["llama", "gpt2"])
+def test_own_positions_skip_the_check_and_given_ones_do_not(make, checks):
+    plain = make()
+    sch = schedlang.create_schedule(make())
+    optimize_model(sch, compile=None, fused_kernels=False)
+    assert any(a.startswith("masks:") for a in sch.metadata["optimize"]["applied"])
+    model, _ = schedlang.build(sch)
+    ids = torch.randint(0, 89, (2, 12), generator=torch.Generator().manual_seed(1))
+    # two sequences of 6 packed in each row
+    packed = torch.arange(6).repeat(2).expand(2, -1)
+    with torch.no_grad():
+        ref = plain(input_ids=ids, use_cache=False).logits
+        ref_packed = plain(input_ids=ids, position_ids=packed, use_cache=False).logits
+        alone = plain(input_ids=ids[:, 6:], use_cache=False).logits
+        assert len(checks) == 3  # the plain model checks every call, its own positions too
+        checks.clear()
+        out = model(input_ids=ids, use_cache=False).logits
+        assert checks == []  # the model's own positions: answered without the check
+        torch.testing.assert_close(out, ref)
+        out = model(input_ids=ids, position_ids=packed, use_cache=False).logits
+        assert len(checks) == 1 and torch.equal(checks[0], packed)  # given positions: checked
+    torch.testing.assert_close(out, ref_packed)
+    # and the mask kept the packed sequences apart: the second of a row sees only itself
+    torch.testing.assert_close(out[:, 6:], alone, rtol=1e-4, atol=1e-5)
+    assert not packed_sequences._OWN_POSITIONS.get()
+
+
+def test_positions_given_positionally_are_checked(checks):
+    sch = schedlang.create_schedule(_llama())
+    optimize_model(sch, compile=None)
+    model, _ = schedlang.build(sch)
+    ids = torch.randint(0, 89, (1, 8))
+    with torch.no_grad():
+        model(ids, None, torch.arange(8)[None], use_cache=False)  # input_ids, attention_mask, position_ids
+    assert len(checks) == 1
+
+
+def test_a_forward_that_raises_leaves_no_mark_and_other_models_are_untouched(checks):
+    sch = schedlang.create_schedule(_llama())
+    optimize_model(sch, compile=None)
+    model, _ = schedlang.build(sch)
+    with pytest.raises(Exception):
+        model(input_ids=torch.full((1, 4), 10_000), use_cache=False)  # out of the vocabulary
+    assert not packed_sequences._OWN_POSITIONS.get()
+    with torch.no_grad():
+        _llama()(input_ids=torch.randint(0, 89, (1, 8)), use_cache=False)  # not optimized: checked as before
+    assert len(checks) == 1
