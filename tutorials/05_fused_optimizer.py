@@ -139,9 +139,9 @@ else:
 # casts disappear and the numbers stay autocast's. ``master_weight_groups`` picks the weights
 # autocast would cast (plain ``nn.Linear`` weights, GPT-2's ``Conv1D`` and torchao's float8 Linears,
 # which then scale a bf16 weight to float8 instead of an fp32 one); the LayerNorm and the biases stay
-# fp32. ``schedlang.build(sch, optimizer="adamw", master_weights=True)`` does the same. On an H100,
-# LLaMA-1.1B's step took 132.8 ms with master weights against 137.1 ms without (same optimizer; see
-# ``bench/results``, work ``llama-1.1b-1gpu``, variants ``+FusedAdamW``).
+# fp32. ``schedlang.build(sch, optimizer="adamw", master_weights=True)`` does the same. What it saves
+# on a GPU is measured by ``bench/bench_train.py --optimizer schedlang-fused`` (variants
+# ``schedlang-optimize-mw``, ``-fp8-mw-cg``) and shown in the README's performance table.
 mw_model, autocast_model = make_model(), make_model()
 groups = schedlang.optim.master_weight_groups(mw_model)
 mw_opt = schedlang.optim.FusedAdamW(groups, lr=1e-2, weight_decay=0.1)
