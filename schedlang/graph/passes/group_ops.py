@@ -6,7 +6,7 @@ are plain PyTorch, differentiable, and readable in a printed graph; they take th
 number of dimensions from the tensor at run time, so a graph without shape metadata
 can use them.
 
-Two of them work on the pieces of an int split whose last piece may be shorter (its size
+Three of them work on the pieces of an int split whose last piece may be shorter (its size
 is not known when the graph is rewritten). They take the split's input and check at run
 time, with one comparison, whether every piece is whole: then they do the grouped work on a
 view; otherwise they do exactly what the unfused graph did, piece by piece.
@@ -26,7 +26,8 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-__all__ = ["group_layer_norm", "batched_linear", "merge_group_dim", "piecewise_layer_norm", "span_of_pieces"]
+__all__ = ["group_layer_norm", "batched_linear", "merge_group_dim", "piecewise_layer_norm",
+           "piecewise_batched_linear", "span_of_pieces"]
 
 
 def group_layer_norm(x: torch.Tensor, normalized_shape: Sequence[int], weight: Optional[torch.Tensor],
@@ -127,6 +128,37 @@ def piecewise_layer_norm(x: torch.Tensor, size: int, dim: int, count: int, norma
                          None if bias is None else bias[i], eps) for i in range(count)]
     if length > count * size:
         outs.append(x.narrow(d, count * size, length - count * size))
+    return torch.cat(outs, d)
+
+
+def piecewise_batched_linear(x: torch.Tensor, size: int, dim: int, count: int, weight: torch.Tensor,
+                             bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """Linear ``i`` (``weight[i]``, ``bias[i]``) on piece ``i`` of ``x.split(size, dim)``, ``i < count``,
+    joined along ``dim``: ``y.split(size, dim)[i]`` is the ``i``-th linear's result (when ``dim``
+    is not the feature dim; along the feature dim the results are ``out_features`` long each).
+
+    ``weight`` is ``(count, out, in)``, ``bias`` ``(count, out)`` or None. When all ``count``
+    pieces are whole (``x.shape[dim] >= count * size``), this is one :func:`batched_linear`
+    (one ``baddbmm``) on the ``(..., count, size, ..., in)`` view of the first ``count * size``
+    rows. Otherwise (the last piece is shorter) each piece goes through its own ``F.linear``, as
+    in the unfused graph. A part of ``x`` after the ``count`` pieces is not used (the unfused
+    graph did not use it either), so the result holds exactly ``count`` pieces.
+
+    Example::
+
+        x = torch.randn(7 * 5 - 2, 13)                 # 7 pieces of 5 rows, the last of 3
+        w, b = torch.randn(7, 11, 13), torch.randn(7, 11)
+        y = piecewise_batched_linear(x, 5, 0, 7, w, b)
+        torch.testing.assert_close(y.split(5, 0)[6], F.linear(x[30:], w[6], b[6]))
+    """
+    d = _split_dim(x, dim)
+    length = x.shape[d]
+    whole = count * size
+    if length >= whole:
+        grouped = (x if length == whole else x.narrow(d, 0, whole)).unflatten(d, (count, size))
+        return batched_linear(grouped, weight, bias, d).flatten(d, d + 1)
+    pieces = x.split(size, d)
+    outs = [F.linear(pieces[i], weight[i], None if bias is None else bias[i]) for i in range(count)]
     return torch.cat(outs, d)
 
 

@@ -23,8 +23,10 @@ Shapes: the rules use the shapes a graph carries (``ShapeProp``, fake-tensor val
 that ``example_inputs`` give; without them they reason from structure. Where only the
 length of a tensor can tell whether a group is uniform (the last piece of
 ``x.split(D, 1)`` may be shorter), the fused op checks it at run time and falls back to the
-exact per-piece computation (``group_ops.piecewise_layer_norm``, ``span_of_pieces``), so
-every branch of the seed chain is fused either way.
+exact per-piece computation (``group_ops.piecewise_layer_norm`` for layer norms,
+``group_ops.piecewise_batched_linear`` for linears on the pieces, e.g. the rows of
+``x.split(B, 0)``, and ``span_of_pieces``), so every branch of the seed chain is fused
+either way.
 
 Fusion rules group candidates in two steps: by a rule key (same input and in_features;
 same shapes and dtype ...), then into sets without data dependencies between members
