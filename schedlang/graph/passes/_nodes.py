@@ -23,6 +23,7 @@ from ...module_record import module_record
 __all__ = [
     "Piece", "SplitSpec", "arg", "split_spec", "piece_of", "tensor_shape", "tensor_dtype", "num_pieces",
     "shape_key", "is_call", "module_of", "plain_module", "NUM_PIECES_META", "EXAMPLE_META", "settled_size",
+    "every_piece_once",
 ]
 
 #: node.meta key under which the rules record how many pieces a split/unbind they create has
@@ -292,3 +293,15 @@ def shape_key(node: Any, gm: Any = None, last_dim: Optional[int] = None,
                 key = ("linear", inner, module.out_features, module.weight.dtype)
     memo[node] = key
     return key
+
+
+def every_piece_once(inputs) -> bool:
+    """Whether ``inputs`` are pieces ``0 .. n-1`` of one int split, each once (so piece ``n-1`` is its last
+    used piece, and the pieces tile the start of the split's input)."""
+    pieces = [piece_of(x) for x in inputs]
+    if any(p is None for p in pieces) or len({p.spec.node for p in pieces}) != 1:
+        return False
+    spec = pieces[0].spec
+    if spec.kind != "split" or type(spec.sizes) is not int:
+        return False
+    return sorted(p.index for p in pieces) == list(range(len(pieces)))

@@ -33,7 +33,7 @@ eps, which affine parameters exist, their dtype/device.
 from __future__ import annotations
 
 import operator
-from typing import Hashable, List, Optional, Sequence, Tuple
+from typing import Hashable, List, Optional, Tuple
 
 import torch.nn.functional as F
 from torch import fx, nn
@@ -51,7 +51,7 @@ from ._build import (
     unstack,
 )
 from ._context import RewriteContext, Rule
-from ._nodes import NUM_PIECES_META, arg, is_call, module_of, piece_of, plain_module
+from ._nodes import NUM_PIECES_META, arg, every_piece_once, is_call, module_of, piece_of, plain_module
 
 __all__ = ["LayerNormGroup"]
 
@@ -112,7 +112,7 @@ class LayerNormGroup(Rule):
         operands = [layer_norm_operands(ctx, m) for m in members]
         last_dim = _last_dim(operands[0][1])
         if any(unsettled(o[0], last_dim) for o in operands):
-            if _every_piece_once(operands):
+            if every_piece_once([o[0] for o in operands]):
                 return self._rewrite_piecewise(ctx, members, operands)
             # the possibly shorter piece cannot be stacked: the others still can
             kept = [(m, o) for m, o in zip(members, operands) if not unsettled(o[0], last_dim)]
@@ -166,15 +166,3 @@ class LayerNormGroup(Rule):
 def _last_dim(shape: Tuple[int, ...]) -> Optional[int]:
     """The size a layer norm requires of its input's last dim, when it normalizes one dim."""
     return shape[-1] if len(shape) == 1 else None
-
-
-def _every_piece_once(operands: Sequence[_Operands]) -> bool:
-    """Whether the inputs are pieces ``0 .. n-1`` of one int split, each once (so piece ``n-1`` is its
-    last used piece, and the pieces tile the start of the split's input)."""
-    pieces = [piece_of(o[0]) for o in operands]
-    if any(p is None for p in pieces) or len({p.spec.node for p in pieces}) != 1:
-        return False
-    spec = pieces[0].spec
-    if spec.kind != "split" or type(spec.sizes) is not int:
-        return False
-    return sorted(p.index for p in pieces) == list(range(len(pieces)))

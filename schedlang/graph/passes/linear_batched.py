@@ -43,8 +43,7 @@ from torch import fx
 from . import group_ops
 from ._build import TensorRef, fuse_tensors, group_key, stack, stack_dim_for, unsettled, unstack
 from ._context import RewriteContext
-from ._nodes import piece_of
-from .layer_norm import _every_piece_once  # only reads each operand's input, o[0]
+from ._nodes import every_piece_once, piece_of
 from .linear_same_input import LinearRule, linear_operands, linear_signature
 
 _Operands = Tuple[fx.Node, TensorRef, Optional[TensorRef]]
@@ -67,7 +66,7 @@ class LinearBatched(LinearRule):
         operands = [linear_operands(ctx, m) for m in members]
         in_f = operands[0][1].value.shape[1]
         if any(unsettled(o[0], in_f) for o in operands):
-            if _every_piece_once(operands) and _pieces_keep_their_length(operands):
+            if every_piece_once([o[0] for o in operands]) and _pieces_keep_their_length(operands):
                 return self._rewrite_piecewise(ctx, members, operands)
             # the possibly shorter piece cannot be stacked: the others still can
             kept = [(m, o) for m, o in zip(members, operands) if not unsettled(o[0], in_f)]
