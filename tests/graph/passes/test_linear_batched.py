@@ -216,3 +216,23 @@ def test_the_rules_after_it_see_the_pieces_of_a_split_again():
     assert (calls["piecewise_batched_linear"], calls["piecewise_layer_norm"], calls["tanh"]) == (1, 1, 1)
     assert not {"Linear", "LayerNorm"} & set(calls)
     compare_with_model(model, gm, [torch.randn(7 * 5, 13)])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+def test_the_guarded_batched_linear_compiles_with_inductor_on_the_gpu(dtype, tol):
+    """Inductor compiles the guard and both of its paths: the whole-pieces input and the shorter last piece."""
+    model = randomize(RowTowers()).to("cuda", dtype)
+    gm, _ = check_fusion(model, [torch.randn(35, 13, device="cuda", dtype=dtype)], rules=["linear_batched"],
+                         atol=tol, rtol=tol)
+    compiled = torch.compile(gm, dynamic=True)
+    for rows in (35, 33, 39):
+        x = torch.randn(rows, 13, device="cuda", dtype=dtype, requires_grad=True)
+        x_ref = x.detach().clone().requires_grad_()
+        out, ref = compiled(x), model(x_ref)
+        for a, b in zip(out, ref):
+            torch.testing.assert_close(a, b, atol=tol, rtol=tol)
+        grad = [torch.randn_like(r) for r in ref]
+        torch.autograd.backward(out, grad)
+        torch.autograd.backward(ref, grad)
+        torch.testing.assert_close(x.grad, x_ref.grad, atol=tol, rtol=tol)
