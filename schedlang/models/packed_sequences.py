@@ -10,7 +10,8 @@ medium on an H100, or any step replayed from CUDA graphs) the lost overlap costs
 The positions a model makes itself (no ``position_ids`` passed) count up from the cache's length one
 by one, so the check's answer is known: no packing. :func:`skip_packed_sequence_check` tells the
 check so for such calls of one model, and only for them. A call that passes ``position_ids`` (packed
-batches among them) goes through the check as before.
+batches among them) goes through the check as before, and so does a model compiled whole by
+``torch.compile``, whose traced check syncs nothing.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import contextvars
 import inspect
 
+import torch
 from torch import nn
 
 __all__ = ["skip_packed_sequence_check"]
@@ -43,7 +45,8 @@ def _install() -> bool:
     _ORIGINAL[:] = [original]
 
     def find_packed_sequence_indices(position_ids, *args, **kwargs):
-        if _OWN_POSITIONS.get():
+        # traced by torch.compile (a whole model compiled): transformers' own check, which then syncs nothing
+        if not torch.compiler.is_compiling() and _OWN_POSITIONS.get():
             return None  # positions the model counted up itself: one sequence per row
         return _ORIGINAL[0](position_ids, *args, **kwargs)
 
@@ -67,7 +70,8 @@ class _OwnPositions:
         given = kwargs.get("position_ids")
         if given is None and self.index is not None and len(args) > self.index:
             given = args[self.index]
-        self.tokens.append(_OWN_POSITIONS.set(given is None))
+        # a ContextVar cannot be traced: under torch.compile the mark is left alone (and not read, above)
+        self.tokens.append(None if torch.compiler.is_compiling() else _OWN_POSITIONS.set(given is None))
         return None
 
 
@@ -78,8 +82,9 @@ class _Reset:
         self.mark = mark
 
     def __call__(self, module, args, output):
-        if self.mark.tokens:
-            _OWN_POSITIONS.reset(self.mark.tokens.pop())
+        token = self.mark.tokens.pop() if self.mark.tokens else None
+        if token is not None:
+            _OWN_POSITIONS.reset(token)
         return output
 
 

@@ -87,3 +87,20 @@ def test_a_forward_that_raises_leaves_no_mark_and_other_models_are_untouched(che
     with torch.no_grad():
         _llama()(input_ids=torch.randint(0, 89, (1, 8)), use_cache=False)  # not optimized: checked as before
     assert len(checks) == 1
+
+
+def test_a_model_compiled_whole_has_no_graph_break_and_the_same_loss():
+    from torch._dynamo.utils import counters
+
+    plain = _llama()
+    sch = schedlang.create_schedule(_llama())
+    optimize_model(sch, compile=None, fused_kernels=False)
+    model, _ = schedlang.build(sch)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend="aot_eager")  # dynamo is what counts; Inductor's CPU build is slow
+    ids = torch.randint(0, 89, (2, 12), generator=torch.Generator().manual_seed(2))
+    loss = compiled(input_ids=ids, labels=ids, use_cache=False).loss
+    assert dict(counters["graph_break"]) == {}
+    torch.testing.assert_close(loss, plain(input_ids=ids, labels=ids, use_cache=False).loss)
+    assert not packed_sequences._OWN_POSITIONS.get()
