@@ -15,6 +15,9 @@ settings, rewritten here so that the benchmark runs without them):
   logits left sharded on the vocabulary and the loss under ``loss_parallel``, per-block compile;
 * ``fsdp2-titan``: ``fully_shard`` on every (compiled) block then the root, bf16 parameters for
   compute with fp32 gradient reduction (``MixedPrecisionPolicy``);
+* ``fsdp2-titan-fp8``: the same over float8 blocks whose weights FSDP2 all-gathers in float8, with
+  torchao's ``precompute_float8_dynamic_scale_for_fsdp`` after every optimizer step (torchtitan's
+  float8 settings);
 * ``tp-fsdp-titan``: ``tp-titan``'s plan on ``tp``, then FSDP2 on ``dp``.
 
 Every one takes the loss the same way: the body's last hidden state, the LM head, then
@@ -189,15 +192,26 @@ def make_eager(ctx: Context, cfg, compile_model: bool = False) -> Setup:
                                              "compile": "model" if compile_model and ctx.args.compile else None})
 
 
+def convert_blocks_to_float8(model, recipe: str, fsdp_all_gather: bool = False) -> None:
+    """torchao's float8 training for every Linear of the blocks (the LM head stays), as torchtitan converts
+    them; emulated where there are no float8 tensor cores (the CPU ``--tiny`` run)."""
+    import dataclasses
+
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError as e:
+        raise NotAvailable(f"torchao is not installed ({e}); install it to run the float8 work") from e
+    float8_cores = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=not float8_cores,
+                                 enable_fsdp_float8_all_gather=fsdp_all_gather)
+    convert_to_float8_training(blocks(model), config=config,
+                               module_filter_fn=lambda m, fqn: isinstance(m, torch.nn.Linear))
+
+
 def make_titan_style(ctx: Context, cfg, fp8: str = None) -> Setup:
     model = full_model(cfg, ctx.device)
     if fp8:
-        try:
-            from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-        except ImportError as e:
-            raise NotAvailable(f"torchao is not installed ({e}); install it to run the float8 work") from e
-        convert_to_float8_training(blocks(model), config=Float8LinearConfig.from_recipe_name(fp8),
-                                   module_filter_fn=lambda m, fqn: isinstance(m, torch.nn.Linear))
+        convert_blocks_to_float8(model, fp8)
     layers = blocks(model)
     for i, block in enumerate(layers):
         layers[i] = ctx.compile_block(block)
@@ -291,11 +305,13 @@ def make_tp_titan(ctx: Context, cfg, dp: int = 1, fsdp: bool = False) -> Setup:
                   notes={"loss": "vocab-sharded logits -> loss_parallel F.cross_entropy (fp32)", "compile": "blocks"})
 
 
-def make_fsdp2_titan(ctx: Context, cfg) -> Setup:
+def make_fsdp2_titan(ctx: Context, cfg, fp8: str = None) -> Setup:
     from torch.distributed.fsdp import fully_shard
 
     mesh = ctx.mesh(ctx.world, 1)["dp"]
     model = full_model(cfg, ctx.device)
+    if fp8:  # torchtitan's float8 with FSDP2: weights all-gathered in float8
+        convert_blocks_to_float8(model, fp8, fsdp_all_gather=True)
     mp = ctx.mp_policy()
     layers = blocks(model)
     for i, block in enumerate(layers):
@@ -304,12 +320,17 @@ def make_fsdp2_titan(ctx: Context, cfg) -> Setup:
         fully_shard(block, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     opt = ctx.optimizer(model.parameters())
+    if fp8:  # and, as torchtitan does, every weight's float8 scale from one all-reduce after each step
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+        opt.register_step_post_hook(lambda *_: precompute_float8_dynamic_scale_for_fsdp(model))
 
     def loss_fn(ids, labels):
         return plain_loss(model(input_ids=ids, use_cache=False).logits, labels)
 
     return Setup(model, opt, loss_fn, dp=ctx.world, dp_rank=mesh.get_local_rank(),
-                 notes={"loss": "logits -> F.cross_entropy (fp32)", "compile": "blocks"})
+                 notes={"loss": "logits -> F.cross_entropy (fp32)", "compile": "blocks",
+                        "float8": f"{fp8}, float8 all-gather" if fp8 else None})
 
 
 #: variant name -> builder(ctx, cfg)
@@ -322,4 +343,5 @@ BASELINES: Dict[str, Callable[[Context, Any], Setup]] = {
     "tp-titan": lambda ctx, cfg: make_tp_titan(ctx, cfg),
     "tp-fsdp-titan": lambda ctx, cfg: make_tp_titan(ctx, cfg, dp=ctx.world // ctx.args.tp2d, fsdp=True),
     "fsdp2-titan": make_fsdp2_titan,
+    "fsdp2-titan-fp8": lambda ctx, cfg: make_fsdp2_titan(ctx, cfg, fp8="tensorwise"),
 }

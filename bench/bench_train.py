@@ -5,6 +5,7 @@
     python bench/bench_train.py --work llama-1.1b-1gpu-fp8          # needs torchao
     torchrun --nproc_per_node=2 bench/bench_train.py --work llama-1.1b-tp2
     torchrun --nproc_per_node=2 bench/bench_train.py --work llama-1.1b-2gpu
+    torchrun --nproc_per_node=2 bench/bench_train.py --work llama-1.1b-2gpu-fp8     # needs torchao
     python bench/bench_train.py --work llama-1.1b-1gpu --optimizer schedlang-fused
     python bench/bench_train.py                                      # every 1-GPU work
     python bench/bench_train.py --tiny                               # every 1-process work on the CPU, seconds
@@ -32,6 +33,9 @@ Works (batch x seq; ``--batch`` / ``--seq`` override):
 * ``llama-1.1b-2gpu``: 2 GPUs in the best layout, b4 s2048 per GPU (a global batch of 8
   sequences; tensor-parallel variants train on all 8): tokens/s count both GPUs; baseline
   ``fsdp2-titan``.
+* ``llama-1.1b-2gpu-fp8``: as ``llama-1.1b-2gpu`` with float8 training of the blocks' Linears and their
+  weights all-gathered in float8; baseline ``fsdp2-titan-fp8``. Skipped with a message when torchao is
+  missing.
 * ``llama-8b-layers-2gpu``: LLaMA-3-8B's layer shapes with ``--layers-8b`` layers (default 8),
   2 GPUs, as ``llama-1.1b-2gpu``.
 
@@ -58,6 +62,8 @@ schedlang's, through its schedule API:
   embedding, head and cross entropy), ``compile_layers`` (or ``optimize_model``);
 * ``schedlang-fsdp`` (``-noreshard``, ``-optimize``): ``fully_shard`` per layer and at the root with
   the bf16/fp32 ``MixedPrecisionPolicy``, ``compile_layers`` (or ``optimize_model``);
+* ``schedlang-fsdp-fp8`` (``-optimize``): the same after ``float8(fsdp_float8_all_gather=True)`` on every
+  layer (``build`` stores the weights' float8 scales after each step);
 * ``schedlang-tp-fsdp``: ``shard_model`` then ``fully_shard`` on a ``dp x tp`` mesh (``--tp2d``).
 
 Correctness, in the same run (column ``check``: "ok" or "FAIL <why>"): each rank first runs the
@@ -125,6 +131,9 @@ WORKS: Dict[str, Work] = {
     "llama-1.1b-2gpu": Work("llama", "llama-1.1b", 4, 2048, 2, True, "fsdp2-titan",
                             ("fsdp2-titan", "tp-titan", "schedlang-fsdp", "schedlang-fsdp-noreshard",
                              "schedlang-fsdp-optimize", "schedlang-tp")),
+    "llama-1.1b-2gpu-fp8": Work("llama", "llama-1.1b", 4, 2048, 2, True, "fsdp2-titan-fp8",
+                                ("fsdp2-titan-fp8", "schedlang-fsdp-fp8", "schedlang-fsdp-fp8-optimize"),
+                                needs="torchao"),
     "llama-8b-layers-2gpu": Work("llama", "llama-8b", 4, 2048, 2, True, "fsdp2-titan",
                                  ("fsdp2-titan", "tp-titan", "tp-fsdp-titan", "schedlang-fsdp",
                                   "schedlang-fsdp-noreshard", "schedlang-tp", "schedlang-tp-fsdp")),
@@ -136,7 +145,7 @@ OPTIMIZE_VARIANTS = tuple("schedlang-optimize" + fp8 + mw + cg for fp8 in ("", "
 SCHEDLANG = ("schedlang-layers", *OPTIMIZE_VARIANTS, *(f"schedlang-optimize-ckpt{n}" for n in CHECKPOINT_STRIDES),
              "schedlang-tp",
              "schedlang-tp-optimize", "schedlang-fsdp", "schedlang-fsdp-noreshard", "schedlang-fsdp-optimize",
-             "schedlang-tp-fsdp")
+             "schedlang-fsdp-fp8", "schedlang-fsdp-fp8-optimize", "schedlang-tp-fsdp")
 PROFILE_STEPS = 3
 OPTIMIZER_SUFFIX = {"torch-fused": "", "schedlang-fused": "+FusedAdamW"}
 
@@ -259,11 +268,17 @@ def make_schedlang_tp(ctx: B.Context, cfg, dp: int = 1, fsdp: bool = False, opti
                           "compile": "layers"})
 
 
-def make_schedlang_fsdp(ctx: B.Context, cfg, reshard: Optional[bool], optimize: bool) -> B.Setup:
+def make_schedlang_fsdp(ctx: B.Context, cfg, reshard: Optional[bool], optimize: bool, float8: bool = False
+                        ) -> B.Setup:
     import schedlang
 
     mesh = _schedlang_mesh(ctx, ctx.world, 1)
     sch = schedlang.create_schedule(B.full_model(cfg, ctx.device), mesh=mesh)
+    if float8:  # every layer's Linears, weights all-gathered in float8 (build stores their scales after each step)
+        for path in B.layer_paths(sch.mod):
+            # the tiny models' Linears are below the default size floor, where float8 is not worth it
+            sch[path].float8(recipe="tensorwise", fsdp_float8_all_gather=True,
+                             **({"min_features": 16} if ctx.args.tiny else {}))
     mp = ctx.mp_policy()
     for path in B.layer_paths(sch.mod):
         sch[path].fully_shard(reshard_after_forward=reshard, mp_policy=mp)
@@ -281,7 +296,8 @@ def make_schedlang_fsdp(ctx: B.Context, cfg, reshard: Optional[bool], optimize: 
             return B.plain_loss(model(input_ids=ids, use_cache=False).logits, labels)
 
     return B.Setup(model, opt, loss_fn, dp=ctx.world, dp_rank=mesh.get_local_rank("dp"),
-                   notes={"loss": loss, "optimize": info, "compile": "layers"})
+                   notes={"loss": loss, "optimize": info, "compile": "layers",
+                          "float8": "tensorwise, float8 all-gather" if float8 else None})
 
 
 def make_variant(ctx: B.Context, name: str, cfg) -> B.Setup:
@@ -301,7 +317,7 @@ def make_variant(ctx: B.Context, name: str, cfg) -> B.Setup:
         return make_schedlang_tp(ctx, cfg, dp=ctx.world // ctx.args.tp2d, fsdp=True)
     if name.startswith("schedlang-fsdp"):
         return make_schedlang_fsdp(ctx, cfg, reshard=False if "noreshard" in name else None,
-                                   optimize=name.endswith("optimize"))
+                                   optimize=name.endswith("optimize"), float8="-fp8" in name)
     raise ValueError(f"unknown variant {name!r}: valid are {', '.join(list(B.BASELINES) + list(SCHEDLANG))}")
 
 

@@ -556,4 +556,8 @@ def build(sch, init_weights: Union[None, bool, Callable[[nn.Module], None]] = No
             else:
                 params = [p for p in model.parameters() if p.requires_grad]
             opt = _make_optimizer(optimizer, params, optimizer_kwargs)
+            from .distributed.float8_fsdp import precompute_scales_after_step
+
+            # float8 all-gather under FSDP2: every weight's scale from one all-reduce after each step
+            precompute_scales_after_step(model, opt)
     return model, opt

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ..distributed.dtensor_params import rank_major_specs
+from ..distributed.float8_fsdp import clear_precomputed_scales
 from ..errors import CheckpointError
 from .ranks import _agree, _all_gather, _dist, _names, _rank, _world
 from .state import (_STATE, _dcp_ready, _model_state, _OptimView, _optimizer_is_empty, _options, _reset_optimizer,
@@ -286,6 +287,7 @@ def load_checkpoint(path, model: nn.Module, optimizer: Optional[torch.optim.Opti
     # covers layouts whose state dicts hold copies
     for stage, keys in zip(_stages(model), stage_keys):
         set_model_state_dict(stage, {k: merged[k] for k in keys}, options=_options(strict=False))
+        clear_precomputed_scales(stage)  # float8 scales stored for the weights just replaced
     if view is not None:
         _restore_strided(state[_OPTIM], optim_strided)
         optim_state.update(state[_OPTIM])

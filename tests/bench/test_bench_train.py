@@ -139,3 +139,26 @@ def test_optimize_variant_names_compose_float8_master_weights_and_cuda_graphs(be
             "schedlang-optimize-fp8-mw-cg"} <= set(train.OPTIMIZE_VARIANTS)
     with pytest.raises(ValueError, match="unknown variant 'schedlang-optimize-cg-mw'"):
         train.make_variant(None, "schedlang-optimize-cg-mw", None)
+
+
+def test_two_rank_float8_work_on_gloo(tmp_path):
+    """FSDP2 with float8 all-gather, torchtitan's way and schedlang's (2 CPU ranks, float8 emulated)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("torchao.float8", reason="torchao not installed (pip install 'schedlang[fp8]')")
+    script = Path(__file__).resolve().parents[2] / "bench" / "bench_train.py"
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script), "--tiny",
+         "--work", "llama-1.1b-2gpu-fp8", "--results-dir", str(tmp_path), "--repeats", "1", "--iters", "1",
+         "--warmup", "2"],
+        capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    (path,) = tmp_path.glob("*-train-tiny.json")
+    rows = json.loads(path.read_text())["rows"]
+    assert [r["variant"] for r in rows] == ["fsdp2-titan-fp8", "schedlang-fsdp-fp8", "schedlang-fsdp-fp8-optimize"]
+    for r in rows:
+        assert r["check"] == "ok" and r["layout"] == "dp=2 x tp=1", r
+        assert r["float8"] == "tensorwise, float8 all-gather" and r["baseline"] == "fsdp2-titan-fp8", r
