@@ -147,7 +147,8 @@ class Float8(Primitive):
               "filter(path, module) -> bool; False keeps that Linear in its dtype", codec=FUNCTION,
               type_error="{where}: float8 filter= must be a callable filter(path, module) -> bool, got {type_name}"),
         Param("min_features", int, DEFAULT_MIN_FEATURES, "Linears smaller than this on a side stay in their dtype"),
-        Param("fsdp_float8_all_gather", bool, False, "FSDP2 all-gathers the weights in float8 (tensorwise only)"),
+        Param("fsdp_float8_all_gather", bool, False, "FSDP2 all-gathers the weights in float8 (tensorwise only; "
+              "build stores their scales after each optimizer step, see schedlang.distributed.float8_fsdp)"),
         Param("emulate", Optional[bool], None,
               "compute the float8 GEMMs in high precision (default: when the GPU has no float8 tensor cores)"),
     )
