@@ -451,7 +451,8 @@ def optimize_model(sch, *, fused_kernels: bool = True, compile: Optional[str] = 
         if skip_packed_sequence_check(root.mod):
             done.append("masks: no host sync in transformers' packed-sequence check for positions the model makes")
         else:
-            skipped["masks"] = "this transformers has no packed-sequence check"
+            skipped["masks"] = ("this transformers has no packed-sequence check, or the model derives its positions "
+                                "from more than the token count (multimodal)")
         if every:
             for path in layer_paths[::every]:
                 root[path].checkpoint()

@@ -88,11 +88,23 @@ class _Reset:
         return output
 
 
+def _positions_count_up(model: nn.Module) -> bool:
+    """Whether the positions ``model`` makes itself are the plain count: not so for multimodal models, which
+    derive them from the image or video layout (a rope index, ``mrope_section``)."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return True
+    # rope_parameters in transformers 5; rope_scaling before it (read from the instance: the property warns)
+    rope = getattr(config, "rope_parameters", None) or vars(config).get("rope_scaling") or {}
+    return not (hasattr(config, "vision_config") or (isinstance(rope, dict) and "mrope_section" in rope))
+
+
 def skip_packed_sequence_check(model: nn.Module) -> bool:
     """Skip transformers' packed-sequence check (a host sync) in ``model``'s calls without ``position_ids``.
 
-    Returns False, changing nothing, where the installed transformers has no such check."""
-    if not _install():
+    Returns False, changing nothing, where the installed transformers has no such check, or where the model
+    does not count its positions up one by one (multimodal models)."""
+    if not _positions_count_up(model) or not _install():
         return False
     mark = _OwnPositions(model)
     model.register_forward_pre_hook(mark, with_kwargs=True)

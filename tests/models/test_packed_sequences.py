@@ -104,3 +104,14 @@ def test_a_model_compiled_whole_has_no_graph_break_and_the_same_loss():
     assert dict(counters["graph_break"]) == {}
     torch.testing.assert_close(loss, plain(input_ids=ids, labels=ids, use_cache=False).loss)
     assert not packed_sequences._OWN_POSITIONS.get()
+
+
+def test_models_that_derive_their_positions_keep_the_check():
+    model = _llama()
+    model.config.rope_parameters = {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 3, 3]}  # multimodal
+    assert not packed_sequences.skip_packed_sequence_check(model)
+    assert not model._forward_pre_hooks and not model._forward_hooks
+    model = _llama()
+    model.config.vision_config = {"hidden_size": 8}
+    assert not packed_sequences.skip_packed_sequence_check(model)
+    assert packed_sequences.skip_packed_sequence_check(_llama())
