@@ -10,9 +10,10 @@ What it does, each part through the schedule where a primitive exists (so it is 
   loss is ``schedlang.kernels.fused_linear_cross_entropy``: the ``tokens x vocab`` logits never
   exist. ``out.loss`` is the usual mean over counted tokens; ``out.logits`` is ``None``. Without
   labels the head returns logits as a Linear does;
-* **attention**: the SDPA backend, chosen by a short measured probe on the GPU (cuDNN, Flash,
-  memory-efficient; the fastest forward + backward at the model's shapes) and pinned around every
-  decoder layer; on the CPU PyTorch's default is kept;
+* **attention**: the SDPA backend, chosen by a short probe of GPU time on the GPU (cuDNN, Flash,
+  memory-efficient; the fastest forward + backward at the model's shapes and q/k/v layout) and pinned
+  inside every decoder layer when it beats PyTorch's default; otherwise (and on the CPU) the default
+  is kept;
 * **masks**: transformers' packed-sequence check waits for the GPU once per forward; for calls
   without ``position_ids`` (the model counts positions up itself, so nothing is packed) it is
   answered without asking the GPU (:mod:`schedlang.models.packed_sequences`);
@@ -345,10 +346,8 @@ def choose_sdpa_backend(batch: int, heads: int, seq: int, head_dim: int, dtype=t
     if not pinned:
         return None
     best = min(pinned, key=pinned.get)
-    if "default" in times and pinned[best] > (1 - margin) * times["default"]:
-        choice = None
-    else:
-        choice = best
+    beats_default = "default" not in times or pinned[best] <= (1 - margin) * times["default"]
+    choice = best if beats_default else None
     logger.info("SDPA probe (b%d h%d s%d d%d, %s; GPU ms per fwd+bwd): %s -> %s", batch, heads, seq, head_dim,
                 layout, ", ".join(f"{n} {t:.3f}" for n, t in sorted(times.items())), choice or "PyTorch's default")
     return choice

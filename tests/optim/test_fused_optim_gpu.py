@@ -62,17 +62,7 @@ def test_captured_step_replays_with_new_lr(kind):
     else:
         opt = FusedSGD(ours, lr=lr, momentum=0.9, nesterov=True)
         ref_opt = torch.optim.SGD(ref, lr=1e-2, momentum=0.9, nesterov=True)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):  # warm-up: creates the state and the launch tables
-            _set_grads(ours, ref)
-            opt.step()
-            ref_opt.step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        opt.step()
+    graph = _captured_step(opt, ref_opt, lambda: _set_grads(ours, ref))
     for value in (5e-3, 2e-3, 2e-3, 1e-3, 4e-4):
         lr.fill_(value)
         ref_opt.param_groups[0]["lr"] = value
@@ -150,17 +140,7 @@ def test_master_weights_match_torch_and_replay_in_a_graph(dtype):
                 a.grad.copy_(g)
             b.grad = g.float()
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            set_grads()
-            opt.step()
-            ref_opt.step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        opt.step()
+    graph = _captured_step(opt, ref_opt, set_grads)
     for value in (5e-3, 2e-3, 1e-3):
         lr.fill_(value)
         ref_opt.param_groups[0]["lr"] = value
@@ -174,3 +154,20 @@ def test_master_weights_match_torch_and_replay_in_a_graph(dtype):
         assert a.dtype == dtype
         torch.testing.assert_close(masters[a], b.detach(), rtol=1e-5, atol=1e-6)
         assert torch.equal(a.detach(), masters[a].to(dtype))
+
+
+def _captured_step(opt, ref_opt, set_grads):
+    """``opt.step()`` captured in a CUDA graph after three warm-up steps of both optimizers on a side stream
+    (they create the state and the launch tables)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            set_grads()
+            opt.step()
+            ref_opt.step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opt.step()
+    return graph

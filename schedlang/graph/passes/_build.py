@@ -14,6 +14,7 @@ from ._context import ParamSource, RewriteContext
 from ._nodes import piece_of, settled_size, shape_key
 
 __all__ = ["TensorRef", "attr_ref", "module_ref", "fuse_tensors", "stack", "unstack", "group_key", "unsettled",
+           "piece_order", "replace_by_pieces",
            "stack_dim_for"]
 
 
@@ -123,3 +124,22 @@ def stack_dim_for(inputs: Sequence[fx.Node], default: int) -> int:
             return spec.dim - 1
         return spec.dim
     return default
+
+
+def piece_order(inputs: Sequence[fx.Node]) -> List[int]:
+    """The positions of ``inputs`` (pieces of one split) sorted by piece index."""
+    return sorted(range(len(inputs)), key=lambda i: piece_of(inputs[i]).index)
+
+
+def replace_by_pieces(ctx: RewriteContext, rule: str, members: Sequence[fx.Node], order: Sequence[int], y: fx.Node,
+                      spec, num_pieces: Optional[int], detail: str) -> None:
+    """Cut ``y`` as ``spec``'s split cut its input and let member ``order[i]`` use piece ``i``; records the rewrite.
+
+    ``y`` must have been made in front of ``members[0]``: the cut goes between the two."""
+    with ctx.graph.inserting_before(members[0]):
+        parts = ctx.node("call_method", "split", (y, spec.sizes, spec.dim), num_pieces=num_pieces)
+        outs = [ctx.call(operator.getitem, parts, i) for i in range(len(members))]
+    ordered = [members[i] for i in order]
+    ctx.record(rule, ordered, y, detail)
+    for m, out in zip(ordered, outs):
+        ctx.replace(m, out)

@@ -32,7 +32,6 @@ eps, which affine parameters exist, their dtype/device.
 
 from __future__ import annotations
 
-import operator
 from typing import Hashable, List, Optional, Tuple
 
 import torch.nn.functional as F
@@ -45,6 +44,8 @@ from ._build import (
     fuse_tensors,
     group_key,
     module_ref,
+    piece_order,
+    replace_by_pieces,
     stack,
     stack_dim_for,
     unsettled,
@@ -141,7 +142,7 @@ class LayerNormGroup(Rule):
 
     def _rewrite_piecewise(self, ctx: RewriteContext, members: List[fx.Node], operands: List[_Operands]) -> bool:
         """Every piece of an int split, whose last piece may be shorter -> one guarded piecewise layer norm."""
-        order = sorted(range(len(members)), key=lambda i: piece_of(operands[i][0]).index)
+        order = piece_order([o[0] for o in operands])
         spec = piece_of(operands[0][0]).spec
         shape, eps = operands[0][1], operands[0][2]
         weights = [operands[i][3] for i in order]
@@ -151,15 +152,9 @@ class LayerNormGroup(Rule):
             w = fuse_tensors(ctx, "ln_weight", weights, "stack", 0) if weights[0] is not None else None
             b = fuse_tensors(ctx, "ln_bias", biases, "stack", 0) if biases[0] is not None else None
             y = ctx.call(group_ops.piecewise_layer_norm, spec.base, spec.sizes, spec.dim, n, shape, w, b, eps)
-            parts = ctx.node("call_method", "split", (y, spec.sizes, spec.dim),
-                             num_pieces=spec.node.meta.get(NUM_PIECES_META))
-            outs = [ctx.call(operator.getitem, parts, i) for i in range(n)]
-        ordered = [members[i] for i in order]
-        ctx.record(self.name, ordered, y, f"{n} x layer_norm{shape} on the pieces of '{spec.node.name}' -> 1 "
-                                          f"piecewise_layer_norm on '{spec.base.name}' (one group layer norm when "
-                                          f"all {n} pieces are whole, else one per piece)")
-        for m, out in zip(ordered, outs):
-            ctx.replace(m, out)
+        replace_by_pieces(ctx, self.name, members, order, y, spec, spec.node.meta.get(NUM_PIECES_META),
+                          f"{n} x layer_norm{shape} on the pieces of '{spec.node.name}' -> 1 piecewise_layer_norm on "
+                          f"'{spec.base.name}' (one group layer norm when all {n} pieces are whole, else one per piece)")
         return True
 
 

@@ -35,13 +35,13 @@ others are stacked, as when the group is not every piece.
 
 from __future__ import annotations
 
-import operator
 from typing import Hashable, List, Optional, Sequence, Tuple
 
 from torch import fx
 
 from . import group_ops
-from ._build import TensorRef, fuse_tensors, group_key, stack, stack_dim_for, unsettled, unstack
+from ._build import (TensorRef, fuse_tensors, group_key, piece_order, replace_by_pieces, stack, stack_dim_for,
+                     unsettled, unstack)
 from ._context import RewriteContext
 from ._nodes import every_piece_once, piece_of
 from .linear_same_input import LinearRule, linear_operands, linear_signature
@@ -95,7 +95,7 @@ class LinearBatched(LinearRule):
 
     def _rewrite_piecewise(self, ctx: RewriteContext, members: List[fx.Node], operands: List[_Operands]) -> bool:
         """Every piece of an int split, whose last piece may be shorter -> one guarded batched linear."""
-        order = sorted(range(len(members)), key=lambda i: piece_of(operands[i][0]).index)
+        order = piece_order([o[0] for o in operands])
         spec = piece_of(operands[0][0]).spec
         weights = [operands[i][1] for i in order]
         biases = [operands[i][2] for i in order]
@@ -104,16 +104,12 @@ class LinearBatched(LinearRule):
             w = fuse_tensors(ctx, "blinear_weight", weights, "stack", 0)
             b = fuse_tensors(ctx, "blinear_bias", biases, "stack", 0) if biases[0] is not None else None
             y = ctx.call(group_ops.piecewise_batched_linear, spec.base, spec.sizes, spec.dim, n, w, b)
-            # the result holds exactly the n pieces (a part of the input after them is not used)
-            parts = ctx.node("call_method", "split", (y, spec.sizes, spec.dim), num_pieces=n)
-            outs = [ctx.call(operator.getitem, parts, i) for i in range(n)]
         out_f, in_f = weights[0].value.shape
-        ordered = [members[i] for i in order]
-        ctx.record(self.name, ordered, y, f"{n} x linear({in_f}->{out_f}) on the pieces of '{spec.node.name}' -> 1 "
-                                          f"piecewise_batched_linear on '{spec.base.name}' (one baddbmm when all {n} "
-                                          f"pieces are whole, else one linear per piece)")
-        for m, out in zip(ordered, outs):
-            ctx.replace(m, out)
+        # the result holds exactly the n pieces (a part of the input after them is not used)
+        replace_by_pieces(ctx, self.name, members, order, y, spec, n,
+                          f"{n} x linear({in_f}->{out_f}) on the pieces of '{spec.node.name}' -> 1 "
+                          f"piecewise_batched_linear on '{spec.base.name}' (one baddbmm when all {n} pieces are "
+                          "whole, else one linear per piece)")
         return True
 
 
