@@ -123,6 +123,10 @@ def compile_layers(model: nn.Module, trace_collectives: bool = False, **compile_
     collectives; this needs torch >= 2.13: on torch 2.11 the traced graphs lose the backward
     all-reduce (gradients measured wrong on 2 H200s), so it is refused there.
 
+    A layer with float8 Linears is compiled with the ``shared_amax`` joint-graph pass
+    (:mod:`schedlang.graph.passes.shared_amax`): the backward reuses each activation's float8 scale
+    from the forward instead of reading the activation again.
+
     Example::
 
         model, opt = schedlang.build(sch, optimizer="adamw")
@@ -148,12 +152,34 @@ def compile_layers(model: nn.Module, trace_collectives: bool = False, **compile_
                             sub.forward = torch.compiler.disable(sub.forward)
                         elif is_sequence_parallel_norm(sub):
                             sub.__dict__[EAGER_COLLECTIVES_ATTR] = True  # the norm's arithmetic stays compiled
-                layer.forward = torch.compile(layer.forward, **compile_options)
+                layer.forward = torch.compile(layer.forward, **_with_float8_passes(layer, compile_options))
                 count += 1
     if not count:
         raise ScheduleTypeError(f"compile_layers: no layer list ({', '.join(LAYER_LISTS)}) found in "
                                 f"{type(model).__name__}; compile_layers needs a model that holds one of them")
     return count
+
+
+def _with_float8_passes(layer: nn.Module, compile_options: dict) -> dict:
+    """The compile options for ``layer``: for a layer with float8 Linears, Inductor also gets the
+    ``shared_amax`` joint-graph pass (each activation's float8 scale is computed once, not again in
+    the backward). A caller's own joint pass, or another backend than Inductor, is left as it is."""
+    from ..primitives.float8 import is_float8
+
+    if not any(is_float8(m) for m in layer.modules()) or compile_options.get("backend", "inductor") != "inductor":
+        return compile_options
+    options = dict(compile_options.get("options") or {})
+    if "joint_custom_post_pass" in options:
+        return compile_options
+    from ..graph.passes.shared_amax import SharedAmaxPass
+
+    rest = {k: v for k, v in compile_options.items() if k not in ("mode", "options")}
+    mode = compile_options.get("mode")
+    if mode not in (None, "default"):
+        # torch.compile takes a mode or options, not both: the mode's own options, spelled out
+        options = {**torch._inductor.list_mode_options(mode, rest.get("dynamic")), **options}
+    options["joint_custom_post_pass"] = SharedAmaxPass()
+    return {**rest, "options": options}
 
 
 def _run_sync_hooks_eagerly(module: nn.Module) -> None:

@@ -225,3 +225,52 @@ def test_the_attention_probe_picks_a_backend_that_runs_on_the_gpu(layout):
     assert optimize.choose_sdpa_backend(2, 16, 1024, 64, layout=layout) in (None, "cudnn", "flash", "efficient")
     # a negative margin pins the fastest even where the default is as fast
     assert optimize.choose_sdpa_backend(2, 16, 1024, 64, layout=layout, margin=-1.0) in ("cudnn", "flash", "efficient")
+
+
+def test_layers_with_float8_linears_compile_with_the_shared_scale_pass():
+    float8 = pytest.importorskip("torchao.float8", reason="torchao not installed (pip install 'schedlang[fp8]')")
+    from schedlang.graph.passes.shared_amax import SharedAmaxPass
+    from schedlang.models import _with_float8_passes
+
+    plain = torch.nn.Sequential(torch.nn.Linear(32, 32))
+    converted = copy.deepcopy(plain)
+    float8.convert_to_float8_training(converted)
+    assert _with_float8_passes(plain, {"mode": "reduce-overhead"}) == {"mode": "reduce-overhead"}
+    options = _with_float8_passes(converted, {})
+    assert set(options) == {"options"} and isinstance(options["options"]["joint_custom_post_pass"], SharedAmaxPass)
+    # torch.compile takes a mode or options: the mode is spelled out as its options, other arguments kept
+    options = _with_float8_passes(converted, {"mode": "reduce-overhead", "fullgraph": True})
+    assert options["fullgraph"] is True and "mode" not in options
+    assert options["options"]["triton.cudagraphs"] is True
+    assert isinstance(options["options"]["joint_custom_post_pass"], SharedAmaxPass)
+    # a caller's own joint pass, or a backend other than Inductor, is left alone
+    own = {"options": {"joint_custom_post_pass": print}}
+    assert _with_float8_passes(converted, own) is own
+    other = {"backend": "aot_eager"}
+    assert _with_float8_passes(converted, other) is other
+
+
+def test_float8_layers_share_one_compiled_graph(monkeypatch):
+    """Every layer's compile options compare equal, so torch.compile reuses the first layer's graph for
+    the others instead of counting a recompile per layer (which, past its limit, runs layers eagerly)."""
+    float8 = pytest.importorskip("torchao.float8", reason="torchao not installed (pip install 'schedlang[fp8]')")
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from schedlang.models import _with_float8_passes, compile_layers
+
+    torch.manual_seed(0)
+    model = _llama()
+    config = float8.Float8LinearConfig(emulate=True)
+    float8.convert_to_float8_training(model, config=config, module_filter_fn=lambda mod, name: "lm_head" not in name)
+    layers = list(model.model.layers)
+    cudagraphs = {"mode": "reduce-overhead"}
+    assert _with_float8_passes(layers[0], cudagraphs) == _with_float8_passes(layers[1], cudagraphs)
+    torch._dynamo.reset()
+    counters.clear()
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)  # a second graph would be an error here
+    assert compile_layers(model) == 2
+    ids, labels = _batch(97)
+    model(input_ids=ids, labels=labels, use_cache=False).loss.backward()
+    assert counters["stats"]["unique_graphs"] == 1
+    assert all(p.grad is not None for p in layers[1].parameters())

@@ -5,6 +5,8 @@
   ``cat_unbind``) to a fixpoint; ``group_ops.py`` holds the batched operators they emit.
 * ``combine_sparse_features.py``: N sparse-feature inputs -> one (indices, lengths) pair.
 * ``overlap_communication.py``: collectives issued early and waited for late.
+* ``shared_amax.py``: whole-tensor maxima (float8 scales) of one tensor, through any views, computed
+  once; an Inductor joint-graph pass that ``compile_layers`` gives float8 layers.
 
 Modules are imported on use, so ``import schedlang`` stays light.
 """

@@ -1,0 +1,168 @@
+"""Rule ``shared_amax``: a whole-tensor ``max`` (or ``max(abs(.))``) of one tensor is computed once.
+
+Dynamic float8 scaling (torchao's ``tensorwise`` recipe) computes ``amax = max(abs(x))`` of every
+matmul operand. In the joint forward + backward graph that Inductor partitions, the same activation
+gets that reduction more than once, each time through a different view: the forward casts ``x`` for
+the output GEMM, and the backward recomputes the scale of ``x.reshape(-1, d)`` for the weight-gradient
+GEMM. AOTAutograd's common-subexpression pass matches nodes structurally, so ``max(abs(view(x)))``
+and ``max(abs(x))`` stay two full passes over the tensor (for a LLaMA-1.1B layer about 190 MB of
+extra reads per step). A whole-tensor maximum does not depend on the view it is taken through, so
+this rule keeps the first such reduction of each tensor and points the others at it; the
+partitioner then saves the scalar for the backward instead of re-reading the activation.
+
+Before::
+
+    a1 = max(abs(x));  ...;  a2 = max(abs(view(x, [-1, d])))      # two reads of x
+
+After::
+
+    a1 = max(abs(x));  ...;  (uses of a2 read a1)                  # one read of x
+
+Exact: the maximum of the same elements of the same graph node. (Under Inductor one difference can
+show: where the partitioner recomputes an activation in the backward, Inductor computes the fused
+bf16 chain in fp32, and without this rule the backward took the scale of that recomputed copy; with
+it, the backward uses the forward's scale, as eager mode does.) What counts as "the same tensor" is
+strict: only views, transposes, permutes, expands, squeezes and dtype-preserving copies
+(``clone``, ``contiguous``) lie between the reduction and the shared tensor; a cast to another dtype,
+a slice or any arithmetic keeps the reductions apart. Reductions with a ``dim`` stay apart too
+(``rowwise`` scales depend on the layout).
+
+Used by :func:`schedlang.models.compile_layers` through Inductor's ``joint_custom_post_pass`` (see
+:class:`SharedAmaxPass`); :func:`share_amax` works on any functional aten-level FX graph.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Dict, Hashable, List, Optional, Tuple
+
+import torch
+from torch import fx
+
+__all__ = ["share_amax", "SharedAmaxPass", "whole_tensor_max_source"]
+
+logger = logging.getLogger("schedlang.graph.passes.shared_amax")
+
+aten = torch.ops.aten
+
+#: ops whose output holds exactly the elements of their first argument (each at least once), same dtype
+_SAME_ELEMENTS = {
+    aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.alias.default,
+    aten.t.default, aten.transpose.int, aten.permute.default, aten.expand.default,
+    aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.unsqueeze.default,
+    aten.clone.default, aten.contiguous.default, aten.flatten.using_ints,
+}
+
+
+def _value(node: fx.Node) -> Optional[torch.Tensor]:
+    value = node.meta.get("val")
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _is_dtype_preserving_copy(node: fx.Node) -> bool:
+    # a layout/memory-format copy: _to_copy with no dtype change (and no device change)
+    if node.target is not aten._to_copy.default or not node.args or not isinstance(node.args[0], fx.Node):
+        return False
+    before, after = _value(node.args[0]), _value(node)
+    return before is not None and after is not None and before.dtype == after.dtype and before.device == after.device
+
+
+def _is_whole_tensor_max(node: fx.Node) -> bool:
+    if node.op != "call_function":
+        return False
+    if node.target is aten.max.default:
+        return len(node.args) == 1 and not node.kwargs
+    if node.target is aten.amax.default:
+        dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", [])
+        keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+        source = _value(node.args[0]) if isinstance(node.args[0], fx.Node) else None
+        if keepdim or source is None:
+            return False
+        # amax over no dims, or over every dim, reduces the whole tensor
+        return len(dims) == 0 or sorted(d % max(source.dim(), 1) for d in dims) == list(range(source.dim()))
+    return False
+
+
+def whole_tensor_max_source(node: fx.Node) -> Optional[Tuple[fx.Node, bool]]:
+    """``(tensor, through_abs)`` if ``node`` is a whole-tensor max of ``tensor`` (of its ``abs`` when
+    ``through_abs``), seen through element-preserving views and copies; else None."""
+    if not _is_whole_tensor_max(node) or not isinstance(node.args[0], fx.Node):
+        return None
+    current, through_abs = node.args[0], False
+    while current.op == "call_function" and current.args and isinstance(current.args[0], fx.Node):
+        if current.target is aten.abs.default:
+            through_abs = True  # abs commutes with every view, and abs(abs(x)) == abs(x)
+        elif current.target not in _SAME_ELEMENTS and not _is_dtype_preserving_copy(current):
+            break
+        current = current.args[0]
+    return current, through_abs
+
+
+def share_amax(graph: fx.Graph) -> int:
+    """Point every whole-tensor max of a tensor seen before (through any views) at the first one.
+
+    Returns how many reductions were replaced; their now-unused views are removed.
+    """
+    first: Dict[Hashable, fx.Node] = {}
+    replaced: List[fx.Node] = []
+    for node in graph.nodes:
+        found = whole_tensor_max_source(node)
+        if found is None:
+            continue
+        out = _value(node)
+        key = (found, None if out is None else (out.dtype, tuple(out.shape)))
+        if key not in first:
+            first[key] = node
+            continue
+        node.replace_all_uses_with(first[key])
+        replaced.append(node)
+    for node in replaced:
+        _erase_unused_chain(graph, node)
+    if replaced:
+        logger.debug("shared_amax: %d whole-tensor max reduction(s) reuse an earlier one", len(replaced))
+    return len(replaced)
+
+
+def _erase_unused_chain(graph: fx.Graph, node: fx.Node) -> None:
+    # the replaced reduction and the views feeding only it; the shared tensor itself stays
+    while node.op == "call_function" and not node.users:
+        inputs = [a for a in node.args if isinstance(a, fx.Node)]
+        graph.erase_node(node)
+        if len(inputs) != 1 or not (inputs[0].target in _SAME_ELEMENTS or inputs[0].target is aten.abs.default
+                                    or _is_dtype_preserving_copy(inputs[0])):
+            return
+        node = inputs[0]
+
+
+def _custom_graph_pass_base():
+    try:
+        from torch._inductor.custom_graph_pass import CustomGraphPass
+    except ImportError:  # an Inductor without custom passes: a plain callable
+        return object
+    return CustomGraphPass
+
+
+class SharedAmaxPass(_custom_graph_pass_base()):
+    """:func:`share_amax` as an Inductor joint-graph pass, e.g.
+    ``torch.compile(fn, options={"joint_custom_post_pass": SharedAmaxPass()})``.
+
+    ``uuid`` names the pass and its version, so Inductor's FX-graph cache keeps serving compiled
+    graphs (a custom pass without one turns the cache off). Instances compare equal: torch.compile
+    tells backends apart by their options, and the layers of a model share one compiled graph only
+    if their options are equal (else each layer counts as a recompile and, past the limit, runs
+    eagerly).
+    """
+
+    VERSION = 1
+
+    def __call__(self, graph: fx.Graph) -> None:
+        share_amax(graph)
+
+    def uuid(self) -> Hashable:
+        return f"schedlang.shared_amax.v{self.VERSION}"
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, SharedAmaxPass) and other.uuid() == self.uuid()
+
+    def __hash__(self) -> int:
+        return hash(self.uuid())
