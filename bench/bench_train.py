@@ -164,8 +164,13 @@ def _build(ctx: B.Context, sch):
     """``schedlang.build`` with the run's optimizer (the same class and kind as the baselines')."""
     import schedlang
 
+    from schedlang.distributed.float8_fsdp import precompute_scales_after_step
+
     model, _ = schedlang.build(sch)
-    return model, ctx.optimizer(B.adamw_groups(model))
+    opt = ctx.optimizer(B.adamw_groups(model))
+    # as for an optimizer build makes: float8 all-gathered weights get their scales after each step
+    precompute_scales_after_step(model, opt)
+    return model, opt
 
 
 def _compile(ctx: B.Context, model) -> None:

@@ -560,4 +560,18 @@ def build(sch, init_weights: Union[None, bool, Callable[[nn.Module], None]] = No
 
             # float8 all-gather under FSDP2: every weight's scale from one all-reduce after each step
             precompute_scales_after_step(model, opt)
+        else:
+            _say_float8_scales_need_a_hook(model)
     return model, opt
+
+
+def _say_float8_scales_need_a_hook(model: nn.Module) -> None:
+    """A model with float8 all-gathered weights and no optimizer made here: the caller's optimizer needs the
+    hook that stores the scales after each step, or every all-gather all-reduces each weight's amax itself."""
+    from .distributed.float8_fsdp import float8_all_gather_linears
+
+    count = len(float8_all_gather_linears(model))
+    if count:
+        logger.warning("build: %d float8 all-gathered weight(s) and no optimizer made here: after making yours, call "
+                       "schedlang.distributed.float8_fsdp.precompute_scales_after_step(model, optimizer), or each "
+                       "all-gather all-reduces its own weight's amax (a small collective per Linear per step)", count)

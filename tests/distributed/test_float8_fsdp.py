@@ -54,8 +54,18 @@ def _worker(rank, world, path):
     schedlang.save_checkpoint(path, model, opt, step=3)
     schedlang.load_checkpoint(path, model, opt)
     result["after_load"] = [m.weight._local_tensor._precomputed_scale for m in linears]
-    # without the hook: each all-gather all-reduces its weight's amax itself
-    model, _ = _built(all_gather=True, optimizer=None)
+    # without the hook: each all-gather all-reduces its weight's amax itself; build says how to add it
+    import logging
+
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("schedlang.build").addHandler(handler)
+    try:
+        model, _ = _built(all_gather=True, optimizer=None)
+    finally:
+        logging.getLogger("schedlang.build").removeHandler(handler)
+    result["warned"] = [m for m in said if "precompute_scales_after_step" in m]
     result["dynamic"] = _losses(model, torch.optim.AdamW(model.parameters(), lr=LR), rank)
     model, opt = _built(all_gather=False)
     result["plain_count"] = len(float8_all_gather_linears(model))
@@ -77,3 +87,7 @@ def test_float8_all_gather_stores_the_whole_weights_scales_after_each_step(tmp_p
         for a, b, c in zip(result["stored"], result["one_process"], result["plain"]):
             assert abs(a - b) / b < 0.02 and abs(a - c) / c < 0.02, result
         assert result["plain_count"] == 0 and result["plain_handle"] is None
+        assert result["warned"] == [
+            "build: 14 float8 all-gathered weight(s) and no optimizer made here: after making yours, call "
+            "schedlang.distributed.float8_fsdp.precompute_scales_after_step(model, optimizer), or each all-gather "
+            "all-reduces its own weight's amax (a small collective per Linear per step)"]
