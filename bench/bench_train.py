@@ -163,7 +163,6 @@ def _schedlang_mesh(ctx: B.Context, dp: int, tp: int):
 def _build(ctx: B.Context, sch):
     """``schedlang.build`` with the run's optimizer (the same class and kind as the baselines')."""
     import schedlang
-
     from schedlang.distributed.float8_fsdp import precompute_scales_after_step
 
     model, _ = schedlang.build(sch)

@@ -67,6 +67,11 @@ def _is_dtype_preserving_copy(node: fx.Node) -> bool:
     return before is not None and after is not None and before.dtype == after.dtype and before.device == after.device
 
 
+def _keeps_elements(node: fx.Node) -> bool:
+    """Whether ``node``'s output holds exactly its first argument's elements (abs: their magnitudes)."""
+    return node.target in _SAME_ELEMENTS or node.target is aten.abs.default or _is_dtype_preserving_copy(node)
+
+
 def _is_whole_tensor_max(node: fx.Node) -> bool:
     if node.op != "call_function":
         return False
@@ -90,10 +95,10 @@ def whole_tensor_max_source(node: fx.Node) -> Optional[Tuple[fx.Node, bool]]:
         return None
     current, through_abs = node.args[0], False
     while current.op == "call_function" and current.args and isinstance(current.args[0], fx.Node):
-        if current.target is aten.abs.default:
-            through_abs = True  # abs commutes with every view, and abs(abs(x)) == abs(x)
-        elif current.target not in _SAME_ELEMENTS and not _is_dtype_preserving_copy(current):
+        if not _keeps_elements(current):
             break
+        # abs commutes with every view, and abs(abs(x)) == abs(x)
+        through_abs = through_abs or current.target is aten.abs.default
         current = current.args[0]
     return current, through_abs
 
@@ -128,8 +133,7 @@ def _erase_unused_chain(graph: fx.Graph, node: fx.Node) -> None:
     while node.op == "call_function" and not node.users:
         inputs = [a for a in node.args if isinstance(a, fx.Node)]
         graph.erase_node(node)
-        if len(inputs) != 1 or not (inputs[0].target in _SAME_ELEMENTS or inputs[0].target is aten.abs.default
-                                    or _is_dtype_preserving_copy(inputs[0])):
+        if len(inputs) != 1 or not _keeps_elements(inputs[0]):
             return
         node = inputs[0]
 
