@@ -18,7 +18,10 @@ settings, rewritten here so that the benchmark runs without them):
 * ``fsdp2-titan-fp8``: the same over float8 blocks whose weights FSDP2 all-gathers in float8, with
   torchao's ``precompute_float8_dynamic_scale_for_fsdp`` after every optimizer step (torchtitan's
   float8 settings);
-* ``tp-fsdp-titan``: ``tp-titan``'s plan on ``tp``, then FSDP2 on ``dp``.
+* ``tp-fsdp-titan``: ``tp-titan``'s plan on ``tp``, then FSDP2 on ``dp``;
+* ``ddp-titan``: torch's ``DistributedDataParallel`` over the model whose blocks are compiled one by
+  one, bf16 autocast over fp32 weights, gradients all-reduced in fp32 buckets of 100 MB (torchtitan's
+  DDP bucket size) that are the gradients' storage (``gradient_as_bucket_view``).
 
 Every one takes the loss the same way: the body's last hidden state, the LM head, then
 ``F.cross_entropy`` of fp32 logits against labels shifted on the host (logits never sliced), and
@@ -333,6 +336,27 @@ def make_fsdp2_titan(ctx: Context, cfg, fp8: str = None) -> Setup:
                         "float8": f"{fp8}, float8 all-gather" if fp8 else None})
 
 
+def make_ddp_titan(ctx: Context, cfg) -> Setup:
+    from torch.nn.parallel import DistributedDataParallel
+
+    mesh = ctx.mesh(ctx.world, 1)["dp"]
+    model = full_model(cfg, ctx.device)
+    layers = blocks(model)
+    for i, block in enumerate(layers):
+        layers[i] = ctx.compile_block(block)
+    ddp = DistributedDataParallel(model, device_ids=[ctx.device] if ctx.cuda else None, process_group=mesh.get_group(),
+                                  bucket_cap_mb=100, gradient_as_bucket_view=True)
+    opt = ctx.optimizer(model.parameters())
+
+    def loss_fn(ids, labels):
+        with ctx.autocast():  # through DDP's forward, which readies the gradient all-reduce of this backward
+            logits = ddp(input_ids=ids, use_cache=False).logits
+        return plain_loss(logits, labels)
+
+    return Setup(model, opt, loss_fn, dp=ctx.world, dp_rank=mesh.get_local_rank(),
+                 notes={"loss": "logits -> F.cross_entropy (fp32)", "compile": "blocks"})
+
+
 #: variant name -> builder(ctx, cfg)
 BASELINES: Dict[str, Callable[[Context, Any], Setup]] = {
     "eager": lambda ctx, cfg: make_eager(ctx, cfg),
@@ -344,4 +368,5 @@ BASELINES: Dict[str, Callable[[Context, Any], Setup]] = {
     "tp-fsdp-titan": lambda ctx, cfg: make_tp_titan(ctx, cfg, dp=ctx.world // ctx.args.tp2d, fsdp=True),
     "fsdp2-titan": make_fsdp2_titan,
     "fsdp2-titan-fp8": lambda ctx, cfg: make_fsdp2_titan(ctx, cfg, fp8="tensorwise"),
+    "ddp-titan": make_ddp_titan,
 }

@@ -40,7 +40,7 @@ Works (batch x seq; ``--batch`` / ``--seq`` override):
   2 GPUs, as ``llama-1.1b-2gpu``.
 
 Variants: the baselines are in ``bench/baselines.py`` (``eager``, ``compile``, ``titan-style``,
-``titan-style-fp8``, ``dtensor-compile``, ``tp-titan``, ``fsdp2-titan``, ``tp-fsdp-titan``).
+``titan-style-fp8``, ``dtensor-compile``, ``tp-titan``, ``fsdp2-titan``, ``tp-fsdp-titan``, ``ddp-titan``).
 schedlang's, through its schedule API:
 
 * ``schedlang-layers``: ``create_schedule`` + ``build`` + ``compile_layers`` (1 GPU: the plan is
@@ -64,7 +64,11 @@ schedlang's, through its schedule API:
   the bf16/fp32 ``MixedPrecisionPolicy``, ``compile_layers`` (or ``optimize_model``);
 * ``schedlang-fsdp-fp8`` (``-optimize``): the same after ``float8(fsdp_float8_all_gather=True)`` on every
   layer (``build`` stores the weights' float8 scales after each step);
-* ``schedlang-tp-fsdp``: ``shard_model`` then ``fully_shard`` on a ``dp x tp`` mesh (``--tp2d``).
+* ``schedlang-tp-fsdp``: ``shard_model`` then ``fully_shard`` on a ``dp x tp`` mesh (``--tp2d``);
+* ``schedlang-ddp-optimize-mw``: ``replicate`` at the root, ``optimize_model`` and
+  ``build(optimizer="adamw", master_weights=True)``: DDP over bf16 Linear weights whose fp32 masters live
+  in FusedAdamW, gradients all-reduced during the backward in fp32 (the default ``reduce_dtype``); needs
+  ``--optimizer schedlang-fused``, as the other master-weights rows.
 
 Correctness, in the same run (column ``check``: "ok" or "FAIL <why>"): each rank first runs the
 plain model eagerly on its share of the batch; every variant's first-step loss must match it
@@ -129,8 +133,8 @@ WORKS: Dict[str, Work] = {
     "llama-1.1b-tp2": Work("llama", "llama-1.1b", 4, 2048, 2, False, "tp-titan",
                            ("dtensor-compile", "tp-titan", "schedlang-tp", "schedlang-tp-optimize")),
     "llama-1.1b-2gpu": Work("llama", "llama-1.1b", 4, 2048, 2, True, "fsdp2-titan",
-                            ("fsdp2-titan", "tp-titan", "schedlang-fsdp", "schedlang-fsdp-noreshard",
-                             "schedlang-fsdp-optimize", "schedlang-tp")),
+                            ("fsdp2-titan", "ddp-titan", "tp-titan", "schedlang-fsdp", "schedlang-fsdp-noreshard",
+                             "schedlang-fsdp-optimize", "schedlang-ddp-optimize-mw", "schedlang-tp")),
     "llama-1.1b-2gpu-fp8": Work("llama", "llama-1.1b", 4, 2048, 2, True, "fsdp2-titan-fp8",
                                 ("fsdp2-titan-fp8", "schedlang-fsdp-fp8", "schedlang-fsdp-fp8-optimize"),
                                 needs="torchao"),
@@ -145,7 +149,7 @@ OPTIMIZE_VARIANTS = tuple("schedlang-optimize" + fp8 + mw + cg for fp8 in ("", "
 SCHEDLANG = ("schedlang-layers", *OPTIMIZE_VARIANTS, *(f"schedlang-optimize-ckpt{n}" for n in CHECKPOINT_STRIDES),
              "schedlang-tp",
              "schedlang-tp-optimize", "schedlang-fsdp", "schedlang-fsdp-noreshard", "schedlang-fsdp-optimize",
-             "schedlang-fsdp-fp8", "schedlang-fsdp-fp8-optimize", "schedlang-tp-fsdp")
+             "schedlang-fsdp-fp8", "schedlang-fsdp-fp8-optimize", "schedlang-tp-fsdp", "schedlang-ddp-optimize-mw")
 PROFILE_STEPS = 3
 OPTIMIZER_SUFFIX = {"torch-fused": "", "schedlang-fused": "+FusedAdamW"}
 
@@ -209,13 +213,8 @@ def make_schedlang_single(ctx: B.Context, cfg, optimize: bool, float8=None, cuda
                           checkpoint_every: int = 0, master_weights: bool = False) -> B.Setup:
     import schedlang
 
-    if master_weights and ctx.args.optimizer != "schedlang-fused":
-        # the fp32 masters live in schedlang's fused AdamW: like for like only when every row uses that class
-        raise B.NotAvailable("master weights need schedlang's FusedAdamW on every row: run with "
-                             "--optimizer schedlang-fused")
-    if master_weights and not ctx.bf16:
-        raise B.NotAvailable("master weights keep bf16 parameters for bf16 compute: a bf16 run (on a GPU) needs "
-                             "them; this run computes in fp32")
+    if master_weights:
+        _need_master_weights(ctx)
     sch = schedlang.create_schedule(B.full_model(cfg, ctx.device))
     info = (_optimize(ctx, sch, float8, cudagraphs=cudagraph_layers, checkpoint_every=checkpoint_every)
             if optimize else None)
@@ -304,6 +303,33 @@ def make_schedlang_fsdp(ctx: B.Context, cfg, reshard: Optional[bool], optimize: 
                           "float8": "tensorwise, float8 all-gather" if float8 else None})
 
 
+def make_schedlang_ddp(ctx: B.Context, cfg) -> B.Setup:
+    """DDP with fp32 master weights: ``replicate`` at the root, ``optimize_model``, and build's FusedAdamW keeping
+    the masters of the bf16 Linear weights (the DDP engine sees the bf16 parameters)."""
+    import schedlang
+
+    _need_master_weights(ctx)
+    mesh = _schedlang_mesh(ctx, ctx.world, 1)
+    sch = schedlang.create_schedule(B.full_model(cfg, ctx.device), mesh=mesh)
+    sch.replicate()
+    info = _optimize(ctx, sch)
+    model, opt = schedlang.build(sch, optimizer="adamw", master_weights=True, lr=B.LR, weight_decay=0.01)
+    del sch
+    return B.Setup(model, opt, _labels_loss(ctx, model), dp=ctx.world, dp_rank=mesh.get_local_rank("dp"),
+                   notes={"loss": "fused linear + cross entropy (labels=)", "optimize": info, "compile": "layers",
+                          "master_weights": True, "data_parallel": "replicate (DDP), fp32 gradient reduction"})
+
+
+def _need_master_weights(ctx: B.Context) -> None:
+    if ctx.args.optimizer != "schedlang-fused":
+        # the fp32 masters live in schedlang's fused AdamW: like for like only when every row uses that class
+        raise B.NotAvailable("master weights need schedlang's FusedAdamW on every row: run with "
+                             "--optimizer schedlang-fused")
+    if not ctx.bf16:
+        raise B.NotAvailable("master weights keep bf16 parameters for bf16 compute: a bf16 run (on a GPU) needs "
+                             "them; this run computes in fp32")
+
+
 def make_variant(ctx: B.Context, name: str, cfg) -> B.Setup:
     if name in B.BASELINES:
         return B.BASELINES[name](ctx, cfg)
@@ -317,6 +343,8 @@ def make_variant(ctx: B.Context, name: str, cfg) -> B.Setup:
         return make_schedlang_single(ctx, cfg, optimize=True, checkpoint_every=int(name.rpartition("ckpt")[2]))
     if name in ("schedlang-tp", "schedlang-tp-optimize"):
         return make_schedlang_tp(ctx, cfg, optimize=name.endswith("optimize"))
+    if name == "schedlang-ddp-optimize-mw":
+        return make_schedlang_ddp(ctx, cfg)
     if name == "schedlang-tp-fsdp":
         return make_schedlang_tp(ctx, cfg, dp=ctx.world // ctx.args.tp2d, fsdp=True)
     if name.startswith("schedlang-fsdp"):

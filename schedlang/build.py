@@ -290,8 +290,10 @@ def _model_device(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def _parallelize(root, model: nn.Module, pipeline: Optional[Dict[str, Any]]) -> nn.Module:
-    """Tensor-parallel DTensors, pipeline stages and data parallelism, in that order (see :func:`build`)."""
+def _parallelize(root, model: nn.Module, pipeline: Optional[Dict[str, Any]],
+                 master_weights: Optional[torch.dtype] = None) -> nn.Module:
+    """Tensor-parallel DTensors, pipeline stages and data parallelism, in that order (see :func:`build`).
+    ``master_weights``: the compute dtype of an optimizer with fp32 masters (``replicate`` runs on DDP)."""
     from .distributed import mesh as meshes
     from .distributed.data_parallel import apply_data_parallel, data_parallel_steps
     from .distributed.groups import SingleRankGroup, is_distributed
@@ -336,11 +338,11 @@ def _parallelize(root, model: nn.Module, pipeline: Optional[Dict[str, Any]]) -> 
 
         def prepare_stage(stage: nn.Module) -> None:
             if dp_steps:
-                apply_data_parallel(stage, dp_steps, dp_mesh, device, missing_ok=True)
+                apply_data_parallel(stage, dp_steps, dp_mesh, device, missing_ok=True, master_weights=master_weights)
 
         return build_pipeline(model, cuts, pp, pipeline, device, prepare_stage)
     if dp_steps:
-        apply_data_parallel(model, dp_steps, dp_mesh, device)
+        apply_data_parallel(model, dp_steps, dp_mesh, device, master_weights=master_weights)
     return model
 
 
@@ -421,8 +423,9 @@ def _check_optimizer(optimizer, optimizer_kwargs, device: torch.device, dtypes) 
         raise kind(f"build: optimizer {name!r} rejects its options {optimizer_kwargs}: {e}") from e
 
 
-def _check_master_weights(master_weights, optimizer) -> None:
-    """``master_weights=True`` needs one of schedlang's fused Adams, which keep the fp32 masters."""
+def _check_master_weights(master_weights, optimizer, root, compute_dtype) -> None:
+    """``master_weights=True`` needs one of schedlang's fused Adams, which keep the fp32 masters, and a layout
+    that keeps the parameters plain tensors: data parallelism by ``replicate`` (DDP), no tensor parallelism."""
     if not isinstance(master_weights, bool):
         raise ScheduleTypeError(f"build: master_weights must be True or False, got {master_weights!r}")
     if not master_weights:
@@ -434,6 +437,19 @@ def _check_master_weights(master_weights, optimizer) -> None:
     if not fused_adam:
         raise ScheduleValueError(f"build: master_weights=True needs optimizer='adamw' or 'adam' (schedlang's fused "
                                  f"Adam keeps the fp32 masters), got optimizer={optimizer!r}")
+    if root.world_size > 1 and any(s.primitive == "shard" for s in root.plan):
+        shard = next(s for s in root.plan if s.primitive == "shard")
+        raise ScheduleValueError(
+            f"build: master_weights=True keeps plain parameters, but the plan shards '{shard.path}' over "
+            f"{root.world_size} tensor-parallel ranks (its parameters become DTensors, which the fused Adam keeps no "
+            "masters for); use master_weights=False with tensor parallelism")
+    from .distributed import mesh as meshes
+    from .distributed.data_parallel import check_master_weights_layout, data_parallel_steps
+
+    steps = data_parallel_steps(root.plan)
+    if steps:
+        check_master_weights_layout(steps, meshes.data_parallel_mesh(root.mesh) if root.mesh is not None else None,
+                                    compute_dtype)
 
 
 def _check_arguments(model: nn.Module, init_weights, optimizer, optimizer_kwargs, device, dtype) -> torch.device:
@@ -480,7 +496,10 @@ def build(sch, init_weights: Union[None, bool, Callable[[nn.Module], None]] = No
         **optimizer_kwargs: passed to the optimizer (``lr=...``). ``master_weights=True`` (with ``"adamw"`` /
             ``"adam"``) gives the Linear weights fp32 master weights in the optimizer and bf16 (``compute_dtype``)
             parameters in the model (:func:`schedlang.optim.master_weight_groups`): autocast's numbers without
-            its weight and gradient casts. Slapo's ``target="deepspeed"`` (and any
+            its weight and gradient casts. The parameters must stay plain tensors: no tensor parallelism
+            and no ``fully_shard``; ``replicate`` then runs on DDP, all-reducing gradient buckets during the
+            backward in the ``mp_policy``'s ``reduce_dtype`` (fp32 by default; see
+            :mod:`schedlang.distributed.data_parallel`). Slapo's ``target="deepspeed"`` (and any
             target registered in :mod:`schedlang.framework_dialect`) hands the built model to that
             framework's engine instead.
 
@@ -511,7 +530,7 @@ def build(sch, init_weights: Union[None, bool, Callable[[nn.Module], None]] = No
     # every phase ends in an agreement: a rank that fails makes every rank fail within seconds (naming
     # it), instead of leaving the others blocked in the next collective
     with agreement(group, phase="build: checking the arguments"):
-        _check_master_weights(master_weights, optimizer)
+        _check_master_weights(master_weights, optimizer, root, optimizer_kwargs.get("compute_dtype", torch.bfloat16))
         target = _check_arguments(model, init_weights, optimizer, optimizer_kwargs, device, dtype)
         weights = None
         if pretrained is not None:
@@ -538,7 +557,8 @@ def build(sch, init_weights: Union[None, bool, Callable[[nn.Module], None]] = No
         for module in model.modules():
             apply_annotations(module)
     with agreement(group, phase="build: tensor, pipeline and data parallelism"):
-        model = _parallelize(root, model, pipeline)
+        compute_dtype = optimizer_kwargs.get("compute_dtype", torch.bfloat16) if master_weights else None
+        model = _parallelize(root, model, pipeline, master_weights=compute_dtype)
         from .distributed.dtensor_params import register_rank_major
 
         register_rank_major(model)  # FSDP2 replaced parameters: full_tensor still knows the rank-major ones

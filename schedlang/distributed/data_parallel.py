@@ -6,6 +6,19 @@ DTensors on the ``tp`` dimension (FSDP2 then shards them further along ``dp``, a
 with pipelining, on each stage that this rank holds. Inner modules are wrapped before outer
 ones, as FSDP2 requires, whatever order the schedule named them in.
 
+``replicate`` has two engines:
+
+* by default torch's FSDP-based ``replicate``: parameters become ``Replicate()`` DTensors, cast
+  and reduced by the ``mp_policy`` like FSDP2's (it composes with tensor parallelism on a 2-D
+  mesh);
+* with fp32 master weights (``build(..., master_weights=True)``), torch's DDP (the composable,
+  DDP-based ``replicate``): the parameters stay the plain tensors the fused optimizer turned into
+  bf16 copies of its fp32 masters, and gradients are all-reduced in buckets while the backward
+  still runs. DDP builds its buckets at the first forward, after the optimizer changed the
+  parameters' dtypes. The policy's ``reduce_dtype`` (fp32 by default) is honoured by a DDP
+  communication hook (:func:`reduce_in_dtype`) that sums a low-precision bucket in that dtype;
+  ``reduce_dtype="bfloat16"`` sums it as it is, with no casts.
+
 Mixed precision is FSDP2's ``MixedPrecisionPolicy``. A step's ``mp_policy`` is kept in the plan
 as plain data: ``None`` (the default: bf16 parameters and fp32 gradient reduction on a GPU,
 full fp32 on the CPU), ``"bf16"``, ``"fp32"`` or a dict of the policy's fields with dtype names.
@@ -21,7 +34,8 @@ from torch import nn
 
 from ..errors import ScheduleTypeError, ScheduleValueError
 
-__all__ = ["normalize_mp_policy", "make_mp_policy", "apply_data_parallel", "DATA_PARALLEL_PRIMITIVES"]
+__all__ = ["normalize_mp_policy", "make_mp_policy", "apply_data_parallel", "DATA_PARALLEL_PRIMITIVES",
+           "ReduceState", "reduce_in_dtype", "DDP_BUCKET_CAP_MB"]
 
 logger = logging.getLogger("schedlang.distributed.data_parallel")
 
@@ -29,6 +43,8 @@ DATA_PARALLEL_PRIMITIVES = ("fully_shard", "replicate")
 _POLICY_FIELDS = ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "float": "float32", "half": "float16"}
+#: DDP's gradient bucket size: torchtitan's choice; fewer, larger all-reduces than DDP's 25 MB default
+DDP_BUCKET_CAP_MB = 100
 
 
 def _dtype_name(value, where: str) -> Optional[str]:
@@ -102,12 +118,17 @@ def _submodule(root: nn.Module, path: str) -> Optional[nn.Module]:
 
 
 def apply_data_parallel(model: nn.Module, steps: Iterable[Tuple[str, str, Dict[str, Any]]], dp_mesh,
-                        device: torch.device, missing_ok: bool = False) -> List[str]:
+                        device: torch.device, missing_ok: bool = False,
+                        master_weights: Optional[torch.dtype] = None) -> List[str]:
     """Apply the recorded ``fully_shard`` / ``replicate`` steps (``(primitive, path, args)``) to ``model``.
 
     Deepest modules first. ``missing_ok``: skip paths ``model`` does not hold (a pipeline stage holds
-    only part of the model). Returns the paths wrapped, in the order they were wrapped.
+    only part of the model). ``master_weights``: the compute dtype of an optimizer that will keep fp32
+    masters of plain parameters; ``replicate`` then runs on DDP (see the module docstring) and
+    ``fully_shard`` is refused (checked by :func:`check_master_weights_layout` before anything runs).
+    Returns the paths wrapped, in the order they were wrapped.
     """
+    steps = list(steps)
     ordered = sorted(steps, key=lambda s: (-(s[1].count(".") + 1 if s[1] else 0), s[1]))
     done = []
     for primitive, path, args in ordered:
@@ -121,6 +142,17 @@ def apply_data_parallel(model: nn.Module, steps: Iterable[Tuple[str, str, Dict[s
         if not any(True for _ in module.parameters()):
             logger.info("%s: no parameters here (this pipeline stage holds none of them); %s skipped",
                         path or "<root>", primitive)
+            continue
+        if master_weights is not None and primitive == "replicate":
+            outer = _enclosing_step(path, steps, model if missing_ok else None)
+            if outer is not None:  # one DDP over the outer module already reduces these gradients
+                logger.info("%s: replicate is covered by the one at %s (DDP reduces every gradient under it)",
+                            path or "<root>", outer or "<root>")
+                continue
+            _replicate_with_ddp(module, dp_mesh, args.get("mp_policy"), master_weights, path)
+            logger.info("%s: replicate (DDP, plain %s parameters with fp32 masters) on %s", path or "<root>",
+                        master_weights, dp_mesh)
+            done.append(path)
             continue
         policy = make_mp_policy(args.get("mp_policy"), device)
         if primitive == "fully_shard":
@@ -139,7 +171,7 @@ def apply_data_parallel(model: nn.Module, steps: Iterable[Tuple[str, str, Dict[s
 
 
 def _replicate(module: nn.Module, dp_mesh, policy) -> None:
-    """DDP through torch's composable ``replicate`` (parameter names unchanged, so checkpoints still match)."""
+    """torch's FSDP-based composable ``replicate`` (parameter names unchanged, so checkpoints still match)."""
     try:
         from torch.distributed._composable.replicate_with_fsdp import replicate
     except ImportError:  # older torch: the DDP-based composable API (no mixed-precision policy)
@@ -150,6 +182,105 @@ def _replicate(module: nn.Module, dp_mesh, policy) -> None:
         _ddp_replicate(module, process_group=dp_mesh.get_group())
         return
     replicate(module, mesh=dp_mesh, mp_policy=policy)
+
+
+def _enclosing_step(path: str, steps, model: Optional[nn.Module]) -> Optional[str]:
+    """The path of a recorded ``replicate`` on a module that contains ``path`` (and that ``model`` holds,
+    when given), or None."""
+    for primitive, other, _ in steps:
+        if primitive != "replicate" or other == path:
+            continue
+        if (other == "" or path.startswith(other + ".")) and (model is None or _submodule(model, other) is not None):
+            return other
+    return None
+
+
+def check_master_weights_layout(steps, dp_mesh, compute_dtype: Optional[torch.dtype] = None, where: str = "build"
+                                ) -> None:
+    """Raise (before anything is wrapped) unless the data-parallel steps can keep plain parameters for an
+    optimizer with fp32 master weights: ``replicate`` on a 1-D data mesh, with a policy DDP can honour."""
+    for primitive, path, args in steps:
+        at = path or "<root>"
+        if primitive == "fully_shard":
+            raise ScheduleValueError(
+                f"{where}: master_weights=True keeps plain bf16 parameters with fp32 masters in the optimizer, but "
+                f"the plan has fully_shard at '{at}' (FSDP2 turns parameters into sharded DTensors and keeps its own "
+                "fp32 copy through mp_policy); use replicate for data parallelism with master weights, or "
+                "master_weights=False with fully_shard")
+        if dp_mesh is not None and dp_mesh.ndim != 1:
+            raise ScheduleValueError(
+                f"{where}: master_weights=True runs replicate at '{at}' on DDP, which takes a 1-D data mesh; this "
+                f"one has dimensions {dp_mesh.mesh_dim_names}; use a mesh with one 'dp' dimension, or "
+                "master_weights=False")
+        _ddp_reduce_dtype(args.get("mp_policy"), compute_dtype, f"{where}: {at}: replicate")
+
+
+def _ddp_reduce_dtype(spec: Optional[Dict[str, Any]], compute_dtype: Optional[torch.dtype], where: str
+                      ) -> Optional[torch.dtype]:
+    """The dtype DDP sums gradients in, from a plan's ``mp_policy`` under master weights (None: the gradients'
+    own dtype). Parameter casts are the optimizer's business there: a policy may only restate them."""
+    if spec is None:
+        return torch.float32  # the GPU default policy's fp32 reduction, and the CPU default's fp32
+    param = _DTYPES.get(spec["param_dtype"])
+    if param is not None and compute_dtype is not None and param != compute_dtype:
+        raise ScheduleValueError(
+            f"{where}: mp_policy param_dtype={spec['param_dtype']} contradicts master_weights with compute_dtype "
+            f"{compute_dtype}: the optimizer keeps the Linear weights in {compute_dtype} and the other parameters "
+            "in fp32; leave param_dtype None (or equal to compute_dtype)")
+    if spec["output_dtype"] is not None:
+        raise ScheduleValueError(
+            f"{where}: mp_policy output_dtype={spec['output_dtype']} is FSDP2's cast of the module output, which "
+            "DDP (replicate under master weights) does not do; leave output_dtype None")
+    return _DTYPES.get(spec["reduce_dtype"])
+
+
+class ReduceState:
+    """What :func:`reduce_in_dtype` needs: the data-parallel group and the dtype to sum gradients in."""
+
+    def __init__(self, group, dtype: Optional[torch.dtype]):
+        self.group = group
+        self.dtype = dtype
+
+
+def reduce_in_dtype(state: ReduceState, bucket):
+    """DDP communication hook: the mean of a gradient bucket over the group, summed in ``state.dtype``.
+
+    A bucket of another dtype (bf16 gradients of master-weights parameters) is cast up, averaged and
+    all-reduced in that dtype and written back rounded once, as FSDP2's ``reduce_dtype`` does; a bucket
+    already in it (or with ``dtype`` None) is averaged and all-reduced as it is, as DDP's default does.
+    """
+    import torch.distributed as dist
+
+    buffer = bucket.buffer()
+    world = dist.get_world_size(state.group)
+    wide = state.dtype is not None and buffer.dtype != state.dtype
+    work = buffer.to(state.dtype) if wide else buffer
+    work.div_(world)
+    future = dist.all_reduce(work, group=state.group, async_op=True).get_future()
+    if not wide:
+        return future.then(lambda f: f.value()[0])
+
+    def write_back(f):
+        buffer.copy_(f.value()[0])
+        return buffer
+
+    return future.then(write_back)
+
+
+def _replicate_with_ddp(module: nn.Module, dp_mesh, spec, compute_dtype: torch.dtype, path: str) -> None:
+    """torch's DDP-based composable ``replicate`` (parameter names unchanged), set up lazily: its buckets are
+    made at the first forward, once the optimizer has turned the parameters into their compute-dtype copies."""
+    from torch.distributed._composable import replicate as ddp_replicate
+
+    reduce_dtype = _ddp_reduce_dtype(spec, compute_dtype, f"{path or '<root>'}: replicate")
+    device = next(module.parameters()).device
+    options: Dict[str, Any] = {"process_group": dp_mesh.get_group(), "bucket_cap_mb": DDP_BUCKET_CAP_MB,
+                               # gradients live in the buckets: no copy into them, no second gradient buffer
+                               "gradient_as_bucket_view": True}
+    if device.type != "cpu":
+        options["device_id"] = device
+    ddp_replicate(module, **options)
+    module.register_comm_hook(ReduceState(dp_mesh.get_group(), reduce_dtype), reduce_in_dtype)
 
 
 def data_parallel_step_args(sch, primitive: str, mp_policy: Any) -> Dict[str, Any]:
