@@ -65,10 +65,14 @@ schedlang's, through its schedule API:
 * ``schedlang-fsdp-fp8`` (``-optimize``): the same after ``float8(fsdp_float8_all_gather=True)`` on every
   layer (``build`` stores the weights' float8 scales after each step);
 * ``schedlang-tp-fsdp``: ``shard_model`` then ``fully_shard`` on a ``dp x tp`` mesh (``--tp2d``);
-* ``schedlang-ddp-optimize-mw``: ``replicate`` at the root, ``optimize_model`` and
+* ``schedlang-fsdp-noreshard-optimize``: ``schedlang-fsdp-optimize`` keeping each layer's gathered
+  parameters from its forward to its backward (one all-gather per layer and step instead of two);
+* ``schedlang-ddp-optimize-mw`` (``-bf16reduce``): ``replicate`` at the root, ``optimize_model`` and
   ``build(optimizer="adamw", master_weights=True)``: DDP over bf16 Linear weights whose fp32 masters live
-  in FusedAdamW, gradients all-reduced during the backward in fp32 (the default ``reduce_dtype``); needs
-  ``--optimizer schedlang-fused``, as the other master-weights rows.
+  in FusedAdamW, gradients all-reduced during the backward in fp32 (the default ``reduce_dtype``), or in
+  bf16 with ``-bf16reduce`` (over 2 ranks the two sums are bit-identical: halving is exact and a sum of
+  two bf16 values is rounded once either way); needs ``--optimizer schedlang-fused``, as the other
+  master-weights rows.
 
 Correctness, in the same run (column ``check``: "ok" or "FAIL <why>"): each rank first runs the
 plain model eagerly on its share of the batch; every variant's first-step loss must match it
@@ -149,7 +153,8 @@ OPTIMIZE_VARIANTS = tuple("schedlang-optimize" + fp8 + mw + cg for fp8 in ("", "
 SCHEDLANG = ("schedlang-layers", *OPTIMIZE_VARIANTS, *(f"schedlang-optimize-ckpt{n}" for n in CHECKPOINT_STRIDES),
              "schedlang-tp",
              "schedlang-tp-optimize", "schedlang-fsdp", "schedlang-fsdp-noreshard", "schedlang-fsdp-optimize",
-             "schedlang-fsdp-fp8", "schedlang-fsdp-fp8-optimize", "schedlang-tp-fsdp", "schedlang-ddp-optimize-mw")
+             "schedlang-fsdp-noreshard-optimize", "schedlang-fsdp-fp8", "schedlang-fsdp-fp8-optimize", "schedlang-tp-fsdp",
+             "schedlang-ddp-optimize-mw", "schedlang-ddp-optimize-mw-bf16reduce")
 PROFILE_STEPS = 3
 OPTIMIZER_SUFFIX = {"torch-fused": "", "schedlang-fused": "+FusedAdamW"}
 
@@ -303,7 +308,7 @@ def make_schedlang_fsdp(ctx: B.Context, cfg, reshard: Optional[bool], optimize: 
                           "float8": "tensorwise, float8 all-gather" if float8 else None})
 
 
-def make_schedlang_ddp(ctx: B.Context, cfg) -> B.Setup:
+def make_schedlang_ddp(ctx: B.Context, cfg, reduce_dtype: str = "float32") -> B.Setup:
     """DDP with fp32 master weights: ``replicate`` at the root, ``optimize_model``, and build's FusedAdamW keeping
     the masters of the bf16 Linear weights (the DDP engine sees the bf16 parameters)."""
     import schedlang
@@ -311,13 +316,13 @@ def make_schedlang_ddp(ctx: B.Context, cfg) -> B.Setup:
     _need_master_weights(ctx)
     mesh = _schedlang_mesh(ctx, ctx.world, 1)
     sch = schedlang.create_schedule(B.full_model(cfg, ctx.device), mesh=mesh)
-    sch.replicate()
+    sch.replicate(mp_policy={"reduce_dtype": reduce_dtype})
     info = _optimize(ctx, sch)
     model, opt = schedlang.build(sch, optimizer="adamw", master_weights=True, lr=B.LR, weight_decay=0.01)
     del sch
     return B.Setup(model, opt, _labels_loss(ctx, model), dp=ctx.world, dp_rank=mesh.get_local_rank("dp"),
                    notes={"loss": "fused linear + cross entropy (labels=)", "optimize": info, "compile": "layers",
-                          "master_weights": True, "data_parallel": "replicate (DDP), fp32 gradient reduction"})
+                          "master_weights": True, "data_parallel": f"replicate (DDP), {reduce_dtype} gradient reduction"})
 
 
 def _need_master_weights(ctx: B.Context) -> None:
@@ -343,8 +348,8 @@ def make_variant(ctx: B.Context, name: str, cfg) -> B.Setup:
         return make_schedlang_single(ctx, cfg, optimize=True, checkpoint_every=int(name.rpartition("ckpt")[2]))
     if name in ("schedlang-tp", "schedlang-tp-optimize"):
         return make_schedlang_tp(ctx, cfg, optimize=name.endswith("optimize"))
-    if name == "schedlang-ddp-optimize-mw":
-        return make_schedlang_ddp(ctx, cfg)
+    if name.startswith("schedlang-ddp-optimize-mw") and name in SCHEDLANG:
+        return make_schedlang_ddp(ctx, cfg, reduce_dtype="bfloat16" if name.endswith("-bf16reduce") else "float32")
     if name == "schedlang-tp-fsdp":
         return make_schedlang_tp(ctx, cfg, dp=ctx.world // ctx.args.tp2d, fsdp=True)
     if name.startswith("schedlang-fsdp"):
