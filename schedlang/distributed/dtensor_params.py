@@ -31,7 +31,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = ["distribute_parameters", "placement_of", "is_dtensor", "local_tensor", "LOCAL_VIEW_ATTR",
            "rank_major_spec", "rank_major_specs", "register_rank_major", "to_unsharded", "to_rank_major",
-           "placement_indices", "local_part"]
+           "placement_indices", "local_part", "hoist_local_views"]
 
 logger = logging.getLogger("schedlang.distributed.dtensor_params")
 
@@ -263,6 +263,59 @@ def _install_local_view(module: nn.Module) -> None:
     # prepend: the DTensors are back before any later hook (FSDP2's reshard) looks at the module;
     # always_call: also when the forward raises, so the module is never left holding local tensors
     module.register_forward_hook(_swap_back, prepend=True, always_call=True)
+
+
+class _SwapTreeIn:
+    """Forward pre-hook of a module whose whole subtree swaps its DTensors for local tensors at once."""
+
+    def __init__(self, owners: List[nn.Module]):
+        self.owners = owners
+
+    def __call__(self, module: nn.Module, args):
+        for owner in self.owners:
+            _swap_in_local(owner, args)
+
+
+class _SwapTreeBack:
+    """Forward hook (prepended, always called) that puts back the DTensors :class:`_SwapTreeIn` swapped out."""
+
+    def __init__(self, owners: List[nn.Module]):
+        self.owners = owners
+
+    def __call__(self, module: nn.Module, args, output):
+        for owner in reversed(self.owners):
+            _swap_back(owner, args, output)
+        return None
+
+
+def hoist_local_views(root: nn.Module) -> int:
+    """Swap the DTensors of every module under ``root`` (``root`` included) for their local tensors once,
+    around ``root``'s call, instead of around each module's own call; returns how many modules moved.
+
+    For a module compiled on its own (a transformer layer under ``compile_layers``): its hooks run
+    outside the compiled code, so the compiled forward sees plain local tensors, while per-module
+    hooks inside it would be traced, and each one's distinct ``always_call`` registration is guarded on,
+    which makes torch.compile recompile every layer (past its limit, the rest run eagerly). The
+    tensors and gradients are the same: ``to_local()`` of the same DTensors, a little earlier.
+    """
+    owners = [m for m in root.modules() if m.__dict__.get(LOCAL_VIEW_ATTR) is not None]
+    moved = []
+    for owner in owners:
+        pre = [key for key, hook in owner._forward_pre_hooks.items() if hook is _swap_in_local]
+        post = [key for key, hook in owner._forward_hooks.items() if hook is _swap_back]
+        if not pre and not post:
+            continue  # hoisted already (root called twice), or never hooked
+        for key in pre:
+            del owner._forward_pre_hooks[key]
+        for key in post:
+            del owner._forward_hooks[key]
+            owner._forward_hooks_always_called.pop(key, None)
+        moved.append(owner)
+    if moved:
+        root.register_forward_pre_hook(_SwapTreeIn(moved))
+        # as the per-module hooks: back before any later hook (FSDP2's reshard), also when the forward raises
+        root.register_forward_hook(_SwapTreeBack(moved), prepend=True, always_call=True)
+    return len(moved)
 
 
 def distribute_parameters(model: nn.Module, tp_mesh) -> int:

@@ -132,6 +132,7 @@ def compile_layers(model: nn.Module, trace_collectives: bool = False, **compile_
         model, opt = schedlang.build(sch, optimizer="adamw")
         compile_layers(model)
     """
+    from ..distributed.dtensor_params import hoist_local_views
     from ..distributed.sequence_parallel import is_sequence_parallel_norm
     from ..distributed.shard_rules.norm import EAGER_COLLECTIVES_ATTR
     from ..distributed.sync_ops import SyncOp
@@ -145,6 +146,8 @@ def compile_layers(model: nn.Module, trace_collectives: bool = False, **compile_
     for name, module in model.named_modules():
         if name.rpartition(".")[2] in LAYER_LISTS and isinstance(module, nn.ModuleList):
             for layer in module:
+                # tensor-parallel DTensors become local tensors around the layer's call, outside the compiled code
+                hoist_local_views(layer)
                 if not trace_collectives:
                     for sub in layer.modules():
                         _run_sync_hooks_eagerly(sub)

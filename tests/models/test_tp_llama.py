@@ -15,6 +15,7 @@ from torch.distributed.tensor import Shard
 import schedlang
 from schedlang.models import _torch_version
 from schedlang.distributed.sharding import shard_specs
+from schedlang.distributed.sync_ops import SyncOp
 from schedlang.models.llama import shard_llama
 from schedlang.module_record import shard_specs
 from tests.helpers.distributed import run_distributed
@@ -136,8 +137,53 @@ def _grad_sync_at_norm_and_compiled_layers():
     return out
 
 
+def _compiled_layers_share_graphs():
+    """A tensor-parallel model's compiled layers share one set of graphs, however many layers there are: the
+    DTensors become local tensors around each layer's call, outside the compiled code (a per-module hook inside
+    it made torch.compile recompile every layer, and past its recompile limit run the rest eagerly)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from schedlang.distributed.dtensor_params import hoist_local_views, is_dtensor
+    from schedlang.models import compile_layers
+
+    out = {}
+    for layers in (1, 3):
+        from transformers import LlamaForCausalLM
+
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(T.llama_config(layers=layers)).to(T.device())
+        sch = schedlang.create_schedule(model)
+        shard_llama(sch)
+        built, _ = schedlang.build(sch)
+        assert compile_layers(built, backend="eager") == layers
+        torch._dynamo.reset()
+        counters.clear()
+        ids, labels = _inputs()
+        built(input_ids=ids, labels=labels, use_cache=False).loss.backward()
+        up = built.model.layers[0].mlp.up_proj
+        out[layers] = {"graphs": counters["stats"]["unique_graphs"],
+                       "hooks_inside": sum(len(m._forward_pre_hooks) for m in built.model.layers[0].mlp.modules()
+                                           if m is not built.model.layers[0].mlp and not isinstance(m, SyncOp)),
+                       "dtensor_after": is_dtensor(up.weight) and is_dtensor(up.weight.grad)}
+    # hoisting twice moves nothing more; a forward that raises still gives the DTensors back
+    out["again"] = hoist_local_views(built.model.layers[0])
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("planted")
+
+    built.model.layers[0].mlp.down_proj.forward = fail
+    try:
+        built(input_ids=ids, labels=labels, use_cache=False)
+    except RuntimeError as e:
+        out["raised"] = str(e)
+    out["dtensor_after_raise"] = is_dtensor(up.weight) and is_dtensor(built.model.layers[0].self_attn.q_proj.weight)
+    return out
+
+
 def _world2(rank, world):
     return T.run_scenarios({
+        "shared_graphs": _compiled_layers_share_graphs,
         "tp": _tp_vocab_parallel_loss,
         "tied": _tied_verify_and_gather,
         "wrong_axis": _verify_catches_wrong_axis,
@@ -202,6 +248,15 @@ def test_gradient_sync_at_the_norm_and_compiled_layers_match_single_device(world
                 assert r.startswith("compile_layers: trace_collectives=True needs torch >= 2.13"), r
                 continue
             assert r["loss"] <= 2e-5 and r["grad"] <= 2e-5, (name, r)
+
+
+def test_compiled_tensor_parallel_layers_share_their_graphs(world2):
+    for r in T.value(world2, "shared_graphs"):
+        assert r[1]["graphs"] == r[3]["graphs"], r  # no recompilation per layer
+        assert r[3]["hooks_inside"] == 0  # the local-view hooks moved up to the layer
+        assert r[1]["dtensor_after"] and r[3]["dtensor_after"]  # parameters and gradients are DTensors again
+        assert r["again"] == 0
+        assert r["raised"] == "planted" and r["dtensor_after_raise"]
 
 
 def test_shard_llama_rejects_an_unknown_grad_sync():
