@@ -31,12 +31,14 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = ["distribute_parameters", "placement_of", "is_dtensor", "local_tensor", "LOCAL_VIEW_ATTR",
            "rank_major_spec", "rank_major_specs", "register_rank_major", "to_unsharded", "to_rank_major",
-           "placement_indices", "local_part", "hoist_local_views"]
+           "placement_indices", "local_part", "hoist_local_views", "HOIST_ATTR"]
 
 logger = logging.getLogger("schedlang.distributed.dtensor_params")
 
 #: attribute (on a module) holding the DTensors its forward pre-hook swapped out, innermost call last
 LOCAL_VIEW_ATTR = "_schedlang_dtensors_in_forward"
+#: attribute marking a module whose subtree swaps its DTensors once, around its own call (a compiled layer)
+HOIST_ATTR = "_schedlang_hoist_local_views"
 
 
 def is_dtensor(t) -> bool:
@@ -291,6 +293,8 @@ class _SwapTreeBack:
 def hoist_local_views(root: nn.Module) -> int:
     """Swap the DTensors of every module under ``root`` (``root`` included) for their local tensors once,
     around ``root``'s call, instead of around each module's own call; returns how many modules moved.
+    ``root`` is marked, so that parameters that become DTensors later (a model compiled before
+    ``build``, as ``optimize_model`` does) are hoisted there too.
 
     For a module compiled on its own (a transformer layer under ``compile_layers``): its hooks run
     outside the compiled code, so the compiled forward sees plain local tensors, while per-module
@@ -298,6 +302,7 @@ def hoist_local_views(root: nn.Module) -> int:
     which makes torch.compile recompile every layer (past its limit, the rest run eagerly). The
     tensors and gradients are the same: ``to_local()`` of the same DTensors, a little earlier.
     """
+    root.__dict__[HOIST_ATTR] = True  # also for the DTensors a later build makes (distribute_parameters)
     owners = [m for m in root.modules() if m.__dict__.get(LOCAL_VIEW_ATTR) is not None]
     moved = []
     for owner in owners:
@@ -352,6 +357,9 @@ def distribute_parameters(model: nn.Module, tp_mesh) -> int:
                 count += 1
         if owns:
             _install_local_view(module)
+    for module in model.modules():  # layers compiled before the build: their DTensors swap around the layer
+        if module.__dict__.get(HOIST_ATTR):
+            hoist_local_views(module)
     register_rank_major(model)
     logger.info("%d tensors are DTensors on %s", count, tp_mesh)
     return count

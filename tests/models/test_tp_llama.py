@@ -140,32 +140,39 @@ def _grad_sync_at_norm_and_compiled_layers():
 def _compiled_layers_share_graphs():
     """A tensor-parallel model's compiled layers share one set of graphs, however many layers there are: the
     DTensors become local tensors around each layer's call, outside the compiled code (a per-module hook inside
-    it made torch.compile recompile every layer, and past its recompile limit run the rest eagerly)."""
+    it made torch.compile recompile every layer, and past its recompile limit run the rest eagerly). Layers
+    compiled after build (``compile_layers(built)``) and before it (as ``optimize_model`` compiles the
+    schedule's model) alike."""
     import torch._dynamo
     from torch._dynamo.utils import counters
+    from transformers import LlamaForCausalLM
 
     from schedlang.distributed.dtensor_params import hoist_local_views, is_dtensor
     from schedlang.models import compile_layers
 
     out = {}
-    for layers in (1, 3):
-        from transformers import LlamaForCausalLM
-
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(T.llama_config(layers=layers)).to(T.device())
-        sch = schedlang.create_schedule(model)
-        shard_llama(sch)
-        built, _ = schedlang.build(sch)
-        assert compile_layers(built, backend="eager") == layers
-        torch._dynamo.reset()
-        counters.clear()
-        ids, labels = _inputs()
-        built(input_ids=ids, labels=labels, use_cache=False).loss.backward()
-        up = built.model.layers[0].mlp.up_proj
-        out[layers] = {"graphs": counters["stats"]["unique_graphs"],
-                       "hooks_inside": sum(len(m._forward_pre_hooks) for m in built.model.layers[0].mlp.modules()
-                                           if m is not built.model.layers[0].mlp and not isinstance(m, SyncOp)),
-                       "dtensor_after": is_dtensor(up.weight) and is_dtensor(up.weight.grad)}
+    for when in ("after_build", "before_build"):
+        for layers in (1, 3):
+            torch.manual_seed(0)
+            model = LlamaForCausalLM(T.llama_config(layers=layers)).to(T.device())
+            sch = schedlang.create_schedule(model)
+            shard_llama(sch)
+            if when == "before_build":
+                assert compile_layers(sch.mod, backend="eager") == layers
+            built, _ = schedlang.build(sch)
+            if when == "after_build":
+                assert compile_layers(built, backend="eager") == layers
+            torch._dynamo.reset()
+            counters.clear()
+            ids, labels = _inputs()
+            built(input_ids=ids, labels=labels, use_cache=False).loss.backward()
+            mlp = built.model.layers[0].mlp
+            up = mlp.up_proj
+            out[when, layers] = {
+                "graphs": counters["stats"]["unique_graphs"],
+                "hooks_inside": sum(len(m._forward_pre_hooks) for m in mlp.modules()
+                                    if m is not mlp and not isinstance(m, SyncOp)),
+                "dtensor_after": is_dtensor(up.weight) and is_dtensor(up.weight.grad)}
     # hoisting twice moves nothing more; a forward that raises still gives the DTensors back
     out["again"] = hoist_local_views(built.model.layers[0])
 
@@ -252,9 +259,11 @@ def test_gradient_sync_at_the_norm_and_compiled_layers_match_single_device(world
 
 def test_compiled_tensor_parallel_layers_share_their_graphs(world2):
     for r in T.value(world2, "shared_graphs"):
-        assert r[1]["graphs"] == r[3]["graphs"], r  # no recompilation per layer
-        assert r[3]["hooks_inside"] == 0  # the local-view hooks moved up to the layer
-        assert r[1]["dtensor_after"] and r[3]["dtensor_after"]  # parameters and gradients are DTensors again
+        for when in ("after_build", "before_build"):
+            assert r[when, 1]["graphs"] == r[when, 3]["graphs"], (when, r)  # no recompilation per layer
+            assert r[when, 3]["hooks_inside"] == 0  # the local-view hooks moved up to the layer
+            # parameters and gradients are DTensors again
+            assert r[when, 1]["dtensor_after"] and r[when, 3]["dtensor_after"]
         assert r["again"] == 0
         assert r["raised"] == "planted" and r["dtensor_after_raise"]
 
