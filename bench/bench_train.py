@@ -81,7 +81,9 @@ after the warm-up steps must match the work's first variant that passed (5% / 2%
 fails records "FAIL <error>" and the others still run.
 
 Timing: ``--warmup`` steps, then ``--repeats`` repeats of ``--iters`` steps between CUDA events;
-``ms`` is the median repeat, all repeats are in ``ms_runs``; ``host_ms`` is the host's time to issue
+``ms`` is the median repeat, all repeats are in ``ms_runs``; with ``--rounds N`` the variants run N times in
+turn (A B A B ...) and ``ms`` is the median of the rounds' medians (``ms_rounds``), the typical case where a
+machine's collectives drift between runs; ``host_ms`` is the host's time to issue
 a step (``bench/harness.py``). MFU at 989 TFLOP/s per GPU. ``--profile DIR`` also writes a
 torch.profiler trace of 3 steps of every variant, and on a GPU each row gets ``profile``: those
 steps' GPU time by kernel kind (``bench/profile_summary.py``), which ``bench/render_readme.py``
@@ -373,7 +375,7 @@ def reference_loss(ctx: B.Context, cfg, ids, labels) -> Dict[str, Any]:
     return {"loss": value, "n_params": n_params}
 
 
-def run_variant(ctx: B.Context, name: str, cfg, ids, labels) -> Dict[str, Any]:
+def run_variant(ctx: B.Context, name: str, cfg, ids, labels, profile: bool = True) -> Dict[str, Any]:
     setup = make_variant(ctx, name, cfg)
     local_ids = harness.rows_of(ids, setup.dp_rank, setup.dp)
     local_labels = harness.rows_of(labels, setup.dp_rank, setup.dp)
@@ -401,7 +403,7 @@ def run_variant(ctx: B.Context, name: str, cfg, ids, labels) -> Dict[str, Any]:
     timing["warmup_s"] = round(warm_s, 2)
     mem = harness.peak_memory_gib(ctx.device)
     notes = {k: v for k, v in setup.notes.items() if v is not None}
-    if ctx.args.profile:
+    if ctx.args.profile and profile:
         trace = harness.profile_steps(step, Path(ctx.args.profile), f"{ctx.work_name}-{name}", steps=PROFILE_STEPS)
         if ctx.cuda:  # GPU time by kernel kind, kept with the row (the trace itself stays in DIR)
             import profile_summary
@@ -446,34 +448,36 @@ def run_work(ctx: B.Context, work_name: str, variants: List[str]) -> List[dict]:
               f"{rows_global} x {seq} on {world} rank(s), {common['optimizer']}; eager reference loss "
               f"{ref['loss']:.4f}", flush=True)
     rows, anchor = [], None
-    for name in variants:
-        role = "schedlang" if name in SCHEDLANG else "baseline"
-        try:
-            out = run_variant(ctx, name, cfg, ids, labels)
-            rec = out["record"]
-            verdict = harness.check_losses(rec["losses"], rec["grad_norm"], ref["loss"], anchor, tol)
-            if anchor is None and verdict["check"] == "ok":
-                anchor = {"variant": name, **rec}
-            row = harness.make_row(work_name, name + suffix, role, out["timing"]["ms"], tokens, flops, gpus,
-                                   out["mem"], verdict.pop("check"), layout=out["layout"],
-                                   ms_runs=out["timing"]["ms_runs"], host_ms=out["timing"]["host_ms"],
-                                   warmup_s=out["timing"]["warmup_s"], **out["notes"], **verdict, **common)
-        except B.NotAvailable as e:
-            row = harness.failed_row(work_name, name + suffix, role, f"FAIL not available: {e}", **common)
-        except Exception as e:  # record and go on with the next variant
+    for round_ in range(args.rounds):  # each round runs every variant once, in the same order
+        for name in variants:
+            role = "schedlang" if name in SCHEDLANG else "baseline"
+            try:
+                out = run_variant(ctx, name, cfg, ids, labels, profile=round_ == 0)
+                rec = out["record"]
+                verdict = harness.check_losses(rec["losses"], rec["grad_norm"], ref["loss"], anchor, tol)
+                if anchor is None and verdict["check"] == "ok":
+                    anchor = {"variant": name, **rec}
+                row = harness.make_row(work_name, name + suffix, role, out["timing"]["ms"], tokens, flops, gpus,
+                                       out["mem"], verdict.pop("check"), layout=out["layout"],
+                                       ms_runs=out["timing"]["ms_runs"], host_ms=out["timing"]["host_ms"],
+                                       warmup_s=out["timing"]["warmup_s"], **out["notes"], **verdict, **common)
+            except B.NotAvailable as e:
+                row = harness.failed_row(work_name, name + suffix, role, f"FAIL not available: {e}", **common)
+            except Exception as e:  # record and go on with the next variant
+                if rank == 0:
+                    traceback.print_exc()
+                row = harness.failed_row(work_name, name + suffix, role, e, **common)
+            rows.append(row)
             if rank == 0:
-                traceback.print_exc()
-            row = harness.failed_row(work_name, name + suffix, role, e, **common)
-        rows.append(row)
-        if rank == 0:
-            host = f"  host {row['host_ms']:.1f} ms/step" if row.get("host_ms") is not None else ""
-            print(harness.text_table(rows).splitlines()[-1] + host, flush=True)
-        # every variant compiles from scratch, and leaves nothing behind on the GPU
-        torch._dynamo.reset()
-        harness.free_memory(device)
-        if dist.is_initialized():
-            dist.barrier()
-    return rows
+                host = f"  host {row['host_ms']:.1f} ms/step" if row.get("host_ms") is not None else ""
+                label = f"  (round {round_ + 1} of {args.rounds})" if args.rounds > 1 else ""
+                print(harness.text_table(rows).splitlines()[-1] + host + label, flush=True)
+            # every variant compiles from scratch, and leaves nothing behind on the GPU
+            torch._dynamo.reset()
+            harness.free_memory(device)
+            if dist.is_initialized():
+                dist.barrier()
+    return harness.combine_rounds(rows) if args.rounds > 1 else rows
 
 
 def parse_args(argv=None):
@@ -491,6 +495,9 @@ def parse_args(argv=None):
     parser.add_argument("--warmup", type=int, default=3, help="warm-up steps (compilation; their losses are checked)")
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats; the median is reported")
     parser.add_argument("--iters", type=int, default=5, help="steps per timed repeat")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the variant list this many times in turn (ABAB...); a row's ms is the median of its "
+                             "rounds' medians (ms_rounds), profiles come from the first round")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                         help="compile (default: yes, except with --tiny)")
     parser.add_argument("--tiny", action="store_true", help="2-layer models in fp32 on the CPU: checks the script")
@@ -502,6 +509,8 @@ def parse_args(argv=None):
         args.repeats, args.iters = min(args.repeats, 2), min(args.iters, 2)
     if args.compile is None:
         args.compile = not args.tiny
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     return parser, args
 
 

@@ -168,6 +168,40 @@ def make_row(work: str, variant: str, role: str, ms: Optional[float], tokens_per
     return row
 
 
+def combine_rounds(rows: Sequence[dict]) -> List[dict]:
+    """One row per ``(work, variant)`` from rows measured in several rounds of the same process (every
+    variant once per round, in the same order, so each meets the machine's drifts as often as the others):
+    ``ms`` is the median of the rounds' medians, ``ms_rounds`` lists them, ``ms_runs`` holds every round's
+    repeats, rate and MFU follow ``ms``, memory is the highest round's, and ``check`` is the first round's
+    failure if any round failed. Other fields are the first round's (its profile, losses and notes)."""
+    groups: Dict[tuple, List[dict]] = {}
+    for row in rows:
+        groups.setdefault((row["work"], row["variant"]), []).append(row)
+    out = []
+    for same in groups.values():
+        first = dict(same[0])
+        ran = [r for r in same if r.get("ms")]
+        failed = next((r["check"] for r in same if r.get("check") != "ok"), None)
+        if len(ran) == len(same) and ran:
+            ms = statistics.median(r["ms"] for r in ran)
+            base = ran[0]
+            first.update(ms=round(ms, 3), ms_rounds=[r["ms"] for r in ran],
+                         ms_runs=[x for r in ran for x in r.get("ms_runs", [])],
+                         tokens_per_s=round(base["tokens_per_s"] * base["ms"] / ms, 1) if base.get("tokens_per_s")
+                         else base.get("tokens_per_s"),
+                         mfu=round(base["mfu"] * base["ms"] / ms, 4) if base.get("mfu") else base.get("mfu"),
+                         peak_mem_gib=max((r["peak_mem_gib"] for r in ran if r.get("peak_mem_gib") is not None),
+                                          default=None))
+            if any(r.get("host_ms") is not None for r in ran):
+                first["host_ms"] = round(statistics.median(r["host_ms"] for r in ran if r.get("host_ms") is not None),
+                                         3)
+        if failed is not None:
+            first["check"] = failed
+        first["rounds"] = len(same)
+        out.append(first)
+    return out
+
+
 def micro_row(work: str, variant: str, role: str, ms: Optional[float], check: str = "ok", **extra: Any) -> dict:
     """A row of a micro-benchmark (a kernel, an optimizer step, a copy): time only, no tokens or MFU; ratios
     against its baseline are by time."""

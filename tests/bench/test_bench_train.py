@@ -84,7 +84,7 @@ def test_two_rank_works_on_gloo(tmp_path):
     from pathlib import Path
 
     script = Path(__file__).resolve().parents[2] / "bench" / "bench_train.py"
-    variants = "fsdp2-titan,tp-titan,schedlang-tp,schedlang-fsdp-optimize"
+    variants = "fsdp2-titan,tp-titan,schedlang-tp,schedlang-fsdp-optimize,ddp-titan"
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script), "--tiny",
          "--work", "llama-1.1b-tp2,llama-1.1b-2gpu", "--variants", variants, "--results-dir", str(tmp_path),
@@ -94,12 +94,13 @@ def test_two_rank_works_on_gloo(tmp_path):
     (path,) = tmp_path.glob("*-train-tiny.json")
     data = json.loads(path.read_text())
     rows = data["rows"]
-    assert data["ranks"] == 2 and len(rows) == 8
+    assert data["ranks"] == 2 and len(rows) == 10
     for r in rows:
         assert r["check"] == "ok", r
     layouts = {(r["work"], r["variant"]): r["layout"] for r in rows}
     assert layouts[("llama-1.1b-tp2", "schedlang-tp")] == "dp=1 x tp=2"
     assert layouts[("llama-1.1b-2gpu", "schedlang-fsdp-optimize")] == "dp=2 x tp=1"
+    assert layouts[("llama-1.1b-2gpu", "ddp-titan")] == "dp=2 x tp=1"
     tp = next(r for r in rows if r["variant"] == "schedlang-tp" and r["work"] == "llama-1.1b-tp2")
     assert tp["batch"] == 2 and tp["baseline"] == "tp-titan"  # the group's batch, not per GPU
 
@@ -162,3 +163,18 @@ def test_two_rank_float8_work_on_gloo(tmp_path):
     for r in rows:
         assert r["check"] == "ok" and r["layout"] == "dp=2 x tp=1", r
         assert r["float8"] == "tensorwise, float8 all-gather" and r["baseline"] == "fsdp2-titan-fp8", r
+
+
+def test_rounds_run_the_variants_in_turn_and_keep_every_round(bench, tmp_path):
+    rows = bench("bench_train").main(["--tiny", "--work", "llama-1.1b-1gpu", "--variants", "eager,titan-style",
+                                      "--rounds", "2", "--repeats", "1", "--iters", "1", "--warmup", "2",
+                                      "--results-dir", str(tmp_path)])
+    assert [r["variant"] for r in rows] == ["eager", "titan-style"]
+    for r in rows:
+        assert r["check"] == "ok" and r["rounds"] == 2 and len(r["ms_rounds"]) == 2, r
+        assert sorted(r["ms_rounds"])[0] <= r["ms"] <= sorted(r["ms_rounds"])[-1]
+
+
+def test_rounds_must_be_positive(bench):
+    with pytest.raises(SystemExit):
+        bench("bench_train").parse_args(["--rounds", "0"])

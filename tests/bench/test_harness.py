@@ -25,3 +25,30 @@ def test_ratio_to_the_named_baseline_else_the_best(bench):
     assert h.ratio_to_baseline(rows[2], rows) == 1.5
     assert h.ratio_to_baseline(rows[3], rows) == 0.75
     assert h.ratio_to_baseline(rows[4], rows) is None
+
+
+def test_rounds_combine_into_the_median_of_their_medians(bench):
+    h = bench("harness")
+
+    def row(variant, ms, check="ok", mem=20.0):
+        return h.make_row("w", variant, "baseline", ms, 1000, 1e12, 1, mem, check, ms_runs=[ms, ms + 1],
+                          host_ms=ms - 1, losses=[round(ms)])
+
+    rows = [row("a", 100.0), row("b", 90.0), row("a", 120.0, mem=21.0), row("b", 95.0, check="FAIL x"),
+            row("a", 110.0), row("b", 80.0)]
+    out = {r["variant"]: r for r in h.combine_rounds(rows)}
+    a, b = out["a"], out["b"]
+    assert list(out) == ["a", "b"]  # the first round's order
+    assert a["ms"] == 110.0 and a["ms_rounds"] == [100.0, 120.0, 110.0] and a["rounds"] == 3
+    assert a["ms_runs"] == [100.0, 101.0, 120.0, 121.0, 110.0, 111.0]
+    assert a["tokens_per_s"] == round(1000 / 0.110, 1) and a["mfu"] == round(1e12 / 0.110 / h.PEAK_BF16_FLOPS, 4)
+    assert a["peak_mem_gib"] == 21.0 and a["host_ms"] == 109.0 and a["check"] == "ok"
+    assert a["losses"] == [100]  # other fields are the first round's
+    assert b["ms"] == 90.0 and b["check"] == "FAIL x"  # a failure in any round is kept
+
+
+def test_a_variant_that_never_ran_stays_a_failed_row(bench):
+    h = bench("harness")
+    failed = h.failed_row("w", "c", "schedlang", "FAIL not available: no GPU")
+    out = h.combine_rounds([failed, dict(failed)])
+    assert len(out) == 1 and out[0]["ms"] is None and out[0]["check"] == "FAIL not available: no GPU"
