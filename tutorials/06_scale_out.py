@@ -8,7 +8,8 @@ HuggingFace LLaMA:
 * one process (the reference);
 * data parallelism with FSDP2: every parameter split over the ``dp`` ranks (``fully_shard``);
 * tensor parallelism, Megatron style, over the ``tp`` ranks (``schedlang.models.shard_model``);
-* both at once on a 2-D mesh, ``dp=2 x tp=2``.
+* both at once on a 2-D mesh, ``dp=2 x tp=2``;
+* and DDP (``replicate``) over bf16 parameters whose fp32 master weights live in the optimizer.
 
 Every layout trains on the same global batch from the same weights, so their losses agree
 step by step. A distributed checkpoint saved under one layout then loads under another
@@ -239,6 +240,52 @@ def one_dimensional(rank, world, checkpoint):
     show_parameters(model, "TP: heads, MLP columns and vocabulary split; norms replicated")
 
     resume(device, 1, world, ids, labels, checkpoint, reference, "\nFSDP2 checkpoint -> TP")
+    ddp_master_weights(device, ids, labels)
+
+
+# %%
+# DDP over master weights
+# -----------------------
+# On a model this size every rank can hold all the weights, and DDP beats FSDP2: one all-reduce
+# of the gradients, running in buckets while the backward still computes, instead of gathering
+# every layer's weights twice a step. With ``master_weights=True`` the fused AdamW keeps each Linear
+# weight's fp32 master and the model computes with its bf16 copy, so no step casts weights or
+# gradients; ``replicate`` then runs on DDP over those plain bf16 tensors, and sums their gradient
+# buckets in fp32 (the ``mp_policy``'s ``reduce_dtype``, fp32 unless asked otherwise). The
+# reference is one process training the whole batch with master weights: the two differ only by
+# where the bf16 gradients are rounded (each rank's half, or the whole batch's), a few parts in
+# ten thousand.
+def ddp_master_weights(device, ids, labels):
+    def bf16_loss(model, ids, labels):
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            return loss_of(model, ids, labels)
+
+    def train_bf16(model, opt, ids, labels):
+        losses = []
+        for _ in range(STEPS):
+            loss = bf16_loss(model, ids, labels)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(mean_over_ranks(loss))
+        return losses
+
+    alone, opt = schedlang.build(schedlang.create_schedule(tiny_llama(device)), optimizer="adamw", lr=LR,
+                                 master_weights=True)
+    reference = train_bf16(alone, opt, ids, labels)  # every rank the whole batch: the same on all of them
+    mesh = make_mesh(dp=dist.get_world_size(), device_type=device.type)
+    sch = schedlang.create_schedule(tiny_llama(device), mesh=mesh)
+    sch.replicate()
+    model, opt = schedlang.build(sch, optimizer="adamw", lr=LR, master_weights=True)
+    losses = train_bf16(model, opt, *rows_of(mesh, ids, labels))
+    diff = max(abs(a - b) for a, b in zip(losses, reference))
+    say(f"\n{'DDP, master weights (' + describe_mesh(mesh) + ')':34s} losses {', '.join(f'{x:.5f}' for x in losses)}"
+        f"   (max difference to one process {diff:.1e})")
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=2e-3, atol=0)
+    weight = model.model.layers[0].mlp.down_proj.weight
+    master = opt.masters()[weight]
+    say(f"  model.layers.0.mlp.down_proj.weight: a plain {weight.dtype} tensor of shape {tuple(weight.shape)}; "
+        f"its master in the optimizer is {master.dtype}")
 
 
 # %%
