@@ -226,11 +226,11 @@ def _ddp_reduce_dtype(spec: Optional[Dict[str, Any]], compute_dtype: Optional[to
         raise ScheduleValueError(
             f"{where}: mp_policy param_dtype={spec['param_dtype']} contradicts master_weights with compute_dtype "
             f"{compute_dtype}: the optimizer keeps the Linear weights in {compute_dtype} and the other parameters "
-            "in fp32; leave param_dtype None (or equal to compute_dtype)")
+            "in fp32; valid are param_dtype None or equal to compute_dtype")
     if spec["output_dtype"] is not None:
         raise ScheduleValueError(
             f"{where}: mp_policy output_dtype={spec['output_dtype']} is FSDP2's cast of the module output, which "
-            "DDP (replicate under master weights) does not do; leave output_dtype None")
+            "DDP (replicate under master weights) does not do; valid is output_dtype None")
     return _DTYPES.get(spec["reduce_dtype"])
 
 
