@@ -43,6 +43,8 @@ __all__ = ["SyncOp", "SyncHook", "SYNC_MODES", "SYNC_OPS", "sync_children", "att
            "run_post_syncs", "bias_after_inner_syncs", "run_post_syncs_before_bias"]
 
 SYNC_MODES = ("fwd_pre", "fwd_post", "bwd_post")
+#: attribute set (by ``compile_layers``) on a SyncOp whose all-reduce a compiled graph holds as an opaque operator
+OPAQUE_ATTR = "_schedlang_opaque_all_reduce"
 SYNC_OPS = ("all_reduce", "all_gather", "reduce_scatter")
 SYNC_PREFIX = "_schedlang_sync_"
 
@@ -62,6 +64,14 @@ class SyncOp(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if callable(self.op):
             return self.op(x)
+        if self.__dict__.get(OPAQUE_ATTR) and world_size(self.group) > 1:
+            # inside a compiled layer: one opaque operator the graph keeps whole (opaque_collectives)
+            from . import opaque_collectives as O
+
+            name = O.group_name(self.group)
+            if self.mode == "bwd_post":
+                return O.opaque_reduce_backward(x, name)
+            return O.opaque_reduce_forward(x, name)
         if self.mode == "bwd_post":
             if self.op == "all_reduce":
                 return C.reduce_backward(x, self.group)

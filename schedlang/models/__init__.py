@@ -117,11 +117,19 @@ def compile_layers(model: nn.Module, trace_collectives: bool = False, **compile_
 
     The layer's *own* hooks (the sequence split in front of the first layer under sequence
     parallelism) stay outside, so every layer sees the same shapes and one compiled graph serves
-    them all. With ``trace_collectives=False`` (default) the schedule's collectives (sync points,
-    and the gradient sums of sequence-parallel norms) run eagerly between compiled pieces, exactly
-    as without compilation. With ``True`` they are traced into the layer graphs as functional
-    collectives; this needs torch >= 2.13: on torch 2.11 the traced graphs lose the backward
-    all-reduce (gradients measured wrong on 2 H200s), so it is refused there.
+    them all. With ``trace_collectives=False`` (default) the schedule's all-reduces (Megatron's
+    forward and backward ones) stay inside the layer's graph as one opaque operator each
+    (:mod:`schedlang.distributed.opaque_collectives`): a tensor-parallel layer compiles to one graph
+    with no break, and the operator runs exactly the eager all-reduce. The other collectives (the
+    gathers and reduce-scatters of sequence parallelism, the gradient sums of its norms, a user's
+    own sync functions) run eagerly between compiled pieces, exactly as without compilation. With
+    ``True`` every collective is traced into the layer graphs as torch's functional collectives,
+    which the compiler may move to overlap with compute; this needs torch >= 2.13: on torch 2.11
+    the traced graphs lose the backward all-reduce (gradients measured wrong on 2 H200s), so it is
+    refused there.
+
+    Each layer's tensor-parallel DTensors are swapped for their local tensors around the layer's
+    call, outside the compiled code (:func:`schedlang.distributed.dtensor_params.hoist_local_views`).
 
     A layer with float8 Linears is compiled with the ``shared_amax`` joint-graph pass
     (:mod:`schedlang.graph.passes.shared_amax`): the backward reuses each activation's float8 scale
@@ -135,7 +143,7 @@ def compile_layers(model: nn.Module, trace_collectives: bool = False, **compile_
     from ..distributed.dtensor_params import hoist_local_views
     from ..distributed.sequence_parallel import is_sequence_parallel_norm
     from ..distributed.shard_rules.norm import EAGER_COLLECTIVES_ATTR
-    from ..distributed.sync_ops import SyncOp
+    from ..distributed.sync_ops import OPAQUE_ATTR, SyncOp
 
     if trace_collectives and _torch_version() < (2, 13):
         raise ScheduleValueError(
@@ -151,7 +159,9 @@ def compile_layers(model: nn.Module, trace_collectives: bool = False, **compile_
                 if not trace_collectives:
                     for sub in layer.modules():
                         _run_sync_hooks_eagerly(sub)
-                        if isinstance(sub, SyncOp):
+                        if isinstance(sub, SyncOp) and _opaque(sub):
+                            sub.__dict__[OPAQUE_ATTR] = True  # one opaque operator inside the graph
+                        elif isinstance(sub, SyncOp):
                             sub.forward = torch.compiler.disable(sub.forward)
                         elif is_sequence_parallel_norm(sub):
                             sub.__dict__[EAGER_COLLECTIVES_ATTR] = True  # the norm's arithmetic stays compiled
@@ -185,16 +195,29 @@ def _with_float8_passes(layer: nn.Module, compile_options: dict) -> dict:
     return {**rest, "options": options}
 
 
+def _opaque(sync) -> bool:
+    """A sync point whose collective a compiled graph can hold as one opaque operator: an all-reduce
+    (forward or backward) of the schedule's own, over more than one rank."""
+    from ..distributed.groups import world_size
+
+    return sync.op == "all_reduce" and world_size(sync.group) > 1
+
+
 def _run_sync_hooks_eagerly(module: nn.Module) -> None:
-    """Keep the hooks that route a module's input or output through its sync point out of the compiled
-    graph: their argument structure differs from module to module (a tensor, a kwargs dict), and each
-    form compiled on its own frame would exhaust torch.compile's recompile limit on a deep model."""
-    from ..distributed.sync_ops import SyncHook
+    """Keep the hooks that route a module's input or output through an eager sync point out of the
+    compiled graph: the graph breaks there anyway, and the hook compiled as a frame of its own would,
+    its argument structure differing from module to module (a tensor, a kwargs dict), exhaust
+    torch.compile's recompile limit on a deep model. Hooks of opaque all-reduces stay in the graph."""
+    from ..distributed.sync_ops import SyncHook, SyncOp
 
     for hooks in (module._forward_hooks, module._forward_pre_hooks):
         for key, hook in list(hooks.items()):
-            if isinstance(hook, SyncHook):
-                hooks[key] = torch.compiler.disable(hook)
+            if not isinstance(hook, SyncHook):
+                continue
+            sync = getattr(module, hook.child_name, None)
+            if isinstance(sync, SyncOp) and _opaque(sync):
+                continue
+            hooks[key] = torch.compiler.disable(hook)
 
 
 def _torch_version():
