@@ -58,8 +58,9 @@ schedlang's, through its schedule API:
   parameters in the model, fp32 masters in the optimizer), so the step has no weight or gradient casts
   to and from fp32; needs ``--optimizer schedlang-fused`` (the masters live in schedlang's FusedAdamW,
   which every row then uses);
-* ``schedlang-tp`` (``-optimize``): ``shard_model`` on a ``tp`` mesh (vocabulary-parallel
-  embedding, head and cross entropy), ``compile_layers`` (or ``optimize_model``);
+* ``schedlang-tp`` (``-optimize``, ``-optimize-cg``): ``shard_model`` on a ``tp`` mesh (vocabulary-parallel
+  embedding, head and cross entropy), ``compile_layers`` (or ``optimize_model``, with per-layer CUDA graphs
+  for ``-cg``); the layers' all-reduces are opaque operators inside their graphs;
 * ``schedlang-fsdp`` (``-noreshard``, ``-optimize``): ``fully_shard`` per layer and at the root with
   the bf16/fp32 ``MixedPrecisionPolicy``, ``compile_layers`` (or ``optimize_model``);
 * ``schedlang-fsdp-fp8`` (``-optimize``): the same after ``float8(fsdp_float8_all_gather=True)`` on every
@@ -154,7 +155,7 @@ OPTIMIZE_VARIANTS = tuple("schedlang-optimize" + fp8 + mw + cg for fp8 in ("", "
                           for cg in ("", "-cg"))
 SCHEDLANG = ("schedlang-layers", *OPTIMIZE_VARIANTS, *(f"schedlang-optimize-ckpt{n}" for n in CHECKPOINT_STRIDES),
              "schedlang-tp",
-             "schedlang-tp-optimize", "schedlang-fsdp", "schedlang-fsdp-noreshard", "schedlang-fsdp-optimize",
+             "schedlang-tp-optimize", "schedlang-tp-optimize-cg", "schedlang-fsdp", "schedlang-fsdp-noreshard", "schedlang-fsdp-optimize",
              "schedlang-fsdp-noreshard-optimize", "schedlang-fsdp-fp8", "schedlang-fsdp-fp8-optimize", "schedlang-tp-fsdp",
              "schedlang-ddp-optimize-mw", "schedlang-ddp-optimize-mw-bf16reduce")
 PROFILE_STEPS = 3
@@ -243,7 +244,8 @@ def make_schedlang_single(ctx: B.Context, cfg, optimize: bool, float8=None, cuda
                                                "compile": "layers"})
 
 
-def make_schedlang_tp(ctx: B.Context, cfg, dp: int = 1, fsdp: bool = False, optimize: bool = False) -> B.Setup:
+def make_schedlang_tp(ctx: B.Context, cfg, dp: int = 1, fsdp: bool = False, optimize: bool = False,
+                      cudagraphs: bool = False) -> B.Setup:
     import schedlang
     from schedlang.distributed.cross_entropy import vocab_parallel_cross_entropy
     from schedlang.models import shard_model
@@ -258,7 +260,7 @@ def make_schedlang_tp(ctx: B.Context, cfg, dp: int = 1, fsdp: bool = False, opti
         for path in B.layer_paths(sch.mod):
             sch[path].fully_shard(mp_policy=mp)
         sch.fully_shard(mp_policy=mp)
-    info = _optimize(ctx, sch) if optimize else None
+    info = _optimize(ctx, sch, cudagraphs=cudagraphs) if optimize else None
     model, opt = _build(ctx, sch)
     del sch
     if not optimize:
@@ -348,8 +350,8 @@ def make_variant(ctx: B.Context, name: str, cfg) -> B.Setup:
                                      cudagraph_layers="cg" in options, master_weights="mw" in options)
     if name.startswith("schedlang-optimize-ckpt") and name in SCHEDLANG:
         return make_schedlang_single(ctx, cfg, optimize=True, checkpoint_every=int(name.rpartition("ckpt")[2]))
-    if name in ("schedlang-tp", "schedlang-tp-optimize"):
-        return make_schedlang_tp(ctx, cfg, optimize=name.endswith("optimize"))
+    if name in ("schedlang-tp", "schedlang-tp-optimize", "schedlang-tp-optimize-cg"):
+        return make_schedlang_tp(ctx, cfg, optimize="optimize" in name, cudagraphs=name.endswith("-cg"))
     if name.startswith("schedlang-ddp-optimize-mw") and name in SCHEDLANG:
         return make_schedlang_ddp(ctx, cfg, reduce_dtype="bfloat16" if name.endswith("-bf16reduce") else "float32")
     if name == "schedlang-tp-fsdp":
