@@ -83,25 +83,34 @@ def reduce_scatter_tensor(x: torch.Tensor, axis: int, group=None) -> torch.Tenso
     return out
 
 
-class _ReduceForward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        return _all_reduce(x, group)
+def conjugate_reductions(all_reduce, prefix: str = "") -> tuple:
+    """Megatron's two conjugate autograd functions around ``all_reduce(x, group)``: ``(Forward, Backward)``,
+    the first summing in forward (identity backward), the second summing the gradient (identity forward).
+    Here over eager collectives; :mod:`schedlang.distributed.opaque_collectives` builds the same pair over
+    its compiler-opaque operator."""
 
-    @staticmethod
-    def backward(ctx, grad):
+    def reduce_forward(ctx, x, group):
+        return all_reduce(x, group)
+
+    def pass_gradient(ctx, grad):
         return grad, None
 
-
-class _ReduceBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
+    def pass_value(ctx, x, group):
         ctx.group = group
         return x.view_as(x)
 
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_reduce(grad, ctx.group), None
+    def reduce_gradient(ctx, grad):
+        return all_reduce(grad, ctx.group), None
+
+    def function(name, forward, backward):
+        return type(prefix + name, (torch.autograd.Function,),
+                    {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+
+    return (function("ReduceForward", reduce_forward, pass_gradient),
+            function("ReduceBackward", pass_value, reduce_gradient))
+
+
+_ReduceForward, _ReduceBackward = conjugate_reductions(_all_reduce, prefix="_")
 
 
 class _GatherForward(torch.autograd.Function):

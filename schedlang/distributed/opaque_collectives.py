@@ -24,6 +24,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .collectives import conjugate_reductions
+
 __all__ = ["all_reduce_sum", "group_name", "opaque_reduce_forward", "opaque_reduce_backward"]
 
 
@@ -47,25 +49,11 @@ def _all_reduce_sum_shape(x: torch.Tensor, group: str) -> torch.Tensor:
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-class _OpaqueReduceForward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        return torch.ops.schedlang.all_reduce_sum(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
+def _opaque_all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
+    return torch.ops.schedlang.all_reduce_sum(x, group)
 
 
-class _OpaqueReduceBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return torch.ops.schedlang.all_reduce_sum(grad, ctx.group), None
+_OpaqueReduceForward, _OpaqueReduceBackward = conjugate_reductions(_opaque_all_reduce, prefix="_Opaque")
 
 
 def opaque_reduce_forward(x: torch.Tensor, group: str) -> torch.Tensor:

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 import schedlang
 from schedlang.distributed.mesh import make_mesh
+from tests.distributed.test_data_parallel import _config  # the same tiny LLaMA
 from tests.helpers.distributed import run_distributed
 
 STEPS = 3
@@ -22,13 +23,10 @@ BATCH, SEQ = 4, 12
 
 
 def _model():
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    cfg = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      intermediate_size=96, vocab_size=128, max_position_embeddings=64)
-    cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    return LlamaForCausalLM(cfg)
+    return LlamaForCausalLM(_config())
 
 
 def _batches():
