@@ -111,15 +111,59 @@ def _hook_sums(rank):
     return out
 
 
-def _worker(rank, world):
+def _build_ddp():
+    sch = schedlang.create_schedule(_model(), mesh=make_mesh(dp=2, device_type="cpu"))
+    sch.replicate()
+    return schedlang.build(sch, optimizer="adamw", master_weights=True, lr=LR)
+
+
+def _resume(checkpoint):
+    """Train two steps, save, train one more; a fresh DDP model and optimizer loaded from the checkpoint must
+    take the same third step, bit for bit (the masters, both moments and the step count come back)."""
+    per = BATCH // 2
+    rows = slice(dist.get_rank() * per, (dist.get_rank() + 1) * per)
+    batches = _batches()
+
+    def step(model, opt, tokens):
+        tokens = tokens[rows]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=tokens[:, :-1], labels=tokens[:, 1:], use_cache=False).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    model, opt = _build_ddp()
+    for tokens in batches[:2]:
+        step(model, opt, tokens)
+    schedlang.save_checkpoint(checkpoint, model, opt, step=2)
+    straight = step(model, opt, batches[2])
+    fresh, fresh_opt = _build_ddp()
+    info = schedlang.load_checkpoint(checkpoint, fresh, fresh_opt)
+    resumed = step(fresh, fresh_opt, batches[2])
+    a, b = _masters(model, opt), _masters(fresh, fresh_opt)
+    return {"step": info["step"], "losses": (straight, resumed), "same_masters": all((a[n] == b[n]).all() for n in a)}
+
+
+def _worker(rank, world, checkpoint):
     out = {"reference": _reference(), "default": _data_parallel(), "nested": _data_parallel(nested=True),
-           "bf16_reduce": _data_parallel(mp_policy={"reduce_dtype": "bfloat16"}), "hook": _hook_sums(rank)}
+           "bf16_reduce": _data_parallel(mp_policy={"reduce_dtype": "bfloat16"}), "hook": _hook_sums(rank),
+           "resume": _resume(checkpoint)}
     return out
 
 
 @pytest.fixture(scope="module")
-def runs():
-    return run_distributed(_worker, world_size=2, timeout=240)
+def runs(tmp_path_factory):
+    checkpoint = str(tmp_path_factory.mktemp("ddp-master-weights") / "ckpt")
+    return run_distributed(_worker, world_size=2, args=(checkpoint,), timeout=240)
+
+
+def test_a_checkpoint_resumes_ddp_over_master_weights_exactly(runs):
+    for r in runs:
+        assert r["resume"]["step"] == 2
+        straight, resumed = r["resume"]["losses"]
+        assert straight == resumed
+        assert r["resume"]["same_masters"]
 
 
 def test_parameters_stay_plain_bf16_tensors_and_one_ddp_runs_at_the_root(runs):
