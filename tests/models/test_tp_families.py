@@ -134,10 +134,17 @@ def test_phi3_fused_qkv_with_fewer_key_value_heads_is_split_in_unequal_blocks(wo
 
 
 def test_phi3_fused_qkv_with_fewer_key_value_heads_than_ranks_is_refused():
+    import importlib
+    import pkgutil
     from unittest import mock
 
+    import schedlang.distributed
     import schedlang.distributed.groups as groups
 
+    # modules bind groups.world_size when first imported: imported under the patch below, they would keep its
+    # four ranks for the rest of the session (later one-process tests then saw a world of 4)
+    for info in pkgutil.walk_packages(schedlang.distributed.__path__, "schedlang.distributed."):
+        importlib.import_module(info.name)
     model, _ = T.family_model("phi3_gqa", layers=1)  # 2 key/value heads
     sch = schedlang.create_schedule(model)
     with mock.patch.object(groups, "world_size", lambda group=None: 4), \
