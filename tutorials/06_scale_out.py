@@ -110,10 +110,11 @@ def loss_of(model, ids, labels, tp_group=None):
     return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
 
 
-def train(model, opt, ids, labels, steps, tp_group=None):
+def train(model, opt, ids, labels, steps, tp_group=None, autocast_dtype=None):
     losses = []
     for _ in range(steps):
-        loss = loss_of(model, ids, labels, tp_group)
+        with torch.autocast(ids.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            loss = loss_of(model, ids, labels, tp_group)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -256,28 +257,15 @@ def one_dimensional(rank, world, checkpoint):
 # where the bf16 gradients are rounded (each rank's half, or the whole batch's), a few parts in
 # ten thousand.
 def ddp_master_weights(device, ids, labels):
-    def bf16_loss(model, ids, labels):
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            return loss_of(model, ids, labels)
-
-    def train_bf16(model, opt, ids, labels):
-        losses = []
-        for _ in range(STEPS):
-            loss = bf16_loss(model, ids, labels)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(mean_over_ranks(loss))
-        return losses
-
     alone, opt = schedlang.build(schedlang.create_schedule(tiny_llama(device)), optimizer="adamw", lr=LR,
                                  master_weights=True)
-    reference = train_bf16(alone, opt, ids, labels)  # every rank the whole batch: the same on all of them
+    # every rank trains the whole batch alone: the same losses on all of them
+    reference = train(alone, opt, ids, labels, STEPS, autocast_dtype=torch.bfloat16)
     mesh = make_mesh(dp=dist.get_world_size(), device_type=device.type)
     sch = schedlang.create_schedule(tiny_llama(device), mesh=mesh)
     sch.replicate()
     model, opt = schedlang.build(sch, optimizer="adamw", lr=LR, master_weights=True)
-    losses = train_bf16(model, opt, *rows_of(mesh, ids, labels))
+    losses = train(model, opt, *rows_of(mesh, ids, labels), STEPS, autocast_dtype=torch.bfloat16)
     diff = max(abs(a - b) for a, b in zip(losses, reference))
     say(f"\n{'DDP, master weights (' + describe_mesh(mesh) + ')':34s} losses {', '.join(f'{x:.5f}' for x in losses)}"
         f"   (max difference to one process {diff:.1e})")

@@ -37,6 +37,7 @@ from torch import nn
 
 from ..module_record import SyncSpec, module_record, record_sync, sync_specs, update_record
 from . import collectives as C
+from . import opaque_collectives as O
 from .groups import world_size
 
 __all__ = ["SyncOp", "SyncHook", "SYNC_MODES", "SYNC_OPS", "sync_children", "attach_sync", "run_sync",
@@ -66,8 +67,6 @@ class SyncOp(nn.Module):
             return self.op(x)
         if self.__dict__.get(OPAQUE_ATTR) and world_size(self.group) > 1:
             # inside a compiled layer: one opaque operator the graph keeps whole (opaque_collectives)
-            from . import opaque_collectives as O
-
             name = O.group_name(self.group)
             if self.mode == "bwd_post":
                 return O.opaque_reduce_backward(x, name)

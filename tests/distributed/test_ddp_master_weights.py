@@ -34,17 +34,24 @@ def _batches():
     return [torch.randint(0, 128, (BATCH, SEQ + 1), generator=g) for _ in range(STEPS)]
 
 
+def _step(model, opt, tokens) -> float:
+    """One training step under bf16 autocast on ``tokens`` (ids and, shifted by one, labels); its loss."""
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(input_ids=tokens[:, :-1], labels=tokens[:, 1:], use_cache=False).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return float(loss.detach())
+
+
 def _train(model, opt, rows):
-    losses = []
-    for tokens in _batches():
-        tokens = tokens[rows]
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = model(input_ids=tokens[:, :-1], labels=tokens[:, 1:], use_cache=False).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(float(loss.detach()))
-    return losses
+    return [_step(model, opt, tokens[rows]) for tokens in _batches()]
+
+
+def _my_rows():
+    """This rank's half of the batch."""
+    per = BATCH // 2
+    return slice(dist.get_rank() * per, (dist.get_rank() + 1) * per)
 
 
 def _out(t: torch.Tensor):
@@ -62,19 +69,21 @@ def _reference():
     return _train(model, opt, slice(None)), _masters(model, opt)
 
 
-def _data_parallel(nested: bool = False, mp_policy=None):
+def _build_ddp(nested: bool = False, mp_policy=None):
     sch = schedlang.create_schedule(_model(), mesh=make_mesh(dp=2, device_type="cpu"))
     if nested:  # a replicate per layer under the root's: one DDP at the root covers them
         for i in range(2):
             sch[f"model.layers.{i}"].replicate(mp_policy=mp_policy)
     sch.replicate(mp_policy=mp_policy)
-    model, opt = schedlang.build(sch, optimizer="adamw", master_weights=True, lr=LR)
+    return schedlang.build(sch, optimizer="adamw", master_weights=True, lr=LR)
+
+
+def _data_parallel(nested: bool = False, mp_policy=None):
+    model, opt = _build_ddp(nested, mp_policy)
     weight = model.model.layers[0].mlp.up_proj.weight
     kinds = {"linear": (type(weight.data).__name__, str(weight.dtype)),
              "norm": str(model.model.norm.weight.dtype)}
-    per = BATCH // 2
-    rank = dist.get_rank()
-    losses = _train(model, opt, slice(rank * per, (rank + 1) * per))
+    losses = _train(model, opt, _my_rows())
     from torch.distributed._composable import replicate
 
     ddp_at = [name for name, m in model.named_modules() if getattr(replicate.state(m), "_ddp", None) is not None]
@@ -111,36 +120,20 @@ def _hook_sums(rank):
     return out
 
 
-def _build_ddp():
-    sch = schedlang.create_schedule(_model(), mesh=make_mesh(dp=2, device_type="cpu"))
-    sch.replicate()
-    return schedlang.build(sch, optimizer="adamw", master_weights=True, lr=LR)
-
-
 def _resume(checkpoint):
     """Train two steps, save, train one more; a fresh DDP model and optimizer loaded from the checkpoint must
     take the same third step, bit for bit (the masters, both moments and the step count come back)."""
-    per = BATCH // 2
-    rows = slice(dist.get_rank() * per, (dist.get_rank() + 1) * per)
+    rows = _my_rows()
     batches = _batches()
-
-    def step(model, opt, tokens):
-        tokens = tokens[rows]
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = model(input_ids=tokens[:, :-1], labels=tokens[:, 1:], use_cache=False).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return float(loss.detach())
 
     model, opt = _build_ddp()
     for tokens in batches[:2]:
-        step(model, opt, tokens)
+        _step(model, opt, tokens[rows])
     schedlang.save_checkpoint(checkpoint, model, opt, step=2)
-    straight = step(model, opt, batches[2])
+    straight = _step(model, opt, batches[2][rows])
     fresh, fresh_opt = _build_ddp()
     info = schedlang.load_checkpoint(checkpoint, fresh, fresh_opt)
-    resumed = step(fresh, fresh_opt, batches[2])
+    resumed = _step(fresh, fresh_opt, batches[2][rows])
     a, b = _masters(model, opt), _masters(fresh, fresh_opt)
     return {"step": info["step"], "losses": (straight, resumed), "same_masters": all((a[n] == b[n]).all() for n in a)}
 
