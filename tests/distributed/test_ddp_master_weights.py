@@ -288,3 +288,17 @@ def test_layouts_master_weights_cannot_keep_are_refused_before_anything_changes(
     assert errors[key][0] == "ScheduleValueError"
     assert text in errors[key][1]
     assert errors[key + ":untouched"]
+
+
+def test_a_two_dimensional_data_mesh_is_refused_for_master_weights():
+    from schedlang.distributed.data_parallel import check_master_weights_layout
+
+    class HybridMesh:  # what the check reads of an HSDP mesh ("dp_replicate" x "dp_shard")
+        ndim = 2
+        mesh_dim_names = ("dp_replicate", "dp_shard")
+
+    with pytest.raises(schedlang.ScheduleValueError,
+                       match=r"^build: master_weights=True runs replicate at '<root>' on DDP, which takes a 1-D data "
+                             r"mesh; this one has dimensions \('dp_replicate', 'dp_shard'\); use a mesh with one 'dp' "
+                             r"dimension, or master_weights=False$"):
+        check_master_weights_layout([("replicate", "", {"mp_policy": None})], HybridMesh())
