@@ -188,6 +188,34 @@ def _compiled_layers_share_graphs():
     return out
 
 
+def _cuda_graph_layers():
+    """``optimize_model(compile="layers-cudagraphs")`` on a tensor-parallel model: the layers' forward and
+    backward, all-reduces included, are recorded as CUDA graphs and replayed; logits, loss and gradients stay
+    the single-device model's on every call (the first records, the later ones replay)."""
+    from torch._dynamo.utils import counters
+
+    from schedlang.models import optimize_model
+    from tests.helpers.devices import recorded_cuda_graphs
+
+    model = _model()
+    ids, labels = _inputs()
+    torch._dynamo.reset()
+    counters.clear()
+    sch = schedlang.create_schedule(model)
+    shard_llama(sch)
+    optimize_model(sch, compile="layers-cudagraphs")
+    built, _ = schedlang.build(sch)
+    reference = copy.deepcopy(model)
+    calls = []
+    for _ in range(3):
+        calls.append(T.compare(built, reference, {"input_ids": ids, "labels": labels, "use_cache": False},
+                               logits_split=True))
+        for m in (built, reference):
+            m.zero_grad(set_to_none=True)
+    return {"calls": calls, "graphs": recorded_cuda_graphs(), "skips": counters["inductor"]["cudagraph_skips"],
+            "applied": sch.metadata["optimize"]["applied"]}
+
+
 def _world2(rank, world):
     return T.run_scenarios({
         "shared_graphs": _compiled_layers_share_graphs,
@@ -201,6 +229,10 @@ def _world2(rank, world):
 
 def _world4(rank, world):
     return T.run_scenarios({"sp4": _tp_world4_sequence_parallel})
+
+
+def _world2_cuda(rank, world):
+    return T.run_scenarios({"cuda_graphs": _cuda_graph_layers})
 
 
 @pytest.fixture(scope="module")
@@ -339,3 +371,13 @@ def test_model_schedule_errors():
     with pytest.raises(schedlang.ScheduleTypeError,
                        match=r"transformer.h.0: GPT-2 blocks with cross-attention are not supported by shard_gpt2"):
         shard_gpt2(schedlang.create_schedule(cross))
+
+
+@pytest.mark.multigpu(2)
+def test_tensor_parallel_layers_replay_from_cuda_graphs_and_match_single_device():
+    for r in T.value(run_distributed(_world2_cuda, world_size=2, timeout=300), "cuda_graphs"):
+        assert "compile: 2 layers (CUDA graphs)" in r["applied"], r["applied"]
+        assert r["skips"] == 0
+        assert r["graphs"] >= 2  # a forward and a backward graph at least
+        for call in r["calls"]:
+            T.assert_matches(call, tol=1e-4)
