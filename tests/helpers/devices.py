@@ -1,6 +1,8 @@
 """Where Triton kernels run in tests: CUDA tensors when there is a GPU, else CPU under the interpreter."""
 
 import contextlib
+import logging
+from typing import Iterator, List
 
 import torch
 
@@ -33,3 +35,37 @@ def recorded_cuda_graphs() -> int:
         count += 1
         pending.extend(child for children in node.children.values() for child in children)
     return count
+
+
+@contextlib.contextmanager
+def cudagraph_skip_messages() -> Iterator[List[str]]:
+    """Why torch.compile runs a compiled graph that holds CUDA tensors without CUDA graphs, for every such
+    graph compiled inside the block (its ``skipping cudagraphs due to ...`` warnings, and the reason the graph
+    carries, with its devices). A graph of CPU tensors alone is not counted: it has nothing to record (torch
+    counts it in ``counters["inductor"]["cudagraph_skips"]`` all the same)."""
+    from torch._inductor import output_code
+
+    messages: List[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            messages.append(record.getMessage())
+
+    original = output_code.CompiledFxGraph.post_compile
+
+    def post_compile(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        reason = getattr(self, "disabled_cudagraphs_reason", None)
+        if reason and "cuda" in getattr(self, "device_types", ()):
+            messages.append(f"graph on {sorted(getattr(self, 'device_types', ()))}: {reason}")
+        return result
+
+    logger = logging.getLogger("torch._inductor.cudagraph_utils.__cudagraphs")
+    handler = Keep(logging.WARNING)
+    logger.addHandler(handler)
+    output_code.CompiledFxGraph.post_compile = post_compile
+    try:
+        yield messages
+    finally:
+        output_code.CompiledFxGraph.post_compile = original
+        logger.removeHandler(handler)
