@@ -33,7 +33,8 @@ def _config():
 
 def _device() -> torch.device:
     # gloo ranks here; one GPU per rank (NCCL) on a machine with enough GPUs
-    if dist.is_initialized() and dist.get_backend() == "nccl":
+    # the group is "cpu:gloo,cuda:nccl" where every rank has a GPU
+    if dist.is_initialized() and "nccl" in str(dist.get_backend()):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

@@ -187,7 +187,7 @@ def _spawned(rank, world, root):
 
     with schedlang.init_empty_weights():
         meta = transformers.AutoModelForCausalLM.from_config(T.family_config("phi3_gqa"))
-    model, _ = _build_tp(meta, pretrained=os.path.join(root, "orig"))
+    model, _ = _build_tp(meta, pretrained=os.path.join(root, "orig"), device="cpu")  # beside the CPU reference
     out["pretrained"] = T.compare(model, copy.deepcopy(hf), _batch(), logits_split=True)
     torch.save(out, os.path.join(root, f"rank{rank}.pt"))
     return os.path.join(root, f"rank{rank}.pt")

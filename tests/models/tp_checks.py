@@ -26,7 +26,8 @@ HIDDEN = 64
 
 
 def device() -> torch.device:
-    if dist.is_initialized() and dist.get_backend() == "nccl":
+    # the group is "cpu:gloo,cuda:nccl" where every rank has a GPU
+    if dist.is_initialized() and "nccl" in str(dist.get_backend()):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
