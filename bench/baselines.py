@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -114,6 +114,9 @@ class Setup:
     tp: int = 1
     dp_rank: int = 0
     notes: Dict[str, Any] = field(default_factory=dict)  # "loss": how the loss is taken, and more
+    # a whole training step ``step(ids, labels) -> loss`` (optimizer step included), used after the first step in
+    # place of loss_fn, backward and the optimizer's step (a step replayed from a CUDA graph)
+    step: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None
 
     def backward(self, loss):
         loss.backward()

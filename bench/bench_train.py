@@ -68,6 +68,9 @@ schedlang's, through its schedule API:
 * ``schedlang-tp-fsdp``: ``shard_model`` then ``fully_shard`` on a ``dp x tp`` mesh (``--tp2d``);
 * ``schedlang-fsdp-noreshard-optimize``: ``schedlang-fsdp-optimize`` keeping each layer's gathered
   parameters from its forward to its backward (one all-gather per layer and step instead of two);
+* ``schedlang-optimize-mw-graph``: ``schedlang-optimize-mw`` with the whole step (forward, backward and the
+  FusedAdamW step) replayed from one CUDA graph (``schedlang.CapturedStep``) after eager warm-up steps: the
+  host issues a step in one replay instead of ~1,300 launches, and the GPU has no gaps waiting on it;
 * ``schedlang-ddp-optimize-mw`` (``-bf16reduce``): ``replicate`` at the root, ``optimize_model`` and
   ``build(optimizer="adamw", master_weights=True)``: DDP over bf16 Linear weights whose fp32 masters live
   in FusedAdamW, gradients all-reduced during the backward in fp32 (the default ``reduce_dtype``), or in
@@ -152,7 +155,7 @@ WORKS: Dict[str, Work] = {
 CHECKPOINT_STRIDES = (4, 2, 1)
 # schedlang-optimize[-fp8][-mw][-cg]: float8 Linears, fp32 master weights, per-layer CUDA graphs
 OPTIMIZE_VARIANTS = tuple("schedlang-optimize" + fp8 + mw + cg for fp8 in ("", "-fp8") for mw in ("", "-mw")
-                          for cg in ("", "-cg"))
+                          for cg in ("", "-cg")) + ("schedlang-optimize-mw-graph",)
 SCHEDLANG = ("schedlang-layers", *OPTIMIZE_VARIANTS, *(f"schedlang-optimize-ckpt{n}" for n in CHECKPOINT_STRIDES),
              "schedlang-tp",
              "schedlang-tp-optimize", "schedlang-tp-optimize-cg", "schedlang-fsdp", "schedlang-fsdp-noreshard", "schedlang-fsdp-optimize",
@@ -218,7 +221,8 @@ def _null():
 
 
 def make_schedlang_single(ctx: B.Context, cfg, optimize: bool, float8=None, cudagraph_layers: bool = False,
-                          checkpoint_every: int = 0, master_weights: bool = False) -> B.Setup:
+                          checkpoint_every: int = 0, master_weights: bool = False, captured_step: bool = False
+                          ) -> B.Setup:
     import schedlang
 
     if master_weights:
@@ -235,13 +239,36 @@ def make_schedlang_single(ctx: B.Context, cfg, optimize: bool, float8=None, cuda
         model, opt = _build(ctx, sch)
     del sch  # the schedule holds the original; let it go before the timed steps
     if optimize:
-        return B.Setup(model, opt, _labels_loss(ctx, model), notes={"loss": "fused linear + cross entropy (labels=)",
-                                                                    "optimize": info, "compile": "layers",
-                                                                    "master_weights": master_weights or None})
+        setup = B.Setup(model, opt, _labels_loss(ctx, model), notes={"loss": "fused linear + cross entropy (labels=)",
+                                                                     "optimize": info, "compile": "layers",
+                                                                     "master_weights": master_weights or None})
+        if captured_step:
+            _capture_whole_step(ctx, setup)
+        return setup
     _compile(ctx, model)
     loss_fn = B._head_loss(ctx, B.body(model), model.lm_head)
     return B.Setup(model, opt, loss_fn, notes={"loss": "body -> lm_head -> F.cross_entropy (fp32)",
                                                "compile": "layers"})
+
+
+def _capture_whole_step(ctx: B.Context, setup: B.Setup) -> None:
+    """Replay the whole step (forward, backward, optimizer step) from one CUDA graph (``schedlang.CapturedStep``)
+    after eager warm-up steps. The loss path is the row's own, with autocast's cast cache off (a capture must
+    not keep the cache's tensors); with master weights no Linear weight is cast anyway."""
+    import schedlang
+
+    if not ctx.cuda:
+        raise B.NotAvailable("a captured step replays a CUDA graph: it needs a GPU")
+    model = setup.model
+
+    def loss_and_backward(ids, labels):
+        with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        return loss
+
+    setup.step = schedlang.CapturedStep(loss_and_backward, setup.opt, warmup=2)
+    setup.notes["captured_step"] = "forward, backward and FusedAdamW step replayed from one CUDA graph"
 
 
 def make_schedlang_tp(ctx: B.Context, cfg, dp: int = 1, fsdp: bool = False, optimize: bool = False,
@@ -347,7 +374,8 @@ def make_variant(ctx: B.Context, name: str, cfg) -> B.Setup:
     if name in OPTIMIZE_VARIANTS:
         options = set(name[len("schedlang-optimize"):].split("-")[1:])
         return make_schedlang_single(ctx, cfg, optimize=True, float8="tensorwise" if "fp8" in options else None,
-                                     cudagraph_layers="cg" in options, master_weights="mw" in options)
+                                     cudagraph_layers="cg" in options, master_weights="mw" in options,
+                                     captured_step="graph" in options)
     if name.startswith("schedlang-optimize-ckpt") and name in SCHEDLANG:
         return make_schedlang_single(ctx, cfg, optimize=True, checkpoint_every=int(name.rpartition("ckpt")[2]))
     if name in ("schedlang-tp", "schedlang-tp-optimize", "schedlang-tp-optimize-cg"):
@@ -387,12 +415,15 @@ def run_variant(ctx: B.Context, name: str, cfg, ids, labels, profile: bool = Tru
     record: Dict[str, Any] = {"losses": []}
 
     def step(first: bool = False, keep: bool = False):
-        loss = setup.loss_fn(local_ids, local_labels)
-        setup.backward(loss)
-        if first:
-            record["grad_norm"] = harness.global_grad_norm(params)
-        setup.opt.step()
-        setup.opt.zero_grad(set_to_none=True)
+        if setup.step is not None and not first:  # the whole step, from its CUDA graph once captured
+            loss = setup.step(local_ids, local_labels)
+        else:  # the first step is eager everywhere, so that its gradients can be checked
+            loss = setup.loss_fn(local_ids, local_labels)
+            setup.backward(loss)
+            if first:
+                record["grad_norm"] = harness.global_grad_norm(params)
+            setup.opt.step()
+            setup.opt.zero_grad(set_to_none=True)
         if keep:
             record["losses"].append(harness.world_mean(loss, ctx.device))
 

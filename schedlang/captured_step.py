@@ -13,11 +13,14 @@ What a step may do, because a graph replays fixed kernels on fixed addresses:
 * an optimizer whose state lives on the device: ``torch.optim.AdamW(fused=True, capturable=True)``
   or :class:`schedlang.optim.FusedAdamW`; a learning rate that changes must be a 0-d device tensor;
 * autocast with ``cache_enabled=False`` (the cast cache would keep tensors from the capture);
-* no torch.compile'd region whose guards change under capture. Some transformers versions build
-  their attention mask differently while a graph is captured, so a compiled HF layer compiles again
-  (which cannot happen inside a capture): for HF models use
-  ``optimize_model(sch, compile="layers-cudagraphs")`` instead, which replays each compiled layer
-  from CUDA graphs while the model's own Python stays eager.
+* no torch.compile'd region whose guards change under capture. Some transformers releases (5.17
+  among them) build the causal attention mask while a graph is captured where they leave it to SDPA
+  outside the capture, so a compiled HF layer would compile again (which cannot happen inside a
+  capture). ``schedlang.models.optimize_model`` keeps the answer of outside the capture for calls
+  without a padding mask (:mod:`schedlang.models.capture_masks`), so an optimized HF model's whole
+  step can be captured; a batch with a padding mask still builds its mask under capture. Otherwise,
+  ``optimize_model(sch, compile="layers-cudagraphs")`` replays each compiled layer from CUDA graphs
+  while the model's own Python stays eager.
 
 The first ``warmup`` calls run eagerly (on a side stream, as CUDA graph capture requires:
 compilation, autotuning and lazily created optimizer state happen there); the next call captures
@@ -154,8 +157,9 @@ class CapturedStep:
                 raise ScheduleValueError(
                     "CapturedStep: a compiled region compiled again while the step was being captured (its guards "
                     "failed under capture: some transformers versions build attention masks differently while a "
-                    "CUDA graph is captured); use a step without torch.compile inside it, or replay the compiled "
-                    "layers from CUDA graphs with optimize_model(sch, compile='layers-cudagraphs'): "
+                    "CUDA graph is captured, which schedlang.models.optimize_model prevents for batches without a "
+                    "padding mask); use a step without torch.compile inside it, or replay the compiled layers from "
+                    "CUDA graphs with optimize_model(sch, compile='layers-cudagraphs'): "
                     f"{chain[-1][:300]}") from e
             raise ScheduleValueError(
                 "CapturedStep: the step cannot be captured in a CUDA graph (a host synchronization such as "

@@ -96,3 +96,46 @@ def test_an_optimizer_with_a_host_step_count_is_refused_at_capture():
     step(x, y)
     with pytest.raises(schedlang.ScheduleValueError, match=r"AdamW keeps its step count on the host"):
         step(x, y)
+
+
+@pytest.mark.gpu
+def test_an_optimized_hf_model_with_compiled_layers_is_captured_whole():
+    """``optimize_model``'s compiled layers meet under capture the inputs of their warm-up steps (no causal mask
+    built while capturing), so the whole step is captured; the losses are those of the same schedule run eagerly."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from schedlang.models import optimize_model
+
+    cfg = LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                      intermediate_size=96, vocab_size=101, max_position_embeddings=64)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).cuda()
+
+    def built(compile):
+        sch = schedlang.create_schedule(copy.deepcopy(model))
+        optimize_model(sch, compile=compile)
+        return schedlang.build(sch, optimizer="adamw", lr=1e-3)
+
+    def loss_and_backward(net):
+        def step(ids):
+            with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
+                loss = net(input_ids=ids, labels=ids, use_cache=False).loss
+            loss.backward()
+            return loss
+
+        return step
+
+    g = torch.Generator().manual_seed(5)
+    batches = [torch.randint(0, 101, (2, 48), generator=g).cuda() for _ in range(6)]
+    eager, eager_opt = built(None)
+    expected = []
+    for ids in batches:
+        expected.append(float(loss_and_backward(eager)(ids)))
+        eager_opt.step()
+        eager_opt.zero_grad(set_to_none=True)
+    net, opt = built("layers")
+    step = schedlang.CapturedStep(loss_and_backward(net), opt, warmup=2)
+    losses = [float(step(ids)) for ids in batches]
+    assert step.captured
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=2e-2, atol=2e-2)

@@ -16,7 +16,10 @@ What it does, each part through the schedule where a primitive exists (so it is 
   is kept;
 * **masks**: transformers' packed-sequence check waits for the GPU once per forward; for calls
   without ``position_ids`` (the model counts positions up itself, so nothing is packed) it is
-  answered without asking the GPU (:mod:`schedlang.models.packed_sequences`);
+  answered without asking the GPU (:mod:`schedlang.models.packed_sequences`); and while a CUDA graph is
+  captured (a whole step under :class:`schedlang.CapturedStep`), a call without a padding mask leaves the
+  causal mask to SDPA as it does outside the capture, so the layers compiled during the warm-up steps
+  meet the inputs they were compiled for (:mod:`schedlang.models.capture_masks`);
 * **checkpointing** (``selective_checkpoint``): ``checkpoint()`` on every layer or every n-th one;
 * **float8** (``float8="tensorwise"`` / ``"rowwise"``): the decoder layers' Linears become torchao's
   float8 training Linears (the ``float8`` primitive, with its skip rules);
@@ -49,6 +52,7 @@ from torch.nn.attention import sdpa_kernel
 
 from ..errors import ScheduleValueError
 from ..module_record import shard_specs
+from .capture_masks import keep_causal_mask_skip_under_capture
 from .packed_sequences import skip_packed_sequence_check
 
 logger = logging.getLogger("schedlang.models.optimize")
@@ -452,6 +456,11 @@ def optimize_model(sch, *, fused_kernels: bool = True, compile: Optional[str] = 
         else:
             skipped["masks"] = ("this transformers has no packed-sequence check, or the model derives its positions "
                                 "from more than the token count (multimodal)")
+        if keep_causal_mask_skip_under_capture(root.mod):
+            done.append("capture: without a padding mask, the causal mask is left to SDPA also while a CUDA graph is "
+                        "captured (a whole step captured by schedlang.CapturedStep compiles nothing again)")
+        else:
+            skipped["capture"] = "this transformers has no causal-mask skip check for SDPA"
         if every:
             for path in layer_paths[::every]:
                 root[path].checkpoint()

@@ -135,11 +135,54 @@ def test_master_weights_variant_runs_only_with_schedlang_fused_adamw_on_every_ro
 
 def test_optimize_variant_names_compose_float8_master_weights_and_cuda_graphs(bench):
     train = bench("bench_train")
-    assert len(set(train.OPTIMIZE_VARIANTS)) == 8
+    assert len(set(train.OPTIMIZE_VARIANTS)) == 9
     assert {"schedlang-optimize", "schedlang-optimize-fp8-cg", "schedlang-optimize-mw-cg",
-            "schedlang-optimize-fp8-mw-cg"} <= set(train.OPTIMIZE_VARIANTS)
+            "schedlang-optimize-fp8-mw-cg", "schedlang-optimize-mw-graph"} <= set(train.OPTIMIZE_VARIANTS)
     with pytest.raises(ValueError, match="unknown variant 'schedlang-optimize-cg-mw'"):
         train.make_variant(None, "schedlang-optimize-cg-mw", None)
+
+
+def test_a_whole_step_variant_steps_through_its_own_step_after_an_eager_first_one(bench, tmp_path, monkeypatch):
+    """A variant whose Setup has ``step`` (a whole step replayed from a CUDA graph on a GPU) runs its first step
+    eagerly, so that its gradients are checked, and every later one through ``step``; without a GPU,
+    ``schedlang.CapturedStep`` runs the same step eagerly, which is what runs here."""
+    import schedlang
+
+    train = bench("bench_train")
+    make_variant = train.make_variant
+    through_step = []
+
+    def with_whole_step(ctx, name, cfg):
+        setup = make_variant(ctx, "schedlang-optimize", cfg)
+
+        def loss_and_backward(ids, labels):
+            loss = setup.loss_fn(ids, labels)
+            loss.backward()
+            return loss
+
+        captured = schedlang.CapturedStep(loss_and_backward, setup.opt, warmup=2)
+
+        def step(ids, labels):
+            through_step.append(ids.shape)
+            return captured(ids, labels)
+
+        setup.step = step
+        return setup
+
+    monkeypatch.setattr(train, "make_variant", with_whole_step)
+    (row,) = train.main(["--tiny", "--work", "llama-1.1b-1gpu", "--variants", "schedlang-optimize",
+                         "--results-dir", str(tmp_path), "--repeats", "2", "--iters", "1", "--warmup", "3"])
+    assert row["check"] == "ok", row
+    assert len(through_step) == 2 + 2  # the warm-up steps after the first, then the timed ones
+    assert len(row["losses"]) == 3 and row["losses"][0] > row["losses"][-1]  # it trains
+
+
+def test_the_whole_step_variant_keeps_master_weights_and_so_needs_bf16_on_a_gpu(bench, tmp_path):
+    train = bench("bench_train")
+    (row,) = train.main(["--tiny", "--work", "llama-1.1b-1gpu", "--variants", "schedlang-optimize-mw-graph",
+                         "--optimizer", "schedlang-fused", "--results-dir", str(tmp_path), "--repeats", "1",
+                         "--iters", "1", "--warmup", "1"])
+    assert row["check"].startswith("FAIL not available: master weights keep bf16 parameters"), row
 
 
 def test_two_rank_float8_work_on_gloo(tmp_path):

@@ -1,0 +1,123 @@
+"""Under CUDA graph capture, the causal mask is left to SDPA as it is outside the capture (no padding mask).
+
+transformers' SDPA mask builder (``masking_utils.sdpa_mask``) leaves the causal mask out when no token is
+padded, and SDPA then applies causality itself (``is_causal=True``, the layers get ``attention_mask=None``).
+Some transformers releases (5.17 among them) build the full mask instead while a CUDA graph is being
+captured: their check (``_ignore_causal_mask_sdpa``) takes a capture for tracing, because with a padding
+mask it would have to read the mask on the host. Without a padding mask there is nothing to read, and the
+answer outside the capture holds inside it too (later releases answer so themselves).
+
+The difference breaks a whole training step captured after eager warm-up steps
+(:class:`schedlang.CapturedStep`): the layers compiled during the warm-up with ``attention_mask=None``
+meet a mask tensor under capture, fail their guards and compile again, which a capture cannot hold.
+
+:func:`keep_causal_mask_skip_under_capture` makes the check give, in ``model``'s calls, while a graph is
+captured and no padding mask is given, the answer it gives outside the capture. Calls with a padding
+mask, calls traced by ``torch.compile`` or ``torch.jit``, and other models' calls go through
+transformers' check unchanged.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import inspect
+from typing import Optional
+
+import torch
+from torch import nn
+
+__all__ = ["keep_causal_mask_skip_under_capture", "skip_without_padding"]
+
+# set while a marked model runs a forward (not while torch.compile traces one)
+_IN_MARKED_MODEL = contextvars.ContextVar("schedlang_causal_mask_model", default=False)
+# transformers' own check, which the wrapper calls for every other call
+_ORIGINAL = []
+_NEEDED = ("padding_mask", "q_length", "kv_length", "q_offset")
+
+
+def skip_without_padding(q_length: int, kv_length: int, q_offset: int, local_attention_size: Optional[int] = None
+                         ) -> bool:
+    """transformers' answer, outside tracing and capture, to "can the causal mask be left to SDPA?" when no
+    padding mask is given (a test pins this to the installed ``_ignore_causal_mask_sdpa``)."""
+    if local_attention_size is not None and kv_length >= local_attention_size:
+        return False  # a sliding window needs its own mask pattern
+    # one query (decoding), a square mask (SDPA's upper-left causal alignment is then the right one), or an
+    # empty cache (prefill)
+    return q_length == 1 or kv_length == q_length or q_offset == 0
+
+
+def _capturing_eagerly() -> bool:
+    if torch.compiler.is_compiling() or torch.jit.is_tracing() or not torch.cuda.is_available():
+        return False
+    return torch.cuda.is_current_stream_capturing()
+
+
+def _install() -> bool:
+    """Wrap ``transformers.masking_utils._ignore_causal_mask_sdpa`` once; False where there is none (or its
+    arguments are not the ones this wrapper reads)."""
+    try:
+        from transformers import masking_utils
+    except ImportError:
+        return False
+    original = getattr(masking_utils, "_ignore_causal_mask_sdpa", None)
+    if original is None:
+        return False
+    if getattr(original, "_schedlang_wrapped", False):
+        return True
+    signature = inspect.signature(original)
+    if not all(name in signature.parameters for name in _NEEDED):
+        return False
+    _ORIGINAL[:] = [original]
+
+    def _ignore_causal_mask_sdpa(*args, **kwargs):
+        if _IN_MARKED_MODEL.get() and _capturing_eagerly():
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            given = bound.arguments
+            if given["padding_mask"] is None:
+                return skip_without_padding(given["q_length"], given["kv_length"], given["q_offset"],
+                                            given.get("local_attention_size"))
+        return _ORIGINAL[0](*args, **kwargs)
+
+    _ignore_causal_mask_sdpa._schedlang_wrapped = True
+    _ignore_causal_mask_sdpa.__wrapped__ = original
+    _ignore_causal_mask_sdpa.__doc__ = original.__doc__
+    masking_utils._ignore_causal_mask_sdpa = _ignore_causal_mask_sdpa
+    return True
+
+
+class _Mark:
+    """Root forward pre-hook: the model's own calls (outside tracing) may answer the check under capture."""
+
+    def __init__(self):
+        self.tokens = []
+
+    def __call__(self, module, args):
+        # a ContextVar cannot be traced: under torch.compile the mark is left alone (and not read)
+        self.tokens.append(None if torch.compiler.is_compiling() else _IN_MARKED_MODEL.set(True))
+
+
+class _Unmark:
+    """Root forward hook, run also when the forward raises: the mark never outlives its call."""
+
+    def __init__(self, mark: _Mark):
+        self.mark = mark
+
+    def __call__(self, module, args, output):
+        token = self.mark.tokens.pop() if self.mark.tokens else None
+        if token is not None:
+            _IN_MARKED_MODEL.reset(token)
+        return output
+
+
+def keep_causal_mask_skip_under_capture(model: nn.Module) -> bool:
+    """In ``model``'s calls, let transformers leave the causal mask to SDPA while a CUDA graph is captured, as
+    it does outside the capture, when no padding mask is given (see the module docstring).
+
+    Returns False, changing nothing, where the installed transformers has no such check."""
+    if not _install():
+        return False
+    mark = _Mark()
+    model.register_forward_pre_hook(mark)
+    model.register_forward_hook(_Unmark(mark), always_call=True)
+    return True
