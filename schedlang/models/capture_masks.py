@@ -26,6 +26,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from .forward_marks import ForwardMark
+
 __all__ = ["keep_causal_mask_skip_under_capture", "skip_without_padding"]
 
 # set while a marked model runs a forward (not while torch.compile traces one)
@@ -86,28 +88,10 @@ def _install() -> bool:
     return True
 
 
-class _Mark:
-    """Root forward pre-hook: the model's own calls (outside tracing) may answer the check under capture."""
+class _MarkedModel(ForwardMark):
+    """Marks the calls of a model whose check may answer under capture."""
 
-    def __init__(self):
-        self.tokens = []
-
-    def __call__(self, module, args):
-        # a ContextVar cannot be traced: under torch.compile the mark is left alone (and not read)
-        self.tokens.append(None if torch.compiler.is_compiling() else _IN_MARKED_MODEL.set(True))
-
-
-class _Unmark:
-    """Root forward hook, run also when the forward raises: the mark never outlives its call."""
-
-    def __init__(self, mark: _Mark):
-        self.mark = mark
-
-    def __call__(self, module, args, output):
-        token = self.mark.tokens.pop() if self.mark.tokens else None
-        if token is not None:
-            _IN_MARKED_MODEL.reset(token)
-        return output
+    variable = _IN_MARKED_MODEL
 
 
 def keep_causal_mask_skip_under_capture(model: nn.Module) -> bool:
@@ -117,7 +101,5 @@ def keep_causal_mask_skip_under_capture(model: nn.Module) -> bool:
     Returns False, changing nothing, where the installed transformers has no such check."""
     if not _install():
         return False
-    mark = _Mark()
-    model.register_forward_pre_hook(mark)
-    model.register_forward_hook(_Unmark(mark), always_call=True)
+    _MarkedModel().install(model)
     return True

@@ -22,6 +22,8 @@ import inspect
 import torch
 from torch import nn
 
+from .forward_marks import ForwardMark
+
 __all__ = ["skip_packed_sequence_check"]
 
 # set while a hooked model runs a forward whose positions it makes itself
@@ -57,35 +59,22 @@ def _install() -> bool:
     return True
 
 
-class _OwnPositions:
-    """Root forward pre-hook (with kwargs): marks a call that passes no ``position_ids``."""
+class _OwnPositionsMark(ForwardMark):
+    """Marks a call of the model that passes no ``position_ids``, by name or by position."""
+
+    variable = _OWN_POSITIONS
 
     def __init__(self, model: nn.Module):
+        super().__init__()
         params = list(inspect.signature(type(model).forward).parameters)
         # its index among the positional arguments after self, or None when it cannot be given positionally
         self.index = params.index("position_ids") - 1 if "position_ids" in params else None
-        self.tokens = []
 
-    def __call__(self, module, args, kwargs):
+    def value(self, args, kwargs) -> bool:
         given = kwargs.get("position_ids")
         if given is None and self.index is not None and len(args) > self.index:
             given = args[self.index]
-        # a ContextVar cannot be traced: under torch.compile the mark is left alone (and not read, above)
-        self.tokens.append(None if torch.compiler.is_compiling() else _OWN_POSITIONS.set(given is None))
-        return None
-
-
-class _Reset:
-    """Root forward hook, run also when the forward raises: the mark never outlives its call."""
-
-    def __init__(self, mark: _OwnPositions):
-        self.mark = mark
-
-    def __call__(self, module, args, output):
-        token = self.mark.tokens.pop() if self.mark.tokens else None
-        if token is not None:
-            _OWN_POSITIONS.reset(token)
-        return output
+        return given is None
 
 
 def _positions_count_up(model: nn.Module) -> bool:
@@ -106,7 +95,5 @@ def skip_packed_sequence_check(model: nn.Module) -> bool:
     does not count its positions up one by one (multimodal models)."""
     if not _positions_count_up(model) or not _install():
         return False
-    mark = _OwnPositions(model)
-    model.register_forward_pre_hook(mark, with_kwargs=True)
-    model.register_forward_hook(_Reset(mark), always_call=True)
+    _OwnPositionsMark(model).install(model)
     return True

@@ -1,0 +1,54 @@
+"""A context variable set for the duration of each call of one model: how a wrapped transformers helper
+tells the calls of a model that ``optimize_model`` prepared from everyone else's.
+
+:class:`ForwardMark` is a pair of root hooks. The forward pre-hook sets the variable (to what its ``value``
+computes from the call's arguments), and the forward hook, which runs also when the forward raises, resets
+it, so the mark never outlives the call and nested calls unwind in order. While ``torch.compile`` traces a
+call the mark is left alone: a ContextVar cannot be traced, and the wrapped helpers then do not read it.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["ForwardMark"]
+
+
+class ForwardMark:
+    """Set the subclass's ``variable`` to ``self.value(args, kwargs)`` (default True) during each call of the
+    model it is installed on.
+
+    The variable is a class attribute, so that a model carrying the hooks can still be copied and pickled
+    (a ContextVar itself can be neither)::
+
+        class _InModel(ForwardMark):
+            variable = contextvars.ContextVar("in_model", default=False)
+
+        _InModel().install(model)
+    """
+
+    variable: contextvars.ContextVar
+
+    def __init__(self):
+        self.tokens = []
+
+    def value(self, args: tuple, kwargs: dict) -> Any:
+        return True
+
+    def install(self, model: nn.Module) -> None:
+        model.register_forward_pre_hook(self.enter, with_kwargs=True)
+        model.register_forward_hook(self.leave, always_call=True)
+
+    def enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self.tokens.append(None if torch.compiler.is_compiling() else self.variable.set(self.value(args, kwargs)))
+        return None
+
+    def leave(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        token = self.tokens.pop() if self.tokens else None
+        if token is not None:
+            self.variable.reset(token)
+        return output
