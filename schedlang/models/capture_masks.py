@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .forward_marks import ForwardMark
+from .forward_marks import ForwardMark, wrap_masking_helper
 
 __all__ = ["keep_causal_mask_skip_under_capture", "skip_without_padding"]
 
@@ -54,21 +54,10 @@ def _capturing_eagerly() -> bool:
     return torch.cuda.is_current_stream_capturing()
 
 
-def _install() -> bool:
-    """Wrap ``transformers.masking_utils._ignore_causal_mask_sdpa`` once; False where there is none (or its
-    arguments are not the ones this wrapper reads)."""
-    try:
-        from transformers import masking_utils
-    except ImportError:
-        return False
-    original = getattr(masking_utils, "_ignore_causal_mask_sdpa", None)
-    if original is None:
-        return False
-    if getattr(original, "_schedlang_wrapped", False):
-        return True
+def _wrap(original):
     signature = inspect.signature(original)
     if not all(name in signature.parameters for name in _NEEDED):
-        return False
+        return None  # not the check this wrapper knows how to read
     _ORIGINAL[:] = [original]
 
     def _ignore_causal_mask_sdpa(*args, **kwargs):
@@ -81,11 +70,7 @@ def _install() -> bool:
                                             given.get("local_attention_size"))
         return _ORIGINAL[0](*args, **kwargs)
 
-    _ignore_causal_mask_sdpa._schedlang_wrapped = True
-    _ignore_causal_mask_sdpa.__wrapped__ = original
-    _ignore_causal_mask_sdpa.__doc__ = original.__doc__
-    masking_utils._ignore_causal_mask_sdpa = _ignore_causal_mask_sdpa
-    return True
+    return _ignore_causal_mask_sdpa
 
 
 class _MarkedModel(ForwardMark):
@@ -99,7 +84,7 @@ def keep_causal_mask_skip_under_capture(model: nn.Module) -> bool:
     it does outside the capture, when no padding mask is given (see the module docstring).
 
     Returns False, changing nothing, where the installed transformers has no such check."""
-    if not _install():
+    if not wrap_masking_helper("_ignore_causal_mask_sdpa", _wrap):
         return False
     _MarkedModel().install(model)
     return True

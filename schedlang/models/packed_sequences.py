@@ -22,7 +22,7 @@ import inspect
 import torch
 from torch import nn
 
-from .forward_marks import ForwardMark
+from .forward_marks import ForwardMark, wrap_masking_helper
 
 __all__ = ["skip_packed_sequence_check"]
 
@@ -32,18 +32,7 @@ _OWN_POSITIONS = contextvars.ContextVar("schedlang_own_positions", default=False
 _ORIGINAL = []
 
 
-def _install() -> bool:
-    """Wrap ``transformers.masking_utils.find_packed_sequence_indices`` once; False where there is none."""
-    try:
-        from transformers import masking_utils
-    except ImportError:
-        return False
-    original = getattr(masking_utils, "find_packed_sequence_indices", None)
-    if original is None:
-        return False
-    if getattr(original, "_schedlang_wrapped", False):
-        return True
-
+def _wrap(original):
     _ORIGINAL[:] = [original]
 
     def find_packed_sequence_indices(position_ids, *args, **kwargs):
@@ -52,11 +41,7 @@ def _install() -> bool:
             return None  # positions the model counted up itself: one sequence per row
         return _ORIGINAL[0](position_ids, *args, **kwargs)
 
-    find_packed_sequence_indices._schedlang_wrapped = True
-    find_packed_sequence_indices.__wrapped__ = original
-    find_packed_sequence_indices.__doc__ = original.__doc__
-    masking_utils.find_packed_sequence_indices = find_packed_sequence_indices
-    return True
+    return find_packed_sequence_indices
 
 
 class _OwnPositionsMark(ForwardMark):
@@ -93,7 +78,7 @@ def skip_packed_sequence_check(model: nn.Module) -> bool:
 
     Returns False, changing nothing, where the installed transformers has no such check, or where the model
     does not count its positions up one by one (multimodal models)."""
-    if not _positions_count_up(model) or not _install():
+    if not _positions_count_up(model) or not wrap_masking_helper("find_packed_sequence_indices", _wrap):
         return False
     _OwnPositionsMark(model).install(model)
     return True
