@@ -71,6 +71,8 @@ schedlang's, through its schedule API:
 * ``schedlang-optimize-mw-graph``: ``schedlang-optimize-mw`` with the whole step (forward, backward and the
   FusedAdamW step) replayed from one CUDA graph (``schedlang.CapturedStep``) after eager warm-up steps: the
   host issues a step in one replay instead of ~1,300 launches, and the GPU has no gaps waiting on it;
+* ``schedlang-optimize-mw-proj``: ``schedlang-optimize-mw`` with ``optimize_model(fuse_projections=True)``: in
+  the compiled layers q|k|v and gate|up run as one GEMM each, on weights concatenated per call;
 * ``schedlang-ddp-optimize-mw`` (``-bf16reduce``): ``replicate`` at the root, ``optimize_model`` and
   ``build(optimizer="adamw", master_weights=True)``: DDP over bf16 Linear weights whose fp32 masters live
   in FusedAdamW, gradients all-reduced during the backward in fp32 (the default ``reduce_dtype``), or in
@@ -155,7 +157,7 @@ WORKS: Dict[str, Work] = {
 CHECKPOINT_STRIDES = (4, 2, 1)
 # schedlang-optimize[-fp8][-mw][-cg]: float8 Linears, fp32 master weights, per-layer CUDA graphs
 OPTIMIZE_VARIANTS = tuple("schedlang-optimize" + fp8 + mw + cg for fp8 in ("", "-fp8") for mw in ("", "-mw")
-                          for cg in ("", "-cg")) + ("schedlang-optimize-mw-graph",)
+                          for cg in ("", "-cg")) + ("schedlang-optimize-mw-graph", "schedlang-optimize-mw-proj")
 SCHEDLANG = ("schedlang-layers", *OPTIMIZE_VARIANTS, *(f"schedlang-optimize-ckpt{n}" for n in CHECKPOINT_STRIDES),
              "schedlang-tp",
              "schedlang-tp-optimize", "schedlang-tp-optimize-cg", "schedlang-fsdp", "schedlang-fsdp-noreshard", "schedlang-fsdp-optimize",
@@ -194,12 +196,13 @@ def _compile(ctx: B.Context, model) -> None:
         compile_layers(model)
 
 
-def _optimize(ctx: B.Context, sch, float8=None, cudagraphs: bool = False, checkpoint_every: int = 0
-              ) -> Dict[str, Any]:
+def _optimize(ctx: B.Context, sch, float8=None, cudagraphs: bool = False, checkpoint_every: int = 0,
+              fuse_projections: bool = False) -> Dict[str, Any]:
     from schedlang.models import optimize_model
 
     compile = ("layers-cudagraphs" if cudagraphs and ctx.cuda else "layers") if ctx.args.compile else None
-    optimize_model(sch, compile=compile, float8=float8, selective_checkpoint=checkpoint_every or None)
+    optimize_model(sch, compile=compile, float8=float8, selective_checkpoint=checkpoint_every or None,
+                   fuse_projections=fuse_projections and compile is not None)
     return sch.root.metadata["optimize"]
 
 
@@ -221,15 +224,15 @@ def _null():
 
 
 def make_schedlang_single(ctx: B.Context, cfg, optimize: bool, float8=None, cudagraph_layers: bool = False,
-                          checkpoint_every: int = 0, master_weights: bool = False, captured_step: bool = False
-                          ) -> B.Setup:
+                          checkpoint_every: int = 0, master_weights: bool = False, captured_step: bool = False,
+                          fuse_projections: bool = False) -> B.Setup:
     import schedlang
 
     if master_weights:
         _need_master_weights(ctx)
     sch = schedlang.create_schedule(B.full_model(cfg, ctx.device))
-    info = (_optimize(ctx, sch, float8, cudagraphs=cudagraph_layers, checkpoint_every=checkpoint_every)
-            if optimize else None)
+    info = (_optimize(ctx, sch, float8, cudagraphs=cudagraph_layers, checkpoint_every=checkpoint_every,
+                      fuse_projections=fuse_projections) if optimize else None)
     if master_weights:
         from schedlang.optim import FusedAdamW, master_weight_groups
 
@@ -375,7 +378,7 @@ def make_variant(ctx: B.Context, name: str, cfg) -> B.Setup:
         options = set(name[len("schedlang-optimize"):].split("-")[1:])
         return make_schedlang_single(ctx, cfg, optimize=True, float8="tensorwise" if "fp8" in options else None,
                                      cudagraph_layers="cg" in options, master_weights="mw" in options,
-                                     captured_step="graph" in options)
+                                     captured_step="graph" in options, fuse_projections="proj" in options)
     if name.startswith("schedlang-optimize-ckpt") and name in SCHEDLANG:
         return make_schedlang_single(ctx, cfg, optimize=True, checkpoint_every=int(name.rpartition("ckpt")[2]))
     if name in ("schedlang-tp", "schedlang-tp-optimize", "schedlang-tp-optimize-cg"):

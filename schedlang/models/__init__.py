@@ -112,7 +112,8 @@ def _float8_arguments(float8):
 LAYER_LISTS = ("layers", "h", "layer")
 
 
-def compile_layers(model: nn.Module, trace_collectives: bool = False, **compile_options) -> int:
+def compile_layers(model: nn.Module, trace_collectives: bool = False, fuse_projections: bool = False,
+                   **compile_options) -> int:
     """``torch.compile`` the forward of every transformer layer of a built model; returns how many.
 
     The layer's *own* hooks (the sequence split in front of the first layer under sequence
@@ -134,6 +135,10 @@ def compile_layers(model: nn.Module, trace_collectives: bool = False, **compile_
     A layer with float8 Linears is compiled with the ``shared_amax`` joint-graph pass
     (:mod:`schedlang.graph.passes.shared_amax`): the backward reuses each activation's float8 scale
     from the forward instead of reading the activation again.
+
+    ``fuse_projections=True`` compiles each layer with the ``shared_input_linears`` pre-grad pass
+    (:mod:`schedlang.graph.passes.shared_input_linears`): the linears that read one input (q, k and v;
+    gate and up) run as one GEMM on their weights concatenated per call; the parameters stay as they are.
 
     Example::
 
@@ -165,7 +170,7 @@ def compile_layers(model: nn.Module, trace_collectives: bool = False, **compile_
                             sub.forward = torch.compiler.disable(sub.forward)
                         elif is_sequence_parallel_norm(sub):
                             sub.__dict__[EAGER_COLLECTIVES_ATTR] = True  # the norm's arithmetic stays compiled
-                layer.forward = torch.compile(layer.forward, **_with_float8_passes(layer, compile_options))
+                layer.forward = torch.compile(layer.forward, **_with_passes(layer, compile_options, fuse_projections))
                 count += 1
     if not count:
         raise ScheduleTypeError(f"compile_layers: no layer list ({', '.join(LAYER_LISTS)}) found in "
@@ -173,26 +178,35 @@ def compile_layers(model: nn.Module, trace_collectives: bool = False, **compile_
     return count
 
 
-def _with_float8_passes(layer: nn.Module, compile_options: dict) -> dict:
-    """The compile options for ``layer``: for a layer with float8 Linears, Inductor also gets the
-    ``shared_amax`` joint-graph pass (each activation's float8 scale is computed once, not again in
-    the backward). A caller's own joint pass, or another backend than Inductor, is left as it is."""
+def _with_passes(layer: nn.Module, compile_options: dict, fuse_projections: bool = False) -> dict:
+    """The compile options for ``layer``, with schedlang's Inductor passes where they apply:
+
+    * a layer with float8 Linears gets the ``shared_amax`` joint-graph pass (each activation's float8 scale
+      is computed once, not again in the backward);
+    * with ``fuse_projections``, the ``shared_input_linears`` pre-grad pass (linears on one input as one GEMM).
+
+    A caller's own pass in the same place, or another backend than Inductor, is left as it is."""
     from ..primitives.float8 import is_float8
 
-    if not any(is_float8(m) for m in layer.modules()) or compile_options.get("backend", "inductor") != "inductor":
-        return compile_options
-    options = dict(compile_options.get("options") or {})
-    if "joint_custom_post_pass" in options:
-        return compile_options
-    from ..graph.passes.shared_amax import SharedAmaxPass
+    wanted = {}
+    if any(is_float8(m) for m in layer.modules()):
+        from ..graph.passes.shared_amax import SharedAmaxPass
 
+        wanted["joint_custom_post_pass"] = SharedAmaxPass()
+    if fuse_projections:
+        from ..graph.passes.shared_input_linears import SharedInputLinearsPass
+
+        wanted["pre_grad_custom_pass"] = SharedInputLinearsPass()
+    options = dict(compile_options.get("options") or {})
+    wanted = {k: v for k, v in wanted.items() if k not in options}
+    if not wanted or compile_options.get("backend", "inductor") != "inductor":
+        return compile_options
     rest = {k: v for k, v in compile_options.items() if k not in ("mode", "options")}
     mode = compile_options.get("mode")
     if mode not in (None, "default"):
         # torch.compile takes a mode or options, not both: the mode's own options, spelled out
         options = {**torch._inductor.list_mode_options(mode, rest.get("dynamic")), **options}
-    options["joint_custom_post_pass"] = SharedAmaxPass()
-    return {**rest, "options": options}
+    return {**rest, "options": {**options, **wanted}}
 
 
 def _opaque(sync) -> bool:

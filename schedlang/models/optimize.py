@@ -404,7 +404,8 @@ def _attention_shapes(config) -> Dict[str, int]:
 
 # ------------------------------------------------------------------------------------------------- entry
 def optimize_model(sch, *, fused_kernels: bool = True, compile: Optional[str] = "layers", sdpa_backend: str = "auto",
-                   selective_checkpoint: Union[None, str, int] = None, float8: Optional[str] = None):
+                   selective_checkpoint: Union[None, str, int] = None, float8: Optional[str] = None,
+                   fuse_projections: bool = False):
     """Write the single-device speed-ups into ``sch`` (see the module docstring); returns ``sch``.
 
     Arguments:
@@ -419,6 +420,10 @@ def optimize_model(sch, *, fused_kernels: bool = True, compile: Optional[str] = 
             PyTorch), or one of ``"cudnn"``, ``"flash"``, ``"efficient"``, ``"math"``.
         selective_checkpoint: None, ``"all"`` (every layer) or n (every n-th layer, from the first).
         float8: None, ``"tensorwise"`` or ``"rowwise"`` (torchao float8 training of the layers' Linears).
+        fuse_projections: in the compiled layers, the linears that read one input (q, k and v; gate and up)
+            run as one GEMM on their weights concatenated per call (the parameters stay as they are);
+            needs ``compile``. Off by default: whether it pays depends on the shapes and the GPU
+            (``bench/probe_llama_parts.py`` times both forms).
 
     What was applied and what was skipped (and why) is in ``sch.metadata["optimize"]``.
 
@@ -435,6 +440,11 @@ def optimize_model(sch, *, fused_kernels: bool = True, compile: Optional[str] = 
     if sdpa_backend not in SDPA_BACKENDS:
         raise ScheduleValueError(f"optimize_model: invalid sdpa_backend {sdpa_backend!r}: valid are "
                                  f"{', '.join(SDPA_BACKENDS)}")
+    if not isinstance(fuse_projections, bool):
+        raise ScheduleValueError(f"optimize_model: fuse_projections must be True or False, got {fuse_projections!r}")
+    if fuse_projections and compile is None:
+        raise ScheduleValueError("optimize_model: fuse_projections=True rewrites the compiled layers' graphs, but "
+                                 "compile=None compiles none; pass compile='layers' or 'layers-cudagraphs'")
     if float8 is not None and float8 not in FLOAT8_RECIPES:
         raise ScheduleValueError(f"optimize_model: invalid float8 {float8!r}: valid are None, "
                                  f"{', '.join(map(repr, FLOAT8_RECIPES))}")
@@ -479,8 +489,9 @@ def optimize_model(sch, *, fused_kernels: bool = True, compile: Optional[str] = 
         # graphs (torch.compile's cudagraph trees), which takes the launch cost off the host where a step
         # is host-bound; the model's own Python between layers (masks, the loss) stays eager
         options = {"mode": "reduce-overhead"} if compile == "layers-cudagraphs" else {}
-        done.append(f"compile: {compile_layers(root.mod, **options)} layers"
-                    + (" (CUDA graphs)" if options else ""))
+        done.append(f"compile: {compile_layers(root.mod, fuse_projections=fuse_projections, **options)} layers"
+                    + (" (CUDA graphs)" if options else "")
+                    + (", linears on one input as one GEMM" if fuse_projections else ""))
     for part, why in skipped.items():
         logger.info("optimize_model: %s skipped: %s", part, why)
     root.metadata["optimize"] = {"applied": done, "skipped": skipped, "sdpa_backend": backend}

@@ -136,6 +136,30 @@ def test_parts_are_recorded_in_the_plan_and_compile_is_lazy():
     assert "sdpa" in sch.metadata["optimize"]["skipped"]
 
 
+def test_projections_fused_in_the_compiled_layers_train_as_the_plain_model():
+    """``fuse_projections=True``: the one graph the layers share runs q|k|v and gate|up as one GEMM each, and
+    three AdamW steps give the plain model's losses; the parameters are the model's own."""
+    from torch._dynamo.utils import counters
+
+    from schedlang.graph.passes.shared_input_linears import COUNTER
+    from tests.helpers.compiling import no_compile_caches
+
+    model = _llama()
+    ids, labels = _batch(model.config.vocab_size)
+    reference = _train(copy.deepcopy(model), ids, labels)
+    torch._dynamo.reset()
+    counters.clear()
+    sch = schedlang.create_schedule(model)
+    optimize_model(sch, fuse_projections=True)
+    assert "compile: 2 layers, linears on one input as one GEMM" in sch.metadata["optimize"]["applied"]
+    built, _ = schedlang.build(sch)
+    assert {n for n, _ in built.named_parameters()} == {n for n, _ in model.named_parameters()}
+    with no_compile_caches():
+        losses = _train(built, ids, labels)
+    torch.testing.assert_close(losses, reference, rtol=1e-4, atol=1e-4)
+    assert counters["schedlang"][COUNTER] == 2
+
+
 def test_missing_kernels_fall_back_with_a_reason(monkeypatch, caplog):
     monkeypatch.setattr(optimize, "_kernel", lambda name: (None, f"schedlang.kernels has no {name}"))
     model = _llama()
@@ -159,6 +183,10 @@ def test_missing_kernels_fall_back_with_a_reason(monkeypatch, caplog):
     ({"float8": "e4m3"}, "optimize_model: invalid float8 'e4m3': valid are None, 'tensorwise', 'rowwise'"),
     ({"selective_checkpoint": 0}, "optimize_model: invalid selective_checkpoint 0: valid are None, 'all' or a "
                                   "positive int n (every n-th layer)"),
+    ({"fuse_projections": "qkv"}, "optimize_model: fuse_projections must be True or False, got 'qkv'"),
+    ({"fuse_projections": True, "compile": None}, "optimize_model: fuse_projections=True rewrites the compiled "
+                                                  "layers' graphs, but compile=None compiles none; pass "
+                                                  "compile='layers' or 'layers-cudagraphs'"),
 ])
 def test_bad_options_are_refused_and_nothing_is_applied(kwargs, message):
     sch = schedlang.create_schedule(_llama())
@@ -263,24 +291,24 @@ def test_the_attention_probe_picks_a_backend_that_runs_on_the_gpu(layout):
 def test_layers_with_float8_linears_compile_with_the_shared_scale_pass():
     float8 = pytest.importorskip("torchao.float8", reason="torchao not installed (pip install 'schedlang[fp8]')")
     from schedlang.graph.passes.shared_amax import SharedAmaxPass
-    from schedlang.models import _with_float8_passes
+    from schedlang.models import _with_passes
 
     plain = torch.nn.Sequential(torch.nn.Linear(32, 32))
     converted = copy.deepcopy(plain)
     float8.convert_to_float8_training(converted)
-    assert _with_float8_passes(plain, {"mode": "reduce-overhead"}) == {"mode": "reduce-overhead"}
-    options = _with_float8_passes(converted, {})
+    assert _with_passes(plain, {"mode": "reduce-overhead"}) == {"mode": "reduce-overhead"}
+    options = _with_passes(converted, {})
     assert set(options) == {"options"} and isinstance(options["options"]["joint_custom_post_pass"], SharedAmaxPass)
     # torch.compile takes a mode or options: the mode is spelled out as its options, other arguments kept
-    options = _with_float8_passes(converted, {"mode": "reduce-overhead", "fullgraph": True})
+    options = _with_passes(converted, {"mode": "reduce-overhead", "fullgraph": True})
     assert options["fullgraph"] is True and "mode" not in options
     assert options["options"]["triton.cudagraphs"] is True
     assert isinstance(options["options"]["joint_custom_post_pass"], SharedAmaxPass)
     # a caller's own joint pass, or a backend other than Inductor, is left alone
     own = {"options": {"joint_custom_post_pass": print}}
-    assert _with_float8_passes(converted, own) is own
+    assert _with_passes(converted, own) is own
     other = {"backend": "aot_eager"}
-    assert _with_float8_passes(converted, other) is other
+    assert _with_passes(converted, other) is other
 
 
 def test_float8_layers_share_one_compiled_graph(monkeypatch):
@@ -290,7 +318,7 @@ def test_float8_layers_share_one_compiled_graph(monkeypatch):
     import torch._dynamo
     from torch._dynamo.utils import counters
 
-    from schedlang.models import _with_float8_passes, compile_layers
+    from schedlang.models import _with_passes, compile_layers
 
     torch.manual_seed(0)
     model = _llama()
@@ -298,7 +326,7 @@ def test_float8_layers_share_one_compiled_graph(monkeypatch):
     float8.convert_to_float8_training(model, config=config, module_filter_fn=lambda mod, name: "lm_head" not in name)
     layers = list(model.model.layers)
     cudagraphs = {"mode": "reduce-overhead"}
-    assert _with_float8_passes(layers[0], cudagraphs) == _with_float8_passes(layers[1], cudagraphs)
+    assert _with_passes(layers[0], cudagraphs) == _with_passes(layers[1], cudagraphs)
     torch._dynamo.reset()
     counters.clear()
     monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)  # a second graph would be an error here

@@ -7,6 +7,8 @@
 * ``overlap_communication.py``: collectives issued early and waited for late.
 * ``shared_amax.py``: whole-tensor maxima (float8 scales) of one tensor, through any views, computed
   once; an Inductor joint-graph pass that ``compile_layers`` gives float8 layers.
+* ``shared_input_linears.py``: linears on one input (q/k/v, gate/up) as one GEMM on weights concatenated
+  per call; an Inductor pre-grad pass (``compile_layers(fuse_projections=True)``).
 
 Modules are imported on use, so ``import schedlang`` stays light.
 """

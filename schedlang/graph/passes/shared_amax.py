@@ -39,6 +39,8 @@ from typing import Dict, Hashable, List, Optional, Tuple
 import torch
 from torch import fx
 
+from ._inductor_pass import InductorPass
+
 __all__ = ["share_amax", "SharedAmaxPass", "whole_tensor_max_source"]
 
 logger = logging.getLogger("schedlang.graph.passes.shared_amax")
@@ -138,35 +140,13 @@ def _erase_unused_chain(graph: fx.Graph, node: fx.Node) -> None:
         node = inputs[0]
 
 
-def _custom_graph_pass_base():
-    try:
-        from torch._inductor.custom_graph_pass import CustomGraphPass
-    except ImportError:  # an Inductor without custom passes: a plain callable
-        return object
-    return CustomGraphPass
-
-
-class SharedAmaxPass(_custom_graph_pass_base()):
+class SharedAmaxPass(InductorPass):
     """:func:`share_amax` as an Inductor joint-graph pass, e.g.
-    ``torch.compile(fn, options={"joint_custom_post_pass": SharedAmaxPass()})``.
+    ``torch.compile(fn, options={"joint_custom_post_pass": SharedAmaxPass()})`` (see :class:`InductorPass`
+    for its cache key and equality)."""
 
-    ``uuid`` names the pass and its version, so Inductor's FX-graph cache keeps serving compiled
-    graphs (a custom pass without one turns the cache off). Instances compare equal: torch.compile
-    tells backends apart by their options, and the layers of a model share one compiled graph only
-    if their options are equal (else each layer counts as a recompile and, past the limit, runs
-    eagerly).
-    """
-
+    NAME = "shared_amax"
     VERSION = 1
 
     def __call__(self, graph: fx.Graph) -> None:
         share_amax(graph)
-
-    def uuid(self) -> Hashable:
-        return f"schedlang.shared_amax.v{self.VERSION}"
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, SharedAmaxPass) and other.uuid() == self.uuid()
-
-    def __hash__(self) -> int:
-        return hash(self.uuid())
