@@ -8,7 +8,7 @@ are summed afterwards. One GEMM over the concatenated weights does the work of a
     q = linear(x, wq); k = linear(x, wk); v = linear(x, wv)
     # becomes
     qkv = linear(x, cat([wq, wk, wv]))
-    q, k, v = split(qkv, [out_q, out_k, out_v], -1)
+    q, k, v = qkv.narrow(-1, 0, out_q), qkv.narrow(-1, out_q, out_k), qkv.narrow(-1, out_q + out_k, out_v)
 
 The parameters stay as they are (the concatenation is a copy made on every call, a few MB per layer,
 and autograd splits its gradient back onto each weight), so checkpoints, optimizers, sharding and
@@ -29,7 +29,6 @@ weight or bias computed after its first linear.
 
 from __future__ import annotations
 
-import operator
 from typing import Dict, Hashable, List, Optional, Tuple
 
 import torch
@@ -88,7 +87,7 @@ def _key(x: fx.Node, weight: fx.Node, bias: Optional[fx.Node]) -> Optional[Hasha
 
 def fuse_shared_input_linears(graph: fx.Graph) -> int:
     """Rewrite each group of two or more linears on one input into one linear on concatenated weights and a
-    split (see the module docstring); returns how many groups were fused."""
+    narrow view per linear (see the module docstring); returns how many groups were fused."""
     order = {node: i for i, node in enumerate(graph.nodes)}
     groups: Dict[Hashable, List[fx.Node]] = {}
     for node in graph.nodes:
@@ -115,8 +114,10 @@ def fuse_shared_input_linears(graph: fx.Graph) -> int:
             bias = (graph.call_function(torch.cat, ([b for _, _, b in operands], 0))
                     if operands[0][2] is not None else None)
             y = graph.call_function(F.linear, (x, weight, bias))
-            parts = graph.call_function(torch.split, (y, sizes, -1))
-            outputs = [graph.call_function(operator.getitem, (parts, i)) for i in range(len(members))]
+            # one narrow view per member, not a split: autograd lets a user modify a narrow view in place,
+            # but not one of the views a split returns together
+            starts = [sum(sizes[:i]) for i in range(len(sizes))]
+            outputs = [graph.call_function(torch.narrow, (y, -1, start, size)) for start, size in zip(starts, sizes)]
         for member, out in zip(members, outputs):
             member.replace_all_uses_with(out)
             graph.erase_node(member)

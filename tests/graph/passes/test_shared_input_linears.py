@@ -27,6 +27,7 @@ class Block(nn.Module):
 
     def forward(self, x):
         q, k, v = self.q(x), self.k(x), self.v(x)
+        k.mul_(2)  # an output modified in place (a view of the fused output after the pass)
         a = q * (k.sum(-1, keepdim=True) + v.mean(-1, keepdim=True))
         return self.lone(F.silu(self.gate(a)) * self.up(a))
 
