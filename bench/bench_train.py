@@ -73,6 +73,8 @@ schedlang's, through its schedule API:
   host issues a step in one replay instead of ~1,300 launches, and the GPU has no gaps waiting on it;
 * ``schedlang-optimize-mw-proj``: ``schedlang-optimize-mw`` with ``optimize_model(fuse_projections=True)``: in
   the compiled layers q|k|v and gate|up run as one GEMM each, on weights concatenated per call;
+  ``-mw-cdt`` (``-mw-proj-cdt``): with Inductor's coordinate-descent tuning of its kernels' block sizes
+  (``compile_options={"options": {"coordinate_descent_tuning": True}}``);
 * ``schedlang-ddp-optimize-mw`` (``-bf16reduce``): ``replicate`` at the root, ``optimize_model`` and
   ``build(optimizer="adamw", master_weights=True)``: DDP over bf16 Linear weights whose fp32 masters live
   in FusedAdamW, gradients all-reduced during the backward in fp32 (the default ``reduce_dtype``), or in
@@ -157,7 +159,8 @@ WORKS: Dict[str, Work] = {
 CHECKPOINT_STRIDES = (4, 2, 1)
 # schedlang-optimize[-fp8][-mw][-cg]: float8 Linears, fp32 master weights, per-layer CUDA graphs
 OPTIMIZE_VARIANTS = tuple("schedlang-optimize" + fp8 + mw + cg for fp8 in ("", "-fp8") for mw in ("", "-mw")
-                          for cg in ("", "-cg")) + ("schedlang-optimize-mw-graph", "schedlang-optimize-mw-proj")
+                          for cg in ("", "-cg")) + tuple(
+    "schedlang-optimize-mw" + extra for extra in ("-graph", "-proj", "-cdt", "-proj-cdt"))
 SCHEDLANG = ("schedlang-layers", *OPTIMIZE_VARIANTS, *(f"schedlang-optimize-ckpt{n}" for n in CHECKPOINT_STRIDES),
              "schedlang-tp",
              "schedlang-tp-optimize", "schedlang-tp-optimize-cg", "schedlang-fsdp", "schedlang-fsdp-noreshard", "schedlang-fsdp-optimize",
@@ -197,12 +200,13 @@ def _compile(ctx: B.Context, model) -> None:
 
 
 def _optimize(ctx: B.Context, sch, float8=None, cudagraphs: bool = False, checkpoint_every: int = 0,
-              fuse_projections: bool = False) -> Dict[str, Any]:
+              fuse_projections: bool = False, tune_kernels: bool = False) -> Dict[str, Any]:
     from schedlang.models import optimize_model
 
     compile = ("layers-cudagraphs" if cudagraphs and ctx.cuda else "layers") if ctx.args.compile else None
+    tuned = {"options": {"coordinate_descent_tuning": True}} if tune_kernels and compile is not None else None
     optimize_model(sch, compile=compile, float8=float8, selective_checkpoint=checkpoint_every or None,
-                   fuse_projections=fuse_projections and compile is not None)
+                   fuse_projections=fuse_projections and compile is not None, compile_options=tuned)
     return sch.root.metadata["optimize"]
 
 
@@ -225,14 +229,14 @@ def _null():
 
 def make_schedlang_single(ctx: B.Context, cfg, optimize: bool, float8=None, cudagraph_layers: bool = False,
                           checkpoint_every: int = 0, master_weights: bool = False, captured_step: bool = False,
-                          fuse_projections: bool = False) -> B.Setup:
+                          fuse_projections: bool = False, tune_kernels: bool = False) -> B.Setup:
     import schedlang
 
     if master_weights:
         _need_master_weights(ctx)
     sch = schedlang.create_schedule(B.full_model(cfg, ctx.device))
     info = (_optimize(ctx, sch, float8, cudagraphs=cudagraph_layers, checkpoint_every=checkpoint_every,
-                      fuse_projections=fuse_projections) if optimize else None)
+                      fuse_projections=fuse_projections, tune_kernels=tune_kernels) if optimize else None)
     if master_weights:
         from schedlang.optim import FusedAdamW, master_weight_groups
 
@@ -378,7 +382,8 @@ def make_variant(ctx: B.Context, name: str, cfg) -> B.Setup:
         options = set(name[len("schedlang-optimize"):].split("-")[1:])
         return make_schedlang_single(ctx, cfg, optimize=True, float8="tensorwise" if "fp8" in options else None,
                                      cudagraph_layers="cg" in options, master_weights="mw" in options,
-                                     captured_step="graph" in options, fuse_projections="proj" in options)
+                                     captured_step="graph" in options, fuse_projections="proj" in options,
+                                     tune_kernels="cdt" in options)
     if name.startswith("schedlang-optimize-ckpt") and name in SCHEDLANG:
         return make_schedlang_single(ctx, cfg, optimize=True, checkpoint_every=int(name.rpartition("ckpt")[2]))
     if name in ("schedlang-tp", "schedlang-tp-optimize", "schedlang-tp-optimize-cg"):

@@ -185,7 +185,9 @@ def _with_passes(layer: nn.Module, compile_options: dict, fuse_projections: bool
       is computed once, not again in the backward);
     * with ``fuse_projections``, the ``shared_input_linears`` pre-grad pass (linears on one input as one GEMM).
 
-    A caller's own pass in the same place, or another backend than Inductor, is left as it is."""
+    A caller's own pass in the same place, or another backend than Inductor, is left as it is. A ``mode``
+    given together with ``options`` (which torch.compile refuses) becomes the mode's options, spelled out,
+    under the caller's."""
     from ..primitives.float8 import is_float8
 
     wanted = {}
@@ -199,10 +201,11 @@ def _with_passes(layer: nn.Module, compile_options: dict, fuse_projections: bool
         wanted["pre_grad_custom_pass"] = SharedInputLinearsPass()
     options = dict(compile_options.get("options") or {})
     wanted = {k: v for k, v in wanted.items() if k not in options}
-    if not wanted or compile_options.get("backend", "inductor") != "inductor":
+    mode = compile_options.get("mode")
+    both = bool(options) and mode not in (None, "default")
+    if (not wanted and not both) or compile_options.get("backend", "inductor") != "inductor":
         return compile_options
     rest = {k: v for k, v in compile_options.items() if k not in ("mode", "options")}
-    mode = compile_options.get("mode")
     if mode not in (None, "default"):
         # torch.compile takes a mode or options, not both: the mode's own options, spelled out
         options = {**torch._inductor.list_mode_options(mode, rest.get("dynamic")), **options}

@@ -405,7 +405,7 @@ def _attention_shapes(config) -> Dict[str, int]:
 # ------------------------------------------------------------------------------------------------- entry
 def optimize_model(sch, *, fused_kernels: bool = True, compile: Optional[str] = "layers", sdpa_backend: str = "auto",
                    selective_checkpoint: Union[None, str, int] = None, float8: Optional[str] = None,
-                   fuse_projections: bool = False):
+                   fuse_projections: bool = False, compile_options: Optional[dict] = None):
     """Write the single-device speed-ups into ``sch`` (see the module docstring); returns ``sch``.
 
     Arguments:
@@ -424,6 +424,9 @@ def optimize_model(sch, *, fused_kernels: bool = True, compile: Optional[str] = 
             run as one GEMM on their weights concatenated per call (the parameters stay as they are);
             needs ``compile``. Off by default: whether it pays depends on the shapes and the GPU
             (``bench/probe_llama_parts.py`` times both forms).
+        compile_options: more ``torch.compile`` arguments for the layers, e.g.
+            ``{"options": {"coordinate_descent_tuning": True}}`` (Inductor tunes its kernels' block sizes
+            once, at compile time); ``"layers-cudagraphs"`` adds its mode to them.
 
     What was applied and what was skipped (and why) is in ``sch.metadata["optimize"]``.
 
@@ -440,6 +443,12 @@ def optimize_model(sch, *, fused_kernels: bool = True, compile: Optional[str] = 
     if sdpa_backend not in SDPA_BACKENDS:
         raise ScheduleValueError(f"optimize_model: invalid sdpa_backend {sdpa_backend!r}: valid are "
                                  f"{', '.join(SDPA_BACKENDS)}")
+    if compile_options is not None and not isinstance(compile_options, dict):
+        raise ScheduleValueError(f"optimize_model: compile_options must be a dict of torch.compile arguments or "
+                                 f"None, got {type(compile_options).__name__}")
+    if compile_options and compile is None:
+        raise ScheduleValueError("optimize_model: compile_options were given, but compile=None compiles nothing; "
+                                 "pass compile='layers' or 'layers-cudagraphs'")
     if not isinstance(fuse_projections, bool):
         raise ScheduleValueError(f"optimize_model: fuse_projections must be True or False, got {fuse_projections!r}")
     if fuse_projections and compile is None:
@@ -488,9 +497,12 @@ def optimize_model(sch, *, fused_kernels: bool = True, compile: Optional[str] = 
         # "layers-cudagraphs": each compiled layer replays its forward and backward kernels from CUDA
         # graphs (torch.compile's cudagraph trees), which takes the launch cost off the host where a step
         # is host-bound; the model's own Python between layers (masks, the loss) stays eager
-        options = {"mode": "reduce-overhead"} if compile == "layers-cudagraphs" else {}
+        options = dict(compile_options or {})
+        if compile == "layers-cudagraphs":
+            options["mode"] = "reduce-overhead"
         done.append(f"compile: {compile_layers(root.mod, fuse_projections=fuse_projections, **options)} layers"
-                    + (" (CUDA graphs)" if options else "")
+                    + (" (CUDA graphs)" if compile == "layers-cudagraphs" else "")
+                    + (f" with {compile_options}" if compile_options else "")
                     + (", linears on one input as one GEMM" if fuse_projections else ""))
     for part, why in skipped.items():
         logger.info("optimize_model: %s skipped: %s", part, why)

@@ -160,6 +160,27 @@ def test_projections_fused_in_the_compiled_layers_train_as_the_plain_model():
     assert counters["schedlang"][COUNTER] == 2
 
 
+def test_compile_options_reach_every_layer_with_the_cuda_graph_mode_spelled_out(monkeypatch):
+    """torch.compile takes a mode or options, not both: with ``"layers-cudagraphs"`` and options of the caller's,
+    each layer gets the mode's options spelled out under the caller's ones."""
+    calls = []
+
+    def recording_compile(fn, **kwargs):
+        calls.append(kwargs)
+        return fn
+
+    monkeypatch.setattr(torch, "compile", recording_compile)
+    sch = schedlang.create_schedule(_llama())
+    optimize_model(sch, compile="layers-cudagraphs",
+                   compile_options={"dynamic": False, "options": {"coordinate_descent_tuning": True}})
+    assert len(calls) == 2  # one per layer
+    for kwargs in calls:
+        assert set(kwargs) == {"dynamic", "options"} and kwargs["dynamic"] is False
+        assert kwargs["options"]["triton.cudagraphs"] is True and kwargs["options"]["coordinate_descent_tuning"]
+    applied = sch.metadata["optimize"]["applied"]
+    assert any(a.startswith("compile: 2 layers (CUDA graphs) with {'dynamic': False") for a in applied), applied
+
+
 def test_missing_kernels_fall_back_with_a_reason(monkeypatch, caplog):
     monkeypatch.setattr(optimize, "_kernel", lambda name: (None, f"schedlang.kernels has no {name}"))
     model = _llama()
@@ -184,6 +205,11 @@ def test_missing_kernels_fall_back_with_a_reason(monkeypatch, caplog):
     ({"selective_checkpoint": 0}, "optimize_model: invalid selective_checkpoint 0: valid are None, 'all' or a "
                                   "positive int n (every n-th layer)"),
     ({"fuse_projections": "qkv"}, "optimize_model: fuse_projections must be True or False, got 'qkv'"),
+    ({"compile_options": ["max-autotune"]}, "optimize_model: compile_options must be a dict of torch.compile "
+                                            "arguments or None, got list"),
+    ({"compile_options": {"dynamic": False}, "compile": None}, "optimize_model: compile_options were given, but "
+                                                               "compile=None compiles nothing; pass "
+                                                               "compile='layers' or 'layers-cudagraphs'"),
     ({"fuse_projections": True, "compile": None}, "optimize_model: fuse_projections=True rewrites the compiled "
                                                   "layers' graphs, but compile=None compiles none; pass "
                                                   "compile='layers' or 'layers-cudagraphs'"),
