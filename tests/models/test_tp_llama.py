@@ -188,6 +188,31 @@ def _compiled_layers_share_graphs():
     return out
 
 
+def _fused_projections():
+    """``compile_layers(fuse_projections=True)`` on tensor-parallel layers (Inductor): each rank's q|k|v and
+    gate|up shards run as one GEMM each, the layers still share one graph, and logits, loss and gradients stay
+    the single-device model's."""
+    from torch._dynamo.utils import counters
+
+    from schedlang.graph.passes.shared_input_linears import COUNTER
+    from schedlang.models import compile_layers
+    from tests.helpers.compiling import no_compile_caches
+
+    model = _model()
+    ids, labels = _inputs()
+    sch = schedlang.create_schedule(model)
+    shard_llama(sch)
+    built, _ = schedlang.build(sch)
+    torch._dynamo.reset()
+    counters.clear()
+    assert compile_layers(built, fuse_projections=True) == 2
+    with no_compile_caches():
+        result = T.compare(built, copy.deepcopy(model), {"input_ids": ids, "labels": labels, "use_cache": False},
+                           logits_split=True)
+    result.update(fused=counters["schedlang"][COUNTER], graphs=counters["stats"]["unique_graphs"])
+    return result
+
+
 def _cuda_graph_layers():
     """``optimize_model(compile="layers-cudagraphs")`` on a tensor-parallel model: the layers' forward and
     backward, all-reduces included, are recorded as CUDA graphs and replayed; logits, loss and gradients stay
@@ -222,6 +247,7 @@ def _world2(rank, world):
         "wrong_axis": _verify_catches_wrong_axis,
         "meta": _meta_build_matches_unsharded_build,
         "variants": _grad_sync_at_norm_and_compiled_layers,
+        "fused_projections": _fused_projections,
     })
 
 
@@ -298,6 +324,12 @@ def test_compiled_tensor_parallel_layers_share_their_graphs(world2):
             assert r[when, 1]["dtensor_after"] and r[when, 3]["dtensor_after"]
         assert r["again"] == 0
         assert r["raised"] == "planted" and r["dtensor_after_raise"]
+
+
+def test_fused_projections_on_tensor_parallel_layers_match_single_device(world2):
+    for r in T.value(world2, "fused_projections"):
+        T.assert_matches(r)
+        assert r["fused"] == 2 and r["graphs"] == 1  # q|k|v and gate|up, in the one graph both layers share
 
 
 def test_shard_llama_rejects_an_unknown_grad_sync():
