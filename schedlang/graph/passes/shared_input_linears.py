@@ -17,8 +17,10 @@ same inputs; only the GEMM kernel that computes it may change.
 
 :func:`fuse_shared_input_linears` rewrites an FX graph in place (the Torch-IR graph that
 ``torch.compile`` hands to Inductor before autograd, or a ``symbolic_trace``); :class:`SharedInputLinearsPass`
-is the same as Inductor's ``pre_grad_custom_pass``, which ``schedlang.models.compile_layers(...,
-fuse_projections=True)`` gives the compiled layers.
+runs it as Inductor's ``pre_grad_custom_pass``, which ``schedlang.models.compile_layers(...,
+fuse_projections=True)`` gives the compiled layers. (The horizontal rule ``linear_same_input`` does the
+like on a schedule's traced module, where it may create a new fused parameter; here the weights are graph
+inputs, so they are concatenated per call.)
 
 Candidates are calls of ``torch.nn.functional.linear`` (what ``nn.Linear`` and Dynamo's graphs call) whose
 weight is a 2-D tensor; a group shares the input node, the weight's dtype, device and input width, and
