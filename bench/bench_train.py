@@ -501,7 +501,8 @@ def run_work(ctx: B.Context, work_name: str, variants: List[str]) -> List[dict]:
                 row = harness.make_row(work_name, name + suffix, role, out["timing"]["ms"], tokens, flops, gpus,
                                        out["mem"], verdict.pop("check"), layout=out["layout"],
                                        ms_runs=out["timing"]["ms_runs"], host_ms=out["timing"]["host_ms"],
-                                       warmup_s=out["timing"]["warmup_s"], **out["notes"], **verdict, **common)
+                                       warmup_s=out["timing"]["warmup_s"], gpu_clock=out["timing"]["gpu_clock"],
+                                       **out["notes"], **verdict, **common)
             except B.NotAvailable as e:
                 row = harness.failed_row(work_name, name + suffix, role, f"FAIL not available: {e}", **common)
             except Exception as e:  # record and go on with the next variant
@@ -512,7 +513,10 @@ def run_work(ctx: B.Context, work_name: str, variants: List[str]) -> List[dict]:
             if rank == 0:
                 host = f"  host {row['host_ms']:.1f} ms/step" if row.get("host_ms") is not None else ""
                 label = f"  (round {round_ + 1} of {args.rounds})" if args.rounds > 1 else ""
-                print(harness.text_table(rows).splitlines()[-1] + host + label, flush=True)
+                clock = row.get("gpu_clock")
+                clock = (f"  {clock['sm_mhz']} MHz {clock['power_w']:.0f} W, power-capped {clock['power_capped']:.0%}"
+                         if clock else "")
+                print(harness.text_table(rows).splitlines()[-1] + host + clock + label, flush=True)
             # every variant compiles from scratch, and leaves nothing behind on the GPU
             torch._dynamo.reset()
             harness.free_memory(device)

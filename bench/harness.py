@@ -15,6 +15,12 @@ repeat is kept in ``ms_runs``. Under torch.distributed each repeat is the slowes
 its last launch, before waiting for the GPU). Close to ``ms``, the step is bound by the host
 (Python, launches, hooks); well below it, the GPU is the limit.
 
+``gpu_clock`` (:class:`GpuClockSampler`) is what the GPU ran at during the timed repeats: the mean SM
+clock, the mean power draw, and the share of samples in which the driver held the clock down to stay
+under the power limit. An H100 or H200 at 700 W runs a dense training step power-capped, at clocks
+below its 1980 MHz; then a step that keeps the GPU busier runs its GEMMs at a lower clock, and only
+less energy per step, not fewer idle gaps, makes it faster.
+
 Training benchmarks share the pieces below the timing: a global batch made on the host
 (:func:`global_batch`), its rows per data-parallel rank (:func:`rows_of`), means over ranks
 (:func:`world_mean`), the gradient norm over any layout (:func:`global_grad_norm`) and the
@@ -78,12 +84,59 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class GpuClockSampler:
+    """Samples the SM clock, power draw and power-cap state of ``device`` every ``interval_ms`` while
+    in the ``with`` block, with ``nvidia-smi`` (absent, or not a CUDA device: nothing is sampled).
+    ``summary()`` gives ``{"sm_mhz", "power_w", "power_capped", "samples"}`` (means; ``power_capped``
+    is the share of samples under the software power cap), or None without samples."""
+
+    QUERY = "clocks.sm,power.draw,clocks_throttle_reasons.sw_power_cap"
+
+    def __init__(self, device: torch.device, interval_ms: int = 100):
+        self.device, self.interval_ms = device, interval_ms
+        self.process: Optional[subprocess.Popen] = None
+        self.lines: List[str] = []
+
+    def __enter__(self) -> "GpuClockSampler":
+        if self.device.type != "cuda":
+            return self
+        uuid = str(torch.cuda.get_device_properties(self.device).uuid)
+        command = ["nvidia-smi", f"--query-gpu={self.QUERY}", "--format=csv,noheader,nounits",
+                   f"-lms={self.interval_ms}", f"--id=GPU-{uuid}"]
+        try:
+            self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        except OSError:  # no nvidia-smi on this machine
+            self.process = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.process is not None:
+            self.process.terminate()
+            out, _ = self.process.communicate(timeout=10)
+            self.lines = out.splitlines()
+
+    def summary(self) -> Optional[Dict[str, float]]:
+        samples = []
+        for line in self.lines:
+            parts = [p.strip() for p in line.split(",")]
+            try:
+                samples.append((float(parts[0]), float(parts[1]), parts[2].lower() == "active"))
+            except (ValueError, IndexError):  # "[N/A]" fields, a cut last line
+                continue
+        if not samples:
+            return None
+        return {"sm_mhz": round(statistics.mean(s[0] for s in samples)),
+                "power_w": round(statistics.mean(s[1] for s in samples), 1),
+                "power_capped": round(sum(s[2] for s in samples) / len(samples), 2), "samples": len(samples)}
+
+
 def time_steps(step: Callable[[], Any], device: torch.device, warmup: int = 3, repeats: int = 5,
                iters: int = 5) -> Dict[str, Any]:
     """Run ``step`` ``warmup`` times, then ``repeats`` times ``iters`` steps; milliseconds per step.
 
     Returns ``{"ms": median repeat, "ms_runs": [each repeat], "warmup_s": wall time of the warm-up,
-    "host_ms": median host time to issue a step}`` (see the module docstring).
+    "host_ms": median host time to issue a step, "gpu_clock": this rank's GPU clock and power over the
+    repeats (:class:`GpuClockSampler`; None where not sampled)}`` (see the module docstring).
     On CUDA each repeat is timed with events on the current stream; under torch.distributed the ranks
     meet at a barrier before the repeats and each repeat counts as the slowest rank's time.
     """
@@ -97,6 +150,16 @@ def time_steps(step: Callable[[], Any], device: torch.device, warmup: int = 3, r
         dist.barrier()
     runs: List[float] = []
     host: List[float] = []
+    with GpuClockSampler(device) as clocks:
+        _timed_repeats(step, device, repeats, iters, runs, host)
+    runs = max_over_ranks(runs, device)
+    host = max_over_ranks(host, device)
+    return {"ms": statistics.median(runs), "ms_runs": [round(r, 3) for r in runs], "warmup_s": round(warm_s, 2),
+            "host_ms": round(statistics.median(host), 3), "gpu_clock": clocks.summary()}
+
+
+def _timed_repeats(step: Callable[[], Any], device: torch.device, repeats: int, iters: int, runs: List[float],
+                   host: List[float]) -> None:
     for _ in range(repeats):
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -114,10 +177,6 @@ def time_steps(step: Callable[[], Any], device: torch.device, warmup: int = 3, r
                 step()
             runs.append((time.perf_counter() - t) * 1e3 / iters)
             host.append(runs[-1])
-    runs = max_over_ranks(runs, device)
-    host = max_over_ranks(host, device)
-    return {"ms": statistics.median(runs), "ms_runs": [round(r, 3) for r in runs], "warmup_s": round(warm_s, 2),
-            "host_ms": round(statistics.median(host), 3)}
 
 
 def max_over_ranks(values: Sequence[float], device: torch.device) -> List[float]:

@@ -1,6 +1,8 @@
-"""bench/harness.py: the correctness verdict of a variant, and the rows' ratios."""
+"""bench/harness.py: the correctness verdict of a variant, the rows' ratios, and the GPU clock samples."""
 
 import math
+
+import torch
 
 
 def test_check_losses_passes_and_fails(bench):
@@ -52,3 +54,17 @@ def test_a_variant_that_never_ran_stays_a_failed_row(bench):
     failed = h.failed_row("w", "c", "schedlang", "FAIL not available: no GPU")
     out = h.combine_rounds([failed, dict(failed)])
     assert len(out) == 1 and out[0]["ms"] is None and out[0]["check"] == "FAIL not available: no GPU"
+
+
+def test_gpu_clock_sampler_summarizes_nvidia_smi_lines_and_skips_unreadable_ones(bench):
+    sampler = bench("harness").GpuClockSampler(torch.device("cuda", 0))
+    sampler.lines = ["1980, 301.5, Not Active", "1620, 695.0, Active", "[N/A], [N/A], Not Active", "1650, 69"]
+    assert sampler.summary() == {"sm_mhz": 1800, "power_w": 498.2, "power_capped": 0.5, "samples": 2}
+
+
+def test_gpu_clock_sampler_samples_nothing_on_the_cpu(bench):
+    with bench("harness").GpuClockSampler(torch.device("cpu")) as sampler:
+        pass
+    assert sampler.process is None and sampler.summary() is None
+    timing = bench("harness").time_steps(lambda: None, torch.device("cpu"), warmup=1, repeats=2, iters=1)
+    assert timing["gpu_clock"] is None and len(timing["ms_runs"]) == 2
