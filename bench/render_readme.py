@@ -80,10 +80,17 @@ def _fmt(value, kind: str) -> str:
     return harness._fmt(value, kind)
 
 
+def _clock(sample: Optional[dict]) -> str:
+    """A row's GPU clock over its timed steps: mean SM MHz, mean power, share of samples power-capped."""
+    if not sample:
+        return "-"
+    return f"{sample['sm_mhz']} MHz, {sample['power_w']:.0f} W, {sample['power_capped']:.0%} capped"
+
+
 def render_table(files: Sequence[dict]) -> str:
     works = latest_rows(files)
     head = ["work", "variant", "role", "step ms", "tokens/s", "MFU", "peak GiB", "vs baseline", "optimizer", "check",
-            "device", "date", "sha"]
+            "GPU clock", "device", "date", "sha"]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join(" --- " for _ in head) + "|"]
     for work in work_order(works):
         if work not in works:
@@ -98,7 +105,7 @@ def render_table(files: Sequence[dict]) -> str:
             vs = "-" if ratio is None else f"{ratio:.2f}x {r.get('baseline') or 'best baseline'}"
             cells = [work, r.get("variant"), r.get("role"), _fmt(r.get("ms"), "ms"), _fmt(r.get("tokens_per_s"), "tok"),
                      _fmt(r.get("mfu"), "pct"), _fmt(r.get("peak_mem_gib"), "gib"), vs, r.get("optimizer") or "-",
-                     str(r.get("check"))[:80], device, header.get("date"), sha]
+                     str(r.get("check"))[:80], _clock(r.get("gpu_clock")), device, header.get("date"), sha]
             lines.append("| " + " | ".join(str(c).replace("|", "/") for c in cells) + " |")
     return "\n".join(lines)
 

@@ -38,7 +38,8 @@ def results(tmp_path):
            "2026-11-20", "0" * 40)
     _write(d / "2026-11-30-train.json", [
         _row("llama-1.1b-1gpu", "titan-style", "baseline", 130.0, 63000.0),
-        _row("llama-1.1b-1gpu", "schedlang-optimize", "schedlang", 104.0, 78750.0),
+        dict(_row("llama-1.1b-1gpu", "schedlang-optimize", "schedlang", 104.0, 78750.0),
+             gpu_clock={"sm_mhz": 1672, "power_w": 655.4, "power_capped": 0.96, "samples": 30}),
         _row("llama-1.1b-1gpu", "eager", "baseline", 210.0, 39060.0, check="FAIL first loss 9.1 vs eager 10.4"),
     ], "2026-11-30", "abcdef1234567890" + "0" * 24)
     # CPU checks of the script never reach the README
@@ -64,6 +65,9 @@ def test_table_from_json_only(bench, results, tmp_path):
     assert "FAIL first loss 9.1 vs eager 10.4" in lines["eager"]
     for line in lines.values():
         assert "| NVIDIA H100 80GB HBM3 x1 | 2026-11-30 | abcdef1234 |" in line
+    # the GPU clock over the timed steps, where the run sampled it
+    assert "| ok | 1672 MHz, 655 W, 96% capped | NVIDIA" in lines["schedlang-optimize"]
+    assert "| ok | - | NVIDIA" in lines["titan-style"]
     assert "| 104.0 | 78,750 | 50.0% |" in lines["schedlang-optimize"]
     # works without a GPU result say so; the CPU file is not used
     assert "| gpt2-medium-1gpu | no GPU results recorded for the current code yet |" in text
