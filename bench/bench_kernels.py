@@ -9,15 +9,19 @@ heads of 64, intermediate 5632, vocabulary 32000. Works:
 * ``linear_cross_entropy``: LM head + loss, 8192 x 2048 -> 32000 (eager and compiled materialize the
   logits; schedlang's kernel at its default chunking and at 2048 / 8192 tokens per chunk).
 
-Each variant runs forward and backward (gradients of every input) in one call, timed with
-``triton.testing.do_bench`` (median, L2 flushed before each call); ``peak_mem_gib`` is the peak
+Each variant runs forward and backward (gradients of every input) in one call. ``ms`` is the GPU's
+time for the call (:func:`bench.harness.gpu_time_ms`: median, L2 flushed before each call, the host
+kept ahead of the GPU), what the call costs inside a training step whose host runs ahead.
+``wall_ms`` is ``triton.testing.do_bench``'s time of the same call, host included: where it is well
+above ``ms``, a call alone is bound by its launches (autograd, the Triton launcher), which a compiled
+or captured step does not pay per kernel in the same way. ``peak_mem_gib`` is the peak
 allocated during one call above what was allocated before it. Before timing, every variant's
 output and gradients are compared with eager PyTorch in fp32 on the same bf16 inputs
 (``check``: the largest error relative to the largest magnitude of the expected tensor).
 Rows go to ``bench/results/<date>-kernels.json`` (see ``bench/harness.py``); ``gb_per_s`` counts
 the bytes the fused kernel must move (each comment in ``schedlang/kernels/`` states them).
 
-Usage: python bench/bench_kernels.py [--works rms_norm,swiglu] [--skip-compile]
+Usage: python bench/bench_kernels.py [--works rms_norm,swiglu] [--skip-compile] [--results-dir DIR]
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from bench.harness import failed_row, free_memory, make_row, text_table, write_results  # noqa: E402
+from bench.harness import (failed_row, free_memory, gpu_time_ms, make_row, text_table,  # noqa: E402
+                           write_results)
 
 DEV = "cuda"
 DTYPE = torch.bfloat16
@@ -88,12 +93,14 @@ def bench_work(work: str, variants: Dict[str, Callable], make_inputs: Callable, 
             _run_once(fn, inputs, cotangents)
             torch.cuda.synchronize()
             peak = round((torch.cuda.max_memory_allocated() - base) / 2 ** 30, 3)
-            ms = do_bench(lambda: _run_once(fn, inputs, cotangents), warmup=25, rep=200, return_mode="median")
-            row = make_row(work, variant, role, ms, TOKENS, flops, 1, peak, check,
+            wall_ms = do_bench(lambda: _run_once(fn, inputs, cotangents), warmup=25, rep=200, return_mode="median")
+            ms = gpu_time_ms(lambda: _run_once(fn, inputs, cotangents))
+            row = make_row(work, variant, role, ms, TOKENS, flops, 1, peak, check, wall_ms=round(wall_ms, 4),
                            gb_per_s=round(bytes_moved / (ms * 1e-3) / 1e9, 1) if bytes_moved else None)
         except Exception as exc:  # one failing variant must not end the benchmark
             row = failed_row(work, variant, role, exc)
-        log(f"{work:22s} {variant:28s} {row['ms'] if row['ms'] is not None else '-':>8} ms  {row['check']}")
+        wall = f"  (wall {row['wall_ms']:.3f} ms)" if row.get("wall_ms") is not None else ""
+        log(f"{work:22s} {variant:28s} {row['ms'] if row['ms'] is not None else '-':>8} ms{wall}  {row['check']}")
         rows.append(row)
         free_memory()
     return rows
@@ -118,6 +125,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--works", default="rms_norm,add_rms_norm,rotary,swiglu,linear_cross_entropy")
     parser.add_argument("--skip-compile", action="store_true", help="no torch.compile baselines")
+    parser.add_argument("--results-dir", default=None, help="where the JSON goes (default: bench/results)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_kernels needs a CUDA device")
@@ -181,7 +189,8 @@ def main(argv=None) -> None:
             lambda h, w: lce_reference(h, w, target),
             bytes_moved=0.0, flops=6.0 * TOKENS * HIDDEN * VOCAB, tolerance=3e-2)
 
-    path = write_results("kernels", rows, gpus=1)
+    path = write_results("kernels", rows, gpus=1,
+                         directory=Path(args.results_dir) if args.results_dir else None)
     log("\n" + text_table(rows))
     log(f"\nwritten to {path}")
 

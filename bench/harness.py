@@ -179,6 +179,33 @@ def _timed_repeats(step: Callable[[], Any], device: torch.device, repeats: int, 
             host.append(runs[-1])
 
 
+def gpu_time_ms(fn: Callable[[], Any], repeats: int = 50, warmup: int = 5, flush_mb: int = 256,
+                sleep_cycles: int = 5_000_000) -> float:
+    """Median GPU time of one call of ``fn`` (ms), without the host's share.
+
+    Timing a call of a few kernels with events (as ``triton.testing.do_bench`` does) measures the host
+    whenever the host takes longer to issue them than the GPU to run them: autograd, a custom
+    Function and Triton's launcher cost tens of µs per call, as long as a memory-bound kernel of a
+    LLaMA layer. Here a ``torch.cuda._sleep`` of about 3 ms is queued before each call, so the host has
+    issued the whole call before the GPU reaches it, and the events see only GPU time. The L2 cache is
+    overwritten before each call (``flush_mb`` MB), as ``do_bench`` does."""
+    flush = torch.empty(flush_mb * 2 ** 20, dtype=torch.int8, device="cuda")
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    events = []
+    for _ in range(repeats):
+        torch.cuda._sleep(sleep_cycles)
+        flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        events.append((start, end))
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) for start, end in events)
+
+
 def max_over_ranks(values: Sequence[float], device: torch.device) -> List[float]:
     """Element-wise maximum of ``values`` over all ranks (the values themselves without torch.distributed)."""
     dist = _dist()

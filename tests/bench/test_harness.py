@@ -1,7 +1,9 @@
 """bench/harness.py: the correctness verdict of a variant, the rows' ratios, and the GPU clock samples."""
 
 import math
+import time
 
+import pytest
 import torch
 
 
@@ -68,3 +70,18 @@ def test_gpu_clock_sampler_samples_nothing_on_the_cpu(bench):
     assert sampler.process is None and sampler.summary() is None
     timing = bench("harness").time_steps(lambda: None, torch.device("cpu"), warmup=1, repeats=2, iters=1)
     assert timing["gpu_clock"] is None and len(timing["ms_runs"]) == 2
+
+
+@pytest.mark.gpu
+def test_gpu_time_leaves_out_the_hosts_share(bench):
+    harness = bench("harness")
+    x = torch.ones(1024, device="cuda")
+
+    def slow_host_tiny_kernel():
+        time.sleep(0.002)  # the host takes 2 ms to issue a kernel the GPU runs in microseconds
+        x.add_(1)
+
+    assert harness.gpu_time_ms(slow_host_tiny_kernel, repeats=10) < 0.5
+    big = torch.empty(2 ** 28, dtype=torch.int8, device="cuda")
+    copy_ms = harness.gpu_time_ms(lambda: big.clone(), repeats=10)
+    assert 0.01 < copy_ms < 50
