@@ -25,7 +25,7 @@ from torch import nn
 
 from schedlang.errors import ScheduleTypeError, ScheduleValueError
 from schedlang.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
-from schedlang.kernels.rms_norm import rms_norm
+from schedlang.kernels.rms_norm import COMPILED_FORMS, rms_norm
 from schedlang.kernels.rotary import apply_rotary
 from schedlang.kernels.swiglu import swiglu
 
@@ -37,7 +37,9 @@ class FusedRMSNorm(nn.Module):
 
     ``forward(hidden_states)`` returns the normalized states; ``forward(hidden_states, residual)``
     adds first and returns ``(normalized, residual + hidden_states)``, the sum being the next
-    residual (one read of each input instead of an add kernel and a norm kernel).
+    residual (one read of each input instead of an add kernel and a norm kernel). ``compiled``
+    says what a ``torch.compile`` graph of the module runs: ``"kernel"`` (the same kernels, as custom
+    operators) or ``"inductor"`` (Inductor's code for the PyTorch reference; see :func:`rms_norm`).
 
     Example::
 
@@ -45,13 +47,14 @@ class FusedRMSNorm(nn.Module):
         y, residual = norm(attn_out, residual)
     """
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6, device=None, dtype=None) -> None:
+    def __init__(self, hidden_size: int, eps: float = 1e-6, device=None, dtype=None, compiled: str = "kernel") -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
         self.variance_epsilon = eps
+        self.compiled = _compiled_form(compiled)
 
     @classmethod
-    def from_module(cls, module: nn.Module) -> "FusedRMSNorm":
+    def from_module(cls, module: nn.Module, compiled: str = "kernel") -> "FusedRMSNorm":
         """A FusedRMSNorm sharing ``module``'s weight (any RMSNorm with ``weight`` and ``variance_epsilon``
         or ``eps``, e.g. HF LlamaRMSNorm, MistralRMSNorm, Qwen2RMSNorm)."""
         weight = getattr(module, "weight", None)
@@ -64,14 +67,23 @@ class FusedRMSNorm(nn.Module):
         nn.Module.__init__(new)
         new.weight = weight
         new.variance_epsilon = float(eps)
+        new.compiled = _compiled_form(compiled)
         return new
 
     def forward(self, hidden_states: torch.Tensor, residual: Optional[torch.Tensor] = None
                 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
-        return rms_norm(hidden_states, self.weight, self.variance_epsilon, residual)
+        return rms_norm(hidden_states, self.weight, self.variance_epsilon, residual, compiled=self.compiled)
 
     def extra_repr(self) -> str:
-        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+        compiled = "" if self.compiled == "kernel" else f", compiled={self.compiled!r}"
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}{compiled}"
+
+
+def _compiled_form(compiled: str) -> str:
+    if compiled not in COMPILED_FORMS:
+        raise ScheduleValueError(f"FusedRMSNorm: compiled={compiled!r} is not a form of the norm under torch.compile: "
+                                 f"expected one of {COMPILED_FORMS}")
+    return compiled
 
 
 class FusedSwiGLUMLP(nn.Module):

@@ -43,7 +43,7 @@ from schedlang.kernels.rms_norm_reference import rms_norm_reference
 from schedlang.kernels.row_kernels import (as_rows, cast_rounded, next_power_of_2, sm_count, triton_dtype, tuned,
                                            use_triton_for)
 
-__all__ = ["rms_norm", "reference", "MAX_HIDDEN"]
+__all__ = ["rms_norm", "reference", "MAX_HIDDEN", "COMPILED_FORMS"]
 
 logger = logging.getLogger("schedlang.kernels.rms_norm")
 reference = rms_norm_reference
@@ -127,62 +127,127 @@ def _backward_rows(n: int) -> int:
     return max(1, min(16, 4096 // next_power_of_2(n)))
 
 
+def _forward(x: torch.Tensor, weight: torch.Tensor, residual: Optional[torch.Tensor], eps: float
+             ) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+    """The forward kernel: ``(y, s, rstd)`` as 2-D rows; ``s`` (``x + residual``) is None without a residual."""
+    n = x.shape[-1]
+    x2 = as_rows(x)
+    r2 = as_rows(residual) if residual is not None else None
+    m = x2.shape[0]
+    out_dtype = torch.promote_types(weight.dtype, x.dtype)
+    y = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    s = torch.empty((m, n), dtype=x.dtype, device=x.device) if residual is not None else None
+    rstd = torch.empty((m,), dtype=torch.float32, device=x.device)
+    block_n = next_power_of_2(n)
+    if m > 0:
+        _FORWARD.launch(
+            lambda meta: (triton.cdiv(m, meta["BLOCK_M"]),),
+            x2, r2 if r2 is not None else x2, weight.contiguous(), y, s if s is not None else y, rstd, m, n,
+            x2.stride(0), r2.stride(0) if r2 is not None else 0, y.stride(0), s.stride(0) if s is not None else 0,
+            eps, HAS_RESIDUAL=residual is not None, IN_DTYPE=triton_dtype(x.dtype),
+            OUT_DTYPE=triton_dtype(out_dtype), BLOCK_N=block_n,
+            interpreter_meta={"BLOCK_M": max(1, min(_INTERPRETER_ROWS, 8192 // block_n))})
+    return y, s, rstd
+
+
+def _backward(dy: Optional[torch.Tensor], ds_out: Optional[torch.Tensor], s: torch.Tensor, weight: torch.Tensor,
+              rstd: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The backward kernel over 2-D rows ``s`` (the normalized input): ``(dx, dw)``; ``ds_out`` (the
+    gradient of the new residual, or None) is added to ``dx``."""
+    m, n = s.shape
+    w = weight.contiguous()
+    dy2 = as_rows(dy) if dy is not None else torch.zeros((m, n), dtype=w.dtype, device=s.device)
+    ds2 = as_rows(ds_out) if ds_out is not None else None
+    dx = torch.empty((m, n), dtype=s.dtype, device=s.device)
+    block_n = next_power_of_2(n)
+    block_m = _backward_rows(n)
+    programs = max(1, min(triton.cdiv(m, block_m), 4 * sm_count(s.device)))
+    dw_partial = torch.empty((programs, n), dtype=torch.float32, device=s.device)
+    if m == 0:
+        return dx, torch.zeros((n,), dtype=weight.dtype, device=s.device)
+    _rms_norm_backward_kernel[(programs,)](
+        dy2, s, w, rstd, ds2 if ds2 is not None else dy2, dx, dw_partial, m, n,
+        dy2.stride(0), s.stride(0), ds2.stride(0) if ds2 is not None else 0, dx.stride(0),
+        HAS_RESIDUAL_GRAD=ds2 is not None, IN_DTYPE=triton_dtype(s.dtype),
+        BLOCK_N=block_n, BLOCK_M=block_m, num_warps=4 if block_n <= 2048 else 8)
+    return dx, dw_partial.sum(0).to(weight.dtype)
+
+
 class _RMSNorm(torch.autograd.Function):
+    """Eager calls: an autograd Function (less dispatch per call than the custom operator below)."""
+
     @staticmethod
     def forward(ctx, x, weight, residual, eps):
-        shape, n = x.shape, x.shape[-1]
-        x2 = as_rows(x)
-        r2 = as_rows(residual) if residual is not None else None
-        m = x2.shape[0]
-        out_dtype = torch.promote_types(weight.dtype, x.dtype)
-        y = torch.empty((m, n), dtype=out_dtype, device=x.device)
-        s = torch.empty((m, n), dtype=x.dtype, device=x.device) if residual is not None else None
-        rstd = torch.empty((m,), dtype=torch.float32, device=x.device)
-        block_n = next_power_of_2(n)
-        w = weight.contiguous()
-        if m > 0:
-            _FORWARD.launch(
-                lambda meta: (triton.cdiv(m, meta["BLOCK_M"]),),
-                x2, r2 if r2 is not None else x2, w, y, s if s is not None else y, rstd, m, n,
-                x2.stride(0), r2.stride(0) if r2 is not None else 0, y.stride(0), s.stride(0) if s is not None else 0,
-                eps, HAS_RESIDUAL=residual is not None, IN_DTYPE=triton_dtype(x.dtype),
-                OUT_DTYPE=triton_dtype(out_dtype), BLOCK_N=block_n,
-                interpreter_meta={"BLOCK_M": max(1, min(_INTERPRETER_ROWS, 8192 // block_n))})
-        ctx.save_for_backward(s if s is not None else x2, w, rstd)
+        y, s, rstd = _forward(x, weight, residual, eps)
+        ctx.save_for_backward(s if s is not None else as_rows(x), weight, rstd)
         ctx.has_residual = residual is not None
-        ctx.shape = shape
-        ctx.weight_dtype = weight.dtype
-        y = y.view(shape)
+        ctx.shape = x.shape
+        y = y.view(x.shape)
         if residual is None:
             return y
-        return y, s.view(shape)
+        return y, s.view(x.shape)
 
     @staticmethod
     def backward(ctx, dy, ds_out=None):
-        s, w, rstd = ctx.saved_tensors
-        m, n = s.shape
-        dy2 = as_rows(dy) if dy is not None else torch.zeros((m, n), dtype=w.dtype, device=s.device)
-        ds2 = as_rows(ds_out) if (ctx.has_residual and ds_out is not None) else None
-        dx = torch.empty((m, n), dtype=s.dtype, device=s.device)
-        block_n = next_power_of_2(n)
-        block_m = _backward_rows(n)
-        programs = max(1, min(triton.cdiv(m, block_m), 4 * sm_count(s.device)))
-        dw_partial = torch.empty((programs, n), dtype=torch.float32, device=s.device)
-        if m > 0:
-            _rms_norm_backward_kernel[(programs,)](
-                dy2, s, w, rstd, ds2 if ds2 is not None else dy2, dx, dw_partial, m, n,
-                dy2.stride(0), s.stride(0), ds2.stride(0) if ds2 is not None else 0, dx.stride(0),
-                HAS_RESIDUAL_GRAD=ds2 is not None, IN_DTYPE=triton_dtype(s.dtype),
-                BLOCK_N=block_n, BLOCK_M=block_m, num_warps=4 if block_n <= 2048 else 8)
-            dw = dw_partial.sum(0).to(ctx.weight_dtype)
-        else:
-            dw = torch.zeros((n,), dtype=ctx.weight_dtype, device=s.device)
+        s, weight, rstd = ctx.saved_tensors
+        dx, dw = _backward(dy, ds_out if ctx.has_residual else None, s, weight, rstd)
         dx = dx.view(ctx.shape)
         return dx, dw, (dx if ctx.has_residual else None), None
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual: Optional[torch.Tensor] = None
-             ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+# Under torch.compile the kernels run as custom operators: opaque to Inductor, which calls them from
+# its generated code as it calls a GEMM, and keeps their saved tensors (the normalized input and one
+# fp32 rstd per row) instead of recomputing the norm in its own backward kernels.
+@torch.library.custom_op("schedlang::rms_norm_forward", mutates_args=())
+def _rms_norm_forward_op(x: torch.Tensor, weight: torch.Tensor, residual: Optional[torch.Tensor], eps: float
+                         ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    y, s, rstd = _forward(x, weight, residual, eps)
+    # a custom operator may not return its input: without a residual, ``s`` is an empty stand-in
+    return y.view(x.shape), (s.view(x.shape) if s is not None else x.new_empty((0,))), rstd
+
+
+@_rms_norm_forward_op.register_fake
+def _(x, weight, residual, eps):
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    y = x.new_empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype))
+    s = x.new_empty(x.shape) if residual is not None else x.new_empty((0,))
+    return y, s, x.new_empty((rows,), dtype=torch.float32)
+
+
+@torch.library.custom_op("schedlang::rms_norm_backward", mutates_args=())
+def _rms_norm_backward_op(dy: torch.Tensor, ds_out: Optional[torch.Tensor], s: torch.Tensor, weight: torch.Tensor,
+                          rstd: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    dx, dw = _backward(dy, ds_out, as_rows(s), weight, rstd)
+    return dx.view(s.shape), dw
+
+
+@_rms_norm_backward_op.register_fake
+def _(dy, ds_out, s, weight, rstd):
+    return s.new_empty(s.shape), weight.new_empty(weight.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, residual, _ = inputs
+    _, s, rstd = output
+    ctx.has_residual = residual is not None
+    ctx.save_for_backward(s if ctx.has_residual else x, weight, rstd)
+
+
+def _op_backward(ctx, dy, ds_out, _drstd):
+    s, weight, rstd = ctx.saved_tensors
+    dx, dw = _rms_norm_backward_op(dy, ds_out if ctx.has_residual else None, s, weight, rstd)
+    return dx, dw, (dx if ctx.has_residual else None), None
+
+
+_rms_norm_forward_op.register_autograd(_op_backward, setup_context=_setup_context)
+
+
+#: how a compiled graph computes the norm (``rms_norm(..., compiled=)``)
+COMPILED_FORMS = ("kernel", "inductor")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual: Optional[torch.Tensor] = None,
+             compiled: str = "kernel") -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """RMSNorm over the last dimension with HF LLaMA's semantics; fused with ``residual + x`` when
     ``residual`` is given, then returning ``(y, residual + x)``.
 
@@ -190,16 +255,31 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual:
     ``weight * x`` (HF: an fp32 weight on bf16 activations gives fp32). Runs the Triton kernels on
     CUDA (and on the CPU under ``TRITON_INTERPRET=1``), else :func:`reference`.
 
+    Inside ``torch.compile``, ``compiled="kernel"`` (default) puts the same kernels in the graph as two
+    custom operators (``schedlang::rms_norm_forward`` / ``_backward``); ``compiled="inductor"`` traces
+    :func:`reference` instead, and Inductor generates the norm, fused with its neighbours. Inductor's
+    own backward of a LLaMA layer's norms ran slower than the kernel (``bench/bench_train.py`` variant
+    ``schedlang-optimize-mw-inorm`` compares them in a training step).
+
     Example::
 
         y = rms_norm(torch.randn(4, 7, 64), torch.ones(64), 1e-6)
     """
+    if compiled not in COMPILED_FORMS:
+        raise ScheduleValueError(f"rms_norm: compiled={compiled!r} is not a form of the norm under torch.compile: "
+                                 f"expected one of {COMPILED_FORMS}")
     if x.shape[-1] != weight.shape[-1] or weight.dim() != 1:
         raise ScheduleValueError(f"rms_norm: weight of shape {tuple(weight.shape)} does not fit inputs of shape "
                          f"{tuple(x.shape)}: expected ({x.shape[-1]},)")
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
         raise ScheduleValueError(f"rms_norm: residual {tuple(residual.shape)} {residual.dtype} must match x "
                          f"{tuple(x.shape)} {x.dtype}")
-    if not use_triton_for(x, weight, residual) or x.shape[-1] > MAX_HIDDEN:
+    if x.shape[-1] > MAX_HIDDEN:
         return reference(x, weight, eps, residual)
-    return _RMSNorm.apply(x, weight, residual, float(eps))
+    if use_triton_for(x, weight, residual):
+        return _RMSNorm.apply(x, weight, residual, float(eps))
+    if (compiled == "kernel" and torch.compiler.is_compiling()
+            and use_triton_for(x, weight, residual, while_compiling=True)):
+        y, s, _ = _rms_norm_forward_op(x, weight, residual, float(eps))
+        return y if residual is None else (y, s)
+    return reference(x, weight, eps, residual)

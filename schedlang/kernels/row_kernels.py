@@ -34,15 +34,19 @@ __all__ = ["use_triton_for", "interpreting", "cast_rounded", "triton_dtype", "Tu
 _TRITON_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
-def use_triton_for(*tensors: Optional[torch.Tensor]) -> bool:
+def use_triton_for(*tensors: Optional[torch.Tensor], while_compiling: bool = False) -> bool:
     """True when the Triton kernels should run on ``tensors``: all plain tensors (not DTensors or
     other subclasses) on one CUDA device, or all on the CPU under the interpreter, of a dtype the
     kernels handle (fp32, bf16, fp16), and not while torch.compile traces: there the reference is
-    traced instead, and Inductor fuses it with its neighbours rather than breaking the graph."""
+    traced instead, and Inductor fuses it with its neighbours rather than breaking the graph.
+    ``while_compiling=True`` asks about a kernel wrapped as a custom operator, which Inductor calls
+    from its generated code: then the answer does not depend on tracing."""
     present = [t for t in tensors if t is not None]
     if not present or any(t.dtype not in _TRITON_DTYPES for t in present):
         return False
-    if any(type(t) not in (torch.Tensor, torch.nn.Parameter) for t in present) or torch.compiler.is_compiling():
+    if any(type(t) not in (torch.Tensor, torch.nn.Parameter) for t in present):
+        return False
+    if torch.compiler.is_compiling() and not while_compiling:
         return False
     devices = {t.device.type for t in present}
     if devices == {"cuda"}:

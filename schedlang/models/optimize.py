@@ -63,6 +63,7 @@ __all__ = ["optimize_model", "FusedLinearCrossEntropyHead", "choose_sdpa_backend
 COMPILE_MODES = ("layers", "layers-cudagraphs", None)
 SDPA_BACKENDS = ("auto", "default", "cudnn", "flash", "efficient", "math")
 FLOAT8_RECIPES = ("tensorwise", "rowwise")
+COMPILED_NORMS = ("kernel", "inductor")  # schedlang.kernels.rms_norm.COMPILED_FORMS, without importing Triton
 LAYER_LISTS = ("layers", "h", "layer")
 IGNORE_INDEX = -100
 
@@ -93,14 +94,15 @@ def _rms_norm_eps(module: nn.Module) -> float:
     return 1e-6
 
 
-def fused_rms_norm_like(path: str, old: nn.Module) -> nn.Module:
-    """A ``FusedRMSNorm`` computing what ``old`` (a HF RMSNorm) does, holding the same weight Parameter."""
+def fused_rms_norm_like(path: str, old: nn.Module, compiled: str = "kernel") -> nn.Module:
+    """A ``FusedRMSNorm`` computing what ``old`` (a HF RMSNorm) does, holding the same weight Parameter;
+    ``compiled`` is its form inside compiled layers (``"kernel"`` or ``"inductor"``)."""
     fused_cls, why = _kernel("FusedRMSNorm")
     if fused_cls is None:
         raise ImportError(why)
     if hasattr(fused_cls, "from_module"):
-        return fused_cls.from_module(old)
-    new = fused_cls(old.weight.shape[0], eps=_rms_norm_eps(old))
+        return fused_cls.from_module(old, compiled=compiled)
+    new = fused_cls(old.weight.shape[0], eps=_rms_norm_eps(old), compiled=compiled)
     new.weight = old.weight
     return new
 
@@ -112,7 +114,7 @@ def _has_sync(module: nn.Module) -> bool:
     return bool(module._forward_hooks or module._forward_pre_hooks) or is_sequence_parallel_norm(module)
 
 
-def _fuse_norms(sch, done: List[str], skipped: Dict[str, str]) -> None:
+def _fuse_norms(sch, done: List[str], skipped: Dict[str, str], compiled: str = "kernel") -> None:
     fused_cls, why = _kernel("FusedRMSNorm")
     if fused_cls is None:
         skipped["norms"] = why
@@ -126,8 +128,9 @@ def _fuse_norms(sch, done: List[str], skipped: Dict[str, str]) -> None:
         if any(_has_sync(m) for m in sch.mod.modules() if isinstance(m, norm_type)):
             skipped["norms"] = f"{norm_type.__name__} carries sequence-parallel collectives; kept"
             continue
-        paths = sch.replace_all(norm_type, fused_rms_norm_like)
-        done.append(f"norms: {len(paths)} x {norm_type.__name__} -> FusedRMSNorm")
+        paths = sch.replace_all(norm_type, fused_rms_norm_like, compiled=compiled)
+        where = "" if compiled == "kernel" else " (Inductor's code for them in compiled layers)"
+        done.append(f"norms: {len(paths)} x {norm_type.__name__} -> FusedRMSNorm{where}")
 
 
 # -------------------------------------------------------------------------------------------------- loss
@@ -405,7 +408,8 @@ def _attention_shapes(config) -> Dict[str, int]:
 # ------------------------------------------------------------------------------------------------- entry
 def optimize_model(sch, *, fused_kernels: bool = True, compile: Optional[str] = "layers", sdpa_backend: str = "auto",
                    selective_checkpoint: Union[None, str, int] = None, float8: Optional[str] = None,
-                   fuse_projections: bool = False, compile_options: Optional[dict] = None):
+                   fuse_projections: bool = False, compile_options: Optional[dict] = None,
+                   compiled_norms: str = "kernel"):
     """Write the single-device speed-ups into ``sch`` (see the module docstring); returns ``sch``.
 
     Arguments:
@@ -424,6 +428,10 @@ def optimize_model(sch, *, fused_kernels: bool = True, compile: Optional[str] = 
             run as one GEMM on their weights concatenated per call (the parameters stay as they are);
             needs ``compile``. Off by default: whether it pays depends on the shapes and the GPU
             (``bench/probe_llama_parts.py`` times both forms).
+        compiled_norms: what the compiled layers run for the fused norms: ``"kernel"`` (schedlang's Triton
+            kernels as custom operators, which keep the normalized input and one rstd per row for the
+            backward) or ``"inductor"`` (Inductor's code for the PyTorch reference, fused with its
+            neighbours); compare them with ``bench/bench_train.py`` variant ``schedlang-optimize-mw-inorm``.
         compile_options: more ``torch.compile`` arguments for the layers, e.g.
             ``{"options": {"coordinate_descent_tuning": True}}`` (Inductor tunes its kernels' block sizes
             once, at compile time); ``"layers-cudagraphs"`` adds its mode to them.
@@ -451,6 +459,9 @@ def optimize_model(sch, *, fused_kernels: bool = True, compile: Optional[str] = 
                                  "pass compile='layers' or 'layers-cudagraphs'")
     if not isinstance(fuse_projections, bool):
         raise ScheduleValueError(f"optimize_model: fuse_projections must be True or False, got {fuse_projections!r}")
+    if compiled_norms not in COMPILED_NORMS:
+        raise ScheduleValueError(f"optimize_model: invalid compiled_norms {compiled_norms!r}: valid are "
+                                 f"{', '.join(map(repr, COMPILED_NORMS))}")
     if fuse_projections and compile is None:
         raise ScheduleValueError("optimize_model: fuse_projections=True rewrites the compiled layers' graphs, but "
                                  "compile=None compiles none; pass compile='layers' or 'layers-cudagraphs'")
@@ -466,7 +477,7 @@ def optimize_model(sch, *, fused_kernels: bool = True, compile: Optional[str] = 
     skipped: Dict[str, str] = {}
     with root.atomic():
         if fused_kernels:
-            _fuse_norms(root, done, skipped)
+            _fuse_norms(root, done, skipped, compiled_norms)
             _fuse_loss(root, done, skipped)
         if float8 is not None:
             _float8(root, layer_paths, float8, done)

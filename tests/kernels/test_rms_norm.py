@@ -6,6 +6,7 @@ import torch
 from schedlang.errors import SchedlangError
 from schedlang.kernels import rms_norm
 from schedlang.kernels.rms_norm import reference
+from tests.helpers.compiling import no_compile_caches
 from tests.kernels.numerics import assert_close_scaled
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -91,3 +92,82 @@ def test_llama_sizes_on_gpu(dtype):
         assert_close_scaled(o, e, dtype, "output")
     for a, b in zip(ours, theirs):
         assert_close_scaled(a.grad, b.grad, dtype, "grad")
+
+
+def _ops_in_graph(fn, *args):
+    """Run ``fn`` compiled by Inductor and return the names of the ops in the graphs it compiled."""
+    seen = []
+
+    def backend(gm, example_inputs):
+        from torch._inductor.compile_fx import compile_fx
+
+        def inner_compile(graph, inputs, **kwargs):
+            seen.extend(str(n.target) for n in graph.graph.nodes if n.op == "call_function")
+            from torch._inductor.compile_fx import compile_fx_inner
+
+            return compile_fx_inner(graph, inputs, **kwargs)
+
+        return compile_fx(gm, example_inputs, inner_compile=inner_compile)
+
+    torch._dynamo.reset()
+    with no_compile_caches():  # a cached graph would skip inner_compile
+        return torch.compile(fn, backend=backend, fullgraph=True)(*args), seen
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_under_torch_compile_the_kernels_run_as_custom_operators(dtype, with_residual):
+    """Inside a compiled graph the norm is schedlang's forward and backward operators (Inductor calls
+    them), with the reference's values and gradients; a neighbouring op stays Inductor's."""
+    x = torch.randn(3, 5, 96).to(dtype)
+    w = (1 + 0.3 * torch.randn(96)).to(dtype)
+    r = torch.randn(3, 5, 96).to(dtype) if with_residual else None
+    ours, theirs = _leaves(x, w, r), _leaves(x, w, r)
+
+    def layer(x, w, r):
+        out = rms_norm(x * 2, w, 1e-5, r)
+        return tuple(o * 3 for o in out) if r is not None else out * 3
+
+    out, ops = _ops_in_graph(layer, *ours)
+    ref = reference(theirs[0] * 2, theirs[1], 1e-5, theirs[2])
+    ref = tuple(o * 3 for o in ref) if with_residual else ref * 3
+    outs, refs = (out, ref) if with_residual else ((out,), (ref,))
+    cots = [torch.randn(o.shape).to(o.dtype) for o in refs]
+    torch.autograd.backward(outs, cots)
+    torch.autograd.backward(refs, cots)
+    assert ops.count("schedlang.rms_norm_forward.default") == 1
+    assert ops.count("schedlang.rms_norm_backward.default") == 1
+    assert not any("rsqrt" in op for op in ops), ops  # the norm is not also traced
+    assert "aten.mul.Tensor" in ops
+    for i, (o, e) in enumerate(zip(outs, refs)):
+        assert o.dtype == e.dtype
+        assert_close_scaled(o, e, dtype, f"output {i}")
+    for name, a, b in zip(("x", "weight", "residual"), ours, theirs):
+        if a is not None:
+            assert_close_scaled(a.grad, b.grad, dtype, f"grad {name}")
+
+
+def test_compiled_without_a_kernel_for_the_inputs_the_reference_is_traced(monkeypatch):
+    """Where the kernels do not run (here: the CPU without the interpreter), Inductor compiles the reference."""
+    monkeypatch.setattr("schedlang.kernels.row_kernels.interpreting", lambda: False)
+    x, w = _leaves(torch.randn(7, 64), 1 + 0.3 * torch.randn(64))
+    out, ops = _ops_in_graph(lambda x, w: rms_norm(x, w, 1e-5), x, w)
+    assert not any(op.startswith("schedlang.") for op in ops) and any("rsqrt" in op for op in ops)
+    assert_close_scaled(out, reference(x, w, 1e-5), torch.float32, "output")
+
+
+@pytest.mark.gpu
+def test_under_torch_compile_at_llama_sizes_on_gpu():
+    x, w, r = (torch.randn(4 * 2048, 2048, device="cuda").bfloat16(), (1 + 0.3 * torch.randn(2048, device="cuda")).bfloat16(),
+               torch.randn(4 * 2048, 2048, device="cuda").bfloat16())
+    ours, theirs = _leaves(x, w, r), _leaves(x, w, r)
+    out, ops = _ops_in_graph(lambda x, w, r: rms_norm(x, w, 1e-5, r), *ours)
+    ref = reference(theirs[0], theirs[1], 1e-5, theirs[2])
+    cots = [torch.randn_like(o) for o in ref]
+    torch.autograd.backward(out, cots)
+    torch.autograd.backward(ref, cots)
+    assert "schedlang.rms_norm_forward.default" in ops
+    for o, e in zip(out, ref):
+        assert_close_scaled(o, e, torch.bfloat16, "output")
+    for a, b in zip(ours, theirs):
+        assert_close_scaled(a.grad, b.grad, torch.bfloat16, "grad")

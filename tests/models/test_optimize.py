@@ -160,6 +160,35 @@ def test_projections_fused_in_the_compiled_layers_train_as_the_plain_model():
     assert counters["schedlang"][COUNTER] == 2
 
 
+@pytest.mark.parametrize("compiled_norms, kernel_calls_per_step", [("kernel", 5), ("inductor", 1)])
+def test_compiled_layers_run_the_norm_kernels_or_inductors_code_and_train_as_the_plain_model(
+        monkeypatch, compiled_norms, kernel_calls_per_step):
+    """``compiled_norms="kernel"``: the compiled layers call schedlang's RMSNorm kernels (2 layers x 2 norms,
+    and the final norm outside them: 5 forward launches per step); ``"inductor"``: only the final norm
+    does. Both give the plain model's losses over three AdamW steps."""
+    import importlib
+
+    from tests.helpers.compiling import no_compile_caches
+
+    kernel = importlib.import_module("schedlang.kernels.rms_norm")  # the module, not the function it exports
+    launches = []
+    forward = kernel._forward
+    monkeypatch.setattr(kernel, "_forward", lambda *a, **k: launches.append(1) or forward(*a, **k))
+    model = _llama()
+    ids, labels = _batch(model.config.vocab_size)
+    reference = _train(copy.deepcopy(model), ids, labels)
+    launches.clear()
+    torch._dynamo.reset()
+    sch = schedlang.create_schedule(model)
+    optimize_model(sch, compiled_norms=compiled_norms)
+    assert all(m.compiled == compiled_norms for m in sch.mod.modules() if type(m).__name__ == "FusedRMSNorm")
+    built, _ = schedlang.build(sch)
+    with no_compile_caches():
+        losses = _train(built, ids, labels)
+    torch.testing.assert_close(losses, reference, rtol=1e-4, atol=1e-4)
+    assert len(launches) == 3 * kernel_calls_per_step
+
+
 def test_compile_options_reach_every_layer_with_the_cuda_graph_mode_spelled_out(monkeypatch):
     """torch.compile takes a mode or options, not both: with ``"layers-cudagraphs"`` and options of the caller's,
     each layer gets the mode's options spelled out under the caller's ones."""
@@ -205,6 +234,7 @@ def test_missing_kernels_fall_back_with_a_reason(monkeypatch, caplog):
     ({"selective_checkpoint": 0}, "optimize_model: invalid selective_checkpoint 0: valid are None, 'all' or a "
                                   "positive int n (every n-th layer)"),
     ({"fuse_projections": "qkv"}, "optimize_model: fuse_projections must be True or False, got 'qkv'"),
+    ({"compiled_norms": "triton"}, "optimize_model: invalid compiled_norms 'triton': valid are 'kernel', 'inductor'"),
     ({"compile_options": ["max-autotune"]}, "optimize_model: compile_options must be a dict of torch.compile "
                                             "arguments or None, got list"),
     ({"compile_options": {"dynamic": False}, "compile": None}, "optimize_model: compile_options were given, but "
