@@ -75,8 +75,8 @@ schedlang's, through its schedule API:
   the compiled layers q|k|v and gate|up run as one GEMM each, on weights concatenated per call;
   ``-mw-cdt`` (``-mw-proj-cdt``): with Inductor's coordinate-descent tuning of its kernels' block sizes
   (``compile_options={"options": {"coordinate_descent_tuning": True}}``);
-* ``schedlang-optimize-mw-inorm``: ``schedlang-optimize-mw`` with ``optimize_model(compiled_norms="inductor")``:
-  the compiled layers' RMSNorms are Inductor's code for the PyTorch reference, not schedlang's kernels;
+* ``schedlang-optimize-mw-knorm``: ``schedlang-optimize-mw`` with ``optimize_model(compiled_norms="kernel")``:
+  the compiled layers' RMSNorms call schedlang's kernels as custom operators instead of Inductor's code;
 * ``schedlang-ddp-optimize-mw`` (``-bf16reduce``): ``replicate`` at the root, ``optimize_model`` and
   ``build(optimizer="adamw", master_weights=True)``: DDP over bf16 Linear weights whose fp32 masters live
   in FusedAdamW, gradients all-reduced during the backward in fp32 (the default ``reduce_dtype``), or in
@@ -162,7 +162,7 @@ CHECKPOINT_STRIDES = (4, 2, 1)
 # schedlang-optimize[-fp8][-mw][-cg]: float8 Linears, fp32 master weights, per-layer CUDA graphs
 OPTIMIZE_VARIANTS = tuple("schedlang-optimize" + fp8 + mw + cg for fp8 in ("", "-fp8") for mw in ("", "-mw")
                           for cg in ("", "-cg")) + tuple(
-    "schedlang-optimize-mw" + extra for extra in ("-graph", "-proj", "-cdt", "-proj-cdt", "-inorm"))
+    "schedlang-optimize-mw" + extra for extra in ("-graph", "-proj", "-cdt", "-proj-cdt", "-knorm"))
 SCHEDLANG = ("schedlang-layers", *OPTIMIZE_VARIANTS, *(f"schedlang-optimize-ckpt{n}" for n in CHECKPOINT_STRIDES),
              "schedlang-tp",
              "schedlang-tp-optimize", "schedlang-tp-optimize-cg", "schedlang-fsdp", "schedlang-fsdp-noreshard", "schedlang-fsdp-optimize",
@@ -202,7 +202,7 @@ def _compile(ctx: B.Context, model) -> None:
 
 
 def _optimize(ctx: B.Context, sch, float8=None, cudagraphs: bool = False, checkpoint_every: int = 0,
-              fuse_projections: bool = False, tune_kernels: bool = False, inductor_norms: bool = False
+              fuse_projections: bool = False, tune_kernels: bool = False, kernel_norms: bool = False
               ) -> Dict[str, Any]:
     from schedlang.models import optimize_model
 
@@ -210,7 +210,7 @@ def _optimize(ctx: B.Context, sch, float8=None, cudagraphs: bool = False, checkp
     tuned = {"options": {"coordinate_descent_tuning": True}} if tune_kernels and compile is not None else None
     optimize_model(sch, compile=compile, float8=float8, selective_checkpoint=checkpoint_every or None,
                    fuse_projections=fuse_projections and compile is not None, compile_options=tuned,
-                   compiled_norms="inductor" if inductor_norms else "kernel")
+                   compiled_norms="kernel" if kernel_norms else "inductor")
     return sch.root.metadata["optimize"]
 
 
@@ -234,14 +234,14 @@ def _null():
 def make_schedlang_single(ctx: B.Context, cfg, optimize: bool, float8=None, cudagraph_layers: bool = False,
                           checkpoint_every: int = 0, master_weights: bool = False, captured_step: bool = False,
                           fuse_projections: bool = False, tune_kernels: bool = False,
-                          inductor_norms: bool = False) -> B.Setup:
+                          kernel_norms: bool = False) -> B.Setup:
     import schedlang
 
     if master_weights:
         _need_master_weights(ctx)
     sch = schedlang.create_schedule(B.full_model(cfg, ctx.device))
     info = (_optimize(ctx, sch, float8, cudagraphs=cudagraph_layers, checkpoint_every=checkpoint_every,
-                      fuse_projections=fuse_projections, tune_kernels=tune_kernels, inductor_norms=inductor_norms)
+                      fuse_projections=fuse_projections, tune_kernels=tune_kernels, kernel_norms=kernel_norms)
             if optimize else None)
     if master_weights:
         from schedlang.optim import FusedAdamW, master_weight_groups
@@ -389,7 +389,7 @@ def make_variant(ctx: B.Context, name: str, cfg) -> B.Setup:
         return make_schedlang_single(ctx, cfg, optimize=True, float8="tensorwise" if "fp8" in options else None,
                                      cudagraph_layers="cg" in options, master_weights="mw" in options,
                                      captured_step="graph" in options, fuse_projections="proj" in options,
-                                     tune_kernels="cdt" in options, inductor_norms="inorm" in options)
+                                     tune_kernels="cdt" in options, kernel_norms="knorm" in options)
     if name.startswith("schedlang-optimize-ckpt") and name in SCHEDLANG:
         return make_schedlang_single(ctx, cfg, optimize=True, checkpoint_every=int(name.rpartition("ckpt")[2]))
     if name in ("schedlang-tp", "schedlang-tp-optimize", "schedlang-tp-optimize-cg"):

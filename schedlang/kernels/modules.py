@@ -38,8 +38,8 @@ class FusedRMSNorm(nn.Module):
     ``forward(hidden_states)`` returns the normalized states; ``forward(hidden_states, residual)``
     adds first and returns ``(normalized, residual + hidden_states)``, the sum being the next
     residual (one read of each input instead of an add kernel and a norm kernel). ``compiled``
-    says what a ``torch.compile`` graph of the module runs: ``"kernel"`` (the same kernels, as custom
-    operators) or ``"inductor"`` (Inductor's code for the PyTorch reference; see :func:`rms_norm`).
+    says what a ``torch.compile`` graph of the module runs: ``"inductor"`` (default: Inductor's code for
+    the PyTorch reference) or ``"kernel"`` (the same kernels, as custom operators; see :func:`rms_norm`).
 
     Example::
 
@@ -47,14 +47,14 @@ class FusedRMSNorm(nn.Module):
         y, residual = norm(attn_out, residual)
     """
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6, device=None, dtype=None, compiled: str = "kernel") -> None:
+    def __init__(self, hidden_size: int, eps: float = 1e-6, device=None, dtype=None, compiled: str = "inductor") -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
         self.variance_epsilon = eps
         self.compiled = _compiled_form(compiled)
 
     @classmethod
-    def from_module(cls, module: nn.Module, compiled: str = "kernel") -> "FusedRMSNorm":
+    def from_module(cls, module: nn.Module, compiled: str = "inductor") -> "FusedRMSNorm":
         """A FusedRMSNorm sharing ``module``'s weight (any RMSNorm with ``weight`` and ``variance_epsilon``
         or ``eps``, e.g. HF LlamaRMSNorm, MistralRMSNorm, Qwen2RMSNorm)."""
         weight = getattr(module, "weight", None)
@@ -75,7 +75,7 @@ class FusedRMSNorm(nn.Module):
         return rms_norm(hidden_states, self.weight, self.variance_epsilon, residual, compiled=self.compiled)
 
     def extra_repr(self) -> str:
-        compiled = "" if self.compiled == "kernel" else f", compiled={self.compiled!r}"
+        compiled = "" if self.compiled == "inductor" else f", compiled={self.compiled!r}"
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}{compiled}"
 
 

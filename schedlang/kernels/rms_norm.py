@@ -243,11 +243,11 @@ _rms_norm_forward_op.register_autograd(_op_backward, setup_context=_setup_contex
 
 
 #: how a compiled graph computes the norm (``rms_norm(..., compiled=)``)
-COMPILED_FORMS = ("kernel", "inductor")
+COMPILED_FORMS = ("inductor", "kernel")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual: Optional[torch.Tensor] = None,
-             compiled: str = "kernel") -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+             compiled: str = "inductor") -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """RMSNorm over the last dimension with HF LLaMA's semantics; fused with ``residual + x`` when
     ``residual`` is given, then returning ``(y, residual + x)``.
 
@@ -255,11 +255,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual:
     ``weight * x`` (HF: an fp32 weight on bf16 activations gives fp32). Runs the Triton kernels on
     CUDA (and on the CPU under ``TRITON_INTERPRET=1``), else :func:`reference`.
 
-    Inside ``torch.compile``, ``compiled="kernel"`` (default) puts the same kernels in the graph as two
-    custom operators (``schedlang::rms_norm_forward`` / ``_backward``); ``compiled="inductor"`` traces
-    :func:`reference` instead, and Inductor generates the norm, fused with its neighbours. Inductor's
-    own backward of a LLaMA layer's norms ran slower than the kernel (``bench/bench_train.py`` variant
-    ``schedlang-optimize-mw-inorm`` compares them in a training step).
+    Inside ``torch.compile``, ``compiled="inductor"`` (default) traces :func:`reference`, and Inductor
+    generates the norm, fused with its neighbours (the residual add, the casts, the next op's input);
+    ``compiled="kernel"`` puts the same kernels in the graph as two custom operators
+    (``schedlang::rms_norm_forward`` / ``_backward``), which Inductor calls but cannot fuse with
+    anything. In a LLaMA-1.1B training step on an H100 the operators made the step 4% slower
+    (``bench/bench_train.py`` variant ``schedlang-optimize-mw-knorm``, ``bench/results/2026-11-27-train-norms.json``).
 
     Example::
 

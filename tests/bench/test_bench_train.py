@@ -139,7 +139,7 @@ def test_optimize_variant_names_compose_float8_master_weights_and_cuda_graphs(be
     assert {"schedlang-optimize", "schedlang-optimize-fp8-cg", "schedlang-optimize-mw-cg",
             "schedlang-optimize-fp8-mw-cg", "schedlang-optimize-mw-graph", "schedlang-optimize-mw-proj",
             "schedlang-optimize-mw-cdt", "schedlang-optimize-mw-proj-cdt",
-            "schedlang-optimize-mw-inorm"} <= set(train.OPTIMIZE_VARIANTS)
+            "schedlang-optimize-mw-knorm"} <= set(train.OPTIMIZE_VARIANTS)
     with pytest.raises(ValueError, match="unknown variant 'schedlang-optimize-cg-mw'"):
         train.make_variant(None, "schedlang-optimize-cg-mw", None)
 

@@ -111,3 +111,14 @@ def test_from_module_errors():
         FusedSwiGLUMLP.from_module(nn.Linear(4, 4))
     with pytest.raises(SchedlangError, match=r"labels of shape \(2, 5\) do not fit hidden states of shape \(2, 6, 8\)"):
         fused_causal_lm_loss(torch.randn(2, 6, 8), nn.Linear(8, 10), torch.zeros(2, 5, dtype=torch.long))
+
+
+def test_fused_rms_norm_keeps_its_compiled_form_and_refuses_an_unknown_one():
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    assert FusedRMSNorm(8).compiled == "inductor"
+    fused = FusedRMSNorm.from_module(LlamaRMSNorm(8), compiled="kernel")
+    assert fused.compiled == "kernel" and "compiled='kernel'" in repr(fused)
+    with pytest.raises(SchedlangError, match=r"FusedRMSNorm: compiled='fast' is not a form of the norm under "
+                                             r"torch.compile: expected one of \('inductor', 'kernel'\)"):
+        FusedRMSNorm(8, compiled="fast")

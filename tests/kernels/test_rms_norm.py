@@ -125,7 +125,7 @@ def test_under_torch_compile_the_kernels_run_as_custom_operators(dtype, with_res
     ours, theirs = _leaves(x, w, r), _leaves(x, w, r)
 
     def layer(x, w, r):
-        out = rms_norm(x * 2, w, 1e-5, r)
+        out = rms_norm(x * 2, w, 1e-5, r, compiled="kernel")
         return tuple(o * 3 for o in out) if r is not None else out * 3
 
     out, ops = _ops_in_graph(layer, *ours)
@@ -147,13 +147,22 @@ def test_under_torch_compile_the_kernels_run_as_custom_operators(dtype, with_res
             assert_close_scaled(a.grad, b.grad, dtype, f"grad {name}")
 
 
-def test_compiled_without_a_kernel_for_the_inputs_the_reference_is_traced(monkeypatch):
-    """Where the kernels do not run (here: the CPU without the interpreter), Inductor compiles the reference."""
-    monkeypatch.setattr("schedlang.kernels.row_kernels.interpreting", lambda: False)
+@pytest.mark.parametrize("compiled, interpreting", [("inductor", True), ("kernel", False)])
+def test_compiled_by_default_or_without_a_kernel_for_the_inputs_the_reference_is_traced(monkeypatch, compiled,
+                                                                                          interpreting):
+    """By default, and where the kernels do not run (here: the CPU without the interpreter), Inductor
+    compiles the reference."""
+    monkeypatch.setattr("schedlang.kernels.row_kernels.interpreting", lambda: interpreting)
     x, w = _leaves(torch.randn(7, 64), 1 + 0.3 * torch.randn(64))
-    out, ops = _ops_in_graph(lambda x, w: rms_norm(x, w, 1e-5), x, w)
+    out, ops = _ops_in_graph(lambda x, w: rms_norm(x, w, 1e-5, compiled=compiled), x, w)
     assert not any(op.startswith("schedlang.") for op in ops) and any("rsqrt" in op for op in ops)
     assert_close_scaled(out, reference(x, w, 1e-5), torch.float32, "output")
+
+
+def test_an_unknown_compiled_form_is_refused():
+    with pytest.raises(SchedlangError, match=r"rms_norm: compiled='triton' is not a form of the norm under "
+                                             r"torch.compile: expected one of \('inductor', 'kernel'\)"):
+        rms_norm(torch.randn(7, 64), torch.ones(64), compiled="triton")
 
 
 @pytest.mark.gpu
@@ -161,7 +170,7 @@ def test_under_torch_compile_at_llama_sizes_on_gpu():
     x, w, r = (torch.randn(4 * 2048, 2048, device="cuda").bfloat16(), (1 + 0.3 * torch.randn(2048, device="cuda")).bfloat16(),
                torch.randn(4 * 2048, 2048, device="cuda").bfloat16())
     ours, theirs = _leaves(x, w, r), _leaves(x, w, r)
-    out, ops = _ops_in_graph(lambda x, w, r: rms_norm(x, w, 1e-5, r), *ours)
+    out, ops = _ops_in_graph(lambda x, w, r: rms_norm(x, w, 1e-5, r, compiled="kernel"), *ours)
     ref = reference(theirs[0], theirs[1], 1e-5, theirs[2])
     cots = [torch.randn_like(o) for o in ref]
     torch.autograd.backward(out, cots)

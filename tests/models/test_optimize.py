@@ -164,8 +164,8 @@ def test_projections_fused_in_the_compiled_layers_train_as_the_plain_model():
 def test_compiled_layers_run_the_norm_kernels_or_inductors_code_and_train_as_the_plain_model(
         monkeypatch, compiled_norms, kernel_calls_per_step):
     """``compiled_norms="kernel"``: the compiled layers call schedlang's RMSNorm kernels (2 layers x 2 norms,
-    and the final norm outside them: 5 forward launches per step); ``"inductor"``: only the final norm
-    does. Both give the plain model's losses over three AdamW steps."""
+    and the final norm outside them: 5 forward launches per step); ``"inductor"`` (the default): only the
+    final norm does. Both give the plain model's losses over three AdamW steps."""
     import importlib
 
     from tests.helpers.compiling import no_compile_caches
@@ -234,7 +234,7 @@ def test_missing_kernels_fall_back_with_a_reason(monkeypatch, caplog):
     ({"selective_checkpoint": 0}, "optimize_model: invalid selective_checkpoint 0: valid are None, 'all' or a "
                                   "positive int n (every n-th layer)"),
     ({"fuse_projections": "qkv"}, "optimize_model: fuse_projections must be True or False, got 'qkv'"),
-    ({"compiled_norms": "triton"}, "optimize_model: invalid compiled_norms 'triton': valid are 'kernel', 'inductor'"),
+    ({"compiled_norms": "triton"}, "optimize_model: invalid compiled_norms 'triton': valid are 'inductor', 'kernel'"),
     ({"compile_options": ["max-autotune"]}, "optimize_model: compile_options must be a dict of torch.compile "
                                             "arguments or None, got list"),
     ({"compile_options": {"dynamic": False}, "compile": None}, "optimize_model: compile_options were given, but "
