@@ -46,7 +46,7 @@ import statistics
 import subprocess
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -148,18 +148,19 @@ def time_steps(step: Callable[[], Any], device: torch.device, warmup: int = 3, r
     warm_s = time.perf_counter() - t0
     if dist is not None:
         dist.barrier()
-    runs: List[float] = []
-    host: List[float] = []
     with GpuClockSampler(device) as clocks:
-        _timed_repeats(step, device, repeats, iters, runs, host)
+        runs, host = _timed_repeats(step, device, repeats, iters)
     runs = max_over_ranks(runs, device)
     host = max_over_ranks(host, device)
     return {"ms": statistics.median(runs), "ms_runs": [round(r, 3) for r in runs], "warmup_s": round(warm_s, 2),
             "host_ms": round(statistics.median(host), 3), "gpu_clock": clocks.summary()}
 
 
-def _timed_repeats(step: Callable[[], Any], device: torch.device, repeats: int, iters: int, runs: List[float],
-                   host: List[float]) -> None:
+def _timed_repeats(step: Callable[[], Any], device: torch.device, repeats: int, iters: int
+                   ) -> Tuple[List[float], List[float]]:
+    """Milliseconds per step of each repeat, and the host's share of each."""
+    runs: List[float] = []
+    host: List[float] = []
     for _ in range(repeats):
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -177,6 +178,7 @@ def _timed_repeats(step: Callable[[], Any], device: torch.device, repeats: int, 
                 step()
             runs.append((time.perf_counter() - t) * 1e3 / iters)
             host.append(runs[-1])
+    return runs, host
 
 
 def gpu_time_ms(fn: Callable[[], Any], repeats: int = 50, warmup: int = 5, flush_mb: int = 256,

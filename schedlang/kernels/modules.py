@@ -25,7 +25,7 @@ from torch import nn
 
 from schedlang.errors import ScheduleTypeError, ScheduleValueError
 from schedlang.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
-from schedlang.kernels.rms_norm import COMPILED_FORMS, rms_norm
+from schedlang.kernels.rms_norm import check_compiled_form, rms_norm
 from schedlang.kernels.rotary import apply_rotary
 from schedlang.kernels.swiglu import swiglu
 
@@ -51,7 +51,7 @@ class FusedRMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
         self.variance_epsilon = eps
-        self.compiled = _compiled_form(compiled)
+        self.compiled = check_compiled_form(compiled, "FusedRMSNorm")
 
     @classmethod
     def from_module(cls, module: nn.Module, compiled: str = "inductor") -> "FusedRMSNorm":
@@ -67,7 +67,7 @@ class FusedRMSNorm(nn.Module):
         nn.Module.__init__(new)
         new.weight = weight
         new.variance_epsilon = float(eps)
-        new.compiled = _compiled_form(compiled)
+        new.compiled = check_compiled_form(compiled, "FusedRMSNorm")
         return new
 
     def forward(self, hidden_states: torch.Tensor, residual: Optional[torch.Tensor] = None
@@ -78,12 +78,6 @@ class FusedRMSNorm(nn.Module):
         compiled = "" if self.compiled == "inductor" else f", compiled={self.compiled!r}"
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}{compiled}"
 
-
-def _compiled_form(compiled: str) -> str:
-    if compiled not in COMPILED_FORMS:
-        raise ScheduleValueError(f"FusedRMSNorm: compiled={compiled!r} is not a form of the norm under torch.compile: "
-                                 f"expected one of {COMPILED_FORMS}")
-    return compiled
 
 
 class FusedSwiGLUMLP(nn.Module):

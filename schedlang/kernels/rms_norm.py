@@ -43,7 +43,7 @@ from schedlang.kernels.rms_norm_reference import rms_norm_reference
 from schedlang.kernels.row_kernels import (as_rows, cast_rounded, next_power_of_2, sm_count, triton_dtype, tuned,
                                            use_triton_for)
 
-__all__ = ["rms_norm", "reference", "MAX_HIDDEN", "COMPILED_FORMS"]
+__all__ = ["rms_norm", "reference", "MAX_HIDDEN", "COMPILED_FORMS", "check_compiled_form"]
 
 logger = logging.getLogger("schedlang.kernels.rms_norm")
 reference = rms_norm_reference
@@ -159,12 +159,12 @@ def _backward(dy: Optional[torch.Tensor], ds_out: Optional[torch.Tensor], s: tor
     dy2 = as_rows(dy) if dy is not None else torch.zeros((m, n), dtype=w.dtype, device=s.device)
     ds2 = as_rows(ds_out) if ds_out is not None else None
     dx = torch.empty((m, n), dtype=s.dtype, device=s.device)
+    if m == 0:
+        return dx, torch.zeros((n,), dtype=weight.dtype, device=s.device)
     block_n = next_power_of_2(n)
     block_m = _backward_rows(n)
     programs = max(1, min(triton.cdiv(m, block_m), 4 * sm_count(s.device)))
     dw_partial = torch.empty((programs, n), dtype=torch.float32, device=s.device)
-    if m == 0:
-        return dx, torch.zeros((n,), dtype=weight.dtype, device=s.device)
     _rms_norm_backward_kernel[(programs,)](
         dy2, s, w, rstd, ds2 if ds2 is not None else dy2, dx, dw_partial, m, n,
         dy2.stride(0), s.stride(0), ds2.stride(0) if ds2 is not None else 0, dx.stride(0),
@@ -246,6 +246,14 @@ _rms_norm_forward_op.register_autograd(_op_backward, setup_context=_setup_contex
 COMPILED_FORMS = ("inductor", "kernel")
 
 
+def check_compiled_form(compiled: str, where: str) -> str:
+    """``compiled`` if it is one of :data:`COMPILED_FORMS`, else a ScheduleValueError naming ``where``."""
+    if compiled not in COMPILED_FORMS:
+        raise ScheduleValueError(f"{where}: compiled={compiled!r} is not a form of the norm under torch.compile: "
+                                 f"expected one of {COMPILED_FORMS}")
+    return compiled
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual: Optional[torch.Tensor] = None,
              compiled: str = "inductor") -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """RMSNorm over the last dimension with HF LLaMA's semantics; fused with ``residual + x`` when
@@ -266,9 +274,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual:
 
         y = rms_norm(torch.randn(4, 7, 64), torch.ones(64), 1e-6)
     """
-    if compiled not in COMPILED_FORMS:
-        raise ScheduleValueError(f"rms_norm: compiled={compiled!r} is not a form of the norm under torch.compile: "
-                                 f"expected one of {COMPILED_FORMS}")
+    check_compiled_form(compiled, "rms_norm")
     if x.shape[-1] != weight.shape[-1] or weight.dim() != 1:
         raise ScheduleValueError(f"rms_norm: weight of shape {tuple(weight.shape)} does not fit inputs of shape "
                          f"{tuple(x.shape)}: expected ({x.shape[-1]},)")
