@@ -17,9 +17,10 @@ its last launch, before waiting for the GPU). Close to ``ms``, the step is bound
 
 ``gpu_clock`` (:class:`GpuClockSampler`) is what the GPU ran at during the timed repeats: the mean SM
 clock, the mean power draw, and the share of samples in which the driver held the clock down to stay
-under the power limit. An H100 or H200 at 700 W runs a dense training step power-capped, at clocks
-below its 1980 MHz; then a step that keeps the GPU busier runs its GEMMs at a lower clock, and only
-less energy per step, not fewer idle gaps, makes it faster.
+under the power limit, and the energy per step (``j_per_step``: the driver's energy counter over the
+repeats, divided by their steps). An H100 or H200 at 700 W runs a dense training step power-capped, at
+clocks below its 1980 MHz; then a step that keeps the GPU busier runs its GEMMs at a lower clock, and
+only less energy per step, not fewer idle gaps, makes it faster.
 
 Training benchmarks share the pieces below the timing: a global batch made on the host
 (:func:`global_batch`), its rows per data-parallel rank (:func:`rows_of`), means over ranks
@@ -84,11 +85,36 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def nvml_energy_mj(gpu_uuid: str) -> Optional[int]:
+    """The driver's energy counter of the GPU ``gpu_uuid`` ("GPU-..."): millijoules since the driver
+    loaded, read through NVML (``nvmlDeviceGetTotalEnergyConsumption``). None where NVML or the counter
+    is missing. ctypes rather than the ``nvidia-ml-py`` package, so a bare GPU machine can read it."""
+    import ctypes
+
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return None
+    if nvml.nvmlInit_v2() != 0:
+        return None
+    try:
+        handle, energy = ctypes.c_void_p(), ctypes.c_ulonglong()
+        if nvml.nvmlDeviceGetHandleByUUID(gpu_uuid.encode(), ctypes.byref(handle)) != 0:
+            return None
+        if nvml.nvmlDeviceGetTotalEnergyConsumption(handle, ctypes.byref(energy)) != 0:
+            return None
+        return int(energy.value)
+    finally:
+        nvml.nvmlShutdown()
+
+
 class GpuClockSampler:
     """Samples the SM clock, power draw and power-cap state of ``device`` every ``interval_ms`` while
-    in the ``with`` block, with ``nvidia-smi`` (absent, or not a CUDA device: nothing is sampled).
-    ``summary()`` gives ``{"sm_mhz", "power_w", "power_capped", "samples"}`` (means; ``power_capped``
-    is the share of samples under the software power cap), or None without samples."""
+    in the ``with`` block, with ``nvidia-smi``, and reads the GPU's energy counter at both ends of it
+    (absent, or not a CUDA device: nothing is sampled). ``summary()`` gives ``{"sm_mhz", "power_w",
+    "power_capped", "samples", "energy_j"}`` (means; ``power_capped`` is the share of samples under the
+    software power cap; ``energy_j`` the energy the GPU used in the block, None without the counter),
+    or None without samples."""
 
     QUERY = "clocks.sm,power.draw,clocks_throttle_reasons.sw_power_cap"
 
@@ -96,24 +122,36 @@ class GpuClockSampler:
         self.device, self.interval_ms = device, interval_ms
         self.process: Optional[subprocess.Popen] = None
         self.lines: List[str] = []
+        self.uuid: Optional[str] = None
+        self.energy_mj: List[Optional[int]] = []
 
     def __enter__(self) -> "GpuClockSampler":
         if self.device.type != "cuda":
             return self
-        uuid = str(torch.cuda.get_device_properties(self.device).uuid)
+        self.uuid = f"GPU-{torch.cuda.get_device_properties(self.device).uuid}"
         command = ["nvidia-smi", f"--query-gpu={self.QUERY}", "--format=csv,noheader,nounits",
-                   f"-lms={self.interval_ms}", f"--id=GPU-{uuid}"]
+                   f"-lms={self.interval_ms}", f"--id={self.uuid}"]
         try:
             self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         except OSError:  # no nvidia-smi on this machine
             self.process = None
+        self.energy_mj = [nvml_energy_mj(self.uuid)]
         return self
 
     def __exit__(self, *exc) -> None:
+        if self.uuid is not None:
+            torch.cuda.synchronize(self.device)
+            self.energy_mj.append(nvml_energy_mj(self.uuid))
         if self.process is not None:
             self.process.terminate()
             out, _ = self.process.communicate(timeout=10)
             self.lines = out.splitlines()
+
+    def energy_j(self) -> Optional[float]:
+        """Joules the GPU used inside the block, from its energy counter (None where it was not read)."""
+        if len(self.energy_mj) != 2 or None in self.energy_mj:
+            return None
+        return (self.energy_mj[1] - self.energy_mj[0]) / 1e3
 
     def summary(self) -> Optional[Dict[str, float]]:
         samples = []
@@ -127,7 +165,8 @@ class GpuClockSampler:
             return None
         return {"sm_mhz": round(statistics.mean(s[0] for s in samples)),
                 "power_w": round(statistics.mean(s[1] for s in samples), 1),
-                "power_capped": round(sum(s[2] for s in samples) / len(samples), 2), "samples": len(samples)}
+                "power_capped": round(sum(s[2] for s in samples) / len(samples), 2), "samples": len(samples),
+                "energy_j": self.energy_j()}
 
 
 def time_steps(step: Callable[[], Any], device: torch.device, warmup: int = 3, repeats: int = 5,
@@ -152,8 +191,11 @@ def time_steps(step: Callable[[], Any], device: torch.device, warmup: int = 3, r
         runs, host = _timed_repeats(step, device, repeats, iters)
     runs = max_over_ranks(runs, device)
     host = max_over_ranks(host, device)
+    gpu_clock = clocks.summary()
+    if gpu_clock is not None and gpu_clock["energy_j"] is not None:
+        gpu_clock["j_per_step"] = round(gpu_clock["energy_j"] / (repeats * iters), 2)
     return {"ms": statistics.median(runs), "ms_runs": [round(r, 3) for r in runs], "warmup_s": round(warm_s, 2),
-            "host_ms": round(statistics.median(host), 3), "gpu_clock": clocks.summary()}
+            "host_ms": round(statistics.median(host), 3), "gpu_clock": gpu_clock}
 
 
 def _timed_repeats(step: Callable[[], Any], device: torch.device, repeats: int, iters: int
@@ -256,12 +298,22 @@ def make_row(work: str, variant: str, role: str, ms: Optional[float], tokens_per
     return row
 
 
+def _median_fields(samples: Sequence[dict]) -> dict:
+    """Per key, the median of the values the dicts have for it (None where none has one)."""
+    out = {}
+    for key in samples[0]:
+        values = [d[key] for d in samples if d.get(key) is not None]
+        out[key] = statistics.median(values) if values else None
+    return out
+
+
 def combine_rounds(rows: Sequence[dict]) -> List[dict]:
     """One row per ``(work, variant)`` from rows measured in several rounds of the same process (every
     variant once per round, in the same order, so each meets the machine's drifts as often as the others):
     ``ms`` is the median of the rounds' medians, ``ms_rounds`` lists them, ``ms_runs`` holds every round's
-    repeats, rate and MFU follow ``ms``, memory is the highest round's, and ``check`` is the first round's
-    failure if any round failed. Other fields are the first round's (its profile, losses and notes)."""
+    repeats, rate and MFU follow ``ms``, memory is the highest round's, each ``gpu_clock`` figure is the median
+    of the rounds', and ``check`` is the first round's failure if any round failed. Other fields are the first
+    round's (its profile, losses and notes)."""
     groups: Dict[tuple, List[dict]] = {}
     for row in rows:
         groups.setdefault((row["work"], row["variant"]), []).append(row)
@@ -283,6 +335,9 @@ def combine_rounds(rows: Sequence[dict]) -> List[dict]:
             if any(r.get("host_ms") is not None for r in ran):
                 first["host_ms"] = round(statistics.median(r["host_ms"] for r in ran if r.get("host_ms") is not None),
                                          3)
+            clocks = [r["gpu_clock"] for r in ran if r.get("gpu_clock")]
+            if clocks:
+                first["gpu_clock"] = _median_fields(clocks)
         if failed is not None:
             first["check"] = failed
         first["rounds"] = len(same)

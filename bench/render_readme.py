@@ -81,10 +81,14 @@ def _fmt(value, kind: str) -> str:
 
 
 def _clock(sample: Optional[dict]) -> str:
-    """A row's GPU clock over its timed steps: mean SM MHz, mean power, share of samples power-capped."""
+    """A row's GPU clock over its timed steps: mean SM MHz, mean power, share of samples power-capped, and the
+    energy per step where the driver's counter was read."""
     if not sample:
         return "-"
-    return f"{sample['sm_mhz']} MHz, {sample['power_w']:.0f} W, {sample['power_capped']:.0%} capped"
+    text = f"{sample['sm_mhz']} MHz, {sample['power_w']:.0f} W, {sample['power_capped']:.0%} capped"
+    if sample.get("j_per_step") is not None:
+        text += f", {sample['j_per_step']:.1f} J/step"
+    return text
 
 
 def render_table(files: Sequence[dict]) -> str:

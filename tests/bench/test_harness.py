@@ -51,6 +51,20 @@ def test_rounds_combine_into_the_median_of_their_medians(bench):
     assert b["ms"] == 90.0 and b["check"] == "FAIL x"  # a failure in any round is kept
 
 
+def test_rounds_combine_the_gpu_clock_into_medians(bench):
+    h = bench("harness")
+
+    def row(ms, clock):
+        return h.make_row("w", "a", "baseline", ms, 1000, 1e12, 1, 20.0, "ok", gpu_clock=clock)
+
+    clocks = [{"sm_mhz": 1700, "power_w": 640.0, "power_capped": 1.0, "energy_j": 2000.0, "j_per_step": 80.0},
+              {"sm_mhz": 1650, "power_w": 660.0, "power_capped": 0.9, "energy_j": None, "j_per_step": None},
+              {"sm_mhz": 1600, "power_w": 650.0, "power_capped": 1.0, "energy_j": 2100.0, "j_per_step": 84.0}]
+    rows = [row(100.0, clocks[0]), row(110.0, clocks[1]), row(105.0, clocks[2]), row(90.0, None)]
+    clock = h.combine_rounds(rows)[0]["gpu_clock"]
+    assert clock == {"sm_mhz": 1650, "power_w": 650.0, "power_capped": 1.0, "energy_j": 2050.0, "j_per_step": 82.0}
+
+
 def test_a_variant_that_never_ran_stays_a_failed_row(bench):
     h = bench("harness")
     failed = h.failed_row("w", "c", "schedlang", "FAIL not available: no GPU")
@@ -61,7 +75,33 @@ def test_a_variant_that_never_ran_stays_a_failed_row(bench):
 def test_gpu_clock_sampler_summarizes_nvidia_smi_lines_and_skips_unreadable_ones(bench):
     sampler = bench("harness").GpuClockSampler(torch.device("cuda", 0))
     sampler.lines = ["1980, 301.5, Not Active", "1620, 695.0, Active", "[N/A], [N/A], Not Active", "1650, 69"]
-    assert sampler.summary() == {"sm_mhz": 1800, "power_w": 498.2, "power_capped": 0.5, "samples": 2}
+    assert sampler.summary() == {"sm_mhz": 1800, "power_w": 498.2, "power_capped": 0.5, "samples": 2,
+                                 "energy_j": None}
+    sampler.energy_mj = [1_000_500, 1_250_000]  # the driver's counter at both ends of the block
+    assert sampler.summary()["energy_j"] == pytest.approx(249.5)
+    sampler.energy_mj = [1_000_500, None]  # the second read failed: no figure rather than a wrong one
+    assert sampler.summary()["energy_j"] is None
+
+
+def test_time_steps_gives_the_energy_per_step_from_the_counter(bench, monkeypatch):
+    harness = bench("harness")
+
+    class FakeSampler:
+        def __init__(self, device):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+        def summary(self):
+            return {"sm_mhz": 1700, "power_w": 650.0, "power_capped": 1.0, "samples": 9, "energy_j": 130.0}
+
+    monkeypatch.setattr(harness, "GpuClockSampler", FakeSampler)
+    timing = harness.time_steps(lambda: None, torch.device("cpu"), warmup=1, repeats=4, iters=5)
+    assert timing["gpu_clock"]["j_per_step"] == 6.5  # 130 J over 4 repeats of 5 steps
 
 
 def test_gpu_clock_sampler_samples_nothing_on_the_cpu(bench):
@@ -85,3 +125,16 @@ def test_gpu_time_leaves_out_the_hosts_share(bench):
     big = torch.empty(2 ** 28, dtype=torch.int8, device="cuda")
     copy_ms = harness.gpu_time_ms(lambda: big.clone(), repeats=10)
     assert 0.01 < copy_ms < 50
+
+
+@pytest.mark.gpu
+def test_gpu_clock_sampler_reads_the_energy_counter(bench):
+    harness = bench("harness")
+    x = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    with harness.GpuClockSampler(torch.device("cuda", torch.cuda.current_device())) as sampler:
+        t = time.perf_counter()
+        while time.perf_counter() - t < 1.0:  # a second of GEMMs: a GPU draws well over 50 W doing them
+            for _ in range(20):
+                x @ x
+            torch.cuda.synchronize()
+    assert sampler.energy_j() is not None and 50 < sampler.energy_j() < 2000

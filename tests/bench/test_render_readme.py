@@ -39,7 +39,8 @@ def results(tmp_path):
     _write(d / "2026-11-30-train.json", [
         _row("llama-1.1b-1gpu", "titan-style", "baseline", 130.0, 63000.0),
         dict(_row("llama-1.1b-1gpu", "schedlang-optimize", "schedlang", 104.0, 78750.0),
-             gpu_clock={"sm_mhz": 1672, "power_w": 655.4, "power_capped": 0.96, "samples": 30}),
+             gpu_clock={"sm_mhz": 1672, "power_w": 655.4, "power_capped": 0.96, "samples": 30,
+                                  "energy_j": 2163.0, "j_per_step": 86.52}),
         _row("llama-1.1b-1gpu", "eager", "baseline", 210.0, 39060.0, check="FAIL first loss 9.1 vs eager 10.4"),
     ], "2026-11-30", "abcdef1234567890" + "0" * 24)
     # CPU checks of the script never reach the README
@@ -66,7 +67,7 @@ def test_table_from_json_only(bench, results, tmp_path):
     for line in lines.values():
         assert "| NVIDIA H100 80GB HBM3 x1 | 2026-11-30 | abcdef1234 |" in line
     # the GPU clock over the timed steps, where the run sampled it
-    assert "| ok | 1672 MHz, 655 W, 96% capped | NVIDIA" in lines["schedlang-optimize"]
+    assert "| ok | 1672 MHz, 655 W, 96% capped, 86.5 J/step | NVIDIA" in lines["schedlang-optimize"]
     assert "| ok | - | NVIDIA" in lines["titan-style"]
     assert "| 104.0 | 78,750 | 50.0% |" in lines["schedlang-optimize"]
     # works without a GPU result say so; the CPU file is not used
