@@ -520,7 +520,7 @@ def run_work(ctx: B.Context, work_name: str, variants: List[str]) -> List[dict]:
                 host = f"  host {row['host_ms']:.1f} ms/step" if row.get("host_ms") is not None else ""
                 label = f"  (round {round_ + 1} of {args.rounds})" if args.rounds > 1 else ""
                 clock = row.get("gpu_clock")
-                clock = (f"  {clock['sm_mhz']} MHz {clock['power_w']:.0f} W, power-capped {clock['power_capped']:.0%}"
+                clock = (f"  {clock['sm_mhz']:.0f} MHz {clock['power_w']:.0f} W, power-capped {clock['power_capped']:.0%}"
                          + (f", {clock['j_per_step']:.1f} J/step" if clock.get("j_per_step") is not None else "")
                          if clock else "")
                 print(harness.text_table(rows).splitlines()[-1] + host + clock + label, flush=True)

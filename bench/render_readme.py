@@ -85,7 +85,7 @@ def _clock(sample: Optional[dict]) -> str:
     energy per step where the driver's counter was read."""
     if not sample:
         return "-"
-    text = f"{sample['sm_mhz']} MHz, {sample['power_w']:.0f} W, {sample['power_capped']:.0%} capped"
+    text = f"{sample['sm_mhz']:.0f} MHz, {sample['power_w']:.0f} W, {sample['power_capped']:.0%} capped"
     if sample.get("j_per_step") is not None:
         text += f", {sample['j_per_step']:.1f} J/step"
     return text
