@@ -74,7 +74,8 @@ schedlang's, through its schedule API:
 * ``schedlang-optimize-mw-proj``: ``schedlang-optimize-mw`` with ``optimize_model(fuse_projections=True)``: in
   the compiled layers q|k|v and gate|up run as one GEMM each, on weights concatenated per call;
   ``-mw-cdt`` (``-mw-proj-cdt``): with Inductor's coordinate-descent tuning of its kernels' block sizes
-  (``compile_options={"options": {"coordinate_descent_tuning": True}}``);
+  (``compile_options={"options": {"coordinate_descent_tuning": True}}``); ``-mw-autotune``: Inductor's
+  max-autotune of the layers' GEMMs (cuBLAS against Triton templates with fused epilogues, ``TUNING``);
 * ``schedlang-optimize-mw-knorm``: ``schedlang-optimize-mw`` with ``optimize_model(compiled_norms="kernel")``:
   the compiled layers' RMSNorms call schedlang's kernels as custom operators instead of Inductor's code;
 * ``schedlang-ddp-optimize-mw`` (``-bf16reduce``): ``replicate`` at the root, ``optimize_model`` and
@@ -159,10 +160,15 @@ WORKS: Dict[str, Work] = {
                                   "schedlang-fsdp-noreshard", "schedlang-tp", "schedlang-tp-fsdp")),
 }
 CHECKPOINT_STRIDES = (4, 2, 1)
+# Inductor options of the -cdt and -autotune variants: block sizes tuned by coordinate descent; or every GEMM
+# benchmarked against Triton templates (persistent TMA ones on Hopper) that can take the following pointwise
+# ops into their epilogue, cuBLAS kept where it is faster
+TUNING = {"cdt": {"coordinate_descent_tuning": True},
+          "autotune": {"max_autotune": True, "triton.enable_persistent_tma_matmul": True}}
 # schedlang-optimize[-fp8][-mw][-cg]: float8 Linears, fp32 master weights, per-layer CUDA graphs
 OPTIMIZE_VARIANTS = tuple("schedlang-optimize" + fp8 + mw + cg for fp8 in ("", "-fp8") for mw in ("", "-mw")
                           for cg in ("", "-cg")) + tuple(
-    "schedlang-optimize-mw" + extra for extra in ("-graph", "-proj", "-cdt", "-proj-cdt", "-knorm"))
+    "schedlang-optimize-mw" + extra for extra in ("-graph", "-proj", "-cdt", "-proj-cdt", "-knorm", "-autotune"))
 SCHEDLANG = ("schedlang-layers", *OPTIMIZE_VARIANTS, *(f"schedlang-optimize-ckpt{n}" for n in CHECKPOINT_STRIDES),
              "schedlang-tp",
              "schedlang-tp-optimize", "schedlang-tp-optimize-cg", "schedlang-fsdp", "schedlang-fsdp-noreshard", "schedlang-fsdp-optimize",
@@ -202,12 +208,12 @@ def _compile(ctx: B.Context, model) -> None:
 
 
 def _optimize(ctx: B.Context, sch, float8=None, cudagraphs: bool = False, checkpoint_every: int = 0,
-              fuse_projections: bool = False, tune_kernels: bool = False, kernel_norms: bool = False
+              fuse_projections: bool = False, tune_kernels: Optional[str] = None, kernel_norms: bool = False
               ) -> Dict[str, Any]:
     from schedlang.models import optimize_model
 
     compile = ("layers-cudagraphs" if cudagraphs and ctx.cuda else "layers") if ctx.args.compile else None
-    tuned = {"options": {"coordinate_descent_tuning": True}} if tune_kernels and compile is not None else None
+    tuned = {"options": TUNING[tune_kernels]} if tune_kernels and compile is not None else None
     optimize_model(sch, compile=compile, float8=float8, selective_checkpoint=checkpoint_every or None,
                    fuse_projections=fuse_projections and compile is not None, compile_options=tuned,
                    compiled_norms="kernel" if kernel_norms else "inductor")
@@ -233,7 +239,7 @@ def _null():
 
 def make_schedlang_single(ctx: B.Context, cfg, optimize: bool, float8=None, cudagraph_layers: bool = False,
                           checkpoint_every: int = 0, master_weights: bool = False, captured_step: bool = False,
-                          fuse_projections: bool = False, tune_kernels: bool = False,
+                          fuse_projections: bool = False, tune_kernels: Optional[str] = None,
                           kernel_norms: bool = False) -> B.Setup:
     import schedlang
 
@@ -389,7 +395,8 @@ def make_variant(ctx: B.Context, name: str, cfg) -> B.Setup:
         return make_schedlang_single(ctx, cfg, optimize=True, float8="tensorwise" if "fp8" in options else None,
                                      cudagraph_layers="cg" in options, master_weights="mw" in options,
                                      captured_step="graph" in options, fuse_projections="proj" in options,
-                                     tune_kernels="cdt" in options, kernel_norms="knorm" in options)
+                                     tune_kernels="cdt" if "cdt" in options else "autotune" if "autotune" in options
+                                     else None, kernel_norms="knorm" in options)
     if name.startswith("schedlang-optimize-ckpt") and name in SCHEDLANG:
         return make_schedlang_single(ctx, cfg, optimize=True, checkpoint_every=int(name.rpartition("ckpt")[2]))
     if name in ("schedlang-tp", "schedlang-tp-optimize", "schedlang-tp-optimize-cg"):

@@ -135,13 +135,34 @@ def test_master_weights_variant_runs_only_with_schedlang_fused_adamw_on_every_ro
 
 def test_optimize_variant_names_compose_float8_master_weights_and_cuda_graphs(bench):
     train = bench("bench_train")
-    assert len(set(train.OPTIMIZE_VARIANTS)) == 13
+    assert len(set(train.OPTIMIZE_VARIANTS)) == 14
     assert {"schedlang-optimize", "schedlang-optimize-fp8-cg", "schedlang-optimize-mw-cg",
             "schedlang-optimize-fp8-mw-cg", "schedlang-optimize-mw-graph", "schedlang-optimize-mw-proj",
             "schedlang-optimize-mw-cdt", "schedlang-optimize-mw-proj-cdt",
-            "schedlang-optimize-mw-knorm"} <= set(train.OPTIMIZE_VARIANTS)
+            "schedlang-optimize-mw-knorm", "schedlang-optimize-mw-autotune"} <= set(train.OPTIMIZE_VARIANTS)
     with pytest.raises(ValueError, match="unknown variant 'schedlang-optimize-cg-mw'"):
         train.make_variant(None, "schedlang-optimize-cg-mw", None)
+
+
+def test_tuning_variants_pass_their_inductor_options_to_the_compiled_layers(bench, monkeypatch):
+    import schedlang.models
+
+    train = bench("bench_train")
+    seen = []
+    monkeypatch.setattr(schedlang.models, "optimize_model", lambda sch, **kw: seen.append(kw))
+
+    class Ctx:
+        args = type("Args", (), {"compile": True})()
+        cuda = False
+
+    class Sch:
+        root = type("Root", (), {"metadata": {"optimize": {}}})()
+
+    for tune in ("cdt", "autotune", None):
+        train._optimize(Ctx(), Sch(), tune_kernels=tune)
+    assert [kw["compile_options"] for kw in seen] == [
+        {"options": {"coordinate_descent_tuning": True}},
+        {"options": {"max_autotune": True, "triton.enable_persistent_tma_matmul": True}}, None]
 
 
 def test_a_whole_step_variant_steps_through_its_own_step_after_an_eager_first_one(bench, tmp_path, monkeypatch):
