@@ -311,7 +311,10 @@ def make_tp_titan(ctx: Context, cfg, dp: int = 1, fsdp: bool = False) -> Setup:
                   notes={"loss": "vocab-sharded logits -> loss_parallel F.cross_entropy (fp32)", "compile": "blocks"})
 
 
-def make_fsdp2_titan(ctx: Context, cfg, fp8: str = None) -> Setup:
+def make_fsdp2_titan(ctx: Context, cfg, fp8: str = None, reshard: bool = True) -> Setup:
+    """FSDP2 per block and at the root with bf16 mixed precision, blocks compiled one by one, as torchtitan
+    applies it. ``reshard=False`` is torchtitan's ``reshard_after_forward_policy="never"``: each block keeps
+    its gathered weights from its forward to its backward (one all-gather per block and step, not two)."""
     from torch.distributed.fsdp import fully_shard
 
     mesh = ctx.mesh(ctx.world, 1)["dp"]
@@ -323,8 +326,8 @@ def make_fsdp2_titan(ctx: Context, cfg, fp8: str = None) -> Setup:
     for i, block in enumerate(layers):
         block = ctx.compile_block(block)
         layers[i] = block
-        fully_shard(block, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
     opt = ctx.optimizer(model.parameters())
     if fp8:  # and, as torchtitan does, every weight's float8 scale from one all-reduce after each step
         from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
@@ -336,7 +339,8 @@ def make_fsdp2_titan(ctx: Context, cfg, fp8: str = None) -> Setup:
 
     return Setup(model, opt, loss_fn, dp=ctx.world, dp_rank=mesh.get_local_rank(),
                  notes={"loss": "logits -> F.cross_entropy (fp32)", "compile": "blocks",
-                        "float8": f"{fp8}, float8 all-gather" if fp8 else None})
+                        "float8": f"{fp8}, float8 all-gather" if fp8 else None,
+                        "reshard_after_forward": reshard})
 
 
 def make_ddp_titan(ctx: Context, cfg) -> Setup:
@@ -371,5 +375,6 @@ BASELINES: Dict[str, Callable[[Context, Any], Setup]] = {
     "tp-fsdp-titan": lambda ctx, cfg: make_tp_titan(ctx, cfg, dp=ctx.world // ctx.args.tp2d, fsdp=True),
     "fsdp2-titan": make_fsdp2_titan,
     "fsdp2-titan-fp8": lambda ctx, cfg: make_fsdp2_titan(ctx, cfg, fp8="tensorwise"),
+    "fsdp2-titan-noreshard": lambda ctx, cfg: make_fsdp2_titan(ctx, cfg, reshard=False),
     "ddp-titan": make_ddp_titan,
 }

@@ -40,7 +40,8 @@ Works (batch x seq; ``--batch`` / ``--seq`` override):
   2 GPUs, as ``llama-1.1b-2gpu``.
 
 Variants: the baselines are in ``bench/baselines.py`` (``eager``, ``compile``, ``titan-style``,
-``titan-style-fp8``, ``dtensor-compile``, ``tp-titan``, ``fsdp2-titan``, ``tp-fsdp-titan``, ``ddp-titan``).
+``titan-style-fp8``, ``dtensor-compile``, ``tp-titan``, ``fsdp2-titan``, ``fsdp2-titan-noreshard`` (torchtitan's
+``reshard_after_forward_policy="never"``), ``tp-fsdp-titan``, ``ddp-titan``).
 schedlang's, through its schedule API:
 
 * ``schedlang-layers``: ``create_schedule`` + ``build`` + ``compile_layers`` (1 GPU: the plan is
@@ -150,7 +151,8 @@ WORKS: Dict[str, Work] = {
     "llama-1.1b-tp2": Work("llama", "llama-1.1b", 4, 2048, 2, False, "tp-titan",
                            ("dtensor-compile", "tp-titan", "schedlang-tp", "schedlang-tp-optimize")),
     "llama-1.1b-2gpu": Work("llama", "llama-1.1b", 4, 2048, 2, True, "fsdp2-titan",
-                            ("fsdp2-titan", "ddp-titan", "tp-titan", "schedlang-fsdp", "schedlang-fsdp-noreshard",
+                            ("fsdp2-titan", "fsdp2-titan-noreshard", "ddp-titan", "tp-titan", "schedlang-fsdp",
+                             "schedlang-fsdp-noreshard",
                              "schedlang-fsdp-optimize", "schedlang-ddp-optimize-mw", "schedlang-tp")),
     "llama-1.1b-2gpu-fp8": Work("llama", "llama-1.1b", 4, 2048, 2, True, "fsdp2-titan-fp8",
                                 ("fsdp2-titan-fp8", "schedlang-fsdp-fp8", "schedlang-fsdp-fp8-optimize"),

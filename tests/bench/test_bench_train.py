@@ -84,7 +84,7 @@ def test_two_rank_works_on_gloo(tmp_path):
     from pathlib import Path
 
     script = Path(__file__).resolve().parents[2] / "bench" / "bench_train.py"
-    variants = "fsdp2-titan,tp-titan,schedlang-tp,schedlang-fsdp-optimize,ddp-titan"
+    variants = "fsdp2-titan,fsdp2-titan-noreshard,tp-titan,schedlang-tp,schedlang-fsdp-optimize,ddp-titan"
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script), "--tiny",
          "--work", "llama-1.1b-tp2,llama-1.1b-2gpu", "--variants", variants, "--results-dir", str(tmp_path),
@@ -94,13 +94,15 @@ def test_two_rank_works_on_gloo(tmp_path):
     (path,) = tmp_path.glob("*-train-tiny.json")
     data = json.loads(path.read_text())
     rows = data["rows"]
-    assert data["ranks"] == 2 and len(rows) == 10
+    assert data["ranks"] == 2 and len(rows) == 12
     for r in rows:
         assert r["check"] == "ok", r
     layouts = {(r["work"], r["variant"]): r["layout"] for r in rows}
     assert layouts[("llama-1.1b-tp2", "schedlang-tp")] == "dp=1 x tp=2"
     assert layouts[("llama-1.1b-2gpu", "schedlang-fsdp-optimize")] == "dp=2 x tp=1"
     assert layouts[("llama-1.1b-2gpu", "ddp-titan")] == "dp=2 x tp=1"
+    reshard = {r["variant"]: r.get("reshard_after_forward") for r in rows if r["work"] == "llama-1.1b-2gpu"}
+    assert reshard["fsdp2-titan"] is True and reshard["fsdp2-titan-noreshard"] is False
     tp = next(r for r in rows if r["variant"] == "schedlang-tp" and r["work"] == "llama-1.1b-tp2")
     assert tp["batch"] == 2 and tp["baseline"] == "tp-titan"  # the group's batch, not per GPU
 
