@@ -83,6 +83,11 @@ def test_gpu_clock_sampler_summarizes_nvidia_smi_lines_and_skips_unreadable_ones
     assert sampler.summary()["energy_j"] is None
 
 
+def test_the_energy_counter_of_an_unknown_gpu_reads_as_missing(bench):
+    # no NVML on this machine, or NVML without such a GPU: None, never an exception or a zero
+    assert bench("harness").nvml_energy_mj("GPU-00000000-0000-0000-0000-000000000000") is None
+
+
 def test_time_steps_gives_the_energy_per_step_from_the_counter(bench, monkeypatch):
     harness = bench("harness")
 
