@@ -327,7 +327,7 @@ def make_fsdp2_titan(ctx: Context, cfg, fp8: str = None, reshard: bool = True) -
         block = ctx.compile_block(block)
         layers[i] = block
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, mp_policy=mp)  # the root keeps torch's default: not resharded after forward
     opt = ctx.optimizer(model.parameters())
     if fp8:  # and, as torchtitan does, every weight's float8 scale from one all-reduce after each step
         from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp

@@ -278,8 +278,6 @@ def _capture_whole_step(ctx: B.Context, setup: B.Setup) -> None:
     not keep the cache's tensors); with master weights no Linear weight is cast anyway."""
     import schedlang
 
-    if not ctx.cuda:
-        raise B.NotAvailable("a captured step replays a CUDA graph: it needs a GPU")
     model = setup.model
 
     def loss_and_backward(ids, labels):
@@ -288,7 +286,15 @@ def _capture_whole_step(ctx: B.Context, setup: B.Setup) -> None:
         loss.backward()
         return loss
 
-    setup.step = schedlang.CapturedStep(loss_and_backward, setup.opt, warmup=2)
+    # the row's first warm-up step is eager outside CapturedStep and the rest go through it: its own eager steps
+    # and the capture all fall in the warm-up, so the timed steps are replays and the warm-up losses checked
+    # include one from the captured graph
+    if ctx.args.warmup < 3:
+        raise B.NotAvailable(f"a captured step needs --warmup of at least 3 (an eager step, one through the "
+                             f"step before its capture, the capture), got {ctx.args.warmup}")
+    if not ctx.cuda:
+        raise B.NotAvailable("a captured step replays a CUDA graph: it needs a GPU")
+    setup.step = schedlang.CapturedStep(loss_and_backward, setup.opt, warmup=ctx.args.warmup - 2)
     setup.notes["captured_step"] = "forward, backward and FusedAdamW step replayed from one CUDA graph"
 
 

@@ -17,10 +17,11 @@ its last launch, before waiting for the GPU). Close to ``ms``, the step is bound
 
 ``gpu_clock`` (:class:`GpuClockSampler`) is what the GPU ran at during the timed repeats: the mean SM
 clock, the mean power draw, and the share of samples in which the driver held the clock down to stay
-under the power limit, and the energy per step (``j_per_step``: the driver's energy counter over the
-repeats, divided by their steps). An H100 or H200 at 700 W runs a dense training step power-capped, at
-clocks below its 1980 MHz; then a step that keeps the GPU busier runs its GEMMs at a lower clock, and
-only less energy per step, not fewer idle gaps, makes it faster.
+under the power limit (of rank 0's GPU), and the energy per step (``j_per_step``: the driver's energy
+counters over the repeats, summed over every rank's GPU, divided by the steps). An H100 or H200 at
+700 W runs a dense training step power-capped, at clocks below its 1980 MHz; then a step that keeps
+the GPU busier runs its GEMMs at a lower clock, and only less energy per step, not fewer idle gaps,
+makes it faster.
 
 Training benchmarks share the pieces below the timing: a global batch made on the host
 (:func:`global_batch`), its rows per data-parallel rank (:func:`rows_of`), means over ranks
@@ -192,8 +193,11 @@ def time_steps(step: Callable[[], Any], device: torch.device, warmup: int = 3, r
     runs = max_over_ranks(runs, device)
     host = max_over_ranks(host, device)
     gpu_clock = clocks.summary()
-    if gpu_clock is not None and gpu_clock["energy_j"] is not None:
-        gpu_clock["j_per_step"] = round(gpu_clock["energy_j"] / (repeats * iters), 2)
+    energy = sum_over_ranks(None if gpu_clock is None else gpu_clock["energy_j"], device)
+    if gpu_clock is not None and energy is not None:
+        # the energy of every GPU of the step, so that rows of one and of several GPUs compare
+        gpu_clock["energy_j"] = round(energy, 2)
+        gpu_clock["j_per_step"] = round(energy / (repeats * iters), 2)
     return {"ms": statistics.median(runs), "ms_runs": [round(r, 3) for r in runs], "warmup_s": round(warm_s, 2),
             "host_ms": round(statistics.median(host), 3), "gpu_clock": gpu_clock}
 
@@ -250,6 +254,17 @@ def gpu_time_ms(fn: Callable[[], Any], repeats: int = 50, warmup: int = 5, flush
     return statistics.median(start.elapsed_time(end) for start, end in events)
 
 
+def sum_over_ranks(value: Optional[float], device: torch.device) -> Optional[float]:
+    """``value`` summed over all ranks; None when any rank has none (the value itself without torch.distributed)."""
+    dist = _dist()
+    if dist is None or dist.get_world_size() == 1:
+        return value
+    t = torch.tensor([0.0 if value is None else value, 1.0 if value is None else 0.0], dtype=torch.float64,
+                     device=device)
+    dist.all_reduce(t)
+    return None if t[1].item() else t[0].item()
+
+
 def max_over_ranks(values: Sequence[float], device: torch.device) -> List[float]:
     """Element-wise maximum of ``values`` over all ranks (the values themselves without torch.distributed)."""
     dist = _dist()
@@ -301,7 +316,7 @@ def make_row(work: str, variant: str, role: str, ms: Optional[float], tokens_per
 def _median_fields(samples: Sequence[dict]) -> dict:
     """Per key, the median of the values the dicts have for it (None where none has one)."""
     out = {}
-    for key in samples[0]:
+    for key in dict.fromkeys(k for d in samples for k in d):
         values = [d[key] for d in samples if d.get(key) is not None]
         out[key] = statistics.median(values) if values else None
     return out
@@ -387,7 +402,8 @@ def git_sha(root: Optional[Path] = None) -> str:
 
 def environment(gpus: int) -> Dict[str, Any]:
     """The header of a result file: revision, date, device and versions."""
-    out: Dict[str, Any] = {"git_sha": git_sha(), "date": datetime.date.today().isoformat(),
+    now = datetime.datetime.now(datetime.timezone.utc)
+    out: Dict[str, Any] = {"git_sha": git_sha(), "date": now.date().isoformat(), "time": now.strftime("%H:%M:%S"),
                            "device": torch.cuda.get_device_name() if torch.cuda.is_available() and gpus else "cpu",
                            "gpus": gpus, "torch": torch.__version__}
     for name in ("triton", "transformers"):
@@ -429,10 +445,10 @@ def write_results(name: str, rows: Iterable[dict], gpus: int, merge: bool = True
     kept = [r for r in old_rows if (r.get("work"), r.get("variant")) not in new_keys]
     data = environment(gpus)
     data.update(header)
-    # rows of earlier runs keep the revision and command that measured them (the header is the latest run's)
+    # rows of earlier runs keep the revision, command, machine and versions that measured them (the header is
+    # the latest run's)
     for r in rows:
-        r.setdefault("git_sha", data["git_sha"])
-        r.setdefault("command", data.get("command"))
+        _stamp(r, data)
     data["rows"] = kept + rows
     path.write_text(json.dumps(data, indent=2) + "\n")
     return path
@@ -615,6 +631,13 @@ def ratio_to_baseline(row: dict, rows: Iterable[dict]) -> Optional[float]:
     return _ratio_value(row, _best_baselines(list(rows)))
 
 
+def ratio_to_fastest_baseline(row: dict, rows: Iterable[dict]) -> Optional[float]:
+    """``row``'s speed over the fastest baseline row of its work in ``rows``, whichever it names; None when
+    either did not run."""
+    speed, best = _speed(row), _best_baselines(list(rows)).get(row.get("work"))
+    return speed / best if speed and best else None
+
+
 def _ratio_value(row: dict, best: Dict[Any, float]) -> Optional[float]:
     speed = _speed(row)
     if not speed:
@@ -628,13 +651,28 @@ def _ratio(row: dict, best: Dict[Any, float]) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
 
+#: what each row keeps of its file's header, so that a row merged into another file still names its run
+ROW_HEADER_KEYS = ("git_sha", "command", "date", "time", "device", "gpus", "torch", "triton", "transformers")
+
+
+def _stamp(row: dict, header: dict) -> dict:
+    for key in ROW_HEADER_KEYS:
+        if key in header:
+            row.setdefault(key, header[key])
+    return row
+
+
 def merge_files(target: Path, sources: Sequence[Path]) -> Path:
     """Merge the rows of result files into ``target`` (created or updated): later files win for the same
-    ``work`` and ``variant``; the header is the last source's. For benchmarks run as several commands."""
+    ``work`` and ``variant``; the header is the last source's, and every row keeps its own file's revision,
+    date, device and versions (:data:`ROW_HEADER_KEYS`). For benchmarks run as several commands."""
     target = Path(target)
     data: Dict[str, Any] = json.loads(target.read_text()) if target.exists() else {"rows": []}
+    if data["rows"]:
+        data["rows"] = [_stamp(r, data) for r in data["rows"]]
     for src in sources:
         new = json.loads(Path(src).read_text())
+        new["rows"] = [_stamp(r, new) for r in new["rows"]]
         keys = {(r["work"], r["variant"]) for r in new["rows"]}
         rows = [r for r in data["rows"] if (r.get("work"), r.get("variant")) not in keys] + new["rows"]
         data = {**{k: v for k, v in new.items() if k != "rows"}, "rows": rows}

@@ -46,7 +46,8 @@ def load_results(directory: Path) -> List[dict]:
             continue
         header = {k: v for k, v in data.items() if k != "rows"}
         out.append({"path": path, "header": header, "rows": data["rows"]})
-    out.sort(key=lambda f: (str(f["header"].get("date", "")), f["path"].name))
+    # newest last: by date, then the time a run wrote its file (files of older runs have none), then name
+    out.sort(key=lambda f: (str(f["header"].get("date", "")), str(f["header"].get("time", "")), f["path"].name))
     return out
 
 
@@ -93,23 +94,30 @@ def _clock(sample: Optional[dict]) -> str:
 
 def render_table(files: Sequence[dict]) -> str:
     works = latest_rows(files)
-    head = ["work", "variant", "role", "step ms", "tokens/s", "MFU", "peak GiB", "vs baseline", "optimizer", "check",
-            "GPU clock", "device", "date", "sha"]
+    head = ["work", "variant", "role", "step ms", "tokens/s", "MFU", "peak GiB", "vs baseline", "vs fastest baseline",
+            "optimizer", "check", "GPU clock", "device", "date", "sha"]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join(" --- " for _ in head) + "|"]
     for work in work_order(works):
         if work not in works:
             lines.append(f"| {work} | {NO_RESULT} |" + " |" * (len(head) - 2))
             continue
         header, rows = works[work]
-        device = f"{header.get('device')} x{header.get('gpus')}"
         for r in rows:
             sha = str(r.get("git_sha") or header.get("git_sha", "unknown"))
             sha = sha[:10] + ("+dirty" if sha.endswith("+dirty") else "")
-            ratio = harness.ratio_to_baseline(r, same_run(r, rows, header))
+            run = same_run(r, rows, header)
+            ratio = harness.ratio_to_baseline(r, run)
             vs = "-" if ratio is None else f"{ratio:.2f}x {r.get('baseline') or 'best baseline'}"
+            fastest = harness.ratio_to_fastest_baseline(r, run)
+            fastest_name = max((b for b in run if b.get("role") == "baseline" and harness._speed(b)),
+                               key=harness._speed, default={}).get("variant")
+            vs_fastest = "-" if fastest is None else f"{fastest:.2f}x {fastest_name}"
+            # a row merged in from another run names its own machine and date
+            device = f"{r.get('device') or header.get('device')} x{r.get('gpus') or header.get('gpus')}"
             cells = [work, r.get("variant"), r.get("role"), _fmt(r.get("ms"), "ms"), _fmt(r.get("tokens_per_s"), "tok"),
-                     _fmt(r.get("mfu"), "pct"), _fmt(r.get("peak_mem_gib"), "gib"), vs, r.get("optimizer") or "-",
-                     str(r.get("check"))[:80], _clock(r.get("gpu_clock")), device, header.get("date"), sha]
+                     _fmt(r.get("mfu"), "pct"), _fmt(r.get("peak_mem_gib"), "gib"), vs, vs_fastest,
+                     r.get("optimizer") or "-", str(r.get("check"))[:80], _clock(r.get("gpu_clock")), device,
+                     r.get("date") or header.get("date"), sha]
             lines.append("| " + " | ".join(str(c).replace("|", "/") for c in cells) + " |")
     return "\n".join(lines)
 

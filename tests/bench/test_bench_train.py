@@ -246,3 +246,18 @@ def test_rounds_run_the_variants_in_turn_and_keep_every_round(bench, tmp_path):
 def test_rounds_must_be_positive(bench):
     with pytest.raises(SystemExit):
         bench("bench_train").parse_args(["--rounds", "0"])
+
+
+def test_a_captured_step_is_captured_within_the_warm_up(bench):
+    train = bench("bench_train")
+
+    class Ctx:
+        cuda = False
+        args = type("Args", (), {"warmup": 2})()
+
+    setup = type("Setup", (), {"model": None, "opt": None, "notes": {}})()
+    with pytest.raises(train.B.NotAvailable, match="a captured step needs --warmup of at least 3 .* got 2"):
+        train._capture_whole_step(Ctx(), setup)
+    Ctx.args.warmup = 3  # enough warm-up; without a GPU it says what it needs instead
+    with pytest.raises(train.B.NotAvailable, match="needs a GPU"):
+        train._capture_whole_step(Ctx(), setup)

@@ -1,5 +1,6 @@
 """bench/harness.py: the correctness verdict of a variant, the rows' ratios, and the GPU clock samples."""
 
+import json
 import math
 import time
 
@@ -143,3 +144,49 @@ def test_gpu_clock_sampler_reads_the_energy_counter(bench):
                 x @ x
             torch.cuda.synchronize()
     assert sampler.energy_j() is not None and 50 < sampler.energy_j() < 2000
+
+
+def test_energy_sums_over_ranks_and_stays_missing_without_a_counter(bench):
+    harness = bench("harness")
+    # one process: the value itself (two ranks: test_energy_is_summed_over_two_gloo_ranks)
+    assert harness.sum_over_ranks(12.5, torch.device("cpu")) == 12.5
+    assert harness.sum_over_ranks(None, torch.device("cpu")) is None
+
+
+def test_written_rows_carry_their_run_and_the_header_its_time(bench, tmp_path):
+    harness = bench("harness")
+    row = harness.make_row("w", "a", "baseline", 10.0, 1000, 1e12, 1, 1.0, "ok")
+    path = harness.write_results("t", [row], gpus=0, directory=tmp_path)
+    data = json.loads(path.read_text())
+    assert len(data["time"]) == 8 and data["time"].count(":") == 2
+    (written,) = data["rows"]
+    for key in ("git_sha", "date", "time", "device", "gpus", "torch"):
+        assert written[key] == data[key], key
+
+
+def _sum_on_rank(rank, init_file, values, out_file):
+    import sys
+
+    import torch.distributed as dist
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2] / "bench"))
+    import harness
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        total = harness.sum_over_ranks(values[rank], torch.device("cpu"))
+        missing = harness.sum_over_ranks(values[rank] if rank == 0 else None, torch.device("cpu"))
+        if rank == 0:
+            with open(out_file, "w") as f:
+                json.dump([total, missing], f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_energy_is_summed_over_two_gloo_ranks(tmp_path):
+    import torch.multiprocessing as mp
+
+    out = tmp_path / "out.json"
+    mp.spawn(_sum_on_rank, args=(str(tmp_path / "init"), [100.5, 98.0], str(out)), nprocs=2, join=True)
+    # every GPU's energy counts; one rank without a counter makes the figure missing, not half of it
+    assert json.loads(out.read_text()) == [198.5, None]

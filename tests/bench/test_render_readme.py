@@ -141,3 +141,46 @@ def test_profiles_are_rendered_from_rows_that_carry_them(bench, results, tmp_pat
     (results / "2026-12-01-train.json").unlink()
     render.main(["--results", str(results), "--readme", str(readme), "--no-chart"])
     assert "ms per step)" not in readme.read_text()
+
+
+def test_each_row_is_also_compared_with_the_fastest_baseline_of_its_run(bench, results):
+    render = bench("render_readme")
+    rows = [_row("gpt2-medium-1gpu", "compile", "baseline", 60.0, 136000.0),
+            _row("gpt2-medium-1gpu", "titan-style", "baseline", 68.0, 120000.0),
+            _row("gpt2-medium-1gpu", "schedlang-optimize-cg", "schedlang", 48.0, 170000.0)]
+    _write(results / "2026-12-02-train.json", rows, "2026-12-02", "3" * 40)
+    lines = {line.split(" | ")[1]: line for line in render.render_table(render.load_results(results)).splitlines()
+             if line.startswith("| gpt2-medium-1gpu |")}
+    # named baseline: titan-style (170000 / 120000); fastest: whole-model compile (170000 / 136000)
+    assert "| 1.42x titan-style | 1.25x compile |" in lines["schedlang-optimize-cg"]
+    assert "| 1.00x titan-style | 0.88x compile |" in lines["titan-style"]
+
+
+def test_merged_rows_keep_their_own_run_and_the_newest_run_of_a_day_wins(bench, results, tmp_path):
+    render, harness = bench("render_readme"), bench("harness")
+    one = tmp_path / "one.json"
+    _write(one, [_row("llama-1.1b-tp2", "tp-titan", "baseline", 140.0, 58000.0, baseline="tp-titan")],
+           "2026-12-03", "4" * 40, gpus=2, device="NVIDIA H200")
+    target = results / "2026-12-03-train.json"
+    _write(target, [_row("gpt2-medium-1gpu", "compile", "baseline", 60.0, 136000.0, baseline="compile")],
+           "2026-12-03", "5" * 40)
+    harness.merge_files(target, [one])
+    data = json.loads(target.read_text())
+    assert data["gpus"] == 2  # the header is the last source's...
+    gpt2 = next(r for r in data["rows"] if r["work"] == "gpt2-medium-1gpu")
+    assert (gpt2["device"], gpt2["gpus"], gpt2["git_sha"]) == ("NVIDIA H100 80GB HBM3", 1, "5" * 40)  # ...not the rows'
+    table = render.render_table(render.load_results(results))
+    line = next(x for x in table.splitlines() if x.startswith("| gpt2-medium-1gpu | compile |"))
+    assert "| NVIDIA H100 80GB HBM3 x1 | 2026-12-03 | 5555555555 |" in line
+    line = next(x for x in table.splitlines() if x.startswith("| llama-1.1b-tp2 | tp-titan |"))
+    assert "| NVIDIA H200 x2 | 2026-12-03 | 4444444444 |" in line
+    # a file of the same day written later (its header has the time) is newer, whatever its name
+    later = results / "2026-12-03-a-probe.json"
+    _write(later, [_row("gpt2-medium-1gpu", "compile", "baseline", 59.0, 138000.0, baseline="compile")],
+           "2026-12-03", "6" * 40)
+    data = json.loads(later.read_text())
+    data["time"] = "23:59:00"
+    later.write_text(json.dumps(data))
+    table = render.render_table(render.load_results(results))
+    line = next(x for x in table.splitlines() if x.startswith("| gpt2-medium-1gpu | compile |"))
+    assert "| 59.0 |" in line and "6666666666" in line
