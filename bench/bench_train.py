@@ -87,10 +87,13 @@ schedlang's, through its schedule API:
   master-weights rows.
 
 Correctness, in the same run (column ``check``: "ok" or "FAIL <why>"): each rank first runs the
-plain model eagerly on its share of the batch; every variant's first-step loss must match it
-(1e-2 relative in bf16, 1e-4 in fp32), and its gradient norm after the first backward and its loss
-after the warm-up steps must match the work's first variant that passed (5% / 2%). A variant that
-fails records "FAIL <error>" and the others still run.
+plain model eagerly on its share of the batch, forward and backward; every variant's first-step loss
+must match it (1e-2 relative in bf16, 1e-4 in fp32), and so must the direction of its first gradient
+(``grad_cosine``: the cosine of random projections of both gradients, per parameter, at least 0.98 in
+bf16, 0.9999 in fp32, 0.95 for the float8 works; at a random initialization the loss and the gradient norm hardly depend on the
+labels, the gradient's direction does); its gradient norm after the first backward and its loss after
+the warm-up steps must match the work's first variant that passed (5% / 2%). A variant that fails
+records "FAIL <error>" and the others still run.
 
 Timing: ``--warmup`` steps, then ``--repeats`` repeats of ``--iters`` steps between CUDA events;
 ``ms`` is the median repeat, all repeats are in ``ms_runs``; with ``--rounds N`` the variants run N times in
@@ -135,6 +138,7 @@ class Work:
     baseline: str
     variants: Tuple[str, ...]
     needs: Optional[str] = None  # a module it cannot run without
+    float8: bool = False  # its variants train in float8: their gradients are further from the eager bf16 ones
 
 
 ONE_GPU = ("eager", "compile", "titan-style", "schedlang-layers", "schedlang-optimize", "schedlang-optimize-cg")
@@ -143,7 +147,7 @@ WORKS: Dict[str, Work] = {
     "gpt2-medium-1gpu": Work("gpt2", "gpt2-medium", 8, 1024, 1, True, "titan-style", ONE_GPU),
     "llama-1.1b-1gpu-fp8": Work("llama", "llama-1.1b", 4, 2048, 1, True, "titan-style-fp8",
                                 ("titan-style-fp8", "schedlang-optimize-fp8", "schedlang-optimize-fp8-cg"),
-                                needs="torchao"),
+                                needs="torchao", float8=True),
     # the memory / speed curve of selective activation checkpointing (every n-th layer recomputed)
     "llama-1.1b-1gpu-ckpt": Work("llama", "llama-1.1b", 4, 2048, 1, True, "schedlang-optimize",
                                  ("schedlang-optimize", "schedlang-optimize-ckpt4", "schedlang-optimize-ckpt2",
@@ -156,7 +160,7 @@ WORKS: Dict[str, Work] = {
                              "schedlang-fsdp-optimize", "schedlang-ddp-optimize-mw", "schedlang-tp")),
     "llama-1.1b-2gpu-fp8": Work("llama", "llama-1.1b", 4, 2048, 2, True, "fsdp2-titan-fp8",
                                 ("fsdp2-titan-fp8", "schedlang-fsdp-fp8", "schedlang-fsdp-fp8-optimize"),
-                                needs="torchao"),
+                                needs="torchao", float8=True),
     "llama-8b-layers-2gpu": Work("llama", "llama-8b", 4, 2048, 2, True, "fsdp2-titan",
                                  ("fsdp2-titan", "tp-titan", "tp-fsdp-titan", "schedlang-fsdp",
                                   "schedlang-fsdp-noreshard", "schedlang-tp", "schedlang-tp-fsdp")),
@@ -421,17 +425,21 @@ def make_variant(ctx: B.Context, name: str, cfg) -> B.Setup:
 
 # -------------------------------------------------------------------------------------------- measuring
 def reference_loss(ctx: B.Context, cfg, ids, labels) -> Dict[str, Any]:
-    """The plain model, eager, on this rank's share of the global batch; the mean over ranks."""
+    """The plain model, eager, on this rank's share of the global batch: the loss (the mean over ranks) and the
+    fingerprint of its gradient (:func:`harness.grad_fingerprint`, the mean over ranks: the whole batch's)."""
     model = B.full_model(cfg, ctx.device)
     n_params = sum(p.numel() for p in model.parameters())
     rank = dist.get_rank() if dist.is_initialized() else 0
-    with torch.no_grad(), ctx.autocast():
+    with ctx.autocast():
         logits = model(input_ids=harness.rows_of(ids, rank, ctx.world), use_cache=False).logits
         loss = B.plain_loss(logits, harness.rows_of(labels, rank, ctx.world))
-    value = harness.world_mean(loss, ctx.device)
-    del model, logits, loss
+    del logits
+    loss.backward()
+    value = harness.world_mean(loss.detach(), ctx.device)
+    fingerprint = harness.world_mean_fingerprint(harness.grad_fingerprint(model.named_parameters()), ctx.device)
+    del model, loss
     harness.free_memory(ctx.device)
-    return {"loss": value, "n_params": n_params}
+    return {"loss": value, "n_params": n_params, "fingerprint": fingerprint}
 
 
 def run_variant(ctx: B.Context, name: str, cfg, ids, labels, profile: bool = True) -> Dict[str, Any]:
@@ -451,6 +459,7 @@ def run_variant(ctx: B.Context, name: str, cfg, ids, labels, profile: bool = Tru
             setup.backward(loss)
             if first:
                 record["grad_norm"] = harness.global_grad_norm(params)
+                record["fingerprint"] = harness.grad_fingerprint(setup.model.named_parameters())
             setup.opt.step()
             setup.opt.zero_grad(set_to_none=True)
         if keep:
@@ -504,6 +513,8 @@ def run_work(ctx: B.Context, work_name: str, variants: List[str]) -> List[dict]:
     flops = harness.transformer_train_flops(ref["n_params"], cfg.num_hidden_layers, cfg.hidden_size, seq, tokens)
     gpus = world if ctx.cuda else 0
     tol = harness.TOL_BF16 if ctx.bf16 else harness.TOL_FP32
+    if work.float8:
+        tol = dict(tol, grad_cosine=harness.GRAD_COSINE_FLOAT8)
     common["params"] = ref["n_params"]
     if rank == 0:
         print(f"\n== {work_name}: {cfg.num_hidden_layers} layers, {ref['n_params'] / 1e9:.2f}B parameters, batch "
@@ -516,7 +527,9 @@ def run_work(ctx: B.Context, work_name: str, variants: List[str]) -> List[dict]:
             try:
                 out = run_variant(ctx, name, cfg, ids, labels, profile=round_ == 0)
                 rec = out["record"]
-                verdict = harness.check_losses(rec["losses"], rec["grad_norm"], ref["loss"], anchor, tol)
+                fingerprint = rec.pop("fingerprint")
+                verdict = harness.check_losses(rec["losses"], rec["grad_norm"], ref["loss"], anchor, tol,
+                                               fingerprint, ref["fingerprint"])
                 if anchor is None and verdict["check"] == "ok":
                     anchor = {"variant": name, **rec}
                 row = harness.make_row(work_name, name + suffix, role, out["timing"]["ms"], tokens, flops, gpus,

@@ -457,8 +457,11 @@ def write_results(name: str, rows: Iterable[dict], gpus: int, merge: bool = True
 # --------------------------------------------------------------------------------------- training steps
 #: relative tolerances of :func:`check_losses`: the first loss against the eager plain model; the gradient
 #: norm after the first backward and the loss after the warm-up steps against the work's first variant
-TOL_BF16 = {"loss": 1e-2, "grad_norm": 5e-2, "trajectory": 2e-2}
-TOL_FP32 = {"loss": 1e-4, "grad_norm": 1e-3, "trajectory": 1e-3}
+TOL_BF16 = {"loss": 1e-2, "grad_norm": 5e-2, "trajectory": 2e-2, "grad_cosine": 0.98}
+TOL_FP32 = {"loss": 1e-4, "grad_norm": 1e-3, "trajectory": 1e-3, "grad_cosine": 0.9999}
+#: float8 GEMMs (e4m3 activations and weights, e5m2 gradients) turn the gradient more than bf16 rounding does; a
+#: gradient of wrong labels is far below this (about 0.5 on the tiny LLaMA)
+GRAD_COSINE_FLOAT8 = 0.95
 
 
 def global_batch(vocab_size: int, rows: int, seq: int, device: torch.device, seed: int = 1):
@@ -518,18 +521,90 @@ def global_grad_norm(params) -> float:
     return math.sqrt(total)
 
 
+#: path segments that wrappers add to parameter names (torch.compile, DDP, activation checkpointing); the
+#: gradient fingerprint names parameters as the plain model does
+WRAPPER_SEGMENTS = ("_orig_mod", "module", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
+
+
+def plain_name(name: str) -> str:
+    return ".".join(part for part in name.split(".") if part not in WRAPPER_SEGMENTS)
+
+
+def grad_fingerprint(named_params, directions: int = 4) -> Dict[str, List[float]]:
+    """Per parameter (by its plain name), the inner products of its whole gradient with ``directions`` fixed
+    random directions, seeded by the name: a few numbers per tensor whose cosine with another run's tells
+    whether the two gradients point the same way (random projections keep inner products on average).
+
+    The loss at a random initialization is about ln(vocab) whatever the labels, and so is the gradient's
+    norm; its direction is not: labels shifted wrong, a dropped residual or a wrong shard turn it. A DTensor
+    gradient is gathered whole first (every rank computes the same numbers), one parameter at a time."""
+    import zlib
+
+    DTensor = _dtensor_cls()
+    out: Dict[str, List[float]] = {}
+    for name, p in named_params:
+        g = p.grad
+        if g is None:
+            continue
+        if isinstance(g, DTensor):
+            g = g.full_tensor()
+        g = g.detach().float().flatten()
+        gen = torch.Generator(device=g.device).manual_seed(zlib.crc32(plain_name(name).encode()))
+        out[plain_name(name)] = [float(torch.dot(torch.randn(g.numel(), generator=gen, device=g.device), g))
+                                 for _ in range(directions)]
+    return out
+
+
+def world_mean_fingerprint(fingerprint: Dict[str, List[float]], device: torch.device) -> Dict[str, List[float]]:
+    """The mean over ranks of per-rank fingerprints (each rank's gradient of its own rows' mean loss; with the
+    same number of rows and tokens per rank, their mean is the whole batch's)."""
+    dist = _dist()
+    if dist is None or dist.get_world_size() == 1:
+        return fingerprint
+    names = sorted(fingerprint)
+    t = torch.tensor([fingerprint[n] for n in names], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    t /= dist.get_world_size()
+    return dict(zip(names, t.tolist()))
+
+
+def fingerprint_cosine(a: Dict[str, List[float]], b: Dict[str, List[float]]) -> Tuple[float, int, int]:
+    """Cosine of two fingerprints over the parameters both have; with how many they share and how many ``b``
+    (the reference) has."""
+    import math
+
+    common = sorted(set(a) & set(b))
+    x = [v for n in common for v in a[n]]
+    y = [v for n in common for v in b[n]]
+    dot = sum(i * j for i, j in zip(x, y))
+    norm = math.sqrt(sum(i * i for i in x)) * math.sqrt(sum(j * j for j in y))
+    return (dot / norm if norm else float("nan")), len(common), len(b)
+
+
 def check_losses(losses: Sequence[float], grad_norm: float, eager_loss: float, anchor: Optional[dict],
-                 tol: Dict[str, float]) -> Dict[str, Any]:
+                 tol: Dict[str, float], fingerprint: Optional[Dict[str, List[float]]] = None,
+                 eager_fingerprint: Optional[Dict[str, List[float]]] = None) -> Dict[str, Any]:
     """A variant's verdict, ``"ok"`` or ``"FAIL <why>"``: its first loss against the eager plain model's on the
-    same batch, and (given the work's first variant that passed, ``anchor``: ``{"variant", "losses",
-    "grad_norm"}``) its gradient norm after the first backward and its loss after the warm-up steps (the
-    batch repeats, so a correct model memorizes it along the same path)."""
+    same batch; the direction of its first gradient against the eager model's (``fingerprint`` against
+    ``eager_fingerprint``, :func:`grad_fingerprint`: their cosine at least ``tol["grad_cosine"]``, over every
+    parameter the eager model has); and (given the work's first variant that passed, ``anchor``:
+    ``{"variant", "losses", "grad_norm"}``) its gradient norm after the first backward and its loss after the
+    warm-up steps (the batch repeats, so a correct model memorizes it along the same path)."""
     import math
 
     problems = []
     first = losses[0] if losses else float("nan")
     if not abs(first - eager_loss) <= tol["loss"] * abs(eager_loss):
         problems.append(f"first loss {first:.4f} vs eager {eager_loss:.4f}")
+    cosine = None
+    if fingerprint is not None and eager_fingerprint is not None:
+        cosine, shared, wanted = fingerprint_cosine(fingerprint, eager_fingerprint)
+        if shared < wanted:
+            missing = sorted(set(eager_fingerprint) - set(fingerprint))
+            problems.append(f"gradients of {wanted - shared} of {wanted} parameters missing (e.g. {missing[0]})")
+        if not cosine >= tol["grad_cosine"]:
+            problems.append(f"first gradient's direction: cosine {cosine:.4f} with eager's (at least "
+                            f"{tol['grad_cosine']})")
     if anchor is not None:
         if not abs(grad_norm - anchor["grad_norm"]) <= tol["grad_norm"] * abs(anchor["grad_norm"]):
             problems.append(f"grad norm {grad_norm:.4g} vs {anchor['variant']} {anchor['grad_norm']:.4g}")
@@ -540,7 +615,7 @@ def check_losses(losses: Sequence[float], grad_norm: float, eager_loss: float, a
         problems.append("non-finite loss or gradient")
     return {"check": "ok" if not problems else "FAIL " + "; ".join(problems),
             "loss_first": round(first, 5), "loss_eager": round(eager_loss, 5), "grad_norm": round(grad_norm, 5),
-            "losses": [round(x, 5) for x in losses]}
+            "grad_cosine": None if cosine is None else round(cosine, 6), "losses": [round(x, 5) for x in losses]}
 
 
 def profile_steps(step: Callable[[], Any], directory: Path, name: str, steps: int = 3) -> Path:

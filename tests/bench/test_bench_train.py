@@ -167,6 +167,34 @@ def test_tuning_variants_pass_their_inductor_options_to_the_compiled_layers(benc
         {"options": {"max_autotune": True, "triton.enable_persistent_tma_matmul": True}}, None]
 
 
+def test_a_variant_whose_labels_are_not_shifted_fails_the_gradient_direction_check(bench, tmp_path, monkeypatch):
+    """At a random initialization the loss is about ln(vocab) whatever the labels; only the gradient's direction
+    shows that a variant trains on the wrong targets (here: each token as its own label)."""
+    train = bench("bench_train")
+    make_variant = train.make_variant
+
+    def unshifted(ctx, name, cfg):
+        setup = make_variant(ctx, "eager", cfg)
+        model = setup.model
+
+        def loss_fn(ids, labels):
+            return train.B.plain_loss(model(input_ids=ids, use_cache=False).logits, ids)
+
+        setup.loss_fn = loss_fn
+        return setup
+
+    monkeypatch.setattr(train, "make_variant", lambda ctx, name, cfg: (
+        unshifted(ctx, name, cfg) if name == "titan-style" else make_variant(ctx, name, cfg)))
+    rows = train.main(["--tiny", "--work", "llama-1.1b-1gpu", "--variants", "eager,titan-style",
+                       "--results-dir", str(tmp_path), "--repeats", "1", "--iters", "1", "--warmup", "2"])
+    good, bad = rows
+    assert good["check"] == "ok" and good["grad_cosine"] > 0.9999
+    assert "first gradient's direction: cosine" in bad["check"], bad["check"]
+    assert bad["grad_cosine"] < 0.9
+    # the loss alone would have passed: it is within the bf16 tolerance of the eager loss
+    assert abs(bad["loss_first"] - bad["loss_eager"]) <= 1e-2 * bad["loss_eager"]
+
+
 def test_a_whole_step_variant_steps_through_its_own_step_after_an_eager_first_one(bench, tmp_path, monkeypatch):
     """A variant whose Setup has ``step`` (a whole step replayed from a CUDA graph on a GPU) runs its first step
     eagerly, so that its gradients are checked, and every later one through ``step``; without a GPU,

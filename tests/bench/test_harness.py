@@ -190,3 +190,30 @@ def test_energy_is_summed_over_two_gloo_ranks(tmp_path):
     mp.spawn(_sum_on_rank, args=(str(tmp_path / "init"), [100.5, 98.0], str(out)), nprocs=2, join=True)
     # every GPU's energy counts; one rank without a counter makes the figure missing, not half of it
     assert json.loads(out.read_text()) == [198.5, None]
+
+
+def test_the_gradient_check_wants_every_parameter_and_the_same_direction(bench):
+    h = bench("harness")
+    eager = {"embed.weight": [1.0, -2.0], "head.weight": [0.5, 3.0]}
+    check = h.check_losses([10.0], 1.0, 10.0, None, h.TOL_BF16, dict(eager), eager)
+    assert check["check"] == "ok" and check["grad_cosine"] == 1.0
+    turned = {"embed.weight": [2.0, 1.0], "head.weight": [-3.0, 0.5]}  # orthogonal to eager's as a whole
+    assert "first gradient's direction: cosine 0.0000" in h.check_losses([10.0], 1.0, 10.0, None, h.TOL_BF16, turned,
+                                                                         eager)["check"]
+    partial = h.check_losses([10.0], 1.0, 10.0, None, h.TOL_BF16, {"embed.weight": [1.0, -2.0]}, eager)["check"]
+    assert partial == "FAIL gradients of 1 of 2 parameters missing (e.g. head.weight)"
+
+
+def test_the_gradient_fingerprint_names_parameters_as_the_plain_model_does(bench):
+    h = bench("harness")
+    plain = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.Linear(3, 2))
+    wrapped = torch.nn.Module()
+    wrapped._orig_mod = torch.nn.Module()
+    wrapped._orig_mod.module = plain  # as torch.compile and DDP wrap a model
+    plain(torch.randn(4, 5)).sum().backward()
+    direct, through = h.grad_fingerprint(plain.named_parameters()), h.grad_fingerprint(wrapped.named_parameters())
+    assert sorted(direct) == ["0.bias", "0.weight", "1.bias", "1.weight"] and through == direct
+    # the same gradient gives the same numbers; another gradient other numbers
+    assert h.grad_fingerprint(plain.named_parameters()) == direct
+    plain[0].weight.grad.mul_(-1)
+    assert h.grad_fingerprint(plain.named_parameters())["0.weight"] == [-v for v in direct["0.weight"]]
