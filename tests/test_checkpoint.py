@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import warnings
 
 import pytest
@@ -598,6 +599,131 @@ def test_extra_must_be_plain_values(tmp_path):
 
     with pytest.raises(schedlang.CheckpointError, match=r"extra must hold plain Python values .*PosixPath"):
         schedlang.save_checkpoint(tmp_path / "c", MLP(), extra={"where": pathlib.PosixPath("/tmp")})
+
+
+def _data_items(path):
+    """``(data file, offset)`` of every entry of a checkpoint, by fully qualified name, as its .metadata places them."""
+    import torch.distributed.checkpoint as dcp
+
+    md = dcp.FileSystemReader(str(path)).read_metadata()
+    return {index.fqn: (os.path.join(str(path), info.relative_path), info.offset)
+            for index, info in md.storage_data.items()}
+
+
+def _corrupt(path, fqn):
+    """Overwrite the start of ``fqn``'s entry (the zip header of its pickled tensor): the file keeps its size."""
+    file, offset = _data_items(path)[fqn]
+    with open(file, "r+b") as f:
+        f.seek(offset)
+        f.write(b"\0" * 16)
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated"])
+def test_a_missing_or_truncated_data_file_is_named_and_nothing_is_loaded(tmp_path, damage):
+    _saved_mlp(tmp_path / "c")
+    (data_file,) = {file for file, _ in _data_items(tmp_path / "c").values()}
+    if damage == "missing":
+        os.remove(data_file)
+    else:
+        os.truncate(data_file, os.path.getsize(data_file) // 2)
+    torch.manual_seed(1)
+    model = MLP()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(schedlang.CheckpointError) as e:
+        schedlang.load_checkpoint(tmp_path / "c", model)
+    what = "is missing" if damage == "missing" else r"is truncated \(\d+ bytes; the \.metadata places data up to byte \d+\)"
+    assert re.match(rf"^load_checkpoint: '.*c' is not a complete checkpoint: .*__0_0\.distcp {what}; check that every "
+                    r"file of the checkpoint was written and copied whole", str(e.value)), str(e.value)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_a_read_that_fails_midway_leaves_the_model_and_the_optimizer_unchanged(tmp_path):
+    """The last entry DCP reads is corrupt (the file keeps its size): every tensor before it was already read,
+    into staging tensors, not into the model's parameters or the optimizer's state."""
+    _saved_mlp(tmp_path / "c")
+    items = _data_items(tmp_path / "c")
+    _corrupt(tmp_path / "c", max(items, key=lambda fqn: items[fqn][1]))
+    torch.manual_seed(1)
+    model = MLP()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(schedlang.CheckpointError, match=r"^load_checkpoint: cannot read '.*c': rank 0: \w+: .*; "
+                                                        r"check that every file of the checkpoint was written and "
+                                                        r"copied whole, or load an earlier checkpoint; the model and "
+                                                        r"optimizer are unchanged$"):
+        schedlang.load_checkpoint(tmp_path / "c", model, opt)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert not opt.state  # the state torch made to read into is dropped again
+
+
+def _spawned_corrupt_shard(rank, world, root):
+    """Two tensor-parallel ranks; the shard only rank 1 reads is corrupt: both ranks raise, neither waits."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    def built(seed):
+        torch.manual_seed(seed)
+        sch = schedlang.create_schedule(MLP(), mesh=init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)))
+        sch["fc1"].shard("weight", axis=0)
+        sch["fc1"].shard("bias", axis=0)
+        sch["fc2"].shard("weight", axis=1)
+        sch["fc2"].sync("fwd_post", "all_reduce")
+        return schedlang.build(sch)[0]
+
+    schedlang.save_checkpoint(root, built(0))
+    if rank == 0:
+        # rank 1's rows of fc1.weight: the entry in the data file rank 1 wrote
+        file, offset = max((v for k, v in _data_items(root).items() if k == "model.fc1.weight"
+                            and v[0].endswith("__1_0.distcp")), key=lambda v: v[1])
+        with open(file, "r+b") as f:
+            f.seek(offset)
+            f.write(b"\0" * 16)
+    torch.distributed.barrier()
+    model = built(1)
+    before = {k: v.to_local().clone() for k, v in model.state_dict().items()}
+    try:
+        schedlang.load_checkpoint(root, model)
+        error = None
+    except schedlang.CheckpointError as e:
+        error = str(e)
+    unchanged = all(torch.equal(v.to_local(), before[k]) for k, v in model.state_dict().items())
+    return error, unchanged
+
+
+def test_a_failed_read_on_one_rank_raises_on_every_rank_and_changes_no_model(tmp_path):
+    results = run_distributed(_spawned_corrupt_shard, world_size=2, args=(str(tmp_path / "c"),), timeout=120)
+    for error, unchanged in results:
+        assert error is not None and error.startswith(f"load_checkpoint: cannot read '{tmp_path / 'c'}': rank 1: ")
+        assert "the model and optimizer are unchanged" in error and unchanged
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (dict(extra={"callback": lambda: 1}), r"save_checkpoint: extra must hold plain Python values \(dict, list, tuple, "
+                                          r"str, int, float, bool, None\) and tensors; \w+Error: .*lambda"),
+    (dict(model=5), r"save_checkpoint: model must be a torch\.nn\.Module \(the model schedlang\.build returns\), "
+                    r"got int 5$"),
+    (dict(model="schedule"), r"save_checkpoint: model must be a torch\.nn\.Module .*got Schedule .*; build the "
+                             r"schedule first: model, opt = schedlang\.build\(sch\)$"),
+    (dict(optimizer=5), r"save_checkpoint: optimizer must be a torch\.optim\.Optimizer over the model's parameters, "
+                        r"or None for the model alone, got int 5$"),
+    (dict(path=5), r"save_checkpoint: path must be a directory path \(a str or os\.PathLike\), got int 5$"),
+])
+def test_save_checkpoint_refuses_bad_arguments_before_writing_anything(tmp_path, arguments, message):
+    call = {"path": tmp_path / "c", "model": MLP(), **arguments}
+    if call["model"] == "schedule":
+        call["model"] = schedlang.create_schedule(MLP())
+    with pytest.raises(schedlang.CheckpointError, match="^" + message):
+        schedlang.save_checkpoint(**call)
+    assert not (tmp_path / "c").exists()
+
+
+def test_load_checkpoint_refuses_what_is_not_a_model_or_a_path(tmp_path):
+    schedlang.save_checkpoint(tmp_path / "c", MLP())
+    with pytest.raises(schedlang.CheckpointError, match=r"^load_checkpoint: model must be a torch\.nn\.Module"):
+        schedlang.load_checkpoint(tmp_path / "c", schedlang.create_schedule(MLP()))
+    with pytest.raises(schedlang.CheckpointError, match=r"^load_checkpoint: path must be a directory path"):
+        schedlang.load_checkpoint(None, MLP())
+    with pytest.raises(schedlang.CheckpointError, match=r"^load_checkpoint: optimizer must be a torch\.optim"):
+        schedlang.load_checkpoint(tmp_path / "c", MLP(), optimizer=[])
 
 
 def test_export_without_config(tmp_path):

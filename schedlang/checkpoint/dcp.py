@@ -15,10 +15,9 @@ from torch import nn
 
 from ..distributed.dtensor_params import rank_major_specs
 from ..distributed.float8_fsdp import clear_precomputed_scales
-from ..errors import CheckpointError
 from .ranks import _agree, _all_gather, _dist, _names, _rank, _world
-from .state import (_STATE, _dcp_ready, _model_state, _OptimView, _optimizer_is_empty, _options, _reset_optimizer,
-                    _restore_strided, _stages, _zero_step)
+from .state import (_STATE, _dcp_ready, _is_dtensor, _model_state, _OptimView, _optimizer_is_empty, _options,
+                    _reset_optimizer, _restore_strided, _stages, _zero_step)
 
 logger = logging.getLogger("schedlang.checkpoint")
 
@@ -27,21 +26,54 @@ FORMAT_VERSION = 1
 _MODEL, _OPTIM, _META = "model", "optim", "schedlang"
 
 
-def _meta_blob(step, extra, optimizer) -> bytes:
+def _meta_blob(step, extra, optimizer) -> Tuple[Optional[bytes], Optional[str]]:
+    """The pickled ``schedlang`` record, or None and why ``extra`` cannot be saved (a problem for :func:`_agree`)."""
     record = {"format": FORMAT_VERSION, "step": step, "extra": extra, "world_size": _world(),
               "torch": str(torch.__version__), "optimizer": type(optimizer).__name__ if optimizer is not None else None}
+    problem = ("save_checkpoint: extra must hold plain Python values (dict, list, tuple, str, int, float, bool, "
+               "None) and tensors; {why}")
     buf = io.BytesIO()
-    torch.save(record, buf)
+    try:  # a lambda, a lock, a local class: pickle refuses it (PicklingError, AttributeError or TypeError)
+        torch.save(record, buf)
+    except Exception as e:
+        return None, problem.format(why=f"{type(e).__name__}: {_first_line(e)}")
     blob = buf.getvalue()
     try:  # loading uses weights_only=True: refuse at save what could not be read back
         torch.load(io.BytesIO(blob), weights_only=True)
     except Exception as e:
         # torch names the offending class on a line of its own ("Unsupported global: GLOBAL pathlib.PosixPath ...")
         why = next((line.strip() for line in str(e).splitlines() if "Unsupported" in line), type(e).__name__)
-        raise CheckpointError(
-            f"save_checkpoint: extra must hold plain Python values (dict, list, tuple, str, int, float, bool, "
-            f"None) and tensors; {why}") from None
-    return blob
+        return None, problem.format(why=why)
+    return blob, None
+
+
+def _first_line(error: BaseException, limit: int = 200) -> str:
+    """The first line of an error's message, cut at ``limit`` characters (torch's can run to a paragraph)."""
+    lines = str(error).strip().splitlines()
+    line = lines[0] if lines else type(error).__name__
+    return line if len(line) <= limit else line[:limit] + "..."
+
+
+def _argument_problem(where: str, path, model, optimizer) -> Optional[str]:
+    """Why ``path``, ``model`` or ``optimizer`` cannot be used (for :func:`_agree`), before anything is read or
+    written; else None."""
+    if not isinstance(path, (str, os.PathLike)) or not isinstance(os.fspath(path), str):
+        return (f"{where}: path must be a directory path (a str or os.PathLike), got {type(path).__name__} "
+                f"{path!r}")
+    if not isinstance(model, nn.Module):
+        hint = ("; build the schedule first: model, opt = schedlang.build(sch)"
+                if type(model).__name__ == "Schedule" else "")
+        return (f"{where}: model must be a torch.nn.Module (the model schedlang.build returns), got "
+                f"{type(model).__name__} {_short_repr(model)}{hint}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        return (f"{where}: optimizer must be a torch.optim.Optimizer over the model's parameters, or None for the "
+                f"model alone, got {type(optimizer).__name__} {_short_repr(optimizer)}")
+    return None
+
+
+def _short_repr(value, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _read_meta(blob) -> dict:
@@ -64,6 +96,68 @@ def _dcp_call(fn, state, path: str) -> None:
             fn(state, checkpoint_id=path, no_dist=no_dist)
 
 
+def _dcp_load(state: Dict[str, Any], path: str) -> None:
+    """``dcp.load`` into ``state``; a failure on any rank raises the same :class:`CheckpointError` on every rank.
+
+    DCP reports a failed read as a ``CheckpointException``, a ``BaseException`` that ``except Exception``
+    does not catch, and names the underlying error of each rank only inside it.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    problem = None
+    try:
+        _dcp_call(dcp.load, state, path)
+    except (Exception, dcp.CheckpointException) as e:
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict) and failures:  # {rank: (exception, traceback)}
+            why = "; ".join(f"rank {rank}: {_failure_text(failure)}" for rank, failure in sorted(failures.items()))
+        else:
+            why = f"{type(e).__name__}: {_first_line(e)}"
+        problem = (f"load_checkpoint: cannot read {path!r}: {why}; check that every file of the checkpoint was "
+                   "written and copied whole, or load an earlier checkpoint; the model and optimizer are unchanged")
+    _agree(problem)
+
+
+def _failure_text(failure) -> str:
+    error = failure[0] if isinstance(failure, tuple) and failure else failure
+    return f"{type(error).__name__}: {_first_line(error)}" if isinstance(error, BaseException) else str(failure)
+
+
+def _staging(state: Dict[str, Any], fresh: Dict[str, Any]) -> Dict[str, Any]:
+    """``state`` with every tensor swapped for a new uninitialized one of the same layout (dtype, device, strides;
+    for a DTensor also its mesh, placements and global shape), for DCP to read into; the entries in ``fresh``
+    are already new tensors (re-laid by :func:`_dcp_ready`) and stay. Costs the memory of the tensors read."""
+    staged = {}
+    with torch.no_grad():
+        for key, value in state.items():
+            if key in fresh or not isinstance(value, torch.Tensor):
+                staged[key] = value  # non-tensors (bytes, numbers): DCP puts the loaded value in the dict
+            elif _is_dtensor(value):
+                from torch.distributed.tensor import DTensor
+
+                staged[key] = DTensor.from_local(torch.empty_like(value.to_local()), value.device_mesh,
+                                                 value.placements, run_check=False, shape=value.shape,
+                                                 stride=value.stride())
+            else:
+                staged[key] = torch.empty_like(value)
+    return staged
+
+
+def _commit(staged: Dict[str, Any], targets: Dict[str, Any]) -> None:
+    """Copy what DCP read into ``staged`` into the tensors of ``targets`` (the model's and the optimizer's own,
+    in place, so that anything holding them sees the values), and put those back in ``staged``."""
+    with torch.no_grad():
+        for key, target in targets.items():
+            loaded = staged[key]
+            if not isinstance(target, torch.Tensor) or loaded is target:
+                continue
+            if _is_dtensor(target):  # same mesh and placements: each rank copies its own shard
+                target.to_local().copy_(loaded.to_local())
+            else:
+                target.copy_(loaded)
+            staged[key] = target
+
+
 # ------------------------------------------------------------------------------------------------ save
 def save_checkpoint(path, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
                     step: Optional[int] = None, extra: Any = None) -> None:
@@ -82,17 +176,21 @@ def save_checkpoint(path, model: nn.Module, optimizer: Optional[torch.optim.Opti
     import torch.distributed.checkpoint as dcp
 
     started = time.perf_counter()
+    # every argument is checked, and the result agreed between the ranks, before a directory is made or an
+    # older checkpoint's .metadata removed
+    problem = _argument_problem("save_checkpoint", path, model, optimizer)
+    blob = None
+    if problem is None:
+        blob, problem = _meta_blob(step, extra, optimizer)
+    if problem is None and os.path.exists(path) and not os.path.isdir(path):
+        problem = f"save_checkpoint: {os.fspath(path)!r} exists and is not a directory; pass a directory path"
+    _agree(problem)
     path = os.fspath(path)
-    blob = _meta_blob(step, extra, optimizer)
-    problem = None
-    if os.path.exists(path) and not os.path.isdir(path):
-        problem = f"save_checkpoint: {path!r} exists and is not a directory"
-    else:
-        os.makedirs(path, exist_ok=True)
-        if _rank() == 0 and os.path.exists(os.path.join(path, ".metadata")):
-            # an older checkpoint here: without its .metadata it cannot pass for complete if this save stops midway
-            os.remove(os.path.join(path, ".metadata"))
-    _agree(problem)  # also keeps every rank from writing before the old .metadata is gone
+    os.makedirs(path, exist_ok=True)
+    if _rank() == 0 and os.path.exists(os.path.join(path, ".metadata")):
+        # an older checkpoint here: without its .metadata it cannot pass for complete if this save stops midway
+        os.remove(os.path.join(path, ".metadata"))
+    _agree(None)  # keeps every rank from writing before the old .metadata is gone
 
     rank_major = rank_major_specs(_stages(model))
     model_state, _ = _dcp_ready(_model_state(model), rank_major)
@@ -125,9 +223,35 @@ def _read_metadata(path: str):
         return None, (f"load_checkpoint: {path!r} is not a complete checkpoint: its .metadata file is missing "
                       f"(written last by save_checkpoint; the save may have been interrupted)")
     try:
-        return dcp.FileSystemReader(path).read_metadata(), None
+        md = dcp.FileSystemReader(path).read_metadata()
     except Exception as e:  # a truncated or foreign file
         return None, f"load_checkpoint: cannot read {os.path.join(path, '.metadata')}: {e}"
+    return md, _data_file_problem(path, md)
+
+
+def _data_file_problem(path: str, md) -> Optional[str]:
+    """Which data files the ``.metadata`` names are missing or shorter than the data it places in them.
+
+    Checked before anything is read: DCP would fail only on the rank that reads the file, midway through
+    the load; only the file sizes are looked at, so this costs a ``stat`` per file.
+    """
+    needed: Dict[str, int] = {}  # file -> the end of the last byte range the .metadata places in it
+    for info in (getattr(md, "storage_data", None) or {}).values():
+        name, offset, length = (getattr(info, a, None) for a in ("relative_path", "offset", "length"))
+        if isinstance(name, str) and isinstance(offset, int) and isinstance(length, int):
+            needed[name] = max(needed.get(name, 0), offset + length)
+    problems = []
+    for name, end in sorted(needed.items()):
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            problems.append(f"{file} is missing")
+        elif os.path.getsize(file) < end:
+            problems.append(f"{file} is truncated ({os.path.getsize(file)} bytes; the .metadata places data up to "
+                            f"byte {end})")
+    if not problems:
+        return None
+    return (f"load_checkpoint: {path!r} is not a complete checkpoint: {'; '.join(problems)}; check that every "
+            "file of the checkpoint was written and copied whole, or load an earlier checkpoint; nothing was loaded")
 
 
 def _tensor_meta(md, key):
@@ -216,20 +340,25 @@ def load_checkpoint(path, model: nn.Module, optimizer: Optional[torch.optim.Opti
     pipeline stages, one process, another number of ranks); every rank reads the chunks its own
     shards cover. Before anything is read, the checkpoint's ``.metadata`` is checked against the
     model and the optimizer on every rank: missing or unexpected tensors and shape mismatches raise
-    :class:`~schedlang.CheckpointError` on all ranks, with nothing loaded. Returns
-    ``{"step": ..., "extra": ...}`` as given to :func:`save_checkpoint`.
+    :class:`~schedlang.CheckpointError` on all ranks, with nothing loaded. So do missing or truncated
+    data files, and a read that fails midway (a corrupt file): the tensors are read into new ones of the
+    same layout first and copied into the model and the optimizer only once every rank read all of
+    them, which takes as much extra memory, for the duration of the call, as the tensors this rank holds.
+    Returns ``{"step": ..., "extra": ...}`` as given to :func:`save_checkpoint`.
 
     Example::
 
         info = schedlang.load_checkpoint("ckpt/step-100", model, optimizer)
         start = info["step"] + 1
     """
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
     started = time.perf_counter()
-    path = os.fspath(path)
-    md, problem = _read_metadata(path)
+    problem = _argument_problem("load_checkpoint", path, model, optimizer)
+    md = None
+    if problem is None:
+        path = os.fspath(path)
+        md, problem = _read_metadata(path)
     _agree(problem)
     ckpt_keys = set(md.state_dict_metadata)
     ckpt_model = {k[len(_MODEL) + 1:] for k in ckpt_keys if k.startswith(_MODEL + ".")}
@@ -273,12 +402,22 @@ def load_checkpoint(path, model: nn.Module, optimizer: Optional[torch.optim.Opti
     rank_major = rank_major_specs(_stages(model))
     model_read, model_strided = _dcp_ready({k: v for k, v in model_state.items() if f"{_MODEL}.{k}" in ckpt_keys},
                                            rank_major)
-    state: Dict[str, Any] = {_MODEL: model_read}
+    # DCP reads into staging tensors, not into the model's and the optimizer's own: a read that fails midway
+    # (a corrupt file) must leave both as they were; they receive the values once every rank read everything
+    state: Dict[str, Any] = {_MODEL: _staging(model_read, model_strided)}
     optim_strided = {}
     if view is not None:
         optim_read, optim_strided = _dcp_ready(optim_read, rank_major)
-        state[_OPTIM] = optim_read
-    _dcp_call(dcp.load, state, path)
+        state[_OPTIM] = _staging(optim_read, optim_strided)
+    try:
+        _dcp_load(state, path)
+    except BaseException:
+        if was_empty:
+            _reset_optimizer(optimizer)
+        raise
+    _commit(state[_MODEL], model_read)
+    if view is not None:
+        _commit(state[_OPTIM], optim_read)
 
     _restore_strided(state[_MODEL], model_strided)
     merged = dict(model_state)
@@ -302,15 +441,17 @@ def load_checkpoint(path, model: nn.Module, optimizer: Optional[torch.optim.Opti
 
 def _load_meta(path: str, ckpt_keys, optimizer) -> dict:
     """The ``schedlang`` record (step, extra, format), read before anything else."""
-    import torch.distributed.checkpoint as dcp
-
     if _META not in ckpt_keys:
         _agree(f"load_checkpoint: {path!r} was not written by save_checkpoint (it has no {_META!r} record)")
     state = {_META: b""}
-    _dcp_call(dcp.load, state, path)
-    meta = _read_meta(state[_META])
-    problem = None
-    if meta.get("format", 0) > FORMAT_VERSION:
+    _dcp_load(state, path)
+    problem, meta = None, {}
+    try:
+        meta = _read_meta(state[_META])
+    except Exception as e:  # bytes that are not the pickled record save_checkpoint wrote
+        problem = (f"load_checkpoint: cannot read the {_META!r} record of {path!r} ({type(e).__name__}: "
+                   f"{_first_line(e)}); check that the checkpoint was copied whole; nothing was loaded")
+    if problem is None and meta.get("format", 0) > FORMAT_VERSION:
         problem = (f"load_checkpoint: {path!r} has format {meta.get('format')}, newer than this schedlang reads "
                    f"({FORMAT_VERSION}); upgrade schedlang")
     _agree(problem)
