@@ -19,14 +19,17 @@ the MLM loss as it is). :func:`register_family` adds a family's own schedule.
 
 from __future__ import annotations
 
-from typing import Callable
+import functools
+import inspect
+from typing import Callable, Dict, List, Sequence
 
 import torch
 from torch import nn
 
-from ..errors import ScheduleTypeError, ScheduleValueError
+from ..errors import ArgumentTypeError, ScheduleTypeError, ScheduleValueError
 
-from .auto import TensorParallelPlan, plan_tensor_parallel, shard_auto
+from .auto import TensorParallelPlan, shard_auto
+from .auto import plan_tensor_parallel as _automatic_plan
 from .bert import shard_bert
 from .gpt2 import shard_gpt2
 from .llama import shard_llama
@@ -76,12 +79,14 @@ def shard_model(sch, **options) -> TensorParallelPlan:
     float8_args = _float8_arguments(float8)
     name = type(sch.mod).__name__
     matches = [p for p in FAMILIES if name.startswith(p)]
+    fn = FAMILIES[max(matches, key=len)] if matches else shard_auto
+    # every option is checked against the schedule that will take it before any step is written
+    _check_options("shard_model", fn, options, also=("float8",),
+                   taker=f" for {name} (schedule {getattr(fn, '__name__', repr(fn))})")
     with sch.root.atomic():
         if not matches:
             plan = shard_auto(sch, **options)
         else:
-            prefix = max(matches, key=len)
-            fn = FAMILIES[prefix]
             before = len(sch.root.plan)
             plan = fn(sch, **options)
             if not isinstance(plan, TensorParallelPlan):  # a schedule of its own: describe what it did
@@ -103,9 +108,56 @@ def _float8_arguments(float8):
     if isinstance(float8, str):
         return {"recipe": float8}
     if isinstance(float8, dict):
+        from ..schedule import Schedule
+
+        # an unknown key would otherwise surface as a bare TypeError from the first layer's float8 call
+        valid = _option_names(Schedule.float8)
+        unknown = [k for k in float8 if k not in valid]
+        if unknown:
+            raise ArgumentTypeError(f"shard_model: float8 has unknown Schedule.float8 argument"
+                                    f"{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; valid "
+                                    f"keys are {', '.join(valid)}")
         return dict(float8)
     raise ScheduleTypeError(f"shard_model: float8 must be None, a recipe name ('tensorwise', 'rowwise') or a dict of "
                             f"Schedule.float8 arguments, got {type(float8).__name__}")
+
+
+#: options every tensor-parallel schedule takes as flags; ``bool("no")`` is True, so a string must not pass for one
+_FLAG_OPTIONS = ("sequence_parallel", "gather_logits")
+
+
+def _option_names(fn: Callable) -> List[str]:
+    """The names ``fn(sch, ...)`` takes after the schedule (``self`` for a method)."""
+    params = list(inspect.signature(fn).parameters.values())[1:]
+    return [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+
+def _check_options(where: str, fn: Callable, options: Dict, also: Sequence[str] = (), taker: str = "") -> None:
+    """Refuse options ``fn(sch, **options)`` does not take (a bare TypeError otherwise, maybe after other steps),
+    and a flag that is not a bool. ``also``: options the caller takes itself, named among the valid ones;
+    ``taker``: which model and schedule the valid options are those of."""
+    params = {p.name: p for p in list(inspect.signature(fn).parameters.values())[1:]}
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())  # a family schedule of its own
+    names = _option_names(fn)
+    unknown = [k for k in options if k not in names]
+    if unknown and not takes_any:
+        raise ArgumentTypeError(f"{where}: unknown option{'s' if len(unknown) > 1 else ''} "
+                                f"{', '.join(map(repr, unknown))}; valid options{taker} are "
+                                f"{', '.join(names + list(also))}")
+    for key, value in options.items():
+        declared = params.get(key)
+        is_flag = key in _FLAG_OPTIONS or (declared is not None and isinstance(declared.default, bool))
+        if is_flag and not isinstance(value, bool):
+            raise ScheduleValueError(f"{where}: {key} must be True or False, got {type(value).__name__} {value!r}")
+
+
+@functools.wraps(_automatic_plan)
+def plan_tensor_parallel(sch, *args, **options) -> TensorParallelPlan:
+    # the automatic plan itself (models.auto) takes its options by name; checked here so that a misspelt
+    # option or sequence_parallel="yes" is a ScheduleValueError, not a TypeError or a silently wrong plan
+    _check_options("plan_tensor_parallel", _automatic_plan,
+                   {**dict(zip(_option_names(_automatic_plan), args)), **options})
+    return _automatic_plan(sch, *args, **options)
 
 
 #: names of the ModuleList holding the transformer layers, per family
@@ -150,6 +202,10 @@ def compile_layers(model: nn.Module, trace_collectives: bool = False, fuse_proje
     from ..distributed.shard_rules.norm import EAGER_COLLECTIVES_ATTR
     from ..distributed.sync_ops import OPAQUE_ATTR, SyncOp
 
+    if not isinstance(model, nn.Module):
+        raise ArgumentTypeError(f"compile_layers: model must be the nn.Module that schedlang.build returns, got "
+                                f"{type(model).__name__}; pass the model of model, opt = schedlang.build(sch)")
+    _check_compile_options("compile_layers", compile_options, what="**compile_options")
     if trace_collectives and _torch_version() < (2, 13):
         raise ScheduleValueError(
             f"compile_layers: trace_collectives=True needs torch >= 2.13 (this is {torch.__version__}): older "
@@ -202,14 +258,69 @@ def _with_passes(layer: nn.Module, compile_options: dict, fuse_projections: bool
     options = dict(compile_options.get("options") or {})
     wanted = {k: v for k, v in wanted.items() if k not in options}
     mode = compile_options.get("mode")
-    both = bool(options) and mode not in (None, "default")
+    # any mode next to any options dict (even "default", even {}): torch.compile refuses each such pair
+    both = compile_options.get("options") is not None and mode is not None
     if (not wanted and not both) or compile_options.get("backend", "inductor") != "inductor":
         return compile_options
     rest = {k: v for k, v in compile_options.items() if k not in ("mode", "options")}
-    if mode not in (None, "default"):
+    if mode not in (None, "default"):  # "default" has no options of its own
         # torch.compile takes a mode or options, not both: the mode's own options, spelled out
         options = {**torch._inductor.list_mode_options(mode, rest.get("dynamic")), **options}
     return {**rest, "options": {**options, **wanted}}
+
+
+#: torch.compile's modes where torch._inductor cannot list them (it can on every torch schedlang supports)
+_KNOWN_COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def _compile_modes() -> List[str]:
+    try:
+        from torch._inductor import list_mode_options
+
+        return list(list_mode_options())
+    except Exception:  # an Inductor that cannot list them
+        return list(_KNOWN_COMPILE_MODES)
+
+
+def _check_compile_options(where: str, compile_options: Dict, what: str = "compile_options") -> None:
+    """Refuse ``torch.compile`` arguments that torch would refuse only when the first layer is compiled, by
+    then after other changes: an unknown argument, an unknown ``mode`` or ``backend``, ``options`` that are not
+    a dict, and ``mode`` with ``options`` where nothing can merge them (a backend other than Inductor; for
+    Inductor :func:`_with_passes` spells the mode's options out)."""
+    params = inspect.signature(torch.compile).parameters.values()
+    valid = [p.name for p in params if p.kind is p.KEYWORD_ONLY]
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in params)  # torch.compile wrapped (a test, a profiler)
+    unknown = [k for k in compile_options if k not in valid]
+    if unknown and not takes_any:
+        raise ScheduleValueError(f"{where}: unknown torch.compile argument{'s' if len(unknown) > 1 else ''} "
+                                 f"{', '.join(map(repr, unknown))} in {what}; valid are torch.compile's keyword "
+                                 f"arguments: {', '.join(valid)}")
+    mode = compile_options.get("mode")
+    if mode is not None:
+        modes = _compile_modes()
+        if not isinstance(mode, str) or mode not in modes:
+            raise ScheduleValueError(f"{where}: invalid torch.compile mode {mode!r} in {what}: valid modes are "
+                                     f"{', '.join(modes)}")
+    options = compile_options.get("options")
+    if options is not None and not isinstance(options, dict):
+        raise ScheduleValueError(f"{where}: torch.compile's options in {what} must be a dict of Inductor settings "
+                                 f"(e.g. {{'coordinate_descent_tuning': True}}), got {type(options).__name__}")
+    backend = compile_options.get("backend", "inductor")
+    if "backend" not in compile_options:
+        pass  # torch.compile's own default, Inductor
+    elif isinstance(backend, str):
+        from torch._dynamo import list_backends
+
+        if backend not in list_backends(exclude_tags=()):  # debugging and experimental backends too
+            raise ScheduleValueError(f"{where}: invalid torch.compile backend {backend!r} in {what}: valid are a "
+                                     f"callable or a registered name such as {', '.join(list_backends())}")
+    elif not callable(backend):
+        raise ScheduleValueError(f"{where}: torch.compile's backend in {what} must be a backend name or a callable, "
+                                 f"got {type(backend).__name__}")
+    if mode is not None and options is not None and backend != "inductor":
+        raise ScheduleValueError(f"{where}: {what} name both a mode ({mode!r}) and options, which torch.compile "
+                                 f"refuses for backend {backend!r} (only Inductor's mode options can be merged into "
+                                 "them); give one of the two")
 
 
 def _opaque(sync) -> bool:

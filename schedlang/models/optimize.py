@@ -457,6 +457,12 @@ def optimize_model(sch, *, fused_kernels: bool = True, compile: Optional[str] = 
     if compile_options and compile is None:
         raise ScheduleValueError("optimize_model: compile_options were given, but compile=None compiles nothing; "
                                  "pass compile='layers' or 'layers-cudagraphs'")
+    if compile is not None:
+        from . import _check_compile_options
+
+        # torch.compile itself would refuse them only at the first layer, after the other parts were applied;
+        # checked with the mode "layers-cudagraphs" adds, as compile_layers will receive them
+        _check_compile_options("optimize_model", _layer_compile_options(compile, compile_options))
     if not isinstance(fuse_projections, bool):
         raise ScheduleValueError(f"optimize_model: fuse_projections must be True or False, got {fuse_projections!r}")
     if compiled_norms not in COMPILED_NORMS:
@@ -475,6 +481,7 @@ def optimize_model(sch, *, fused_kernels: bool = True, compile: Optional[str] = 
                                  f"{type(root.mod).__name__}: expected a HF LLaMA-, GPT-2- or BERT-like model")
     done: List[str] = []
     skipped: Dict[str, str] = {}
+    # everything below, the attention pin and the compiled layers included, is undone if any part fails
     with root.atomic():
         if fused_kernels:
             _fuse_norms(root, done, skipped, compiled_norms)
@@ -495,30 +502,36 @@ def optimize_model(sch, *, fused_kernels: bool = True, compile: Optional[str] = 
             for path in layer_paths[::every]:
                 root[path].checkpoint()
             done.append(f"checkpoint: {len(layer_paths[::every])} of {len(layer_paths)} layers")
-    backend = _resolve_sdpa(root, sdpa_backend, skipped)
-    if backend is not None:
-        # pinned inside each layer's forward before it is compiled: the compiler traces the pin and the chosen
-        # attention kernel into the layer's graph, so no Python context manager runs on every call
-        for layer in _layers(root.mod):
-            layer.forward = _WithSDPABackend(layer, backend)
-        done.append(f"sdpa: {backend}")
-    if compile in ("layers", "layers-cudagraphs"):
-        from . import compile_layers
+        backend = _resolve_sdpa(root, sdpa_backend, skipped)
+        if backend is not None:
+            # pinned inside each layer's forward before it is compiled: the compiler traces the pin and the chosen
+            # attention kernel into the layer's graph, so no Python context manager runs on every call
+            for layer in _layers(root.mod):
+                layer.forward = _WithSDPABackend(layer, backend)
+            done.append(f"sdpa: {backend}")
+        if compile in ("layers", "layers-cudagraphs"):
+            from . import compile_layers
 
-        # "layers-cudagraphs": each compiled layer replays its forward and backward kernels from CUDA
-        # graphs (torch.compile's cudagraph trees), which takes the launch cost off the host where a step
-        # is host-bound; the model's own Python between layers (masks, the loss) stays eager
-        options = dict(compile_options or {})
-        if compile == "layers-cudagraphs":
-            options["mode"] = "reduce-overhead"
-        done.append(f"compile: {compile_layers(root.mod, fuse_projections=fuse_projections, **options)} layers"
-                    + (" (CUDA graphs)" if compile == "layers-cudagraphs" else "")
-                    + (f" with {compile_options}" if compile_options else "")
-                    + (", linears on one input as one GEMM" if fuse_projections else ""))
+            options = _layer_compile_options(compile, compile_options)
+            done.append(f"compile: {compile_layers(root.mod, fuse_projections=fuse_projections, **options)} layers"
+                        + (" (CUDA graphs)" if compile == "layers-cudagraphs" else "")
+                        + (f" with {compile_options}" if compile_options else "")
+                        + (", linears on one input as one GEMM" if fuse_projections else ""))
+        root.metadata["optimize"] = {"applied": done, "skipped": skipped, "sdpa_backend": backend}
     for part, why in skipped.items():
         logger.info("optimize_model: %s skipped: %s", part, why)
-    root.metadata["optimize"] = {"applied": done, "skipped": skipped, "sdpa_backend": backend}
     return sch
+
+
+def _layer_compile_options(compile: str, compile_options: Optional[dict]) -> dict:
+    """The torch.compile arguments each layer gets: the caller's, with the mode ``"layers-cudagraphs"`` means."""
+    options = dict(compile_options or {})
+    if compile == "layers-cudagraphs":
+        # each compiled layer replays its forward and backward kernels from CUDA graphs (torch.compile's
+        # cudagraph trees), which takes the launch cost off the host where a step is host-bound; the model's
+        # own Python between layers (masks, the loss) stays eager
+        options["mode"] = "reduce-overhead"
+    return options
 
 
 def _checkpoint_stride(selective_checkpoint) -> int:

@@ -243,13 +243,63 @@ def test_missing_kernels_fall_back_with_a_reason(monkeypatch, caplog):
     ({"fuse_projections": True, "compile": None}, "optimize_model: fuse_projections=True rewrites the compiled "
                                                   "layers' graphs, but compile=None compiles none; pass "
                                                   "compile='layers' or 'layers-cudagraphs'"),
+    # torch.compile's own refusals came only at the first layer, after the norms and the head were replaced
+    ({"compile_options": {"mode": "nope"}}, "optimize_model: invalid torch.compile mode 'nope' in compile_options: "
+                                            "valid modes are " + ", ".join(torch._inductor.list_mode_options())),
+    ({"compile_options": {"bogus": 1}}, "optimize_model: unknown torch.compile argument 'bogus' in compile_options; "
+                                        "valid are torch.compile's keyword arguments: fullgraph, dynamic, backend, "
+                                        "mode, options, " + ".*"),
+    ({"compile_options": {"options": ["max_autotune"]}}, "optimize_model: torch.compile's options in compile_options "
+                                                         "must be a dict of Inductor settings (e.g. "
+                                                         "{'coordinate_descent_tuning': True}), got list"),
+    ({"compile_options": {"backend": "no-such-backend"}}, "optimize_model: invalid torch.compile backend "
+                                                          "'no-such-backend' in compile_options: valid are a callable "
+                                                          "or a registered name such as .*inductor.*"),
+    ({"compile_options": {"backend": "eager", "options": {"x": 1}}, "compile": "layers-cudagraphs"},
+     "optimize_model: compile_options name both a mode ('reduce-overhead') and options, which torch.compile refuses "
+     "for backend 'eager' (only Inductor's mode options can be merged into them); give one of the two"),
 ])
 def test_bad_options_are_refused_and_nothing_is_applied(kwargs, message):
     sch = schedlang.create_schedule(_llama())
-    with pytest.raises(SchedlangError, match="^" + message.replace("(", r"\(").replace(")", r"\)") + "$") as info:
+    pattern = message.replace("(", r"\(").replace(")", r"\)").replace("{", r"\{").replace("}", r"\}")
+    with pytest.raises(SchedlangError, match="^" + pattern + "$") as info:
         optimize_model(sch, **kwargs)
     assert isinstance(info.value, ValueError)
     assert len(sch.plan) == 0
+
+
+def test_a_compiler_failure_at_a_later_layer_leaves_nothing_applied(monkeypatch):
+    """What fails when the layers are compiled (after the norms, the head and the first layer were changed)
+    undoes the whole call: no step in the plan, no layer compiled, nothing in the metadata."""
+    compiled = []
+
+    def compile_failing_at_the_second_layer(fn, **kwargs):
+        if compiled:
+            raise RuntimeError("compiler crashed")
+        compiled.append(fn)
+        return fn
+
+    monkeypatch.setattr(torch, "compile", compile_failing_at_the_second_layer)
+    sch = schedlang.create_schedule(_llama())
+    with pytest.raises(RuntimeError, match="^compiler crashed$"):
+        optimize_model(sch)
+    assert len(compiled) == 1 and len(sch.plan) == 0 and "optimize" not in sch.metadata
+    assert not isinstance(sch["lm_head"].mod, FusedLinearCrossEntropyHead)
+    for layer in sch["model.layers"].mod:
+        assert "forward" not in layer.__dict__  # neither compiled nor hoisted
+        assert not layer._forward_hooks and not layer._forward_pre_hooks
+
+
+def test_a_mode_next_to_options_reaches_inductor_as_options(monkeypatch):
+    """torch.compile refuses a mode together with options, also mode "default" and an empty options dict:
+    with Inductor the mode's own options are spelled out under the caller's, as for "layers-cudagraphs"."""
+    from schedlang.models import compile_layers
+
+    calls = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: calls.append(kwargs) or fn)
+    compile_layers(_llama(), mode="default", options={"coordinate_descent_tuning": True})
+    compile_layers(_llama(), mode="reduce-overhead", options={})
+    assert calls == [{"options": {"coordinate_descent_tuning": True}}] * 2 + [{"options": {"triton.cudagraphs": True}}] * 2
 
 
 def test_a_model_without_layers_is_refused():
@@ -391,3 +441,13 @@ def test_float8_layers_share_one_compiled_graph(monkeypatch):
     model(input_ids=ids, labels=labels, use_cache=False).loss.backward()
     assert counters["stats"]["unique_graphs"] == 1
     assert all(p.grad is not None for p in layers[1].parameters())
+
+
+def test_compile_layers_takes_the_built_model_not_the_schedule():
+    import schedlang
+    from schedlang.models import compile_layers
+
+    sch = schedlang.create_schedule(torch.nn.Linear(2, 2))
+    with pytest.raises(schedlang.ScheduleValueError, match="compile_layers: model must be the nn.Module that "
+                                                           "schedlang.build returns, got Schedule"):
+        compile_layers(sch)

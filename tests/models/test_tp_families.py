@@ -15,7 +15,7 @@ import torch
 
 import schedlang
 from schedlang.distributed.sharding import shard_specs
-from schedlang.models import shard_model
+from schedlang.models import plan_tensor_parallel, shard_model
 from schedlang.module_record import shard_specs
 from tests.helpers.distributed import run_distributed
 from tests.models import tp_checks as T
@@ -204,3 +204,38 @@ def test_automatic_plan_is_all_or_nothing_and_names_what_it_cannot_split():
             shard_model(sch)
     assert len(sch.plan) == 0
     assert not shard_specs(sch["model.layers.0.self_attn.q_proj"].mod)
+
+
+@pytest.mark.parametrize("family, call, error, message", [
+    ("llama", lambda sch: shard_model(sch, foo=1), schedlang.ScheduleValueError,
+     r"^shard_model: unknown option 'foo'; valid options for LlamaForCausalLM \(schedule shard_llama\) are "
+     r"sequence_parallel, gather_logits, shard_embeddings, grad_sync, float8$"),
+    ("opt", lambda sch: shard_model(sch, foo=1, gather_logit=True), schedlang.ScheduleValueError,
+     r"^shard_model: unknown options 'foo', 'gather_logit'; valid options for OPTForCausalLM \(schedule shard_auto\) "
+     r"are sequence_parallel, gather_logits, float8$"),
+    ("llama", lambda sch: shard_model(sch, sequence_parallel="yes"), schedlang.ScheduleValueError,
+     r"^shard_model: sequence_parallel must be True or False, got str 'yes'$"),
+    ("llama", lambda sch: shard_model(sch, float8={"bogus": 1}), schedlang.ScheduleValueError,
+     r"^shard_model: float8 has unknown Schedule\.float8 argument 'bogus'; valid keys are recipe, skip, filter, "
+     r"min_features, fsdp_float8_all_gather, emulate$"),
+    ("opt", lambda sch: plan_tensor_parallel(sch, foo=1), schedlang.ScheduleValueError,
+     r"^plan_tensor_parallel: unknown option 'foo'; valid options are gather_logits, sequence_parallel$"),
+    ("opt", lambda sch: plan_tensor_parallel(sch, sequence_parallel="yes"), schedlang.ScheduleValueError,
+     r"^plan_tensor_parallel: sequence_parallel must be True or False, got str 'yes'$"),
+])
+def test_unknown_and_non_flag_options_are_refused_before_any_step(family, call, error, message):
+    """Python's own TypeError ('got an unexpected keyword argument') named neither the valid options nor where
+    they go, and ``bool("yes")`` quietly turned sequence parallelism on."""
+    model, _ = T.family_model(family, layers=1)
+    sch = schedlang.create_schedule(model)
+    with pytest.raises(error, match=message) as info:
+        call(sch)
+    assert isinstance(info.value, ValueError)
+    assert len(sch.plan) == 0
+
+
+def test_plan_tensor_parallel_still_takes_its_options_by_position_and_by_name():
+    model, _ = T.family_model("opt", layers=1)
+    sch = schedlang.create_schedule(model)
+    assert str(plan_tensor_parallel(sch, True)) == str(plan_tensor_parallel(sch, gather_logits=True))
+    assert len(sch.plan) == 0  # a plan only: nothing applied
