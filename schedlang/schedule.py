@@ -454,18 +454,22 @@ class Schedule:
             raise ArgumentTypeError(f"{where}: find_node expects a regex string or a function node -> bool, got "
                                     f"{type(query).__name__} {query!r}; to match a subgraph pattern use "
                                     "find_subgraph")
-        trace_on_demand(self, "find_node")
         found = []
-        for path, gm in graph_modules(self.mod):
-            for node in gm.graph.nodes:
-                try:
-                    hit = accepts(node)
-                except Exception as e:
-                    raise PatternError(f"{where}: find_node's function raised {type(e).__name__}: {e} on node "
-                                       f"'{node.name}' (op {node.op}) of the graph at '{path or '<root>'}'; it "
-                                       "must return True or False for every node") from e
-                if hit:
-                    found.append((path, node))
+        # all-or-nothing, as find() is: a predicate that raises must not leave behind the trace made for it
+        # (a module traced already has nothing to undo, and skips the snapshot of every module's attributes)
+        tracing = not isinstance(self.mod, fx.GraphModule)
+        with self.atomic() if tracing else contextlib.nullcontext():
+            trace_on_demand(self, "find_node")
+            for path, gm in graph_modules(self.mod):
+                for node in gm.graph.nodes:
+                    try:
+                        hit = accepts(node)
+                    except Exception as e:
+                        raise PatternError(f"{where}: find_node's function raised {type(e).__name__}: {e} on node "
+                                           f"'{node.name}' (op {node.op}) of the graph at '{path or '<root>'}'; it "
+                                           "must return True or False for every node") from e
+                    if hit:
+                        found.append((path, node))
         return found
 
     def find_subgraph(self, pattern_fn: Callable[..., Any]) -> list:
@@ -646,6 +650,7 @@ def create_schedule(model: nn.Module = None, name: str = "", path: str = "", par
                 f"{type(value).__name__} {value!r}; pass a process group as group=, a DeviceMesh as mesh=")
     if parent is not None:
         return _view_in_parent(model, path, parent, group, mesh)
+    _check_group(group)
     if mesh is not None:
         from .distributed.mesh import check_mesh, tp_group
 
@@ -658,6 +663,18 @@ def create_schedule(model: nn.Module = None, name: str = "", path: str = "", par
     #: Slapo's labels of where ``model`` sits in a larger model (paths here stay relative to it)
     state.slapo_name, state.slapo_path = name, path
     return Schedule(state)
+
+
+def _check_group(group: Any) -> None:
+    """Refuse a ``group=`` that is not a process group now, rather than at the first collective or ``build``."""
+    if group is None or isinstance(group, groups.SingleRankGroup):  # the world; a mesh without a 'tp' dimension
+        return
+    process_group = getattr(torch.distributed, "ProcessGroup", None) if torch.distributed.is_available() else None
+    if process_group is not None and isinstance(group, process_group):
+        return
+    raise ArgumentTypeError(f"create_schedule: group must be a torch.distributed ProcessGroup (e.g. from "
+                            f"torch.distributed.new_group) or None (the world), got {type(group).__name__} "
+                            f"{group!r}; pass a DeviceMesh as mesh=, not as group=")
 
 
 def _view_in_parent(model: nn.Module, path: str, parent: Any, group: Any, mesh: Any) -> Schedule:

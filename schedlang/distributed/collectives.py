@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..errors import SyncError
 from .groups import rank as _rank
 from .groups import world_size as _world_size
 
@@ -56,14 +57,30 @@ def all_gather_tensor(x: torch.Tensor, axis: int, group=None) -> torch.Tensor:
     return torch.cat(parts, dim=axis)
 
 
+def _check_even_split(where: str, verb: str, x: torch.Tensor, axis: int, world: int, context: str = "") -> None:
+    """Refuse an axis that ``x`` lacks, or a size the ranks cannot share equally.
+
+    Raised before any collective: ``x``'s shape along ``axis`` is the same on every rank at a sync point
+    (that is what splitting it evenly needs), so every rank raises here and none waits in a collective.
+    ``context`` says which sync point runs this, for a message read far from the schedule that made it.
+    """
+    if not -x.dim() <= axis < x.dim():
+        raise SyncError(f"{where}: cannot {verb} along axis {axis}{context}: the tensor has shape {tuple(x.shape)}, "
+                        f"so valid axes are {-x.dim()} to {x.dim() - 1}")
+    size = x.shape[axis]
+    if size % world:
+        nearest = [n for n in (size // world * world, (size // world + 1) * world) if n > 0]
+        raise SyncError(f"{where}: cannot {verb} dimension {axis} of size {size} over {world} ranks{context}: the "
+                        f"size must be divisible by {world} (e.g. {' or '.join(map(str, nearest))})")
+
+
 def local_slice(x: torch.Tensor, axis: int, group=None) -> torch.Tensor:
     """This rank's equal slice of ``x`` along ``axis``."""
     world = _world_size(group)
     if world == 1:
         return x
+    _check_even_split("local_slice", "split", x, axis, world)
     size = x.shape[axis]
-    if size % world:
-        raise ValueError(f"cannot split dimension {axis} of size {size} over {world} ranks")
     return x.narrow(axis, _rank(group) * (size // world), size // world).contiguous()
 
 
@@ -72,8 +89,7 @@ def reduce_scatter_tensor(x: torch.Tensor, axis: int, group=None) -> torch.Tenso
     world = _world_size(group)
     if world == 1:
         return x
-    if x.shape[axis] % world:
-        raise ValueError(f"cannot reduce-scatter dimension {axis} of size {x.shape[axis]} over {world} ranks")
+    _check_even_split("reduce_scatter_tensor", "reduce-scatter", x, axis, world)
     if dist.get_backend(group) == "gloo":
         # gloo has no reduce-scatter: an all-reduce followed by a slice gives the same values
         return local_slice(_all_reduce(x, group), axis, group)
@@ -165,9 +181,20 @@ def gather_forward(x: torch.Tensor, axis: int, group=None, grad_is_replicated: b
 
 def scatter_forward(x: torch.Tensor, axis: int, group=None) -> torch.Tensor:
     """Keep this rank's slice along ``axis`` in forward; all-gather the gradient in backward."""
-    return x if _world_size(group) == 1 else _ScatterForward.apply(x, axis, group)
+    world = _world_size(group)
+    if world == 1:
+        return x
+    # named here, where the sync point that splits is known (an all_gather of the gradient, at bwd_post)
+    _check_even_split("scatter_forward", "split", x, axis, world,
+                      " (the forward half of sync op 'all_gather' at bwd_post)")
+    return _ScatterForward.apply(x, axis, group)
 
 
 def reduce_scatter_forward(x: torch.Tensor, axis: int, group=None) -> torch.Tensor:
     """Reduce-scatter along ``axis`` in forward; all-gather the gradient in backward."""
-    return x if _world_size(group) == 1 else _ReduceScatterForward.apply(x, axis, group)
+    world = _world_size(group)
+    if world == 1:
+        return x
+    _check_even_split("reduce_scatter_forward", "reduce-scatter", x, axis, world,
+                      " (sync op 'reduce_scatter' at fwd_pre or fwd_post)")
+    return _ReduceScatterForward.apply(x, axis, group)

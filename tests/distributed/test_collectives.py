@@ -105,3 +105,48 @@ def _every_sync_mode_and_op(rank, world):
 
 def test_every_sync_mode_and_op_on_two_ranks():
     assert run_distributed(_every_sync_mode_and_op, world_size=2, timeout=120) == [True, True]
+
+
+def _uneven_splits(rank, world):
+    """Sizes the ranks cannot share equally, directly and at a schedule's sync point; then a collective that
+    works, which every rank reaches only if none was left inside the refused one."""
+    import schedlang
+
+    messages = {}
+    for name, call in [("reduce_scatter_forward", lambda: C.reduce_scatter_forward(torch.ones(3, 4), 0)),
+                       ("scatter_forward", lambda: C.scatter_forward(torch.ones(4, 5), 1)),
+                       ("reduce_scatter_tensor", lambda: C.reduce_scatter_tensor(torch.ones(3, 4), 0)),
+                       ("local_slice", lambda: C.local_slice(torch.ones(3, 4), 0)),
+                       ("axis", lambda: C.reduce_scatter_forward(torch.ones(4, 4), 2))]:
+        try:
+            call()
+        except schedlang.SyncError as e:
+            messages[name] = str(e)
+
+    sch = schedlang.create_schedule(torch.nn.Sequential(torch.nn.Linear(8, 15), torch.nn.ReLU(),
+                                                        torch.nn.Linear(15, 8)))
+    sch["2"].sync("fwd_post", "reduce_scatter", axis=0)
+    model, _ = schedlang.build(sch)
+    try:
+        model(torch.randn(3, 8))
+    except schedlang.SyncError as e:
+        messages["schedule"] = str(e)
+    messages["after"] = tuple(model(torch.randn(4, 8)).shape)
+    return messages
+
+
+def test_sizes_the_ranks_cannot_share_are_a_sync_error_on_every_rank():
+    for m in run_distributed(_uneven_splits, world_size=2, timeout=120):
+        assert m["reduce_scatter_forward"] == (
+            "reduce_scatter_forward: cannot reduce-scatter dimension 0 of size 3 over 2 ranks (sync op "
+            "'reduce_scatter' at fwd_pre or fwd_post): the size must be divisible by 2 (e.g. 2 or 4)")
+        assert m["scatter_forward"] == (
+            "scatter_forward: cannot split dimension 1 of size 5 over 2 ranks (the forward half of sync op "
+            "'all_gather' at bwd_post): the size must be divisible by 2 (e.g. 4 or 6)")
+        assert m["reduce_scatter_tensor"].startswith("reduce_scatter_tensor: cannot reduce-scatter dimension 0 of "
+                                                     "size 3 over 2 ranks: the size must be divisible by 2")
+        assert m["local_slice"].startswith("local_slice: cannot split dimension 0 of size 3 over 2 ranks")
+        assert m["axis"] == ("reduce_scatter_forward: cannot reduce-scatter along axis 2 (sync op 'reduce_scatter' "
+                             "at fwd_pre or fwd_post): the tensor has shape (4, 4), so valid axes are -2 to 1")
+        assert m["schedule"] == m["reduce_scatter_forward"]
+        assert m["after"] == (2, 8)

@@ -346,6 +346,33 @@ def test_create_schedule_errors():
         schedlang.create_schedule(model.head, path="tail", parent=sch)
 
 
+def test_find_node_whose_function_raises_leaves_an_untraced_schedule_untraced():
+    """find() is all-or-nothing; find_node traces on demand too, so a failing predicate must undo that trace."""
+    sch = schedlang.create_schedule(Stack())
+    with pytest.raises(PatternError, match=r"^<root>: find_node's function raised KeyError: 'x' on node "):
+        sch.find_node(lambda n: n.meta["x"])
+    assert len(sch.plan) == 0 and not isinstance(sch.mod, fx.GraphModule)
+    # the same query with a working function still traces on demand and records the trace
+    assert sch.find_node(lambda n: n.op == "output") and [s.primitive for s in sch.plan] == ["trace"]
+
+
+@pytest.mark.parametrize("group", [5, "tp", object()], ids=["int", "str", "object"])
+def test_create_schedule_refuses_a_group_that_is_not_a_process_group(group):
+    with pytest.raises(ScheduleValueError, match=r"^create_schedule: group must be a torch\.distributed ProcessGroup "
+                                                 r"\(e\.g\. from torch\.distributed\.new_group\) or None \(the world\), "
+                                                 rf"got {type(group).__name__} .*; pass a DeviceMesh as mesh=, not as "
+                                                 r"group=$") as info:
+        schedlang.create_schedule(Stack(), group=group)
+    assert isinstance(info.value, TypeError)  # a wrong type, as create_schedule's other argument checks say
+
+
+def test_create_schedule_accepts_none_and_the_single_rank_group():
+    from schedlang.distributed.groups import SINGLE_RANK
+
+    assert schedlang.create_schedule(Stack(), group=None).group is None
+    assert schedlang.create_schedule(Stack(), group=SINGLE_RANK).group is SINGLE_RANK
+
+
 # ---------------------------------------------------------------------------------------------- a Slapo script
 
 
