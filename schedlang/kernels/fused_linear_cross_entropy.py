@@ -46,6 +46,7 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
+from schedlang.argument_checks import FLOATING_DTYPES, check_int, check_integer_tensor, check_tensor
 from schedlang.errors import ScheduleValueError
 from schedlang.kernels.fused_linear_cross_entropy_reference import fused_linear_cross_entropy_reference
 from schedlang.kernels.row_kernels import (as_rows, cast_rounded, interpreting, next_power_of_2, triton_dtype,
@@ -311,8 +312,24 @@ class LinearCrossEntropy(torch.autograd.Function):
         return dx, scaled(dw), db, None, None, None, None, None, None
 
 
-def check_arguments(name: str, hidden, weight, target, reduction, chunk_size, bias) -> None:
-    """Shapes and options of both variants; raises :class:`~schedlang.errors.ScheduleValueError`."""
+def check_arguments(name: str, hidden, weight, target, reduction, chunk_size, bias, ignore_index: int = -100,
+                    vocab_slices: int = 1) -> None:
+    """Types, dtypes, shapes, options and target ids of both variants; raises
+    :class:`~schedlang.errors.ScheduleValueError`. ``weight`` holds one of ``vocab_slices`` equal slices of the
+    vocabulary (its rows), so the targets may name ``vocab_slices x rows`` classes."""
+    check_tensor(name, "hidden", hidden, FLOATING_DTYPES, min_dim=1)
+    check_tensor(name, "weight", weight, FLOATING_DTYPES)
+    check_integer_tensor(name, "target", target)
+    if bias is not None:
+        check_tensor(name, "bias", bias, FLOATING_DTYPES)
+    check_int(name, "ignore_index", ignore_index)
+    # the projection runs in one dtype; under autocast the reference's F.linear casts its operands itself
+    if not torch.is_autocast_enabled(hidden.device.type):
+        dtypes = {hidden.dtype, weight.dtype} | ({bias.dtype} if bias is not None else set())
+        if len(dtypes) > 1:
+            with_bias = f", bias {bias.dtype}" if bias is not None else ""
+            raise ScheduleValueError(f"{name}: hidden {hidden.dtype}, weight {weight.dtype}{with_bias} must have the "
+                                     f"same dtype: cast hidden to the weight's dtype (or run under torch.autocast)")
     if reduction not in REDUCTIONS:
         raise ScheduleValueError(f"{name}: invalid reduction {reduction!r}: valid are {', '.join(REDUCTIONS)}")
     if weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
@@ -327,6 +344,29 @@ def check_arguments(name: str, hidden, weight, target, reduction, chunk_size, bi
     if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1):
         raise ScheduleValueError(f"{name}: chunk_size must be a positive int (tokens per chunk) or None, "
                                  f"got {chunk_size!r}")
+    _check_target_ids(name, target, weight.shape[0] * vocab_slices, ignore_index)
+
+
+def _check_target_ids(name: str, target: torch.Tensor, vocab_size: int, ignore_index: int) -> None:
+    """Every target id is a class of the vocabulary, ``[0, vocab_size)``, or ``ignore_index``."""
+    # An id outside the vocabulary makes no error in the Triton kernels (its logit reads as 0: the loss would
+    # be silently wrong). On the CPU the ids are checked on the host, with a clear error. On a GPU a host read
+    # would stall the step in the middle of its forward (the host waits for the GPU, and the backward's
+    # launches start late), so the check stays on the device, as torch's own cross_entropy does: an id outside
+    # the vocabulary stops the GPU with a device-side assert. Skipped while torch.compile traces (the traced
+    # reference's cross_entropy checks the ids) and while a CUDA graph is captured.
+    if target.numel() == 0 or torch.compiler.is_compiling():
+        return
+    counted = target.masked_fill(target == ignore_index, 0)
+    if target.device.type == "cuda":
+        if not torch.cuda.is_current_stream_capturing():
+            torch._assert_async(((counted >= 0) & (counted < vocab_size)).all())
+        return
+    low, high = torch.stack(torch.aminmax(counted)).tolist()
+    if low < 0 or high >= vocab_size:
+        raise ScheduleValueError(f"{name}: target holds the id {low if low < 0 else high}, outside the vocabulary: "
+                                 f"valid ids are 0..{vocab_size - 1}, or ignore_index={ignore_index} for a token "
+                                 "that does not count")
 
 
 def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
@@ -345,7 +385,7 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
 
         loss = fused_linear_cross_entropy(hidden, lm_head.weight, labels, chunk_size=4096)
     """
-    check_arguments("fused_linear_cross_entropy", hidden, weight, target, reduction, chunk_size, bias)
+    check_arguments("fused_linear_cross_entropy", hidden, weight, target, reduction, chunk_size, bias, ignore_index)
     if not use_triton_for(hidden, weight, bias) or hidden.dtype != weight.dtype or target.device != hidden.device:
         return reference(hidden, weight, target, ignore_index, reduction, chunk_size, bias)
     return LinearCrossEntropy.apply(hidden, weight, bias, target, ignore_index, reduction, chunk_size, None, True)

@@ -31,6 +31,7 @@ def fused_linear_cross_entropy_reference(hidden: torch.Tensor, weight: torch.Ten
     (``chunk_size`` is accepted for the same signature and ignored). ``reduction="none"`` gives a
     loss of ``target``'s shape."""
     logits = F.linear(hidden, weight, bias).float()
-    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=ignore_index,
+    # cross_entropy takes class ids as int64 only; the Triton kernels read any integer dtype (int32 too)
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1).long(), ignore_index=ignore_index,
                            reduction=reduction)
     return loss.view(target.shape) if reduction == "none" else loss

@@ -23,6 +23,7 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import nn
 
+from schedlang.argument_checks import FLOATING_DTYPES, check_int, check_integer_tensor, check_number, check_tensor
 from schedlang.errors import ScheduleTypeError, ScheduleValueError
 from schedlang.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
 from schedlang.kernels.rms_norm import check_compiled_form, rms_norm
@@ -48,6 +49,9 @@ class FusedRMSNorm(nn.Module):
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, device=None, dtype=None, compiled: str = "inductor") -> None:
+        # checked here rather than at the first forward, which would name rms_norm and not this constructor
+        check_int("FusedRMSNorm", "hidden_size", hidden_size, minimum=1)
+        check_number("FusedRMSNorm", "eps", eps, minimum=0)
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
         self.variance_epsilon = eps
@@ -90,6 +94,8 @@ class FusedSwiGLUMLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, device=None,
                  dtype=None) -> None:
+        check_int("FusedSwiGLUMLP", "hidden_size", hidden_size, minimum=1)
+        check_int("FusedSwiGLUMLP", "intermediate_size", intermediate_size, minimum=1)
         super().__init__()
         kw = dict(bias=bias, device=device, dtype=dtype)
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, **kw)
@@ -129,6 +135,8 @@ def fused_apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tens
 
         q, k = fused_apply_rotary_pos_emb(q, k, cos, sin)
     """
+    for name, value in (("q", q), ("k", k)):  # before transposing them below
+        check_tensor("fused_apply_rotary_pos_emb", name, value, FLOATING_DTYPES)
     if unsqueeze_dim == 1:
         return apply_rotary(q, k, cos, sin)
     if unsqueeze_dim == 2:
@@ -154,6 +162,8 @@ def fused_causal_lm_loss(model_hidden: torch.Tensor, lm_head: nn.Module, labels:
         hidden = model.model(input_ids).last_hidden_state
         loss = fused_causal_lm_loss(hidden, model.lm_head, input_ids)
     """
+    check_tensor("fused_causal_lm_loss", "model_hidden", model_hidden, FLOATING_DTYPES, min_dim=1)
+    check_integer_tensor("fused_causal_lm_loss", "labels", labels)
     weight = getattr(lm_head, "weight", None)
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
         raise ScheduleTypeError(f"fused_causal_lm_loss: lm_head {type(lm_head).__name__} has no 2-D weight: "

@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from schedlang.argument_checks import FLOATING_DTYPES, check_number, check_tensor
 from schedlang.errors import ScheduleValueError
 from schedlang.kernels.rms_norm_reference import rms_norm_reference
 from schedlang.kernels.row_kernels import (as_rows, cast_rounded, next_power_of_2, sm_count, triton_dtype, tuned,
@@ -275,6 +276,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual:
         y = rms_norm(torch.randn(4, 7, 64), torch.ones(64), 1e-6)
     """
     check_compiled_form(compiled, "rms_norm")
+    # the norm runs over the last dimension, so x and weight need one; an integer x would be normalized to zeros
+    check_tensor("rms_norm", "x", x, FLOATING_DTYPES, min_dim=1)
+    check_tensor("rms_norm", "weight", weight, FLOATING_DTYPES, min_dim=1)
+    if residual is not None:
+        check_tensor("rms_norm", "residual", residual)
+    check_number("rms_norm", "eps", eps, minimum=0)
     if x.shape[-1] != weight.shape[-1] or weight.dim() != 1:
         raise ScheduleValueError(f"rms_norm: weight of shape {tuple(weight.shape)} does not fit inputs of shape "
                          f"{tuple(x.shape)}: expected ({x.shape[-1]},)")

@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from schedlang.argument_checks import FLOATING_DTYPES, check_tensor
 from schedlang.errors import ScheduleValueError
 from schedlang.kernels.rotary_reference import apply_rotary_reference
 from schedlang.kernels.row_kernels import cast_rounded, next_power_of_2, triton_dtype, tuned, use_triton_for
@@ -152,6 +153,8 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
 
         q, k = apply_rotary(torch.randn(2, 4, 7, 64), torch.randn(2, 1, 7, 64), cos, sin)
     """
+    for name, value in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
+        check_tensor("apply_rotary", name, value, FLOATING_DTYPES)
     if q.dim() != 4 or k.dim() != 4 or cos.dim() != 3 or sin.shape != cos.shape:
         raise ScheduleValueError(
             f"apply_rotary: expected q (B, Hq, S, D), k (B, Hk, S, D) and cos/sin (B, S, D), got q "

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from schedlang.argument_checks import FLOATING_DTYPES, check_tensor
 from schedlang.errors import ScheduleValueError
 from schedlang.kernels.row_kernels import cast_rounded, triton_dtype, tuned, use_triton_for
 from schedlang.kernels.swiglu_reference import swiglu_reference
@@ -98,6 +99,8 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
         h = swiglu(torch.randn(7, 13), torch.randn(7, 13))
     """
+    check_tensor("swiglu", "gate", gate, FLOATING_DTYPES)
+    check_tensor("swiglu", "up", up, FLOATING_DTYPES)
     if gate.shape != up.shape or gate.dtype != up.dtype:
         raise ScheduleValueError(f"swiglu: gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} "
                                  f"{up.dtype} must have the same shape and dtype")

@@ -32,7 +32,7 @@ from typing import Optional
 
 import torch
 
-from schedlang.kernels.fused_linear_cross_entropy import LinearCrossEntropy, check_arguments
+from schedlang.kernels.fused_linear_cross_entropy import LinearCrossEntropy, _group_size, check_arguments
 from schedlang.kernels.row_kernels import use_triton_for
 from schedlang.kernels.vocab_parallel_fused_linear_cross_entropy_reference import (
     vocab_parallel_fused_linear_cross_entropy_reference)
@@ -59,8 +59,10 @@ def vocab_parallel_fused_linear_cross_entropy(
 
         loss = vocab_parallel_fused_linear_cross_entropy(hidden, w_shard, labels, group=tp_group)
     """
+    # target ids name the whole vocabulary: this rank checks them against its slice's rows times the number of
+    # slices (equal slices, as the kernel needs), which it knows without asking the other ranks
     check_arguments("vocab_parallel_fused_linear_cross_entropy", hidden, weight_shard, target, reduction,
-                    chunk_size, bias_shard)
+                    chunk_size, bias_shard, ignore_index, vocab_slices=_group_size(group))
     if (not use_triton_for(hidden, weight_shard, bias_shard) or hidden.dtype != weight_shard.dtype
             or target.device != hidden.device):
         return reference(hidden, weight_shard, target, group, ignore_index, reduction, chunk_size, bias_shard,

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from schedlang.errors import SchedlangError
+from schedlang.errors import SchedlangError, ScheduleValueError
 from schedlang.kernels import fused_linear_cross_entropy, vocab_parallel_fused_linear_cross_entropy
 from schedlang.kernels.fused_linear_cross_entropy import default_chunk_size, reference
 from schedlang.kernels.vocab_parallel_fused_linear_cross_entropy import reference as vp_reference
@@ -100,6 +100,52 @@ def test_argument_errors():
         fused_linear_cross_entropy(h, w, t, bias=torch.zeros(19))
 
 
+@pytest.mark.parametrize("bad_id", [20, 107, -43, -1])
+@pytest.mark.parametrize("fn", [fused_linear_cross_entropy, vocab_parallel_fused_linear_cross_entropy],
+                         ids=["plain", "vocab_parallel"])
+def test_target_ids_outside_the_vocabulary_are_refused(fn, bad_id):
+    """The kernel would read such an id's logit as 0 and return a wrong loss without a word."""
+    h, w, _, t = _problem(6, 16, 20, torch.float32)
+    t[1] = bad_id
+    with pytest.raises(ScheduleValueError, match=rf"{fn.__name__}: target holds the id {bad_id}, outside the "
+                                                 rf"vocabulary: valid ids are 0..19, or ignore_index=-100"):
+        fn(h, w, t)
+
+
+def test_a_target_equal_to_a_custom_ignore_index_is_not_an_out_of_range_id():
+    h, w, _, t = _problem(6, 16, 20, torch.float32)
+    t[::4] = -7
+    ours = fused_linear_cross_entropy(h, w, t, ignore_index=-7)
+    assert_close_scaled(ours, F.cross_entropy(h @ w.t(), t, ignore_index=-7), torch.float32, "loss")
+    with pytest.raises(ScheduleValueError, match=r"target holds the id -7, outside the vocabulary"):
+        fused_linear_cross_entropy(h, w, t)  # -7 is not the default ignore_index
+
+
+def test_an_int32_target_gives_the_loss_of_an_int64_one():
+    """The Triton kernels read any integer ids; the reference (what CPU users run) takes them too."""
+    h, w, _, t = _problem(6, 16, 20, torch.float32)
+    expected = fused_linear_cross_entropy(h, w, t)
+    assert_close_scaled(fused_linear_cross_entropy(h, w, t.int()), expected, torch.float32, "kernel loss")
+    assert_close_scaled(reference(h, w, t.int()), expected, torch.float32, "reference loss")
+
+
+def test_target_and_dtype_errors():
+    h, w, b, t = _problem(6, 16, 20, torch.float32, bias=True)
+    with pytest.raises(ScheduleValueError, match=r"fused_linear_cross_entropy: target has dtype torch.float32: "
+                                                 r"expected an integer dtype"):
+        fused_linear_cross_entropy(h, w, t.clamp(min=0).float())
+    with pytest.raises(ScheduleValueError, match=r"fused_linear_cross_entropy: hidden torch.float64, weight "
+                                                 r"torch.float32 must have the same dtype"):
+        fused_linear_cross_entropy(h.double(), w, t)
+    with pytest.raises(ScheduleValueError, match=r"hidden torch.float32, weight torch.float32, bias torch.bfloat16 "
+                                                 r"must have the same dtype"):
+        fused_linear_cross_entropy(h, w, t, bias=b.bfloat16())
+    with pytest.raises(ScheduleValueError, match=r"fused_linear_cross_entropy: hidden must be a torch.Tensor, got list"):
+        fused_linear_cross_entropy(h.tolist(), w, t)
+    with pytest.raises(ScheduleValueError, match=r"fused_linear_cross_entropy: ignore_index must be an int, got 'x'"):
+        fused_linear_cross_entropy(h, w, t, ignore_index="x")
+
+
 VOCAB_PARALLEL_CASES = [("float32", "mean", False), ("bfloat16", "none", False), ("float32", "sum", True)]
 
 
@@ -126,6 +172,12 @@ def _vocab_parallel_rank(rank, world):
         assert_close_scaled(wl.grad, wr.grad.chunk(world)[rank], dtype, f"{case}: grad weight shard")
         assert_close_scaled(bl.grad, br.grad.chunk(world)[rank], dtype, f"{case}: grad bias shard")
         losses.append(loss.detach().sum().item())
+    # ids name the whole vocabulary: past this rank's slice is fine, past the last slice is not
+    h, w, _, t = _problem(13, 32, 2 * 37, torch.float32, seed=3)
+    t[0] = 2 * 37
+    with pytest.raises(ScheduleValueError, match=r"target holds the id 74, outside the vocabulary: valid ids are "
+                                                 r"0\.\.73"):
+        vocab_parallel_fused_linear_cross_entropy(h, w.chunk(world)[rank], t, dist.group.WORLD)
     return losses
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from schedlang.errors import SchedlangError
+from schedlang.errors import SchedlangError, ScheduleValueError
 from schedlang.kernels.modules import FusedRMSNorm, FusedSwiGLUMLP, fused_apply_rotary_pos_emb, fused_causal_lm_loss
 from tests.kernels.numerics import assert_close_scaled
 
@@ -111,6 +111,22 @@ def test_from_module_errors():
         FusedSwiGLUMLP.from_module(nn.Linear(4, 4))
     with pytest.raises(SchedlangError, match=r"labels of shape \(2, 5\) do not fit hidden states of shape \(2, 6, 8\)"):
         fused_causal_lm_loss(torch.randn(2, 6, 8), nn.Linear(8, 10), torch.zeros(2, 5, dtype=torch.long))
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: FusedRMSNorm(0), r"FusedRMSNorm: hidden_size must be an int >= 1, got 0"),
+    (lambda: FusedRMSNorm(8.0), r"FusedRMSNorm: hidden_size must be an int >= 1, got 8.0"),
+    (lambda: FusedRMSNorm(8, eps="x"), r"FusedRMSNorm: eps must be a finite number >= 0, got 'x'"),
+    (lambda: FusedSwiGLUMLP(8, -16), r"FusedSwiGLUMLP: intermediate_size must be an int >= 1, got -16"),
+    (lambda: fused_causal_lm_loss(torch.randn(2, 6, 8), nn.Linear(8, 10), [[0] * 6] * 2),
+     r"fused_causal_lm_loss: labels must be a torch.Tensor, got list"),
+    (lambda: fused_apply_rotary_pos_emb([0.0], torch.randn(1, 2, 3, 4), torch.randn(1, 3, 4), torch.randn(1, 3, 4),
+                                        unsqueeze_dim=2),
+     r"fused_apply_rotary_pos_emb: q must be a torch.Tensor, got list"),
+], ids=["size 0", "size float", "eps str", "intermediate negative", "labels list", "rotary list"])
+def test_bad_sizes_and_inputs_are_refused_by_name(call, message):
+    with pytest.raises(ScheduleValueError, match=message):
+        call()
 
 
 def test_fused_rms_norm_keeps_its_compiled_form_and_refuses_an_unknown_one():

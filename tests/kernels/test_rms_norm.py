@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from schedlang.errors import SchedlangError
+from schedlang.errors import SchedlangError, ScheduleValueError
 from schedlang.kernels import rms_norm
 from schedlang.kernels.rms_norm import reference
 from tests.helpers.compiling import no_compile_caches
@@ -77,6 +77,22 @@ def test_errors_name_the_shapes():
         rms_norm(torch.randn(7, 64), torch.ones(32))
     with pytest.raises(ValueError, match=r"residual \(7, 32\) torch.float32 must match x \(7, 64\)"):
         rms_norm(torch.randn(7, 64), torch.ones(64), residual=torch.randn(7, 32))
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: rms_norm(torch.tensor(1.0), torch.ones(())), r"rms_norm: x of shape \(\) must have at least 1 dimension"),
+    (lambda: rms_norm(torch.randn(4, 8), torch.ones(())), r"rms_norm: weight of shape \(\) must have at least 1 dimension"),
+    (lambda: rms_norm([1.0, 2.0], torch.ones(2)), r"rms_norm: x must be a torch.Tensor, got list"),
+    (lambda: rms_norm(torch.ones(4, 8, dtype=torch.long), torch.ones(8)),
+     r"rms_norm: x has dtype torch.int64: expected one of float32, bfloat16, float16, float64"),
+    (lambda: rms_norm(torch.randn(4, 8), torch.ones(8), eps="x"), r"rms_norm: eps must be a finite number >= 0, got 'x'"),
+    (lambda: rms_norm(torch.randn(4, 8), torch.ones(8), eps=-1), r"rms_norm: eps must be a finite number >= 0, got -1"),
+    (lambda: rms_norm(torch.randn(4, 8), torch.ones(8), residual=[0.0] * 8),
+     r"rms_norm: residual must be a torch.Tensor, got list"),
+], ids=["0-d x", "0-d weight", "list", "long", "eps str", "eps negative", "residual list"])
+def test_bad_inputs_are_refused_by_name(call, message):
+    with pytest.raises(ScheduleValueError, match=message):
+        call()
 
 
 @pytest.mark.gpu

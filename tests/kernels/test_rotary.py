@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from schedlang.errors import SchedlangError
+from schedlang.errors import SchedlangError, ScheduleValueError
 from schedlang.kernels import apply_rotary
 from schedlang.kernels.rotary import reference
 from tests.kernels.numerics import assert_close_scaled
@@ -55,6 +55,15 @@ def test_shape_errors():
         apply_rotary(q[0], k, cos, sin)
     with pytest.raises(ValueError, match=r"shapes do not fit: q \(2, 4, 9, 64\), k \(2, 2, 8, 64\), cos/sin \(1, 9, 64\)"):
         apply_rotary(q, k[:, :, :8], cos, sin)
+
+
+def test_inputs_must_be_floating_point_tensors():
+    q, k = torch.randn(2, 4, 9, 64), torch.randn(2, 2, 9, 64)
+    cos, sin = _cos_sin(1, 9, 64, torch.float32)
+    with pytest.raises(ScheduleValueError, match=r"apply_rotary: k must be a torch.Tensor, got list"):
+        apply_rotary(q, k.tolist(), cos, sin)
+    with pytest.raises(ScheduleValueError, match=r"apply_rotary: q has dtype torch.int64: expected one of float32"):
+        apply_rotary(q.long(), k, cos, sin)
 
 
 @pytest.mark.gpu

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from schedlang.errors import SchedlangError
+from schedlang.errors import SchedlangError, ScheduleValueError
 from schedlang.kernels import swiglu
 from schedlang.kernels.swiglu import reference
 from tests.kernels.numerics import assert_close_scaled
@@ -44,6 +44,14 @@ def test_shapes_must_agree():
     with pytest.raises(SchedlangError, match=r"gate \(7, 13\) torch.float32 and up \(7, 12\) torch.float32 must "
                                              r"have the same shape and dtype"):
         swiglu(torch.randn(7, 13), torch.randn(7, 12))
+
+
+def test_inputs_must_be_floating_point_tensors():
+    with pytest.raises(ScheduleValueError, match=r"swiglu: gate must be a torch.Tensor, got list"):
+        swiglu([1.0], [2.0])
+    with pytest.raises(ScheduleValueError, match=r"swiglu: gate has dtype torch.int64: expected one of float32, "
+                                                 r"bfloat16, float16, float64"):
+        swiglu(torch.ones(4, 8, dtype=torch.long), torch.ones(4, 8, dtype=torch.long))
 
 
 @pytest.mark.gpu
