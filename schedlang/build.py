@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 from .distributed.agreement import agreement, check_same_plan
 from .distributed.groups import default_device
 from .distributed.sharding import shard_tensor
-from .errors import SchedlangError, ScheduleTypeError, ScheduleValueError
+from .errors import ArgumentTypeError, SchedlangError, ScheduleTypeError, ScheduleValueError
 from .init import has_meta_tensors
 from .module_record import original_view, shard_specs
 
@@ -516,6 +516,11 @@ def build(sch, init_weights: Union[None, bool, Callable[[nn.Module], None]] = No
 
         model, opt = schedlang.build(sch, optimizer="adamw", lr=1e-4)
     """
+    from .schedule import Schedule
+
+    if not isinstance(sch, Schedule):  # a bare model has no plan to materialize
+        raise ArgumentTypeError(f"build: sch must be a schedlang.Schedule, got {type(sch).__name__}; wrap the model "
+                                f"first: sch = schedlang.create_schedule(model)")
     target_framework = optimizer_kwargs.pop("target", None)
     if target_framework not in (None, "schedlang", "torch", "native"):
         from .framework_dialect import build_with_target

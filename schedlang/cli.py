@@ -28,6 +28,12 @@ def _demo_options(ns: argparse.Namespace) -> Optional[str]:
         return "--device cuda but no CUDA device is available"
     if ns.world_size < 1:
         return f"--world-size must be at least 1, got {ns.world_size}"
+    # sizes first: the checks below divide by them, and the model would fail deep inside torch on a size < 1
+    for flag in ("layers", "hidden", "heads", "batch", "seq", "repeats"):
+        if getattr(ns, flag) < 1:
+            return f"--{flag} must be at least 1, got {getattr(ns, flag)}"
+    if ns.intermediate is not None and ns.intermediate < 1:
+        return f"--intermediate must be at least 1 (or left out for about 2.7 x --hidden), got {ns.intermediate}"
     if ns.hidden % ns.heads:
         return f"--hidden must be divisible by the {ns.heads} attention heads, got {ns.hidden}"
     if ns.heads % 4:
@@ -35,9 +41,6 @@ def _demo_options(ns: argparse.Namespace) -> Optional[str]:
     if 4 % ns.world_size:
         return (f"the demo model has 4 key/value heads to split over the ranks; --world-size must divide 4 "
                 f"(1, 2 or 4), got {ns.world_size}")
-    for flag in ("layers", "batch", "seq", "repeats"):
-        if getattr(ns, flag) < 1:
-            return f"--{flag} must be at least 1, got {getattr(ns, flag)}"
     if ns.device == "cuda" and torch.cuda.device_count() < ns.world_size:
         return (f"--world-size {ns.world_size} needs {ns.world_size} GPUs, found {torch.cuda.device_count()} "
                 "(--world-size 1 runs on one)")

@@ -11,11 +11,12 @@ The module is called ``replaying`` so that ``schedlang.replay`` stays the functi
 from __future__ import annotations
 
 import types
-from typing import Any, Dict, Iterable, Union
+from collections.abc import Iterable
+from typing import Any, Dict, Union
 
 from torch import nn
 
-from .errors import ScheduleTypeError
+from .errors import ArgumentTypeError, ScheduleTypeError
 from .plan import Plan, apply_steps
 from .schedule import Schedule, create_schedule
 
@@ -25,6 +26,9 @@ __all__ = ["replay", "apply_steps"]
 def _module_names(trusted_modules: Iterable[Any]) -> tuple:
     if isinstance(trusted_modules, (str, types.ModuleType)):
         trusted_modules = [trusted_modules]
+    if not isinstance(trusted_modules, Iterable):
+        raise ArgumentTypeError(f"replay: trusted_modules must be a list of module names such as "
+                                f"['my_package.layers'] (or modules), got {type(trusted_modules).__name__}")
     names = []
     for m in trusted_modules:
         if isinstance(m, types.ModuleType):

@@ -50,6 +50,12 @@ def test_build_materializes_meta_model_with_equal_values_for_the_same_seed():
     torch.testing.assert_close(model(x), full(x))
 
 
+def test_build_takes_a_schedule_not_a_model():
+    with pytest.raises(schedlang.ScheduleValueError, match=r"^build: sch must be a schedlang.Schedule, got MLP; wrap "
+                                                          r"the model first: sch = schedlang.create_schedule\(model\)$"):
+        schedlang.build(MLP())
+
+
 @pytest.mark.parametrize("kwargs,error,message", [
     (dict(init_weights="yes"), schedlang.ScheduleTypeError, r"init_weights must be None, a bool or a callable"),
     (dict(lr=0.1), schedlang.ScheduleValueError, r"optimizer options \['lr'\] given without optimizer="),

@@ -68,6 +68,11 @@ def test_demo_tensor_parallel_over_two_ranks(capsys):
     (["demo", "--world-size", "0"], "--world-size must be at least 1, got 0"),
     (["demo", "--heads", "6", "--hidden", "60"], "--heads must be a multiple of the demo model's 4 key/value heads"),
     (["demo", "--seq", "0"], "--seq must be at least 1, got 0"),
+    (["demo", "--heads", "0"], "--heads must be at least 1, got 0"),
+    (["demo", "--heads", "-4"], "--heads must be at least 1, got -4"),
+    (["demo", "--hidden", "0"], "--hidden must be at least 1, got 0"),
+    (["demo", "--intermediate", "-5"], "--intermediate must be at least 1"),
+    (["report", "--heads", "0"], "--heads must be at least 1, got 0"),
     (["report", "--plan", "no_such_plan.json"], "no_such_plan.json"),
 ])
 def test_bad_arguments(argv, message, capsys):

@@ -56,6 +56,9 @@ def test_trusted_modules_are_imported_and_their_types_resolved(unimported):
     assert sch.plan[0].args["leaf_modules"] == [SwishReplacement]
     with pytest.raises(schedlang.ScheduleTypeError, match=r"trusted_modules lists module names .* got 3"):
         schedlang.replay(_plan_naming("torch.nn.GELU"), Stack(), trusted_modules=[3])
+    with pytest.raises(schedlang.ScheduleTypeError, match=r"^replay: trusted_modules must be a list of module names "
+                                                         r"such as \['my_package.layers'\] \(or modules\), got int$"):
+        schedlang.replay(_plan_naming("torch.nn.GELU"), Stack(), trusted_modules=5)
 
 
 def test_replace_all_type_and_function_are_checked_when_read():

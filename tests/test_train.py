@@ -194,6 +194,11 @@ def test_init_from_must_be_a_checkpoint(tmp_path, capsys):
     (["--stop-after", "9"], "--stop-after must be a step of the run, 1..4"),
     (["--optimizer", "lamb"], "--optimizer: unknown optimizer 'lamb'"),
     (["--pp-schedule", "Zigzag"], "--pp-schedule: unknown schedule 'Zigzag'"),
+    (["--timeout", "-1"], "--timeout must be a positive number of seconds, got -1.0"),
+    (["--stages-per-rank", "0"], "--stages-per-rank must be at least 1, got 0"),
+    (["--metrics", "no_such_dir/metrics.jsonl"], "--metrics: the directory 'no_such_dir' of "
+                                                 "'no_such_dir/metrics.jsonl' does not exist"),
+    (["--metrics", "."], "--metrics: '.' is a directory: give the path of a file to write"),
 ])
 def test_bad_flags_fail_with_a_clear_message(flags, message, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -201,6 +206,58 @@ def test_bad_flags_fail_with_a_clear_message(flags, message, capsys, tmp_path, m
     err = capsys.readouterr().err
     assert err.startswith("schedlang train: error: ") and message in err, err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_outputs_that_cannot_be_written_fail_before_training(tmp_path, capsys):
+    a_file = tmp_path / "model.bin"
+    a_file.write_text("")
+    metrics = tmp_path / "metrics.jsonl"
+    assert trainer.main(COMMON + ["--metrics", str(metrics), "--export-hf", str(a_file)]) == 2
+    err = capsys.readouterr().err
+    assert f"--export-hf: '{a_file}' is an existing file: give a directory" in err and "step 1" not in err, err
+    assert not metrics.exists()  # probed, and nothing left behind
+    assert trainer.main(COMMON + ["--export-hf", str(a_file / "hf")]) == 2
+    assert "is a file, so the directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content, message", [
+    ("[1, 2]", "holds a JSON list, not an object; pass a transformers config.json"),
+    (json.dumps({"foo": 1}), "unknown key(s) foo for a LlamaConfig: valid keys are _name_or_path, architectures"),
+    (json.dumps({"hidden_size": 64, "num_attention_heads": 5, "num_hidden_layers": 1, "intermediate_size": 32,
+                 "vocab_size": 100}),
+     "transformers refuses it as a LlamaConfig: Class validation error for validator 'validate_architecture': "
+     "ValueError: The hidden size (64) is not a multiple of the number of attention heads (5); fix the config"),
+], ids=["list", "unknown key", "heads"])
+def test_bad_config_files_fail_with_a_clear_message(tmp_path, capsys, content, message):
+    config = tmp_path / "config.json"
+    config.write_text(content)
+    assert trainer.main(COMMON + ["--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"schedlang train: error: --config {config}: ") and message in err, err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_gpt2_heads_must_divide_the_hidden_size(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 64, "n_head": 5, "n_layer": 1,
+                                                      "vocab_size": 64, "n_positions": 64}))
+    assert trainer.main(COMMON + ["--model", "gpt2", "--config", str(tmp_path), "--seq", "16"]) == 2
+    assert "the hidden size 64 must be divisible by the number of attention heads (5" in capsys.readouterr().err
+
+
+def test_published_configs_with_keys_transformers_converts_or_keeps_are_accepted(tmp_path):
+    """TinyLlama's and GPT-2's config.json as published: rope_theta and torch_dtype (converted on load), n_ctx and
+    task_specific_params (carried along) are not typos."""
+    from schedlang.train import model_config
+
+    llama = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 1,
+             "intermediate_size": 128, "vocab_size": 256, "rope_theta": 10000.0, "rope_scaling": None,
+             "torch_dtype": "bfloat16", "transformers_version": "4.35.0", "architectures": ["LlamaForCausalLM"]}
+    gpt2 = {"model_type": "gpt2", "n_embd": 64, "n_head": 4, "n_layer": 1, "vocab_size": 256, "n_ctx": 128,
+            "task_specific_params": {"text-generation": {"do_sample": True, "max_length": 50}}}
+    for name, raw in (("llama", llama), ("gpt2", gpt2)):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(raw))
+        assert model_config(name, str(path)).vocab_size == 256
 
 
 def test_kv_heads_must_divide_tp(tmp_path, capsys):

@@ -131,6 +131,30 @@ def test_verify_argument_errors():
             msch["fc1"].decompose()
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(rtol=-1), r"^Verify: rtol must be a finite number >= 0, got -1$"),
+    (dict(atol=-1), r"^Verify: atol must be a finite number >= 0, got -1$"),
+    (dict(rtol="x"), r"^Verify: rtol must be a finite number >= 0, got 'x'$"),
+    (dict(seed="x"), r"^Verify: seed must be an int, got 'x'$"),
+    (dict(reduction_size=-5), r"^Verify: reduction_size must be an int >= 1, got -5$"),
+    (dict(example_kwargs=5), r"^Verify: example_kwargs must be a dict of keyword inputs \{name: value\} or None, "
+                             r"got int$"),
+], ids=["rtol", "atol", "rtol str", "seed str", "reduction_size", "example_kwargs"])
+def test_verify_refuses_bad_arguments_before_the_block_runs(kwargs, message):
+    sch = schedlang.create_schedule(MLP())
+    ran = []
+    with pytest.raises(schedlang.ScheduleValueError, match=message):
+        with schedlang.Verify(sch, example_inputs=[torch.randn(2, 12)], **kwargs):
+            ran.append(True)
+    assert not ran and len(sch.plan) == 0
+
+
+def test_verify_takes_a_schedule_not_a_model():
+    with pytest.raises(schedlang.ScheduleValueError, match=r"^Verify: sch must be a schedlang.Schedule \(from "
+                                                          r"schedlang.create_schedule\(model\)\), got MLP$"):
+        schedlang.Verify(MLP(), example_inputs=[torch.randn(2, 12)])
+
+
 def test_verify_reports_running_errors_as_mismatch():
     sch = schedlang.create_schedule(MLP())
     with pytest.raises(schedlang.VerificationError,

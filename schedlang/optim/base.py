@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import logging
 import operator
+from collections.abc import Iterable
 from itertools import chain, compress, repeat
 
 import torch
 
-from schedlang.errors import ScheduleTypeError, ScheduleValueError
+from schedlang.errors import ArgumentTypeError, ScheduleTypeError, ScheduleValueError
 
 __all__ = ["FusedOptimizer", "SUPPORTED_DTYPES"]
 
@@ -58,6 +59,24 @@ def _is_number_like(x) -> bool:
     return isinstance(x, (int, float)) or (isinstance(x, torch.Tensor) and x.numel() == 1)
 
 
+def _param_list(owner: str, params) -> list:
+    """``params`` (tensors, ``(name, tensor)`` pairs or param-group dicts) as the list torch.optim would make of
+    it, or an error naming the optimizer: torch.optim's own ("'int' object is not iterable", "optimizer got an
+    empty parameter list") name neither the optimizer nor what to pass."""
+    if isinstance(params, torch.Tensor):
+        raise ArgumentTypeError(f"{owner}: params must be an iterable of tensors or param-group dicts, got one "
+                                f"tensor of shape {tuple(params.shape)}; pass a list of it ([tensor]) or "
+                                "model.parameters()")
+    if not isinstance(params, Iterable) or isinstance(params, (str, bytes)):
+        raise ArgumentTypeError(f"{owner}: params must be an iterable of tensors or param-group dicts (e.g. "
+                                f"model.parameters()), got {type(params).__name__}")
+    params = list(params)
+    if not params:
+        raise ScheduleValueError(f"{owner}: params is empty: pass the tensors to update (e.g. model.parameters() of "
+                                 "a model that has parameters), or param-group dicts")
+    return params
+
+
 class FusedOptimizer(torch.optim.Optimizer):
     """Base class of :class:`FusedAdam`, :class:`FusedAdamW` and :class:`FusedSGD`.
 
@@ -72,6 +91,9 @@ class FusedOptimizer(torch.optim.Optimizer):
     """
 
     _state_tensor_keys: tuple[str, ...] = ()
+
+    def __init__(self, params, defaults: dict) -> None:
+        super().__init__(_param_list(type(self).__name__, params), defaults)
 
     def _check_hyperparameters(self, group: dict, where: str) -> None:
         """Raise on a bad learning rate, weight decay or flag; subclasses add their own."""

@@ -42,7 +42,7 @@ from typing import Dict, List
 import torch
 from torch import nn
 
-from schedlang.errors import ScheduleTypeError, ScheduleValueError
+from schedlang.errors import ArgumentTypeError, ScheduleTypeError, ScheduleValueError
 
 __all__ = ["COMPUTE_DTYPES", "check_master_group_params", "adopt_masters", "refresh_params_from_masters",
            "master_weight_groups"]
@@ -135,6 +135,9 @@ def master_weight_groups(model: nn.Module, compute_dtype: torch.dtype = torch.bf
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = model(**batch).loss
     """
+    if not isinstance(model, nn.Module):
+        raise ArgumentTypeError(f"master_weight_groups: model must be a torch.nn.Module (the model whose parameters "
+                                f"the groups hold), got {type(model).__name__}")
     holders: Dict[int, int] = {}
     for module in model.modules():
         for p in module.parameters(recurse=False):

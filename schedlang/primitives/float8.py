@@ -36,6 +36,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from ..argument_checks import check_arity
 from ..errors import MissingDependencyError, ScheduleValueError
 from .base import Param, Primitive, register_primitive
 from .params import FUNCTION
@@ -162,6 +163,8 @@ class Float8(Primitive):
             raise ScheduleValueError(f"{where}: unknown float8 recipe {recipe!r}: valid recipes are {', '.join(RECIPES)}")
         if min_features < 1:
             raise ScheduleValueError(f"{where}: float8 min_features must be a positive int, got {min_features!r}")
+        if filter is not None:
+            check_arity(where, "float8 filter", filter, "(path, module)", ("path", None))
         float8 = torchao_float8()
         if fsdp_float8_all_gather and recipe != "tensorwise":
             raise ScheduleValueError(f"{where}: fsdp_float8_all_gather=True needs recipe='tensorwise' (torchao casts "

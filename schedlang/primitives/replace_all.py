@@ -11,6 +11,7 @@ from typing import Any, Callable, Type
 
 from torch import nn
 
+from ..argument_checks import check_arity
 from ..errors import ScheduleTypeError, ScheduleValueError
 from .base import Param, Primitive, register_primitive
 from .params import FUNCTION, ModuleTypeCodec
@@ -53,6 +54,10 @@ class ReplaceAll(Primitive):
     def validate(cls, sch, module_type, make_fn, make_fn_args=(), make_fn_kwargs=None):
         make_fn_args, make_fn_kwargs = tuple(make_fn_args), dict(make_fn_kwargs or {})
         where = sch.path or "<root>"
+        extra = f", {len(make_fn_args)} more positional argument(s)" if make_fn_args else ""
+        extra += f", keyword argument(s) {', '.join(make_fn_kwargs)}" if make_fn_kwargs else ""
+        check_arity(where, "replace_all make_fn", make_fn, f"(path, old_module{extra})",
+                    ("path", None, *make_fn_args), make_fn_kwargs)
         paths = _matches(sch.mod, module_type)
         if not paths:
             raise ScheduleValueError(f"{where}: no submodule of type {module_type.__name__} to replace; pass a module type that occurs in the model")

@@ -51,7 +51,8 @@ class Sync(Primitive):
     name = "sync"
     argument_error = SyncError
     params = (
-        Param("mode", str, doc="where: 'fwd_pre', 'fwd_post' or 'bwd_post'"),
+        Param("mode", str, doc="where: 'fwd_pre', 'fwd_post' or 'bwd_post'",
+              valid=lambda: f"valid modes are {', '.join(SYNC_MODES)}"),
         Param("sync_op_or_fn", Union[str, Callable[..., Any]], "all_reduce",
               "'all_reduce', 'all_gather', 'reduce_scatter' or a callable fn(tensor) -> tensor"),
         Param("axis", int, None, "the dimension all_gather / reduce_scatter work along", option=True),

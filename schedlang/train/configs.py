@@ -62,14 +62,53 @@ def model_config(model: str, config: str):
         except (OSError, ValueError) as e:
             _fail(f"--config {config}: cannot read a JSON config ({e}); pass a transformers "
                   "config.json")
+        if not isinstance(raw, dict):
+            _fail(f"--config {config}: holds a JSON {type(raw).__name__}, not an object; pass a transformers "
+                  "config.json ({\"hidden_size\": ..., ...})")
         kind = raw.get("model_type")
         if kind is not None and kind != klass.model_type:
             _fail(f"--config {config} describes a {kind!r} model but --model is {model!r} (model_type "
                   f"{klass.model_type!r}); pass a --config of a {model!r} model, or set --model {kind}")
-        cfg = klass.from_dict(raw)
+        try:
+            cfg = klass.from_dict(raw)
+        except Exception as e:  # transformers' own validation (e.g. heads that do not divide the hidden size)
+            reason = " ".join(line.strip() for line in str(e).splitlines() if line.strip()).rstrip(".")
+            _fail(f"--config {config}: transformers refuses it as a {klass.__name__}: {reason}; fix the config")
+        unknown = _unknown_keys(klass, raw, cfg)
+        if unknown:
+            _fail(f"--config {config}: unknown key(s) {', '.join(unknown)} for a {klass.__name__}: valid keys are "
+                  f"{', '.join(sorted(_own_keys(klass)))}")
     cfg._attn_implementation = "sdpa"
     cfg.use_cache = False
     return cfg
+
+
+#: keys of published config.json files that transformers no longer reads but still carries (the generic
+#: settings of transformers 4's PretrainedConfig, GPT-2's n_ctx): not typos, so not refused
+_LEGACY_KEYS = frozenset({
+    "torchscript", "use_bfloat16", "tf_legacy_loss", "pruned_heads", "is_decoder", "cross_attention_hidden_size",
+    "add_cross_attention", "tie_encoder_decoder", "finetuning_task", "num_labels", "tokenizer_class", "prefix",
+    "sep_token_id", "decoder_start_token_id", "task_specific_params", "gradient_checkpointing", "_commit_hash",
+    "_attn_implementation", "n_ctx",
+})
+
+
+def _own_keys(klass) -> set:
+    """The keys a config class reads: its fields, with their defaults, and its aliases (``n_embd`` ...)."""
+    return set(klass().to_dict()) | set(getattr(klass, "attribute_map", {}))
+
+
+def _unknown_keys(klass, raw: Dict, cfg) -> List[str]:
+    """Keys of ``raw`` that the config class does not read. transformers keeps any key as an attribute, so a
+    misspelt or foreign key would silently leave its setting at the default (``{"foo": 1}`` builds a default,
+    7B LLaMA)."""
+    from transformers import GenerationConfig
+
+    known = _own_keys(klass) | set(GenerationConfig().to_dict()) | _LEGACY_KEYS
+    loaded = cfg.to_dict()
+    # a key transformers converts when loading (rope_theta -> rope_parameters, torch_dtype -> dtype) is gone
+    # from the loaded config: it reads it
+    return sorted(k for k in raw if k not in known and k in loaded)
 
 
 @dataclass
@@ -93,6 +132,10 @@ def model_dims(model: str, cfg) -> Dims:
 
 
 def validate_model(ns, dims: Dims) -> None:
+    # transformers checks a LLaMA config's heads itself; GPT-2's config takes any, and its attention would fail
+    if dims.heads < 1 or dims.hidden % dims.heads:
+        _fail(f"--config {ns.config}: the hidden size {dims.hidden} must be divisible by the number of attention "
+              f"heads ({dims.heads}, at least 1)")
     if ns.seq > dims.positions:
         _fail(f"--seq {ns.seq} exceeds the model's {dims.positions} positions; use --seq <= {dims.positions}")
     tp = ns.tp

@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import os
+import tempfile
 from pathlib import Path
 from typing import Optional
 
@@ -138,6 +139,8 @@ def validate(ns: argparse.Namespace, world: int) -> None:
         _fail(f"--lr must be a positive number, got {ns.lr}")
     if ns.warmup < 0 or ns.save_every < 0 or ns.grad_clip < 0 or ns.log_every < 1:
         _fail("--warmup, --save-every and --grad-clip must be >= 0 and --log-every >= 1")
+    if not ns.timeout > 0 or not math.isfinite(ns.timeout):
+        _fail(f"--timeout must be a positive number of seconds, got {ns.timeout}")
     if ns.stop_after is not None and not 1 <= ns.stop_after <= ns.steps:
         _fail(f"--stop-after must be a step of the run, 1..{ns.steps} (--steps), got {ns.stop_after}")
     layout = ns.dp * ns.tp * ns.pp
@@ -148,8 +151,8 @@ def validate(ns: argparse.Namespace, world: int) -> None:
               f"launch {layout} ranks (--nproc {layout} or torchrun --nproc_per_node={layout}) or change the layout")
     if ns.sp and ns.tp < 2:
         _fail("--sp (sequence parallelism) splits the sequence over the tp ranks: it needs --tp >= 2")
-    ns.stages_per_rank = ns.stages_per_rank or (2 if ns.pp > 1 and ns.pp_schedule in ("Interleaved1F1B", "ZeroBubble")
-                                                else 1)
+    if ns.stages_per_rank is None:  # not `or`: an explicit 0 is refused below, not replaced by the default
+        ns.stages_per_rank = 2 if ns.pp > 1 and ns.pp_schedule in ("Interleaved1F1B", "ZeroBubble") else 1
     if ns.stages_per_rank < 1:
         _fail(f"--stages-per-rank must be at least 1, got {ns.stages_per_rank}")
     if ns.pp == 1 and ns.stages_per_rank > 1:
@@ -172,9 +175,54 @@ def validate(ns: argparse.Namespace, world: int) -> None:
         _fail("--save-every needs --checkpoint-dir")
     if ns.device == "cuda" and not torch.cuda.is_available():
         _fail("--device cuda but no CUDA device is available; use --device cpu")
+    if os.environ.get("RANK", "0") == "0":  # rank 0 writes both, on its own host's file system
+        if ns.metrics:
+            _check_writable_file("--metrics", ns.metrics)
+        if ns.export_hf:
+            _check_writable_directory("--export-hf", ns.export_hf)
     if ns.optimizer == "fused-adamw" and _device_type(ns) == "cpu":
         logger.warning("--optimizer fused-adamw on the CPU runs its Triton kernel under the interpreter (slow); "
                        "--optimizer adamw is torch's")
+
+
+# The outputs are written after training (the export) or from its first step on (the metrics): a path that
+# cannot be written would fail the run only then, after minutes or hours. Writability is probed by creating a
+# file, not with os.access, which says yes to root where the file system says no (/proc).
+def _check_writable_file(flag: str, path: str) -> None:
+    """``path`` can be opened for writing; nothing is left behind by the check."""
+    target = Path(path)
+    if target.is_dir():
+        _fail(f"{flag}: {path!r} is a directory: give the path of a file to write")
+    folder = target.parent
+    if not folder.is_dir():
+        _fail(f"{flag}: the directory {str(folder)!r} of {path!r} does not exist; create it first or give a path in "
+              "an existing directory")
+    existed = target.exists()
+    try:
+        with open(target, "a"):
+            pass
+    except OSError as e:
+        _fail(f"{flag}: {path!r} cannot be written ({e.strerror or e}); give a path in a writable directory")
+    if not existed:  # the probe made it: leave the file system as it was
+        target.unlink()
+
+
+def _check_writable_directory(flag: str, path: str) -> None:
+    """``path`` is a directory, or can be made one, in which files can be written; nothing is left behind."""
+    target = Path(path)
+    if target.exists() and not target.is_dir():
+        _fail(f"{flag}: {path!r} is an existing file: give a directory to write into (it is created if missing)")
+    existing = target
+    while not existing.exists() and existing != existing.parent:  # the nearest folder that exists
+        existing = existing.parent
+    if not existing.is_dir():
+        _fail(f"{flag}: {str(existing)!r} is a file, so the directory {path!r} cannot be created; give another path")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        _fail(f"{flag}: {path!r} cannot be written: {str(existing)!r} refuses new files ({e.strerror or e}); give a "
+              "directory in a writable place")
 
 
 def _device_type(ns) -> str:

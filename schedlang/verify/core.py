@@ -32,9 +32,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from ..argument_checks import check_int, check_number
 from ..distributed import groups
 from ..distributed.agreement import agreement, check_same_plan
-from ..errors import ScheduleValueError, VerificationError
+from ..errors import ArgumentTypeError, ScheduleValueError, VerificationError
 from ..plan import Plan, apply_steps
 from . import ranks
 from .compare import compare_tensors, nonfinite_summary, reduction_size_of, tolerance_for
@@ -144,6 +145,18 @@ def _fresh_forked_streams(scheduled: nn.Module, reference: nn.Module) -> List[st
     return paths
 
 
+def _keyword_inputs(example_kwargs) -> Dict[str, Any]:
+    """``example_kwargs`` as a dict of keyword inputs (None: none), or a ScheduleValueError saying what it must be."""
+    try:
+        kwargs = dict(example_kwargs or {})
+    except (TypeError, ValueError):
+        kwargs = None
+    if kwargs is None or not all(isinstance(key, str) for key in kwargs):
+        raise ScheduleValueError(f"Verify: example_kwargs must be a dict of keyword inputs {{name: value}} or None, "
+                                 f"got {type(example_kwargs).__name__}")
+    return kwargs
+
+
 class Verify:
     """Context manager that checks the primitives applied inside it (forward and backward, in eval and
     training mode).
@@ -177,12 +190,25 @@ class Verify:
                  rtol: Optional[float] = None, atol: Optional[float] = None, check_backward: bool = True,
                  seed: int = 0, enable: bool = True, check_training: bool = True,
                  reduction_size: Optional[int] = None):
+        from ..schedule import Schedule
+
+        # every argument is checked here, before the block runs: a bad one found on exit would undo the
+        # block's steps and read as a failed check (a negative rtol as a mismatch, a bad seed as bad inputs)
+        if not isinstance(sch, Schedule):
+            raise ArgumentTypeError(f"Verify: sch must be a schedlang.Schedule (from schedlang.create_schedule(model)),"
+                                    f" got {type(sch).__name__}")
         if not isinstance(example_inputs, (list, tuple)):
             raise ScheduleValueError(f"Verify: example_inputs must be a list or tuple of inputs, got "
                                      f"{type(example_inputs).__name__}")
+        self.example_kwargs = _keyword_inputs(example_kwargs)
+        for name, tolerance in (("rtol", rtol), ("atol", atol)):
+            if tolerance is not None:
+                check_number("Verify", name, tolerance, minimum=0)
+        check_int("Verify", "seed", seed)
+        if reduction_size is not None:
+            check_int("Verify", "reduction_size", reduction_size, minimum=1)
         self.sch = sch.root
         self.example_inputs = list(example_inputs)
-        self.example_kwargs = dict(example_kwargs or {})
         self.rtol, self.atol = rtol, atol
         self.check_backward = check_backward
         self.check_training = check_training

@@ -91,3 +91,35 @@ def test_make_optimizer_by_name():
         make_optimizer("lamb", _params())
     with pytest.raises(ScheduleValueError, match=r"unknown optimizer None"):
         make_optimizer(None, _params())
+
+
+@pytest.mark.parametrize("cls", [FusedAdamW, FusedAdam, FusedSGD])
+@pytest.mark.parametrize("params, message", [
+    ([], r"params is empty: pass the tensors to update"),
+    (iter([]), r"params is empty: pass the tensors to update"),
+    (5, r"params must be an iterable of tensors or param-group dicts \(e\.g\. model\.parameters\(\)\), got int$"),
+    (torch.zeros(3), r"params must be an iterable of tensors or param-group dicts, got one tensor of shape \(3,\); "
+                     r"pass a list of it"),
+], ids=["empty list", "empty generator", "int", "one tensor"])
+def test_params_that_are_no_parameter_list(cls, params, message):
+    with pytest.raises(ScheduleValueError, match=rf"^{cls.__name__}: {message}"):
+        cls(params, lr=0.1)
+
+
+def test_a_generator_of_parameters_is_still_taken_whole():
+    params = _params()
+    opt = FusedAdamW(p for p in params)
+    assert opt.param_groups[0]["params"] == params
+
+
+def test_make_optimizer_names_an_unknown_option_and_the_valid_ones():
+    with pytest.raises(ScheduleValueError, match=r"^make_optimizer: 'sgd' \(FusedSGD\) has no option 'foo': valid "
+                                                 r"options are lr, momentum, dampening, weight_decay, nesterov"):
+        make_optimizer("sgd", _params(), lr=0.1, foo=1)
+
+
+def test_master_weight_groups_takes_a_model():
+    from schedlang.optim import master_weight_groups
+
+    with pytest.raises(ScheduleValueError, match=r"^master_weight_groups: model must be a torch.nn.Module .*got int$"):
+        master_weight_groups(5)

@@ -146,6 +146,9 @@ def test_errors_name_the_path_the_value_and_what_is_valid(monkeypatch):
         sch.float8(min_features=0)
     with pytest.raises(schedlang.ScheduleTypeError, match=r"float8 skip= takes module-path patterns \(str\), got \[3\]"):
         sch.float8(skip=[3])
+    with pytest.raises(schedlang.ScheduleValueError, match=r"<root>: float8 filter\(name\) cannot be called with "
+                                                           r"\(path, module\): too many positional arguments"):
+        sch.float8(filter=lambda name: True, min_features=16)
     with pytest.raises(schedlang.ScheduleValueError, match=r"fsdp_float8_all_gather=True needs recipe='tensorwise'"):
         sch.float8(recipe="rowwise", fsdp_float8_all_gather=True, min_features=16)
     sch.float8(min_features=16)

@@ -52,3 +52,18 @@ def test_replace_all_is_atomic_and_validates():
         sch.replace_all(3, lambda p, o: o)
     with pytest.raises(schedlang.ScheduleTypeError, match=r"expects make_fn\(path, old_module\) -> nn.Module, got int"):
         sch.replace_all(nn.GELU, 3)
+
+
+@pytest.mark.parametrize("make_fn, args, kwargs, message", [
+    (lambda old: old, (), {}, r"^<root>: replace_all make_fn\(old\) cannot be called with \(path, old_module\): too many "
+                              r"positional arguments; give a function that takes \(path, old_module\)$"),
+    (lambda path, old: old, (7,), {}, r"make_fn\(path, old\) cannot be called with \(path, old_module, 1 more "
+                                      r"positional argument\(s\)\)"),
+    (lambda path, old, *, scale: old, (), {"shift": 1}, r"cannot be called with \(path, old_module, keyword "
+                                                        r"argument\(s\) shift\): missing a required argument: 'scale'"),
+], ids=["one argument", "extra positional", "unknown keyword"])
+def test_make_fn_of_the_wrong_arity_is_refused_before_any_call(make_fn, args, kwargs, message):
+    sch = schedlang.create_schedule(Stack())
+    with pytest.raises(schedlang.ScheduleValueError, match=message):
+        sch.replace_all(nn.GELU, make_fn, *args, **kwargs)
+    assert len(sch.plan) == 0 and isinstance(sch["layers.0.mlp.act"].mod, nn.GELU)

@@ -52,6 +52,8 @@ def test_sync_with_tuple_output_applies_to_first_element():
 @pytest.mark.parametrize("kwargs,message", [
     (dict(mode="fwd", sync_op_or_fn="all_reduce"),
      r"fc1: invalid sync mode 'fwd': valid modes are fwd_pre, fwd_post, bwd_post"),
+    (dict(mode=3, sync_op_or_fn="all_reduce"),
+     r"fc1: sync mode must be a str, got 3; valid modes are fwd_pre, fwd_post, bwd_post"),
     (dict(mode="fwd_post", sync_op_or_fn="broadcast"),
      r"fc1: invalid sync op 'broadcast': valid ops are all_reduce, all_gather, reduce_scatter, or a callable"),
     (dict(mode="fwd_post", sync_op_or_fn="all_gather"), r"fc1: sync op 'all_gather' needs axis=<int>"),
