@@ -193,7 +193,8 @@ class FusedAdam(FusedOptimizer):
     # -- master weights in state dicts ----------------------------------------------------
 
     def _check_state_dict_to_load(self, state_dict: dict) -> None:
-        """Saved masters must go to master-weights groups, shaped like their parameters."""
+        """Saved masters must go to master-weights groups, shaped like their parameters; then the
+        shapes of the other states (:meth:`FusedOptimizer._check_state_dict_to_load`)."""
         owner = type(self).__name__
         saved_state = state_dict.get("state", {})
         for gi, (saved, group) in enumerate(zip(state_dict.get("param_groups", ()), self.param_groups)):
@@ -211,6 +212,7 @@ class FusedAdam(FusedOptimizer):
                         f"{owner}.load_state_dict: the master of parameter {i} of param group {gi} has shape "
                         f"{tuple(master.shape)}, the parameter {tuple(p.shape)}; a master must match its "
                         "parameter's shape (was the state dict saved for another model?)")
+        super()._check_state_dict_to_load(state_dict)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state dict of this class or of the matching ``torch.optim`` class.

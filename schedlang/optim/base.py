@@ -269,7 +269,21 @@ class FusedOptimizer(torch.optim.Optimizer):
     # -- state dict -----------------------------------------------------------------------
 
     def _check_state_dict_to_load(self, state_dict: dict) -> None:
-        """Raise if ``state_dict`` cannot be loaded; runs before anything changes."""
+        """Raise if ``state_dict`` cannot be loaded; runs before anything changes.
+
+        Every per-element state tensor (moments, momentum buffers, masters: anything not 0-d, as ``step``
+        is) must have its parameter's shape: the kernels read and write a state as long as its parameter,
+        so a state of another model's parameter would be read past its end."""
+        owner = type(self).__name__
+        saved_state = state_dict.get("state", {})
+        for gi, (saved, group) in enumerate(zip(state_dict.get("param_groups", ()), self.param_groups)):
+            for i, (key, p) in enumerate(zip(saved.get("params", ()), group["params"])):
+                for name, value in saved_state.get(key, {}).items():
+                    if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != p.shape:
+                        raise ScheduleValueError(
+                            f"{owner}.load_state_dict: state {name!r} of parameter {i} of param group {gi} has "
+                            f"shape {tuple(value.shape)}, the parameter {tuple(p.shape)}; each state must match "
+                            "its parameter's shape (was the state dict saved for another model?)")
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state dict of this class or of the matching ``torch.optim`` class.

@@ -123,3 +123,19 @@ def test_master_weight_groups_takes_a_model():
 
     with pytest.raises(ScheduleValueError, match=r"^master_weight_groups: model must be a torch.nn.Module .*got int$"):
         master_weight_groups(5)
+
+
+@pytest.mark.parametrize("make", [lambda ps: FusedAdamW(ps), lambda ps: FusedSGD(ps, lr=0.1, momentum=0.9)],
+                         ids=["adamw", "sgd"])
+def test_a_state_dict_of_another_models_shapes_is_refused_before_anything_is_loaded(make):
+    """The kernels would read and write such a state past its end."""
+    small, big = torch.nn.Linear(4, 4), torch.nn.Linear(4, 5)
+    saved_opt = make(list(small.parameters()))
+    small(torch.randn(2, 4)).sum().backward()
+    saved_opt.step()
+    opt = make(list(big.parameters()))
+    before = opt.state_dict()
+    with pytest.raises(ScheduleValueError, match=r"load_state_dict: state '(exp_avg|momentum_buffer)' of parameter 0 "
+                                                 r"of param group 0 has shape \(4, 4\), the parameter \(5, 4\)"):
+        opt.load_state_dict(saved_opt.state_dict())
+    assert opt.state_dict()["state"] == before["state"]
