@@ -57,7 +57,7 @@ def all_gather_tensor(x: torch.Tensor, axis: int, group=None) -> torch.Tensor:
     return torch.cat(parts, dim=axis)
 
 
-def _check_even_split(where: str, verb: str, x: torch.Tensor, axis: int, world: int, context: str = "") -> None:
+def check_even_split(where: str, verb: str, x: torch.Tensor, axis: int, world: int, context: str = "") -> None:
     """Refuse an axis that ``x`` lacks, or a size the ranks cannot share equally.
 
     Raised before any collective: ``x``'s shape along ``axis`` is the same on every rank at a sync point
@@ -79,7 +79,7 @@ def local_slice(x: torch.Tensor, axis: int, group=None) -> torch.Tensor:
     world = _world_size(group)
     if world == 1:
         return x
-    _check_even_split("local_slice", "split", x, axis, world)
+    check_even_split("local_slice", "split", x, axis, world)
     size = x.shape[axis]
     return x.narrow(axis, _rank(group) * (size // world), size // world).contiguous()
 
@@ -89,7 +89,7 @@ def reduce_scatter_tensor(x: torch.Tensor, axis: int, group=None) -> torch.Tenso
     world = _world_size(group)
     if world == 1:
         return x
-    _check_even_split("reduce_scatter_tensor", "reduce-scatter", x, axis, world)
+    check_even_split("reduce_scatter_tensor", "reduce-scatter", x, axis, world)
     if dist.get_backend(group) == "gloo":
         # gloo has no reduce-scatter: an all-reduce followed by a slice gives the same values
         return local_slice(_all_reduce(x, group), axis, group)
@@ -185,7 +185,7 @@ def scatter_forward(x: torch.Tensor, axis: int, group=None) -> torch.Tensor:
     if world == 1:
         return x
     # named here, where the sync point that splits is known (an all_gather of the gradient, at bwd_post)
-    _check_even_split("scatter_forward", "split", x, axis, world,
+    check_even_split("scatter_forward", "split", x, axis, world,
                       " (the forward half of sync op 'all_gather' at bwd_post)")
     return _ScatterForward.apply(x, axis, group)
 
@@ -195,6 +195,6 @@ def reduce_scatter_forward(x: torch.Tensor, axis: int, group=None) -> torch.Tens
     world = _world_size(group)
     if world == 1:
         return x
-    _check_even_split("reduce_scatter_forward", "reduce-scatter", x, axis, world,
+    check_even_split("reduce_scatter_forward", "reduce-scatter", x, axis, world,
                       " (sync op 'reduce_scatter' at fwd_pre or fwd_post)")
     return _ReduceScatterForward.apply(x, axis, group)

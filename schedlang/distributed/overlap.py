@@ -66,6 +66,8 @@ class _Start(torch.autograd.Function):
     def forward(ctx, x, pending: PendingCollective, replicated: bool):
         kind, axis, group = pending.kind, pending.axis, pending.group
         ctx.kind, ctx.axis, ctx.group, ctx.replicated = kind, axis, group, replicated
+        if kind == "reduce_scatter":  # refused on every rank before any collective (gloo's path too)
+            C.check_even_split("start_collective", "reduce-scatter", x, axis, _world_size(group))
         if kind == "all_reduce" or (kind == "reduce_scatter" and _gloo(group)):
             # gloo has no reduce-scatter: all-reduce, then keep this rank's slice at the wait
             buffer = x.contiguous().clone()
@@ -76,8 +78,6 @@ class _Start(torch.autograd.Function):
             pending.work = dist.all_gather(list(buffer.unbind(0)), x.contiguous(), group=group, async_op=True)
         elif kind == "reduce_scatter":
             world = _world_size(group)
-            if x.shape[axis] % world:
-                raise ValueError(f"cannot reduce-scatter dimension {axis} of size {x.shape[axis]} over {world} ranks")
             parts = [p.contiguous() for p in x.chunk(world, dim=axis)]
             buffer = torch.empty_like(parts[0])
             pending.work = dist.reduce_scatter(buffer, parts, op=dist.ReduceOp.SUM, group=group, async_op=True)
@@ -134,6 +134,10 @@ def wait_sync(pending: PendingCollective) -> torch.Tensor:
 
 def start_sync(sync, x: torch.Tensor) -> PendingCollective:
     """Asynchronous form of ``sync(x)`` for a forward-mode SyncOp with a named op."""
+    # the checks ``sync(x)`` would run first (its forward pre-hooks name the schedule path), so that a bad
+    # shape is refused on every rank before any collective is issued
+    for check in sync._forward_pre_hooks.values():
+        check(sync, (x,))
     return start_collective(x, sync.op, sync.axis, sync.group, getattr(sync, "grad_is_replicated", True))
 
 

@@ -23,6 +23,8 @@ from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 import torch
 
+from ..distributed.collectives import check_even_split
+from ..distributed.groups import world_size
 from ..distributed.sync_ops import SYNC_MODES, SYNC_OPS, SyncOp, attach_sync
 from ..errors import SyncError
 from .base import Param, Primitive, register_primitive
@@ -112,8 +114,17 @@ class AxisCheck:
 
     def __call__(self, module, args):
         x = args[0] if args else None
-        if isinstance(x, torch.Tensor):
-            _check_axis(self.path or "<root>", self.mode, self.op, self.axis, x.dim(), x.shape)
+        if not isinstance(x, torch.Tensor):
+            return
+        where = self.path or "<root>"
+        _check_axis(where, self.mode, self.op, self.axis, x.dim(), x.shape)
+        # the ops that split the tensor into equal slices, one per rank: a reduce-scatter in forward, and at
+        # bwd_post an all_gather of the gradient, whose forward keeps this rank's slice
+        splits = self.op == "reduce_scatter" if self.mode != "bwd_post" else self.op == "all_gather"
+        world = world_size(getattr(module, "group", None))
+        if splits and world > 1:
+            verb = "reduce-scatter" if self.op == "reduce_scatter" else "split"
+            check_even_split(where, verb, x, self.axis, world, f" (sync op {self.op!r} at {self.mode})")
 
     def __repr__(self) -> str:
         return f"AxisCheck({self.path!r}, {self.mode!r}, {self.op!r}, axis={self.axis})"

@@ -132,6 +132,18 @@ def _uneven_splits(rank, world):
     except schedlang.SyncError as e:
         messages["schedule"] = str(e)
     messages["after"] = tuple(model(torch.randn(4, 8)).shape)
+
+    # the asynchronous form of the same sync point (what overlap_communication calls) checks the same way
+    from schedlang.distributed.overlap import start_collective, start_sync, wait_sync
+
+    sync = model[2]._schedlang_sync_fwd_post_0
+    for name, call in [("start_sync", lambda: start_sync(sync, torch.ones(3, 8))),
+                       ("start_collective", lambda: start_collective(torch.ones(5, 2), "reduce_scatter", 0))]:
+        try:
+            call()
+        except schedlang.SyncError as e:
+            messages[name] = str(e)
+    messages["after_async"] = tuple(wait_sync(start_sync(sync, torch.ones(4, 8))).shape)
     return messages
 
 
@@ -148,5 +160,11 @@ def test_sizes_the_ranks_cannot_share_are_a_sync_error_on_every_rank():
         assert m["local_slice"].startswith("local_slice: cannot split dimension 0 of size 3 over 2 ranks")
         assert m["axis"] == ("reduce_scatter_forward: cannot reduce-scatter along axis 2 (sync op 'reduce_scatter' "
                              "at fwd_pre or fwd_post): the tensor has shape (4, 4), so valid axes are -2 to 1")
-        assert m["schedule"] == m["reduce_scatter_forward"]
+        # at a schedule's sync point the message names the module's path, and says so before any collective
+        assert m["schedule"] == ("2: cannot reduce-scatter dimension 0 of size 3 over 2 ranks (sync op "
+                                 "'reduce_scatter' at fwd_post): the size must be divisible by 2 (e.g. 2 or 4)")
         assert m["after"] == (2, 8)
+        assert m["start_sync"] == m["schedule"]
+        assert m["start_collective"] == ("start_collective: cannot reduce-scatter dimension 0 of size 5 over 2 "
+                                         "ranks: the size must be divisible by 2 (e.g. 4 or 6)")
+        assert m["after_async"] == (2, 8)
