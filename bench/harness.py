@@ -459,9 +459,11 @@ def write_results(name: str, rows: Iterable[dict], gpus: int, merge: bool = True
 #: norm after the first backward and the loss after the warm-up steps against the work's first variant
 TOL_BF16 = {"loss": 1e-2, "grad_norm": 5e-2, "trajectory": 2e-2, "grad_cosine": 0.98}
 TOL_FP32 = {"loss": 1e-4, "grad_norm": 1e-3, "trajectory": 1e-3, "grad_cosine": 0.9999}
-#: float8 GEMMs (e4m3 activations and weights, e5m2 gradients) turn the gradient more than bf16 rounding does; a
-#: gradient of wrong labels is far below this (about 0.5 on the tiny LLaMA)
-GRAD_COSINE_FLOAT8 = 0.95
+#: float8 GEMMs (e4m3 activations and weights, e5m2 gradients) turn the first gradient of a randomly initialized
+#: model much more than bf16 rounding does: on LLaMA-1.1B (H100) torchao's float8 blocks and schedlang's both give
+#: a cosine of 0.866 to 0.870 with the eager bf16 gradient. A gradient of wrong labels is far below this bound
+#: (about 0.5 on the tiny LLaMA)
+GRAD_COSINE_FLOAT8 = 0.8
 
 
 def global_batch(vocab_size: int, rows: int, seq: int, device: torch.device, seed: int = 1):
