@@ -68,9 +68,18 @@ def use_triton(device: torch.device) -> bool:
     return device.type == "cpu" and interpreting()
 
 
+_PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__
+
+
 def is_dense(*tensors: torch.Tensor | None) -> bool:
-    """True when every tensor given is contiguous (the kernels walk memory as one flat range)."""
-    return all(t is None or t.is_contiguous() for t in tensors)
+    """True when every tensor given holds its own elements, contiguous (the kernels walk memory as one flat
+    range from ``data_ptr()``).
+
+    A tensor subclass that dispatches its own ops (torchao's float8 weights, a wrapper around another tensor)
+    is not: its ``data_ptr()`` may be 0 or not where its values live, so a kernel would read and write
+    elsewhere. Such tensors go through the PyTorch reference, whose ops the subclass handles itself.
+    """
+    return all(t is None or (type(t).__torch_dispatch__ is _PLAIN_DISPATCH and t.is_contiguous()) for t in tensors)
 
 
 class ChunkTables:

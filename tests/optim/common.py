@@ -48,3 +48,48 @@ def warm_up_then_copy(ref, ref_opt, ours, steps=3):
     with torch.no_grad():
         for a, b in zip(ours, ref):
             a.copy_(b)
+
+
+class WrapperTensor(torch.Tensor):
+    """A tensor subclass holding its values in another tensor (as torchao's float8 weights do): its own
+    ``data_ptr()`` is 0; every op runs on the inner tensor, and an in-place op changes it."""
+
+    @staticmethod
+    def __new__(cls, inner):
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype, device=inner.device,
+                                                   requires_grad=inner.requires_grad)
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __tensor_flatten__(self):
+        return ["inner"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, size, stride):
+        return WrapperTensor(inner["inner"])
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        from torch.utils._pytree import tree_map
+
+        def unwrap(t):
+            return t.inner if isinstance(t, WrapperTensor) else t
+
+        out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
+        if func._schema.is_mutable and isinstance(args[0], WrapperTensor):
+            return args[0]
+        if func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):  # nn.Parameter needs these
+            return WrapperTensor(out)
+        return out
+
+
+def wrapped_twin_params(shapes=SHAPES, wrapped=(0, 2)):
+    """Twin parameter sets whose first set has the parameters at ``wrapped`` as :class:`WrapperTensor`s."""
+    ours, ref = twin_params(shapes=shapes)
+    ours = [torch.nn.Parameter(WrapperTensor(p.detach().clone())) if i in wrapped else p for i, p in enumerate(ours)]
+    return ours, ref
+
+
+def plain_values(t: torch.Tensor) -> torch.Tensor:
+    return t.inner if isinstance(t, WrapperTensor) else t.detach()

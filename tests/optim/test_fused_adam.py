@@ -9,7 +9,7 @@ import torch
 from schedlang.kernels.multi_tensor_adam import reference
 from schedlang.optim import FusedAdam, FusedAdamW
 
-from .common import assert_params_close, set_grads, step_side_by_side, twin_params, warm_up_then_copy
+from .common import assert_params_close, plain_values, wrapped_twin_params, set_grads, step_side_by_side, twin_params, warm_up_then_copy
 
 STEPS = 12
 
@@ -190,3 +190,18 @@ def test_named_parameters_and_non_contiguous_params():
     assert not model[0].weight.is_contiguous()
     assert_params_close(list(model.parameters()), list(twin.parameters()))
     assert opt.state_dict()["param_groups"][0]["param_names"][0] == "0.weight"
+
+
+def test_parameters_of_a_tensor_subclass_are_updated_through_the_reference():
+    """A subclass holding its values elsewhere (``data_ptr()`` 0) beside plain parameters in one group: the
+    kernel takes the plain ones, the subclass goes through the reference, and both match torch.optim."""
+    ours, ref = wrapped_twin_params()
+    assert ours[0].data_ptr() == 0
+    opt = FusedAdamW(ours, lr=1e-2, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(ref, foreach=False, lr=1e-2, weight_decay=0.1)
+    for _ in range(4):
+        set_grads(ours, ref)
+        opt.step()
+        ref_opt.step()
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(plain_values(a), b.detach())

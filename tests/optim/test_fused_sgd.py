@@ -8,7 +8,7 @@ import torch
 from schedlang.kernels.multi_tensor_sgd import reference
 from schedlang.optim import FusedSGD
 
-from .common import assert_params_close, set_grads, step_side_by_side, twin_params, warm_up_then_copy
+from .common import assert_params_close, plain_values, wrapped_twin_params, set_grads, step_side_by_side, twin_params, warm_up_then_copy
 
 
 @pytest.mark.parametrize("kw", [
@@ -67,3 +67,18 @@ def test_state_dict_round_trips_with_torch():
     back_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
     step_side_by_side(2, (ours, opt), (back, back_opt))
     assert_params_close(ours, back)
+
+
+def test_parameters_of_a_tensor_subclass_are_updated_through_the_reference():
+    """A subclass holding its values elsewhere (``data_ptr()`` 0) beside plain parameters in one group: the
+    kernel takes the plain ones, the subclass goes through the reference, and both match torch.optim."""
+    ours, ref = wrapped_twin_params()
+    assert ours[0].data_ptr() == 0
+    opt = FusedSGD(ours, lr=0.05, momentum=0.9, weight_decay=0.1)
+    ref_opt = torch.optim.SGD(ref, foreach=False, lr=0.05, momentum=0.9, weight_decay=0.1)
+    for _ in range(4):
+        set_grads(ours, ref)
+        opt.step()
+        ref_opt.step()
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(plain_values(a), b.detach())
