@@ -8,6 +8,8 @@ multi-tensor kernel of :mod:`schedlang.kernels`. The launch tables of a bucket a
 
 DTensor parameters are updated through their local shard (their state is a DTensor laid out like
 the parameter, as torch.optim makes it), so DTensor and plain parameters mix freely in a group.
+torchao's float8 weights under FSDP2 are updated through the tensor they wrap; any other tensor
+subclass goes through the kernels' PyTorch reference, whose ops it dispatches itself.
 """
 
 from __future__ import annotations
@@ -42,11 +44,23 @@ def _dtensor_class():
     return _DTENSOR[0]
 
 
+def _holds_values_inside(t: torch.Tensor) -> bool:
+    """torchao's float8 weight under FSDP2 (``WeightWithDynamicFloat8CastTensor``): a wrapper whose values are
+    its ``_tensor``, on which it runs every op, in-place ones included (named here so that torchao need not be
+    imported). Other tensor subclasses are left whole: the kernels send them through the reference."""
+    cls = type(t)
+    return (cls.__name__ == "WeightWithDynamicFloat8CastTensor" and cls.__module__.startswith("torchao.")
+            and isinstance(getattr(t, "_tensor", None), torch.Tensor) and t._tensor.shape == t.shape)
+
+
 def local_tensor(t: torch.Tensor, dtensor_class=None) -> torch.Tensor:
-    """The tensor a kernel updates: the local shard of a DTensor, else ``t`` itself."""
+    """The tensor a kernel updates: the local shard of a DTensor, and within it the values of torchao's float8
+    weight wrapper; else ``t`` itself."""
     cls = dtensor_class if dtensor_class is not None else _dtensor_class()
     if cls and isinstance(t, cls):
-        return t._local_tensor
+        t = t._local_tensor
+    if _holds_values_inside(t):
+        t = t._tensor
     return t
 
 

@@ -205,3 +205,29 @@ def test_parameters_of_a_tensor_subclass_are_updated_through_the_reference():
         ref_opt.step()
     for a, b in zip(ours, ref):
         torch.testing.assert_close(plain_values(a), b.detach())
+
+
+def test_torchao_float8_weights_are_updated_in_place_through_the_tensor_they_wrap():
+    """FSDP2's float8 all-gather keeps each float8 weight as torchao's wrapper (``data_ptr()`` 0): the kernel
+    updates the wrapped tensor, the wrapper stays the parameter, and the values match torch.optim's."""
+    fsdp_utils = pytest.importorskip("torchao.float8.fsdp_utils", reason="torchao not installed")
+    from torchao.float8.float8_training_tensor import LinearMMConfig
+
+    from schedlang.kernels.multi_tensor_apply import is_dense
+    from schedlang.optim.base import local_tensor
+
+    ours, ref = twin_params()
+    inner = [p.detach().clone() for p in ours[:2]]
+    ours[:2] = [torch.nn.Parameter(fsdp_utils.WeightWithDynamicFloat8CastTensor(t, LinearMMConfig(), torch.float8_e4m3fn))
+                for t in inner]
+    assert ours[0].data_ptr() == 0 and local_tensor(ours[0]) is inner[0] and is_dense(local_tensor(ours[0]))
+    opt = FusedAdamW(ours, lr=1e-2, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1, foreach=False)
+    for _ in range(4):
+        set_grads(ours, ref)
+        opt.step()
+        ref_opt.step()
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(local_tensor(a), b.detach())
+    assert all(local_tensor(a) is t for a, t in zip(ours[:2], inner))  # the wrapped tensors, updated in place
+    assert all(type(a).__name__ == "WeightWithDynamicFloat8CastTensor" for a in ours[:2])
