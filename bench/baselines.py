@@ -21,7 +21,8 @@ settings, rewritten here so that the benchmark runs without them):
 * ``tp-fsdp-titan``: ``tp-titan``'s plan on ``tp``, then FSDP2 on ``dp``;
 * ``ddp-titan``: torch's ``DistributedDataParallel`` over the model whose blocks are compiled one by
   one, bf16 autocast over fp32 weights, gradients all-reduced in fp32 buckets of 100 MB (torchtitan's
-  DDP bucket size) that are the gradients' storage (``gradient_as_bucket_view``).
+  DDP bucket size) that are the gradients' storage (``gradient_as_bucket_view``);
+* ``ddp-titan-fp8``: the same over torchao's float8 blocks (``titan-style-fp8``'s conversion).
 
 Every one takes the loss the same way: the body's last hidden state, the LM head, then
 ``F.cross_entropy`` of fp32 logits against labels shifted on the host (logits never sliced), and
@@ -343,11 +344,15 @@ def make_fsdp2_titan(ctx: Context, cfg, fp8: str = None, reshard: bool = True) -
                         "reshard_after_forward": reshard})
 
 
-def make_ddp_titan(ctx: Context, cfg) -> Setup:
+def make_ddp_titan(ctx: Context, cfg, fp8: str = None) -> Setup:
+    """DDP over the model whose blocks are compiled one by one; ``fp8``: torchao's float8 Linears in the blocks
+    first (each rank holds every weight, so there is no float8 all-gather and no scale to precompute)."""
     from torch.nn.parallel import DistributedDataParallel
 
     mesh = ctx.mesh(ctx.world, 1)["dp"]
     model = full_model(cfg, ctx.device)
+    if fp8:
+        convert_blocks_to_float8(model, fp8)
     layers = blocks(model)
     for i, block in enumerate(layers):
         layers[i] = ctx.compile_block(block)
@@ -361,7 +366,7 @@ def make_ddp_titan(ctx: Context, cfg) -> Setup:
         return plain_loss(logits, labels)
 
     return Setup(model, opt, loss_fn, dp=ctx.world, dp_rank=mesh.get_local_rank(),
-                 notes={"loss": "logits -> F.cross_entropy (fp32)", "compile": "blocks"})
+                 notes={"loss": "logits -> F.cross_entropy (fp32)", "compile": "blocks", "float8": fp8})
 
 
 #: variant name -> builder(ctx, cfg)
@@ -377,4 +382,5 @@ BASELINES: Dict[str, Callable[[Context, Any], Setup]] = {
     "fsdp2-titan-fp8": lambda ctx, cfg: make_fsdp2_titan(ctx, cfg, fp8="tensorwise"),
     "fsdp2-titan-noreshard": lambda ctx, cfg: make_fsdp2_titan(ctx, cfg, reshard=False),
     "ddp-titan": make_ddp_titan,
+    "ddp-titan-fp8": lambda ctx, cfg: make_ddp_titan(ctx, cfg, fp8="tensorwise"),
 }

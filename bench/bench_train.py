@@ -33,15 +33,15 @@ Works (batch x seq; ``--batch`` / ``--seq`` override):
 * ``llama-1.1b-2gpu``: 2 GPUs in the best layout, b4 s2048 per GPU (a global batch of 8
   sequences; tensor-parallel variants train on all 8): tokens/s count both GPUs; baseline
   ``fsdp2-titan``.
-* ``llama-1.1b-2gpu-fp8``: as ``llama-1.1b-2gpu`` with float8 training of the blocks' Linears and their
-  weights all-gathered in float8; baseline ``fsdp2-titan-fp8``. Skipped with a message when torchao is
-  missing.
+* ``llama-1.1b-2gpu-fp8``: as ``llama-1.1b-2gpu`` with float8 training of the blocks' Linears (the FSDP2
+  layouts all-gather their weights in float8, the DDP ones hold them whole); baseline ``fsdp2-titan-fp8``.
+  Skipped with a message when torchao is missing.
 * ``llama-8b-layers-2gpu``: LLaMA-3-8B's layer shapes with ``--layers-8b`` layers (default 8),
   2 GPUs, as ``llama-1.1b-2gpu``.
 
 Variants: the baselines are in ``bench/baselines.py`` (``eager``, ``compile``, ``titan-style``,
 ``titan-style-fp8``, ``dtensor-compile``, ``tp-titan``, ``fsdp2-titan``, ``fsdp2-titan-noreshard`` (torchtitan's
-``reshard_after_forward_policy="never"``), ``tp-fsdp-titan``, ``ddp-titan``).
+``reshard_after_forward_policy="never"``), ``tp-fsdp-titan``, ``ddp-titan``, ``ddp-titan-fp8``).
 schedlang's, through its schedule API:
 
 * ``schedlang-layers``: ``create_schedule`` + ``build`` + ``compile_layers`` (1 GPU: the plan is
@@ -84,7 +84,8 @@ schedlang's, through its schedule API:
   in FusedAdamW, gradients all-reduced during the backward in fp32 (the default ``reduce_dtype``), or in
   bf16 with ``-bf16reduce`` (over 2 ranks the two sums are bit-identical: halving is exact and a sum of
   two bf16 values is rounded once either way); needs ``--optimizer schedlang-fused``, as the other
-  master-weights rows.
+  master-weights rows. ``schedlang-ddp-optimize-fp8-mw``: the same with ``optimize_model(float8="tensorwise")``
+  (the compiled layers' Linears in float8, their fp32 masters in FusedAdamW).
 
 Correctness, in the same run (column ``check``: "ok" or "FAIL <why>"): each rank first runs the
 plain model eagerly on its share of the batch, forward and backward; every variant's first-step loss
@@ -159,7 +160,8 @@ WORKS: Dict[str, Work] = {
                              "schedlang-fsdp-noreshard",
                              "schedlang-fsdp-optimize", "schedlang-ddp-optimize-mw", "schedlang-tp")),
     "llama-1.1b-2gpu-fp8": Work("llama", "llama-1.1b", 4, 2048, 2, True, "fsdp2-titan-fp8",
-                                ("fsdp2-titan-fp8", "schedlang-fsdp-fp8", "schedlang-fsdp-fp8-optimize"),
+                                ("fsdp2-titan-fp8", "ddp-titan-fp8", "schedlang-fsdp-fp8", "schedlang-fsdp-fp8-optimize",
+                                 "schedlang-ddp-optimize-fp8-mw"),
                                 needs="torchao", float8=True),
     "llama-8b-layers-2gpu": Work("llama", "llama-8b", 4, 2048, 2, True, "fsdp2-titan",
                                  ("fsdp2-titan", "tp-titan", "tp-fsdp-titan", "schedlang-fsdp",
@@ -179,7 +181,7 @@ SCHEDLANG = ("schedlang-layers", *OPTIMIZE_VARIANTS, *(f"schedlang-optimize-ckpt
              "schedlang-tp",
              "schedlang-tp-optimize", "schedlang-tp-optimize-cg", "schedlang-fsdp", "schedlang-fsdp-noreshard", "schedlang-fsdp-optimize",
              "schedlang-fsdp-noreshard-optimize", "schedlang-fsdp-fp8", "schedlang-fsdp-fp8-optimize", "schedlang-tp-fsdp",
-             "schedlang-ddp-optimize-mw", "schedlang-ddp-optimize-mw-bf16reduce")
+             "schedlang-ddp-optimize-mw", "schedlang-ddp-optimize-mw-bf16reduce", "schedlang-ddp-optimize-fp8-mw")
 PROFILE_STEPS = 3
 OPTIMIZER_SUFFIX = {"torch-fused": "", "schedlang-fused": "+FusedAdamW"}
 
@@ -370,21 +372,24 @@ def make_schedlang_fsdp(ctx: B.Context, cfg, reshard: Optional[bool], optimize: 
                           "float8": "tensorwise, float8 all-gather" if float8 else None})
 
 
-def make_schedlang_ddp(ctx: B.Context, cfg, reduce_dtype: str = "float32") -> B.Setup:
-    """DDP with fp32 master weights: ``replicate`` at the root, ``optimize_model``, and build's FusedAdamW keeping
-    the masters of the bf16 Linear weights (the DDP engine sees the bf16 parameters)."""
+def make_schedlang_ddp(ctx: B.Context, cfg, reduce_dtype: str = "float32", float8: Optional[str] = None
+                       ) -> B.Setup:
+    """DDP with fp32 master weights: ``replicate`` at the root, ``optimize_model`` (``float8``: its float8 Linears
+    in the compiled layers), and build's FusedAdamW keeping the masters of the bf16 Linear weights (the DDP
+    engine sees the bf16 parameters)."""
     import schedlang
 
     _need_master_weights(ctx)
     mesh = _schedlang_mesh(ctx, ctx.world, 1)
     sch = schedlang.create_schedule(B.full_model(cfg, ctx.device), mesh=mesh)
     sch.replicate(mp_policy={"reduce_dtype": reduce_dtype})
-    info = _optimize(ctx, sch)
+    info = _optimize(ctx, sch, float8=float8)
     model, opt = schedlang.build(sch, optimizer="adamw", master_weights=True, lr=B.LR, weight_decay=0.01)
     del sch
     return B.Setup(model, opt, _labels_loss(ctx, model), dp=ctx.world, dp_rank=mesh.get_local_rank("dp"),
                    notes={"loss": "fused linear + cross entropy (labels=)", "optimize": info, "compile": "layers",
-                          "master_weights": True, "data_parallel": f"replicate (DDP), {reduce_dtype} gradient reduction"})
+                          "master_weights": True, "data_parallel": f"replicate (DDP), {reduce_dtype} gradient reduction",
+                          "float8": float8})
 
 
 def _need_master_weights(ctx: B.Context) -> None:
@@ -413,8 +418,9 @@ def make_variant(ctx: B.Context, name: str, cfg) -> B.Setup:
         return make_schedlang_single(ctx, cfg, optimize=True, checkpoint_every=int(name.rpartition("ckpt")[2]))
     if name in ("schedlang-tp", "schedlang-tp-optimize", "schedlang-tp-optimize-cg"):
         return make_schedlang_tp(ctx, cfg, optimize="optimize" in name, cudagraphs=name.endswith("-cg"))
-    if name.startswith("schedlang-ddp-optimize-mw") and name in SCHEDLANG:
-        return make_schedlang_ddp(ctx, cfg, reduce_dtype="bfloat16" if name.endswith("-bf16reduce") else "float32")
+    if name.startswith("schedlang-ddp-optimize-") and name in SCHEDLANG:
+        return make_schedlang_ddp(ctx, cfg, reduce_dtype="bfloat16" if name.endswith("-bf16reduce") else "float32",
+                                  float8="tensorwise" if "-fp8" in name else None)
     if name == "schedlang-tp-fsdp":
         return make_schedlang_tp(ctx, cfg, dp=ctx.world // ctx.args.tp2d, fsdp=True)
     if name.startswith("schedlang-fsdp"):

@@ -239,7 +239,8 @@ def test_the_whole_step_variant_keeps_master_weights_and_so_needs_bf16_on_a_gpu(
 
 
 def test_two_rank_float8_work_on_gloo(tmp_path):
-    """FSDP2 with float8 all-gather, torchtitan's way and schedlang's (2 CPU ranks, float8 emulated)."""
+    """FSDP2 with float8 all-gather, torchtitan's way and schedlang's, and DDP over torchao's float8 blocks (2 CPU
+    ranks, float8 emulated; schedlang's DDP row keeps master weights, which need bf16 on a GPU)."""
     import os
     import subprocess
     import sys
@@ -249,16 +250,20 @@ def test_two_rank_float8_work_on_gloo(tmp_path):
     script = Path(__file__).resolve().parents[2] / "bench" / "bench_train.py"
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script), "--tiny",
-         "--work", "llama-1.1b-2gpu-fp8", "--results-dir", str(tmp_path), "--repeats", "1", "--iters", "1",
-         "--warmup", "2"],
+         "--work", "llama-1.1b-2gpu-fp8", "--variants",
+         "fsdp2-titan-fp8,ddp-titan-fp8,schedlang-fsdp-fp8,schedlang-fsdp-fp8-optimize", "--optimizer",
+         "schedlang-fused", "--results-dir", str(tmp_path), "--repeats", "1", "--iters", "1", "--warmup", "2"],
         capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert result.returncode == 0, result.stderr[-3000:]
     (path,) = tmp_path.glob("*-train-tiny.json")
     rows = json.loads(path.read_text())["rows"]
-    assert [r["variant"] for r in rows] == ["fsdp2-titan-fp8", "schedlang-fsdp-fp8", "schedlang-fsdp-fp8-optimize"]
+    assert [r["variant"] for r in rows] == [v + "+FusedAdamW" for v in (
+        "fsdp2-titan-fp8", "ddp-titan-fp8", "schedlang-fsdp-fp8", "schedlang-fsdp-fp8-optimize")]
     for r in rows:
+        # schedlang's FusedAdamW on every row: under FSDP2 it updates torchao's float8 weight wrappers
         assert r["check"] == "ok" and r["layout"] == "dp=2 x tp=1", r
-        assert r["float8"] == "tensorwise, float8 all-gather" and r["baseline"] == "fsdp2-titan-fp8", r
+        assert r["baseline"] == "fsdp2-titan-fp8+FusedAdamW", r
+        assert r["float8"] == ("tensorwise" if "ddp" in r["variant"] else "tensorwise, float8 all-gather"), r
 
 
 def test_rounds_run_the_variants_in_turn_and_keep_every_round(bench, tmp_path):
