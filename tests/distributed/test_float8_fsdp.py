@@ -67,6 +67,10 @@ def _worker(rank, world, path):
         logging.getLogger("schedlang.build").removeHandler(handler)
     result["warned"] = [m for m in said if "precompute_scales_after_step" in m]
     result["dynamic"] = _losses(model, torch.optim.AdamW(model.parameters(), lr=LR), rank)
+    # schedlang's fused AdamW (what build(optimizer="adamw") makes) updates the float8 weight wrappers in place
+    model, opt = _built(all_gather=True, optimizer="adamw")
+    result["fused_optimizer"] = type(opt).__name__
+    result["fused"] = _losses(model, opt, rank)
     model, opt = _built(all_gather=False)
     result["plain_count"] = len(float8_all_gather_linears(model))
     result["plain_handle"] = precompute_scales_after_step(model, opt)
@@ -86,6 +90,8 @@ def test_float8_all_gather_stores_the_whole_weights_scales_after_each_step(tmp_p
         # and float8 all-gather trains like float8 in one process and like float8 gathered in full precision
         for a, b, c in zip(result["stored"], result["one_process"], result["plain"]):
             assert abs(a - b) / b < 0.02 and abs(a - c) / c < 0.02, result
+        assert result["fused_optimizer"] == "FusedAdamW"
+        torch.testing.assert_close(torch.tensor(result["fused"]), torch.tensor(result["stored"]), rtol=1e-5, atol=0)
         assert result["plain_count"] == 0 and result["plain_handle"] is None
         assert result["warned"] == [
             "build: 14 float8 all-gathered weight(s) and no optimizer made here: after making yours, call "
