@@ -199,6 +199,8 @@ def test_init_from_must_be_a_checkpoint(tmp_path, capsys):
     (["--metrics", "no_such_dir/metrics.jsonl"], "--metrics: the directory 'no_such_dir' of "
                                                  "'no_such_dir/metrics.jsonl' does not exist"),
     (["--metrics", "."], "--metrics: '.' is a directory: give the path of a file to write"),
+    (["--optimize", "--nproc", "2", "--pp", "2"], "--optimize rewrites the whole model's norms, head and loss, which "
+                                                   "pipeline stages split: it works on pp=1 layouts, got --pp 2"),
 ])
 def test_bad_flags_fail_with_a_clear_message(flags, message, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -301,3 +303,28 @@ def test_interleaved_pipeline_with_a_tied_weight_trains_like_one_process(work):
     records = _run(work, "gpt2-interleaved", *gpt2, "--nproc", "2", "--pp", "2", "--pp-schedule", "Interleaved1F1B")
     assert records[0]["layout"] == "pp=2 dp=1 tp=1 (Interleaved1F1B x4 mb)"
     _assert_same_losses(records, _run(work, "gpt2-single", *gpt2))
+
+
+# ------------------------------------------------------------------------------------------- --optimize
+@pytest.mark.parametrize("layout", [
+    pytest.param([], id="single"),
+    pytest.param(["--microbatches", "2", "--activation-checkpoint"], id="accumulate-checkpoint"),
+    pytest.param(["--nproc", "2", "--dp", "2"], id="fsdp2"),
+    pytest.param(["--nproc", "2", "--dp", "2", "--dp-mode", "ddp"], id="ddp2"),
+    pytest.param(["--nproc", "2", "--tp", "2"], id="tp2"),
+])
+def test_optimize_trains_like_the_plain_model(layout, reference, work, caplog):
+    """optimize_model's fused norms and fused head + loss (the labels passed aligned, so no token is lost to a
+    shift) give the plain model's losses and gradient norms, under every pp=1 layout."""
+    caplog.set_level("INFO", logger="schedlang.train")
+    name = "optimize-" + ("-".join(layout).replace("--", "") or "single")
+    _assert_same_losses(_run(work, name, "--optimize", *layout), reference)
+    if "--nproc" not in layout:  # the run was in this process: its log says what optimize_model did
+        said = " ".join(r.getMessage() for r in caplog.records if "optimize_model" in r.getMessage())
+        assert "x LlamaRMSNorm -> FusedRMSNorm" in said and "loss: lm_head -> fused linear + cross entropy" \
+            in said, said
+
+
+def test_optimize_trains_gpt2_like_the_plain_model(work):
+    gpt2 = ["--model", "gpt2"]
+    _assert_same_losses(_run(work, "gpt2-optimize", *gpt2, "--optimize"), _run(work, "gpt2-plain", *gpt2))

@@ -45,6 +45,10 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     m.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"],
                    help="bf16: mixed precision (fp32 master weights; bf16 compute via FSDP2's policy or autocast)")
     m.add_argument("--compile", action="store_true", help="torch.compile every transformer layer")
+    m.add_argument("--optimize", action="store_true",
+                   help="schedlang.models.optimize_model: fused norms, the LM head fused with the loss (so the full "
+                        "logits never exist; tp=1), the fastest measured attention backend, and with --compile its "
+                        "per-layer compile; pp=1 layouts")
     m.add_argument("--activation-checkpoint", action="store_true", help="recompute each layer in backward")
     lay = p.add_argument_group("layout (world size = pp x dp x tp)")
     lay.add_argument("--dp", type=int, default=1, help="data-parallel ranks")
@@ -149,6 +153,9 @@ def validate(ns: argparse.Namespace, world: int) -> None:
             f"WORLD_SIZE={world} (torchrun)" if _world_from_env() is not None else "a single process")
         _fail(f"--dp {ns.dp} x --tp {ns.tp} x --pp {ns.pp} = {layout} ranks, but the run has {world} ({how}); "
               f"launch {layout} ranks (--nproc {layout} or torchrun --nproc_per_node={layout}) or change the layout")
+    if ns.optimize and ns.pp > 1:
+        _fail(f"--optimize rewrites the whole model's norms, head and loss, which pipeline stages split: it works on "
+              f"pp=1 layouts, got --pp {ns.pp}; drop --optimize or --pp")
     if ns.sp and ns.tp < 2:
         _fail("--sp (sequence parallelism) splits the sequence over the tp ranks: it needs --tp >= 2")
     if ns.stages_per_rank is None:  # not `or`: an explicit 0 is refused below, not replaced by the default

@@ -74,7 +74,7 @@ class _Run:
         layers = _layers_path(ns.model)
         if ns.tp > 1:
             shard_model(sch, sequence_parallel=ns.sp, gather_logits=False)
-        if ns.activation_checkpoint:
+        if ns.activation_checkpoint and not ns.optimize:  # optimize_model checkpoints the layers itself
             for i in range(self.dims.layers):
                 sch[f"{layers}.{i}"].checkpoint()
         pipeline = None
@@ -92,6 +92,16 @@ class _Run:
                 sch.fully_shard(mp_policy=policy)
             else:
                 sch.replicate(mp_policy=policy)
+        self.fused_loss = False
+        if ns.optimize:
+            from ..models import optimize_model
+
+            optimize_model(sch, compile="layers" if ns.compile else None,
+                           selective_checkpoint="all" if ns.activation_checkpoint else None)
+            applied = sch.metadata["optimize"]["applied"]
+            # the head hands its input to the fused loss when the model is called with labels (whole vocabulary)
+            self.fused_loss = any(a.startswith("loss:") for a in applied)
+            logger.info("rank %d: optimize_model: %s", self.rank, "; ".join(applied))
         # FSDP2 / DDP cast to bf16 themselves; otherwise autocast does (master weights stay fp32)
         self.autocast = bf16 and ns.dp == 1
         opt_cls, opt_kw = self._optimizer()
@@ -100,7 +110,7 @@ class _Run:
                                                      pretrained=ns.init_from, **opt_kw)
         self.sch = sch
         self.grad_weight = self._tied_weights(tied) if self.pipelined and tied else {}
-        if ns.compile:
+        if ns.compile and not ns.optimize:  # optimize_model compiled the layers already
             for module in self._modules():
                 if any(isinstance(m, torch.nn.ModuleList) for m in module.modules()):  # a stage may hold no layer
                     compile_layers(module)
@@ -171,8 +181,12 @@ class _Run:
             m = ns.microbatches
             for x, y in zip(inputs.chunk(m), labels.chunk(m)):
                 with autocast:
-                    logits = self.model(input_ids=x, use_cache=False).logits
-                loss = self._loss(logits, y) / m
+                    if self.fused_loss:  # the labels are aligned with the inputs already: no shift inside
+                        loss = self.model(input_ids=x, labels=y, shift_labels=y, use_cache=False).loss / m
+                    else:
+                        logits = self.model(input_ids=x, use_cache=False).logits
+                if not self.fused_loss:
+                    loss = self._loss(logits, y) / m
                 loss.backward()
                 local_loss += loss.detach().float()
         grad_norm = self._clip()
