@@ -328,3 +328,29 @@ def test_optimize_trains_like_the_plain_model(layout, reference, work, caplog):
 def test_optimize_trains_gpt2_like_the_plain_model(work):
     gpt2 = ["--model", "gpt2"]
     _assert_same_losses(_run(work, "gpt2-optimize", *gpt2, "--optimize"), _run(work, "gpt2-plain", *gpt2))
+
+
+@pytest.mark.parametrize("clip", [0.5, 1e6, 0.0])
+def test_gradient_clipping_matches_torch(clip):
+    """The trainer's clipping (one multi-tensor norm, then one multi-tensor scale) is torch's clip_grad_norm_."""
+    import argparse
+
+    from schedlang.train.run import _Run
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(13, 7), torch.nn.LayerNorm(7), torch.nn.Linear(7, 3, bias=False))
+    twin = torch.nn.Sequential(*(torch.nn.Linear(13, 7), torch.nn.LayerNorm(7), torch.nn.Linear(7, 3, bias=False)))
+    twin.load_state_dict(model.state_dict())
+    for p, q in zip(model.parameters(), twin.parameters()):
+        p.grad = torch.randn_like(p)
+        q.grad = p.grad.clone()
+    model[1].bias.grad = None  # a parameter without a gradient is left out
+    twin[1].bias.grad = None
+    run = _Run(argparse.Namespace(grad_clip=clip, pp=1), rank=0, world=1, device=torch.device("cpu"))
+    run.model, run.grad_weight = model, {}
+    norm = run._clip()
+    expected = torch.nn.utils.clip_grad_norm_(twin.parameters(), clip if clip else float("inf"))
+    assert norm == pytest.approx(float(expected), rel=1e-6)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7)

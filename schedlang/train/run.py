@@ -226,7 +226,7 @@ class _Run:
         except ImportError:  # pragma: no cover
             DTensor = ()
         per_stage = self.world // self.ns.pp  # ranks of one pipeline stage each hold a piece or a copy
-        total = torch.zeros((), device=self.device, dtype=torch.float32)
+        local_grads, weights = [], []
         for p in params:
             g = p.grad
             pieces = self.grad_weight.get(id(p), 1.0)
@@ -237,8 +237,14 @@ class _Run:
                                          "gradients must be reduced before clipping")
                     if not placement.is_replicate():  # Shard, and FSDP2's strided shards of TP shards
                         pieces *= g.device_mesh.size(dim)
-                g = g.to_local()
-            total += g.detach().float().pow(2).sum() * (pieces / per_stage)
+                g = g.to_local()  # shares the DTensor's storage: scaling it below scales the gradient
+            local_grads.append(g.detach())
+            weights.append(pieces / per_stage)
+        # one multi-tensor pass for every gradient's norm (in fp32) rather than a few kernels per gradient
+        total = torch.zeros((), device=self.device, dtype=torch.float32)
+        if local_grads:
+            norms = torch.stack(torch._foreach_norm(local_grads, 2, dtype=torch.float32))
+            total = (norms.square() * self._clip_weights(weights, norms.device)).sum()
         if self.world > 1:
             import torch.distributed as dist
 
@@ -246,11 +252,16 @@ class _Run:
         norm = float(total.sqrt())
         clip = self.ns.grad_clip
         if clip and norm > clip and math.isfinite(norm):
-            scale = clip / (norm + 1e-6)
-            with torch.no_grad():
-                for p in params:
-                    p.grad.mul_(scale)
+            torch._foreach_mul_(local_grads, clip / (norm + 1e-6))
         return norm
+
+    def _clip_weights(self, weights: List[float], device) -> torch.Tensor:
+        """The per-gradient shares of :meth:`_clip` as a device tensor, copied once per distinct list."""
+        key = tuple(weights)
+        cached = getattr(self, "_clip_weight_cache", None)
+        if cached is None or cached[0] != key:
+            self._clip_weight_cache = cached = (key, torch.tensor(weights, dtype=torch.float32, device=device))
+        return cached[1]
 
     # -- checkpoints
     def save(self, step: int) -> Path:
