@@ -199,10 +199,7 @@ def test_parameters_of_a_tensor_subclass_are_updated_through_the_reference():
     assert ours[0].data_ptr() == 0
     opt = FusedAdamW(ours, lr=1e-2, weight_decay=0.1)
     ref_opt = torch.optim.AdamW(ref, foreach=False, lr=1e-2, weight_decay=0.1)
-    for _ in range(4):
-        set_grads(ours, ref)
-        opt.step()
-        ref_opt.step()
+    step_side_by_side(4, (ours, opt), (ref, ref_opt))
     for a, b in zip(ours, ref):
         torch.testing.assert_close(plain_values(a), b.detach())
 
@@ -223,10 +220,7 @@ def test_torchao_float8_weights_are_updated_in_place_through_the_tensor_they_wra
     assert ours[0].data_ptr() == 0 and local_tensor(ours[0]) is inner[0] and is_dense(local_tensor(ours[0]))
     opt = FusedAdamW(ours, lr=1e-2, weight_decay=0.1)
     ref_opt = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1, foreach=False)
-    for _ in range(4):
-        set_grads(ours, ref)
-        opt.step()
-        ref_opt.step()
+    step_side_by_side(4, (ours, opt), (ref, ref_opt))
     for a, b in zip(ours, ref):
         torch.testing.assert_close(local_tensor(a), b.detach())
     assert all(local_tensor(a) is t for a, t in zip(ours[:2], inner))  # the wrapped tensors, updated in place

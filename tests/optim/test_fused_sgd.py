@@ -76,9 +76,6 @@ def test_parameters_of_a_tensor_subclass_are_updated_through_the_reference():
     assert ours[0].data_ptr() == 0
     opt = FusedSGD(ours, lr=0.05, momentum=0.9, weight_decay=0.1)
     ref_opt = torch.optim.SGD(ref, foreach=False, lr=0.05, momentum=0.9, weight_decay=0.1)
-    for _ in range(4):
-        set_grads(ours, ref)
-        opt.step()
-        ref_opt.step()
+    step_side_by_side(4, (ours, opt), (ref, ref_opt))
     for a, b in zip(ours, ref):
         torch.testing.assert_close(plain_values(a), b.detach())
