@@ -186,7 +186,7 @@ def scatter_forward(x: torch.Tensor, axis: int, group=None) -> torch.Tensor:
         return x
     # named here, where the sync point that splits is known (an all_gather of the gradient, at bwd_post)
     check_even_split("scatter_forward", "split", x, axis, world,
-                      " (the forward half of sync op 'all_gather' at bwd_post)")
+                     " (the forward half of sync op 'all_gather' at bwd_post)")
     return _ScatterForward.apply(x, axis, group)
 
 
@@ -196,5 +196,5 @@ def reduce_scatter_forward(x: torch.Tensor, axis: int, group=None) -> torch.Tens
     if world == 1:
         return x
     check_even_split("reduce_scatter_forward", "reduce-scatter", x, axis, world,
-                      " (sync op 'reduce_scatter' at fwd_pre or fwd_post)")
+                     " (sync op 'reduce_scatter' at fwd_pre or fwd_post)")
     return _ReduceScatterForward.apply(x, axis, group)

@@ -180,13 +180,10 @@ class _Run:
             local_loss = torch.zeros((), device=self.device)
             m = ns.microbatches
             for x, y in zip(inputs.chunk(m), labels.chunk(m)):
-                with autocast:
-                    if self.fused_loss:  # the labels are aligned with the inputs already: no shift inside
-                        loss = self.model(input_ids=x, labels=y, shift_labels=y, use_cache=False).loss / m
-                    else:
-                        logits = self.model(input_ids=x, use_cache=False).logits
-                if not self.fused_loss:
-                    loss = self._loss(logits, y) / m
+                with autocast:  # with the fused loss the labels go in aligned with the inputs: no shift inside
+                    out = (self.model(input_ids=x, labels=y, shift_labels=y, use_cache=False) if self.fused_loss
+                           else self.model(input_ids=x, use_cache=False))
+                loss = (out.loss if self.fused_loss else self._loss(out.logits, y)) / m
                 loss.backward()
                 local_loss += loss.detach().float()
         grad_norm = self._clip()
