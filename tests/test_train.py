@@ -330,27 +330,41 @@ def test_optimize_trains_gpt2_like_the_plain_model(work):
     _assert_same_losses(_run(work, "gpt2-optimize", *gpt2, "--optimize"), _run(work, "gpt2-plain", *gpt2))
 
 
+@pytest.mark.parametrize("device, dtype", [("cpu", torch.float32), ("cpu", torch.bfloat16),
+                                           pytest.param("cuda", torch.float32, marks=pytest.mark.gpu),
+                                           pytest.param("cuda", torch.bfloat16, marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("clip", [0.5, 1e6, 0.0])
-def test_gradient_clipping_matches_torch(clip):
-    """The trainer's clipping (one multi-tensor norm, then one multi-tensor scale) is torch's clip_grad_norm_."""
+def test_gradient_clipping_matches_torch(clip, device, dtype):
+    """The trainer's clipping (one multi-tensor norm, then one multi-tensor scale) is torch's clip_grad_norm_,
+    for fp32 gradients and for the bf16 gradients of bf16 weights (the norm taken in fp32 on both sides)."""
     import argparse
 
     from schedlang.train.run import _Run
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(13, 7), torch.nn.LayerNorm(7), torch.nn.Linear(7, 3, bias=False))
-    twin = torch.nn.Sequential(*(torch.nn.Linear(13, 7), torch.nn.LayerNorm(7), torch.nn.Linear(7, 3, bias=False)))
+
+    def make():
+        return torch.nn.Sequential(torch.nn.Linear(13, 7), torch.nn.LayerNorm(7),
+                                   torch.nn.Linear(7, 3, bias=False)).to(device=device, dtype=dtype)
+
+    model, twin = make(), make()
     twin.load_state_dict(model.state_dict())
     for p, q in zip(model.parameters(), twin.parameters()):
         p.grad = torch.randn_like(p)
         q.grad = p.grad.clone()
     model[1].bias.grad = None  # a parameter without a gradient is left out
     twin[1].bias.grad = None
-    run = _Run(argparse.Namespace(grad_clip=clip, pp=1), rank=0, world=1, device=torch.device("cpu"))
+    run = _Run(argparse.Namespace(grad_clip=clip, pp=1), rank=0, world=1, device=torch.device(device))
     run.model, run.grad_weight = model, {}
     norm = run._clip()
+    reference_norm = torch.linalg.vector_norm(
+        torch.stack([torch.linalg.vector_norm(q.grad, dtype=torch.float32) for q in twin.parameters()
+                     if q.grad is not None]))
     expected = torch.nn.utils.clip_grad_norm_(twin.parameters(), clip if clip else float("inf"))
-    assert norm == pytest.approx(float(expected), rel=1e-6)
+    assert norm == pytest.approx(float(reference_norm), rel=1e-6)
+    if dtype == torch.float32:
+        assert norm == pytest.approx(float(expected), rel=1e-6)
+    tolerance = dict(rtol=1e-6, atol=1e-7) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-5)
     for p, q in zip(model.parameters(), twin.parameters()):
         if q.grad is not None:
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7)
+            torch.testing.assert_close(p.grad, q.grad, **tolerance)
