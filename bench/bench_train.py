@@ -79,6 +79,9 @@ schedlang's, through its schedule API:
   max-autotune of the layers' GEMMs (cuBLAS against Triton templates with fused epilogues, ``TUNING``);
 * ``schedlang-optimize-mw-knorm``: ``schedlang-optimize-mw`` with ``optimize_model(compiled_norms="kernel")``:
   the compiled layers' RMSNorms call schedlang's kernels as custom operators instead of Inductor's code;
+* ``schedlang-optimize-mw-overlap``: ``schedlang-optimize-mw`` with one FusedAdamW per decoder layer, each
+  stepped on a side stream as soon as the backward has accumulated its layer's gradients, beside the
+  backward of the layers before it (``LayerwiseOverlappedAdamW``);
 * ``schedlang-ddp-optimize-mw`` (``-bf16reduce``): ``replicate`` at the root, ``optimize_model`` and
   ``build(optimizer="adamw", master_weights=True)``: DDP over bf16 Linear weights whose fp32 masters live
   in FusedAdamW, gradients all-reduced during the backward in fp32 (the default ``reduce_dtype``), or in
@@ -176,7 +179,8 @@ TUNING = {"cdt": {"coordinate_descent_tuning": True},
 # schedlang-optimize[-fp8][-mw][-cg]: float8 Linears, fp32 master weights, per-layer CUDA graphs
 OPTIMIZE_VARIANTS = tuple("schedlang-optimize" + fp8 + mw + cg for fp8 in ("", "-fp8") for mw in ("", "-mw")
                           for cg in ("", "-cg")) + tuple(
-    "schedlang-optimize-mw" + extra for extra in ("-graph", "-proj", "-cdt", "-proj-cdt", "-knorm", "-autotune"))
+    "schedlang-optimize-mw" + extra
+    for extra in ("-graph", "-proj", "-cdt", "-proj-cdt", "-knorm", "-autotune", "-overlap"))
 SCHEDLANG = ("schedlang-layers", *OPTIMIZE_VARIANTS, *(f"schedlang-optimize-ckpt{n}" for n in CHECKPOINT_STRIDES),
              "schedlang-tp",
              "schedlang-tp-optimize", "schedlang-tp-optimize-cg", "schedlang-fsdp", "schedlang-fsdp-noreshard", "schedlang-fsdp-optimize",
@@ -248,7 +252,7 @@ def _null():
 def make_schedlang_single(ctx: B.Context, cfg, optimize: bool, float8=None, cudagraph_layers: bool = False,
                           checkpoint_every: int = 0, master_weights: bool = False, captured_step: bool = False,
                           fuse_projections: bool = False, tune_kernels: Optional[str] = None,
-                          kernel_norms: bool = False) -> B.Setup:
+                          kernel_norms: bool = False, overlap_optimizer: bool = False) -> B.Setup:
     import schedlang
 
     if master_weights:
@@ -261,7 +265,8 @@ def make_schedlang_single(ctx: B.Context, cfg, optimize: bool, float8=None, cuda
         from schedlang.optim import FusedAdamW, master_weight_groups
 
         model, _ = schedlang.build(sch)
-        opt = FusedAdamW(master_weight_groups(model), lr=B.LR, weight_decay=0.01)
+        opt = (LayerwiseOverlappedAdamW(model, ctx.device) if overlap_optimizer
+               else FusedAdamW(master_weight_groups(model), lr=B.LR, weight_decay=0.01))
     else:
         model, opt = _build(ctx, sch)
     del sch  # the schedule holds the original; let it go before the timed steps
@@ -276,6 +281,75 @@ def make_schedlang_single(ctx: B.Context, cfg, optimize: bool, float8=None, cuda
     loss_fn = B._head_loss(ctx, B.body(model), model.lm_head)
     return B.Setup(model, opt, loss_fn, notes={"loss": "body -> lm_head -> F.cross_entropy (fp32)",
                                                "compile": "layers"})
+
+
+class LayerwiseOverlappedAdamW:
+    """FusedAdamW over the same master-weight groups, one optimizer per decoder layer plus one for the rest,
+    each layer's step launched on a side stream as soon as the backward has accumulated all of that layer's
+    gradients, so it runs beside the backward of the layers before it. ``step()`` then steps the rest on
+    the main stream and makes the main stream wait for the side stream (the next forward reads the new
+    weights). The first backward runs with the hooks off, so the row's gradient check sees every gradient
+    before any step; the updates are the same as one FusedAdamW's (AdamW is per element)."""
+
+    def __init__(self, model, device):
+        from schedlang.optim import FusedAdamW, master_weight_groups
+
+        layers = list(B.blocks(model))
+        # every group is computed before any optimizer is made: making one turns its weights into bf16
+        layer_groups = [master_weight_groups(layer) for layer in layers]
+        in_layers = {id(p) for groups in layer_groups for g in groups for p in g["params"]}
+        rest_groups = [{**g, "params": [p for p in g["params"] if id(p) not in in_layers]}
+                       for g in master_weight_groups(model)]
+        rest_groups = [g for g in rest_groups if g["params"]]
+        self.layer_optimizers = [FusedAdamW(groups, lr=B.LR, weight_decay=0.01) for groups in layer_groups]
+        self.rest = FusedAdamW(rest_groups, lr=B.LR, weight_decay=0.01)
+        self.side = torch.cuda.Stream(device)
+        self.enabled = False
+        self.launched = set()
+        self.pending = {}
+        self.layers_stepped_in_backward = 0
+        for index, opt in enumerate(self.layer_optimizers):
+            params = [p for g in opt.param_groups for p in g["params"]]
+            for p in params:
+                p.register_post_accumulate_grad_hook(self._hook(index, len(params)))
+
+    @property
+    def param_groups(self):
+        return [g for opt in (*self.layer_optimizers, self.rest) for g in opt.param_groups]
+
+    def _hook(self, index, count):
+        def hook(_param):
+            if not self.enabled:
+                return
+            self.pending[index] = self.pending.get(index, 0) + 1
+            if self.pending[index] < count:
+                return
+            opt = self.layer_optimizers[index]
+            main = torch.cuda.current_stream()
+            self.side.wait_stream(main)
+            with torch.cuda.stream(self.side):
+                opt.step()
+            for g in opt.param_groups:
+                for p in g["params"]:
+                    if p.grad is not None:  # the main stream may reuse the gradient's memory only after the step
+                        p.grad.record_stream(self.side)
+            self.launched.add(index)
+        return hook
+
+    def step(self):
+        for index, opt in enumerate(self.layer_optimizers):
+            if index not in self.launched:
+                opt.step()
+        self.rest.step()
+        torch.cuda.current_stream().wait_stream(self.side)
+        self.layers_stepped_in_backward = len(self.launched)
+        self.launched.clear()
+        self.pending.clear()
+        self.enabled = True
+
+    def zero_grad(self, set_to_none=True):
+        for opt in (*self.layer_optimizers, self.rest):
+            opt.zero_grad(set_to_none=set_to_none)
 
 
 def _capture_whole_step(ctx: B.Context, setup: B.Setup) -> None:
@@ -413,7 +487,8 @@ def make_variant(ctx: B.Context, name: str, cfg) -> B.Setup:
                                      cudagraph_layers="cg" in options, master_weights="mw" in options,
                                      captured_step="graph" in options, fuse_projections="proj" in options,
                                      tune_kernels="cdt" if "cdt" in options else "autotune" if "autotune" in options
-                                     else None, kernel_norms="knorm" in options)
+                                     else None, kernel_norms="knorm" in options,
+                                     overlap_optimizer="overlap" in options)
     if name.startswith("schedlang-optimize-ckpt") and name in SCHEDLANG:
         return make_schedlang_single(ctx, cfg, optimize=True, checkpoint_every=int(name.rpartition("ckpt")[2]))
     if name in ("schedlang-tp", "schedlang-tp-optimize", "schedlang-tp-optimize-cg"):
