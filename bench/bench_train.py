@@ -118,6 +118,7 @@ import os
 import sys
 import time
 import traceback
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
@@ -303,7 +304,8 @@ class LayerwiseOverlappedAdamW:
         rest_groups = [g for g in rest_groups if g["params"]]
         self.layer_optimizers = [FusedAdamW(groups, lr=B.LR, weight_decay=0.01) for groups in layer_groups]
         self.rest = FusedAdamW(rest_groups, lr=B.LR, weight_decay=0.01)
-        self.side = torch.cuda.Stream(device)
+        self.device = device
+        self.side = None  # the side stream, made at the first overlapped step (a CPU model never needs one)
         self.enabled = False
         self.launched = set()
         self.pending = {}
@@ -311,37 +313,48 @@ class LayerwiseOverlappedAdamW:
         for index, opt in enumerate(self.layer_optimizers):
             params = [p for g in opt.param_groups for p in g["params"]]
             for p in params:
-                p.register_post_accumulate_grad_hook(self._hook(index, len(params)))
+                p.register_post_accumulate_grad_hook(self._hook(weakref.ref(self), index, len(params)))
 
     @property
     def param_groups(self):
         return [g for opt in (*self.layer_optimizers, self.rest) for g in opt.param_groups]
 
-    def _hook(self, index, count):
+    @staticmethod
+    def _hook(owner_ref, index, count):
+        # the hook lives on the parameter, which the optimizer holds: a strong reference back to the optimizer
+        # would be a cycle through autograd's C++ hook table that Python's collector cannot see, and every
+        # master weight and moment would outlive the row
         def hook(_param):
-            if not self.enabled:
-                return
-            self.pending[index] = self.pending.get(index, 0) + 1
-            if self.pending[index] < count:
-                return
-            opt = self.layer_optimizers[index]
-            main = torch.cuda.current_stream()
-            self.side.wait_stream(main)
-            with torch.cuda.stream(self.side):
-                opt.step()
-            for g in opt.param_groups:
-                for p in g["params"]:
-                    if p.grad is not None:  # the main stream may reuse the gradient's memory only after the step
-                        p.grad.record_stream(self.side)
-            self.launched.add(index)
+            owner = owner_ref()
+            if owner is not None:
+                owner._layer_gradient_ready(index, count)
         return hook
+
+    def _layer_gradient_ready(self, index, count):
+        if not self.enabled:
+            return
+        self.pending[index] = self.pending.get(index, 0) + 1
+        if self.pending[index] < count:
+            return
+        if self.side is None:
+            self.side = torch.cuda.Stream(self.device)
+        opt = self.layer_optimizers[index]
+        self.side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.side):
+            opt.step()
+        for g in opt.param_groups:
+            for p in g["params"]:
+                if p.grad is not None:  # the main stream may reuse the gradient's memory only after the step
+                    p.grad.record_stream(self.side)
+        self.launched.add(index)
 
     def step(self):
         for index, opt in enumerate(self.layer_optimizers):
             if index not in self.launched:
                 opt.step()
         self.rest.step()
-        torch.cuda.current_stream().wait_stream(self.side)
+        if self.side is not None:
+            torch.cuda.current_stream().wait_stream(self.side)
         self.layers_stepped_in_backward = len(self.launched)
         self.launched.clear()
         self.pending.clear()

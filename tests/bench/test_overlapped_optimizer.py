@@ -1,10 +1,12 @@
 """bench/bench_train.py's LayerwiseOverlappedAdamW: per-layer steps on a side stream during the backward update
-the weights exactly as one FusedAdamW over the same master-weight groups (needs a CUDA device for its streams)."""
+the weights exactly as one FusedAdamW over the same master-weight groups (on a CUDA device, for its streams),
+and nothing of it outlives the row that used it."""
+
+import gc
+import weakref
 
 import pytest
 import torch
-
-pytestmark = pytest.mark.gpu
 
 
 def _train(model, opt, batches):
@@ -20,6 +22,26 @@ def _train(model, opt, batches):
     return torch.stack(losses)
 
 
+def test_nothing_outlives_the_row(bench):
+    """Its hooks stay on the parameters; through them it must not keep itself, its masters and moments alive."""
+    train = bench("bench_train")
+    B = bench("baselines")
+    model = B.full_model(B.model_config("llama", "llama-1.1b", tiny=True), torch.device("cpu"))
+    opt = train.LayerwiseOverlappedAdamW(model, torch.device("cpu"))
+    ids = torch.randint(0, 256, (2, 9))
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the Linear weights are bf16 now, their masters fp32
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    loss.backward()  # the first step: hooks off, no stream
+    opt.step()
+    opt.zero_grad()
+    assert opt.rest.state and all(o.state for o in opt.layer_optimizers)
+    gone, params = weakref.ref(opt), weakref.ref(next(model.parameters()))
+    del model, opt, loss
+    gc.collect()
+    assert gone() is None and params() is None
+
+
+@pytest.mark.gpu
 def test_layerwise_overlapped_steps_equal_one_fused_adamw(bench):
     train = bench("bench_train")
     B = bench("baselines")
