@@ -45,7 +45,9 @@ def test_single_rank_equals_cross_entropy(shape, dtype, reduction):
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(loss, ref.to(loss.dtype), rtol=tol, atol=tol)
     assert logits.grad.dtype == dtype
-    torch.testing.assert_close(logits.grad.to(full.dtype), full.grad, rtol=tol, atol=tol)
+    # relative to the gradient's largest entry: a mean over many tokens makes every entry far below 1
+    scale = full.grad.abs().max()
+    torch.testing.assert_close(logits.grad.to(full.dtype) / scale, full.grad / scale, rtol=0, atol=tol)
 
 
 def test_leading_dimensions_and_custom_ignore_index():
@@ -141,7 +143,9 @@ def _two_ranks(rank, world):
             (ref * cot).sum().backward()
             expected_grad = full.grad[:, rank * vocab // world:(rank + 1) * vocab // world]
             out[(tokens, vocab, str(dtype), reduction)] = (
-                float((loss.float() - ref).abs().max()), float((local.grad.float() - expected_grad).abs().max()),
+                float((loss.float() - ref).abs().max()),
+                # relative to the largest entry of the full gradient (a mean over many tokens: all far below 1)
+                float((local.grad.float() - expected_grad).abs().max() / full.grad.abs().max()),
                 local.grad.dtype == dtype)
     # the HF wrapper with split logits: (batch, seq, vocab / world)
     logits, labels = (t.to(dev) for t in _problem(3 * 10, 90, torch.float32, seed=3))

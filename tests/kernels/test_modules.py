@@ -40,9 +40,23 @@ def test_rms_norm_shares_the_weight_and_matches_hf():
     assert_close_scaled(out, ref, torch.float32, "output")
     assert_close_scaled(x1.grad, x2.grad, torch.float32, "grad x")
     assert_close_scaled(w_grad, hf.weight.grad, torch.float32, "grad weight")
-    y, residual = fused(x, residual=x)
-    assert_close_scaled(residual, 2 * x, torch.float32, "residual")
-    assert_close_scaled(y, hf(2 * x), torch.float32, "fused residual output")
+    # with a residual: outputs (norm of the sum, the sum) and the gradients of both addends and the weight
+    r = torch.randn(2, 7, 64)
+    x1, r1 = x.clone().requires_grad_(True), r.clone().requires_grad_(True)
+    x2, r2 = x.clone().requires_grad_(True), r.clone().requires_grad_(True)
+    cot_y, cot_s = torch.randn(2, 7, 64), torch.randn(2, 7, 64)
+    hf.weight.grad = None
+    y, residual = fused(x1, residual=r1)
+    torch.autograd.backward((y, residual), (cot_y, cot_s))
+    w_grad = hf.weight.grad.clone()
+    hf.weight.grad = None
+    s = x2 + r2
+    torch.autograd.backward((hf(s), s), (cot_y, cot_s))
+    assert_close_scaled(residual, x + r, torch.float32, "residual")
+    assert_close_scaled(y, hf(x + r), torch.float32, "fused residual output")
+    assert_close_scaled(x1.grad, x2.grad, torch.float32, "residual: grad x")
+    assert_close_scaled(r1.grad, r2.grad, torch.float32, "residual: grad residual")
+    assert_close_scaled(w_grad, hf.weight.grad, torch.float32, "residual: grad weight")
     assert "eps=" in repr(fused)
 
 
@@ -69,12 +83,18 @@ def test_rotary_function_matches_hf_both_layouts():
     q, k = torch.randn(2, 4, 9, 64), torch.randn(2, 2, 9, 64)
     angles = torch.randn(1, 9, 32)
     cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
-    for ours, theirs in zip(fused_apply_rotary_pos_emb(q, k, cos, sin), apply_rotary_pos_emb(q, k, cos, sin)):
-        assert_close_scaled(ours, theirs, torch.float32, "unsqueeze_dim=1")
-    qt, kt = q.transpose(1, 2), k.transpose(1, 2)
-    for ours, theirs in zip(fused_apply_rotary_pos_emb(qt, kt, cos, sin, unsqueeze_dim=2),
-                            apply_rotary_pos_emb(qt, kt, cos, sin, unsqueeze_dim=2)):
-        assert_close_scaled(ours, theirs, torch.float32, "unsqueeze_dim=2")
+    for dim, (q_in, k_in) in ((1, (q, k)), (2, (q.transpose(1, 2), k.transpose(1, 2)))):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (q_in, k_in, q_in, k_in)]
+        ours = fused_apply_rotary_pos_emb(leaves[0], leaves[1], cos, sin, unsqueeze_dim=dim)
+        theirs = apply_rotary_pos_emb(leaves[2], leaves[3], cos, sin, unsqueeze_dim=dim)
+        cots = [torch.randn(t.shape) for t in theirs]
+        torch.autograd.backward(ours, cots)
+        torch.autograd.backward(theirs, cots)
+        for name, o, t in zip("qk", ours, theirs):
+            assert o.shape == t.shape
+            assert_close_scaled(o, t, torch.float32, f"{name}, unsqueeze_dim={dim}")
+        for name, o, t in zip("qk", leaves[:2], leaves[2:]):
+            assert_close_scaled(o.grad, t.grad, torch.float32, f"grad {name}, unsqueeze_dim={dim}")
     with pytest.raises(SchedlangError, match=r"unsqueeze_dim=3: valid are 1"):
         fused_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=3)
 

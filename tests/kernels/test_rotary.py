@@ -9,19 +9,26 @@ from schedlang.kernels.rotary import reference
 from tests.kernels.numerics import assert_close_scaled
 
 
-def _cos_sin(batch, seq, dim, dtype):
+def _cos_sin(batch, seq, dim, dtype, shared_halves=True):
+    """cos / sin of random angles. ``shared_halves``: HF's layout, where the two halves of D hold the same
+    frequencies; otherwise every column has its own angle, so a kernel that read the first half's cos or sin
+    where the second half's belongs (or the other way round) gives a different answer from the reference."""
+    if not shared_halves:
+        angles = torch.randn(batch, seq, dim) * 3
+        return angles.cos().to(dtype), angles.sin().to(dtype)
     angles = torch.randn(batch, seq, dim // 2) * 3
     angles = torch.cat([angles, angles], dim=-1)  # HF's layout: the two halves share frequencies
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("b,hq,hk,s,d,cos_batch", [(2, 4, 2, 7, 64, 2), (1, 3, 3, 13, 96, 1), (2, 2, 1, 100, 100, 1)])
-def test_matches_reference(b, hq, hk, s, d, cos_batch, dtype):
+@pytest.mark.parametrize("b,hq,hk,s,d,cos_batch,shared_halves", [
+    (2, 4, 2, 7, 64, 2, False), (1, 3, 3, 13, 96, 1, True), (2, 2, 1, 100, 100, 1, False)])
+def test_matches_reference(b, hq, hk, s, d, cos_batch, shared_halves, dtype):
     # q in HF's layout: projected as (B, S, H, D) and transposed to (B, H, S, D), a view
     q = torch.randn(b, s, hq, d).to(dtype).transpose(1, 2)
     k = torch.randn(b, hk, s, d).to(dtype)
-    cos, sin = _cos_sin(cos_batch, s, d, dtype)
+    cos, sin = _cos_sin(cos_batch, s, d, dtype, shared_halves)
     q1, k1 = q.detach().clone().requires_grad_(True), k.clone().requires_grad_(True)
     q2, k2 = q.detach().clone().requires_grad_(True), k.clone().requires_grad_(True)
     out, ref = apply_rotary(q1, k1, cos, sin), reference(q2, k2, cos, sin)
