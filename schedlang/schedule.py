@@ -22,6 +22,7 @@ import copy
 import functools
 import inspect
 import logging
+import os
 import re
 from collections.abc import MutableMapping
 from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple, Type, Union
@@ -167,6 +168,19 @@ class _Undo:
         state.metadata.update(self.metadata)
 
 
+def _call_form(sig: inspect.Signature) -> str:
+    """A method's arguments as a user writes them, without ``self`` and annotations: ``tensor_name, axis``."""
+    shown = []
+    for p in list(sig.parameters.values())[1:]:
+        if p.kind is p.VAR_POSITIONAL:
+            shown.append(f"*{p.name}")
+        elif p.kind is p.VAR_KEYWORD:
+            shown.append(f"**{p.name}")
+        else:
+            shown.append(p.name if p.default is p.empty else f"{p.name}={p.default!r}")
+    return ", ".join(shown)
+
+
 def _primitive_method(fn: Callable) -> Callable:
     """Make ``fn`` (a stub named after a registered primitive) the ``Schedule`` method that calls it.
 
@@ -184,7 +198,13 @@ def _primitive_method(fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     def method(self, *args, **kwargs):
-        bound = sig.bind(self, *args, **kwargs)
+        try:
+            bound = sig.bind(self, *args, **kwargs)
+        except TypeError as e:
+            # Python's own wording ("missing a required argument: 'axis'") names neither the schedule path
+            # nor the call that would work; say both, before anything is looked at or changed
+            raise ArgumentTypeError(f"{self._display()}: {fn.__name__} got the wrong arguments ({e}); call it as "
+                                    f"{fn.__name__}({_call_form(sig)})") from None
         bound.apply_defaults()
         call = dict(bound.arguments)
         del call["self"]
@@ -359,6 +379,9 @@ class Schedule:
         """
         from .report import write_report
 
+        if not isinstance(path, (str, os.PathLike)) or not str(path):
+            raise ArgumentTypeError(f"{self._display()}: report expects the path of the HTML file to write (a str or "
+                                    f"os.PathLike such as 'report.html'), got {type(path).__name__} {path!r}")
         return write_report(self.root, path, model=model, verify=verify, title=title)
 
     # ------------------------------------------------------------------ Slapo's tree and graph queries

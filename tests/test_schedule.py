@@ -180,3 +180,42 @@ def test_atomic_block_undoes_every_step_on_failure():
     with sch.atomic():
         sch["layers.0.mlp.fc1"].shard("weight", axis=0)
     assert len(sch.plan) == 2
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda s: s["layers.0.mlp.fc1"].shard("weight"),
+     r"^layers.0.mlp.fc1: shard got the wrong arguments \(missing a required argument: 'axis'\); call it as "
+     r"shard\(tensor_name, axis\)$"),
+    (lambda s: s["layers.0.mlp.fc1"].shard("weight", 0, dim=1),
+     r"^layers.0.mlp.fc1: shard got the wrong arguments \(got an unexpected keyword argument 'dim'\); call it as "
+     r"shard\(tensor_name, axis\)$"),
+    (lambda s: s["layers.0.mlp.fc1"].decompose(True),
+     r"^layers.0.mlp.fc1: decompose got the wrong arguments \(too many positional arguments\); call it as "
+     r"decompose\(\)$"),
+    (lambda s: s["layers.1"].fork_rng(0),
+     r"^layers.1: fork_rng got the wrong arguments \(too many positional arguments\); call it as fork_rng\(\)$"),
+    (lambda s: s["layers.0"].sync(),
+     r"^layers.0: sync got the wrong arguments \(missing a required argument: 'mode'\); call it as "
+     r"sync\(mode, sync_op_or_fn='all_reduce', \*\*options\)$"),
+], ids=["missing", "unknown keyword", "too many", "too many, no arguments declared", "missing, with options"])
+def test_a_primitive_called_with_the_wrong_arguments_names_the_path_and_the_call(call, message):
+    # Python's bare TypeError from binding the arguments named neither the schedule path nor the valid call
+    model = Stack()
+    before = state_snapshot(model)
+    sch = schedlang.create_schedule(model)
+    with pytest.raises(schedlang.SchedlangError, match=message) as caught:
+        call(sch)
+    assert isinstance(caught.value, TypeError)  # still what a Python programmer expects
+    assert len(sch.plan) == 0
+    assert_unchanged(model, before)
+    sch["layers.0.mlp.fc1"].shard("weight", 0)  # the schedule goes on as if nothing happened
+    assert len(sch.plan) == 1
+
+
+def test_report_refuses_a_path_that_is_not_a_path(tmp_path):
+    sch = schedlang.create_schedule(MLP())
+    with pytest.raises(schedlang.ScheduleTypeError, match=r"^<root>: report expects the path of the HTML file to "
+                                                          r"write \(a str or os.PathLike such as 'report.html'\), "
+                                                          r"got int 3$"):
+        sch.report(3)
+    assert not any(tmp_path.iterdir())

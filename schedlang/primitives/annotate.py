@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from torch import nn
+
 from ..errors import ScheduleKeyError, ScheduleTypeError, ScheduleValueError
 from ..module_record import module_record, update_record
 from .base import Param, Primitive, register_primitive
@@ -51,7 +53,9 @@ class Annotate(Primitive):
                                    f"{', '.join(params) if params else 'none (it owns no parameters)'}")
         if not key.isidentifier():
             raise ScheduleTypeError(f"{where}: annotation key must be an identifier string, got {key!r}")
-        if key in _RESERVED or key.startswith("_"):
+        if key in _RESERVED or key.startswith("_") or hasattr(nn.Parameter, key):
+            # a tensor's own attributes and methods: some cannot be set at all (T, is_leaf), and the rest would
+            # silently replace what torch and the model call on the parameter (size, add, view ...)
             raise ScheduleValueError(f"{where}: annotation key {key!r} would shadow a tensor attribute; choose "
                                      "another name")
         return {"param_name": param_name, "key": key, "value": value}

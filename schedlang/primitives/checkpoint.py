@@ -22,6 +22,12 @@ from .base import Param, Primitive, register_primitive
 from .params import SUBGRAPHS
 
 
+def _determinism_checks():
+    """The values torch.utils.checkpoint accepts for ``determinism_check`` (its table where this torch has one)."""
+    table = getattr(torch_checkpoint, "_allowed_determinism_checks_to_fns", None)
+    return tuple(table) if table else ("default", "none")
+
+
 def _checkpointed_forward(self, *args, **kwargs):
     # the class's forward, looked up at call time, so a later class change (decompose) is honoured
     forward = type(self).forward
@@ -54,6 +60,11 @@ class Checkpoint(Primitive):
     @classmethod
     def validate(cls, sch, subgraph=None, **options):
         where = sch.path or "<root>"
+        determinism_check = options.get("determinism_check")
+        if determinism_check is not None and determinism_check not in _determinism_checks():
+            # torch checks it only at the first forward with gradients, far from this call
+            raise ScheduleValueError(f"{where}: unknown checkpoint determinism_check {determinism_check!r}: valid "
+                                     f"values are {', '.join(map(repr, _determinism_checks()))}")
         if subgraph is not None:
             from .. import graph
 

@@ -12,9 +12,10 @@ from typing import Any, Callable, Type
 from torch import nn
 
 from ..argument_checks import check_arity
-from ..errors import ScheduleTypeError, ScheduleValueError
+from ..errors import SchedlangError, ScheduleTypeError, ScheduleValueError
 from .base import Param, Primitive, register_primitive
 from .params import FUNCTION, ModuleTypeCodec
+from .replace import check_new_module, check_same_calls, users_model_index
 
 
 def _matches(root: nn.Module, module_type):
@@ -62,11 +63,25 @@ class ReplaceAll(Primitive):
         if not paths:
             raise ScheduleValueError(f"{where}: no submodule of type {module_type.__name__} to replace; pass a module type that occurs in the model")
         new_modules = {}
+        users_model = users_model_index(sch)
         for path in paths:
-            new = make_fn(path, sch[path].mod, *make_fn_args, **make_fn_kwargs)
+            old = sch[path].mod
+            try:
+                new = make_fn(path, old, *make_fn_args, **make_fn_kwargs)
+            except SchedlangError:
+                raise
+            except Exception as e:
+                # the user's function failed: say for which module, so a failure at the 7th of 12 layers is found
+                raise ScheduleValueError(f"{where}: replace_all make_fn raised {type(e).__name__} for '{path}' "
+                                         f"({type(old).__name__}): {e}; nothing was replaced; fix make_fn so that it "
+                                         f"returns an nn.Module for every {module_type.__name__}") from e
             if not isinstance(new, nn.Module):
                 raise ScheduleTypeError(f"{where}: make_fn returned {type(new).__name__} for '{path}'; it must return "
                                         "an nn.Module")
+            full_path = f"{sch.path}.{path}" if sch.path else path
+            if new is not old:
+                check_new_module(sch, full_path, new, "replace_all", users_model=users_model)
+                check_same_calls(sch, full_path, old, new, "replace_all")
             new_modules[path] = new
         return {"module_type": module_type, "make_fn": make_fn, "make_fn_args": make_fn_args,
                 "make_fn_kwargs": make_fn_kwargs, "_new_modules": new_modules}

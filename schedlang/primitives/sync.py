@@ -17,6 +17,7 @@ every module's input and output), and otherwise at the first forward, before any
 
 from __future__ import annotations
 
+import inspect
 import logging
 import weakref
 from typing import Any, Callable, Dict, Optional, Tuple, Union
@@ -71,6 +72,17 @@ class Sync(Primitive):
         if not callable(sync_op_or_fn) and sync_op_or_fn not in SYNC_OPS:
             raise SyncError(f"{where}: invalid sync op {sync_op_or_fn!r}: valid ops are {', '.join(SYNC_OPS)}, "
                             "or a callable fn(tensor) -> tensor")
+        if isinstance(sync_op_or_fn, type):
+            # a class is callable, but calling it on the tensor would make an object, not the synced tensor
+            raise SyncError(f"{where}: sync got the class {sync_op_or_fn.__name__} as its function; pass an instance "
+                            f"({sync_op_or_fn.__name__}(...)) or a function fn(tensor) -> tensor, or one of the ops "
+                            f"{', '.join(SYNC_OPS)}")
+        if callable(sync_op_or_fn):
+            problem = _cannot_take_one_tensor(sync_op_or_fn)
+            if problem:
+                name = getattr(sync_op_or_fn, "__name__", type(sync_op_or_fn).__name__)
+                raise SyncError(f"{where}: sync function {name} cannot be called with one tensor "
+                                f"({problem}); give a function fn(tensor) -> tensor")
         axis = options.get("axis")
         if sync_op_or_fn in ("all_gather", "reduce_scatter"):
             if axis is None:
@@ -91,6 +103,20 @@ class Sync(Primitive):
         if axis is not None:
             op.register_forward_pre_hook(AxisCheck(sch.path, mode, sync_op_or_fn, axis))
         return None
+
+
+def _cannot_take_one_tensor(fn: Callable) -> str:
+    """Why ``fn(tensor)`` cannot bind (``""`` when it can, or when ``fn`` has no readable signature): checked at
+    call time, since the sync point first calls it in the middle of a forward."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return ""
+    try:
+        signature.bind(None)
+    except TypeError as e:
+        return f"its signature is {signature}: {e}"
+    return ""
 
 
 _WHAT = {"fwd_pre": "input", "fwd_post": "output", "bwd_post": "input (whose gradient it applies to)"}

@@ -26,3 +26,18 @@ def test_annotate_errors(args, error, message):
     sch = schedlang.create_schedule(MLP())
     with pytest.raises(error, match=message):
         sch["fc1"].annotate(*args)
+
+
+@pytest.mark.parametrize("key", ["T", "is_leaf", "add", "size", "view"])
+def test_annotate_refuses_keys_that_are_tensor_attributes_or_methods(key):
+    # 'T' and 'is_leaf' cannot be set at all (an AttributeError from torch at apply time); 'size' and the other
+    # methods would be silently replaced by the value on the parameter the model computes with
+    model = MLP()
+    sch = schedlang.create_schedule(model)
+    with pytest.raises(schedlang.ScheduleValueError,
+                       match=rf"^fc1: annotation key '{key}' would shadow a tensor attribute; choose another name$"):
+        sch["fc1"].annotate("weight", key, 1)
+    assert len(sch.plan) == 0
+    assert callable(sch["fc1"].mod.weight.size) and not hasattr(model.fc1.weight, "note")
+    sch["fc1"].annotate("weight", "note", 1)  # a key of its own still works
+    assert sch["fc1"].mod.weight.note == 1 and not hasattr(model.fc1.weight, "note")

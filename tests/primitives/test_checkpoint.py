@@ -67,3 +67,13 @@ def test_checkpoint_errors():
         sch["layers.0"].checkpoint()
     with pytest.raises(schedlang.ScheduleValueError, match=r"layers.1: unknown checkpoint option\(s\) reentrant"):
         sch["layers.1"].checkpoint(reentrant=True)
+
+
+def test_checkpoint_option_torch_would_refuse_at_the_first_backward_is_refused_at_call_time():
+    sch = schedlang.create_schedule(Stack(hidden=7, inner=13))
+    with pytest.raises(schedlang.ScheduleValueError, match=r"^layers.0: unknown checkpoint determinism_check 'strict': "
+                                                           r"valid values are 'default', 'none'$"):
+        sch["layers.0"].checkpoint(determinism_check="strict")
+    assert len(sch.plan) == 0 and "forward" not in sch["layers.0"].mod.__dict__
+    sch["layers.0"].checkpoint(determinism_check="none")
+    sch.mod(torch.randn(3, 7, requires_grad=True)).sum().backward()

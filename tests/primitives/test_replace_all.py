@@ -67,3 +67,37 @@ def test_make_fn_of_the_wrong_arity_is_refused_before_any_call(make_fn, args, kw
     with pytest.raises(schedlang.ScheduleValueError, match=message):
         sch.replace_all(nn.GELU, make_fn, *args, **kwargs)
     assert len(sch.plan) == 0 and isinstance(sch["layers.0.mlp.act"].mod, nn.GELU)
+
+
+def test_a_failing_make_fn_names_the_module_and_changes_nothing():
+    sch = schedlang.create_schedule(Stack())
+
+    def make(path, old):
+        if path.startswith("layers.1"):
+            raise RuntimeError("no fused kernel for this shape")
+        return TanhGELU()
+
+    with pytest.raises(schedlang.ScheduleValueError,
+                       match=r"^<root>: replace_all make_fn raised RuntimeError for 'layers.1.mlp.act' \(GELU\): no "
+                             r"fused kernel for this shape; nothing was replaced; fix make_fn so that it returns an "
+                             r"nn.Module for every GELU$") as caught:
+        sch.replace_all(nn.GELU, make)
+    assert isinstance(caught.value.__cause__, RuntimeError)
+    assert len(sch.plan) == 0 and isinstance(sch["layers.0.mlp.act"].mod, nn.GELU)
+    assert sch.replace_all(nn.GELU, lambda path, old: TanhGELU()) == ["layers.0.mlp.act", "layers.1.mlp.act"]
+
+
+def test_replace_all_refuses_modules_of_the_users_model():
+    from tests.helpers.models import assert_unchanged, state_snapshot
+
+    model = Stack()
+    before = state_snapshot(model)
+    sch = schedlang.create_schedule(model)
+    with pytest.raises(schedlang.ScheduleValueError,
+                       match=r"^<root>: replace_all got a Linear that is the module at 'layers.0.mlp.fc1' of the "
+                             r"model given to create_schedule"):
+        sch.replace_all(nn.Linear, lambda path, old: model.get_submodule(path))
+    assert len(sch.plan) == 0
+    sch.replace_all(nn.Linear, lambda path, old: old)
+    sch["layers.0.mlp.fc1"].shard("weight", axis=0)
+    assert_unchanged(model, before)

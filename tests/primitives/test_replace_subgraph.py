@@ -81,7 +81,8 @@ def test_regex_results_replace_as_one_call_with_a_given_name():
     class Projections(nn.Module):
         def __init__(self):
             super().__init__()
-            self.q, self.k, self.v = model.q_proj, model.k_proj, model.v_proj
+            # the schedule's own projections: the user's would be changed by whatever the schedule does next
+            self.q, self.k, self.v = sch.mod.q_proj, sch.mod.k_proj, sch.mod.v_proj
 
         def forward(self, x):
             return self.q(x), self.k(x), self.v(x)

@@ -115,3 +115,24 @@ def test_axis_out_of_range_in_a_transformers_model_fails_at_call_time(meta):
     assert len(sch.plan) == 1
     sch["model.layers.0.mlp.down_proj"].sync("fwd_post", "all_gather", axis=-1)
     assert len(sch.plan) == 2
+
+
+def test_sync_refuses_a_class_or_a_function_that_cannot_take_one_tensor():
+    from torch import nn
+
+    sch = schedlang.create_schedule(MLP(6, 10))
+    with pytest.raises(schedlang.SyncError, match=r"^fc1: sync got the class ReLU as its function; pass an instance "
+                                                  r"\(ReLU\(...\)\) or a function fn\(tensor\) -> tensor"):
+        sch["fc1"].sync("fwd_post", nn.ReLU)  # would make ReLU(inplace=<tensor>) at the first forward
+
+    def scale(t, factor):
+        return t * factor
+
+    with pytest.raises(schedlang.SyncError, match=r"^fc1: sync function scale cannot be called with one tensor "
+                                                  r"\(its signature is \(t, factor\): missing a required argument: "
+                                                  r"'factor'\); give a function fn\(tensor\) -> tensor$"):
+        sch["fc1"].sync("fwd_post", scale)
+    assert len(sch.plan) == 0 and not list(sch["fc1"].mod.children())
+    sch["fc1"].sync("fwd_post", nn.ReLU())  # a module instance, or a function of one tensor, is fine
+    sch["fc1"].sync("fwd_post", lambda t, factor=2: t * factor)
+    assert sch.mod(torch.randn(3, 6)).shape == (3, 6)
