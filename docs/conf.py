@@ -28,6 +28,7 @@ sphinx_gallery_conf = {
     "filename_pattern": r"/\d\d_",
     "download_all_examples": False,
     "within_subsection_order": "FileNameSortKey",
+    "write_computation_times": False,  # no sg_execution_times.rst written into docs/
 }
 
 html_theme = "alabaster"

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -33,7 +34,7 @@ def _demo_options(ns: argparse.Namespace) -> Optional[str]:
         if getattr(ns, flag) < 1:
             return f"--{flag} must be at least 1, got {getattr(ns, flag)}"
     if ns.intermediate is not None and ns.intermediate < 1:
-        return f"--intermediate must be at least 1 (or left out for about 2.7 x --hidden), got {ns.intermediate}"
+        return f"--intermediate must be at least 1 (or left out for 2 x --hidden + 176), got {ns.intermediate}"
     if ns.hidden % ns.heads:
         return f"--hidden must be divisible by the {ns.heads} attention heads, got {ns.hidden}"
     if ns.heads % 4:
@@ -47,14 +48,39 @@ def _demo_options(ns: argparse.Namespace) -> Optional[str]:
     return None
 
 
+def _output_problem(flag: str, path: str) -> Optional[str]:
+    """Why the HTML page ``path`` could not be written, or None; checked before the minutes of work that
+    precede the writing. Missing folders are created by the writer, so the nearest existing one is probed (by
+    making a file there: ``os.access`` says yes to root where the file system says no)."""
+    target = Path(path)
+    if target.is_dir():
+        return f"{flag} {path!r} is a directory: give the path of the HTML file to write, e.g. {flag} report.html"
+    existing = target.parent
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{flag} {path!r}: {str(existing)!r} is a file, so no folder can be made there; give another path"
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        return f"{flag} {path!r}: {str(existing)!r} refuses new files ({e.strerror or e}); give a writable path"
+    return None
+
+
 def _demo_kwargs(ns: argparse.Namespace) -> Dict:
     return dict(layers=ns.layers, hidden=ns.hidden, heads=ns.heads, intermediate=ns.intermediate or 2 * ns.hidden + 176,
                 batch=ns.batch, seq=ns.seq, repeats=ns.repeats, compile=not ns.no_compile)
 
 
+def _progress(line: str) -> None:
+    """What the demo does next, on stderr: the results come on stdout once all of it has run."""
+    print(f"schedlang demo: {line} ...", file=sys.stderr, flush=True)
+
+
 def cmd_demo(ns: argparse.Namespace) -> int:
     ns.device = ns.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    problem = _demo_options(ns)
+    problem = _demo_options(ns) or (_output_problem("--report", ns.report) if ns.report else None)
     if problem:
         print(f"schedlang demo: {problem}", file=sys.stderr)
         return 2
@@ -62,7 +88,8 @@ def cmd_demo(ns: argparse.Namespace) -> int:
     from .errors import SchedlangError
 
     try:
-        print(run_demo(world_size=ns.world_size, device=ns.device, report=ns.report, **_demo_kwargs(ns)))
+        print(run_demo(world_size=ns.world_size, device=ns.device, report=ns.report, progress=_progress,
+                       **_demo_kwargs(ns)))
     except SchedlangError as e:
         print(f"schedlang demo: {e}", file=sys.stderr)
         return 2
@@ -73,6 +100,13 @@ def cmd_report(ns: argparse.Namespace) -> int:
     """Write the HTML report of the demo's schedule, or of a saved plan replayed on a model."""
     import schedlang
 
+    problem = _output_problem("--out", ns.out)
+    if problem is None and ns.plan is None and ns.model is not None:
+        problem = (f"--model {ns.model} names the model a saved plan is replayed on, so it needs --plan; without "
+                   "--plan the page shows the demo's schedule, sized by the demo's flags")
+    if problem:
+        print(f"schedlang report: {problem}", file=sys.stderr)
+        return 2
     if ns.plan is None:
         ns.device = ns.device or ("cuda" if torch.cuda.is_available() else "cpu")
         problem = _demo_options(ns)
@@ -190,12 +224,14 @@ def _add_demo_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--world-size", type=int, default=2,
                         help="local ranks for tensor parallelism (default 2; 1 runs in this process only)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when present, else cpu")
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--intermediate", type=int, default=None, help="MLP width (default about 2.7 x hidden)")
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4, help="decoder layers (default 4)")
+    parser.add_argument("--hidden", type=int, default=256,
+                        help="hidden size, divisible by --heads (default 256)")
+    parser.add_argument("--heads", type=int, default=8,
+                        help="attention heads, a multiple of the model's 4 key/value heads (default 8)")
+    parser.add_argument("--intermediate", type=int, default=None, help="MLP width (default 2 x hidden + 176: 688 at hidden 256)")
+    parser.add_argument("--batch", type=int, default=8, help="sequences per training step (default 8)")
+    parser.add_argument("--seq", type=int, default=256, help="tokens per sequence (default 256)")
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -212,13 +248,20 @@ def main(argv: Optional[List[str]] = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("train", help="train a LLaMA / GPT-2 model on a pp x dp x tp layout (see schedlang train --help)",
                    add_help=False)
-    demo = sub.add_parser("demo", help="schedule, verify and time a tiny LLaMA against the original model")
+    demo = sub.add_parser("demo", help="schedule, verify and time a tiny LLaMA against the original model",
+                          description="Schedule a tiny HuggingFace LLaMA built from a config (tensor parallelism over "
+                                      "--world-size local ranks, the SwiGLU of every MLP fused into one kernel, "
+                                      "activation checkpointing when memory is short), verify it against the original "
+                                      "and time a training step of each.")
     _add_demo_flags(demo)
-    demo.add_argument("--repeats", type=int, default=5, help="timed steps (median reported)")
+    demo.add_argument("--repeats", type=int, default=5, help="timed steps, the median reported (default 5)")
     demo.add_argument("--no-compile", action="store_true", help="do not compile the decoder layers after build")
     demo.add_argument("--report", default=None, metavar="FILE", help="also write the schedule's HTML report here")
     demo.set_defaults(fn=cmd_demo)
-    report = sub.add_parser("report", help="write an HTML page of what a schedule did (default: the demo's)")
+    report = sub.add_parser("report", help="write an HTML page of what a schedule did (default: the demo's)",
+                            description="Write one self-contained HTML page of what a schedule did: the demo's "
+                                        "schedule (sized by the demo's flags below), or with --plan a saved plan "
+                                        "replayed on --model.")
     report.add_argument("--out", default="report.html", help="the page to write (default report.html)")
     report.add_argument("--plan", default=None, help="a saved plan (JSON) to replay and report instead of the demo's")
     report.add_argument("--model", default=None,

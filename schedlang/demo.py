@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -213,11 +213,14 @@ def _tp_rank(rank: int, world: int, opts: Dict) -> Optional[Dict]:
     return result if rank == 0 else None
 
 
-def run_demo(world_size: int = 2, device: str = "cpu", **options) -> str:
+def run_demo(world_size: int = 2, device: str = "cpu", progress: Optional[Callable[[str], None]] = None,
+             **options) -> str:
     """Run the demo and return its text: the original model and its one-process schedule here, then
-    (``world_size`` > 1) the tensor-parallel schedule over that many local ranks."""
+    (``world_size`` > 1) the tensor-parallel schedule over that many local ranks. ``progress``, if given,
+    is called with a line saying what runs next (the whole demo takes minutes on a CPU)."""
     import schedlang
 
+    say = progress or (lambda line: None)
     opts = DemoOptions(device=device, **options)
     dev = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
     cores = os.cpu_count() or 1
@@ -231,6 +234,7 @@ def run_demo(world_size: int = 2, device: str = "cpu", **options) -> str:
                "parameters), built from a config")
 
     # the original, as a user runs it: one process with every core (or one GPU)
+    say(f"timing {opts['repeats']} training steps of the original model")
     torch.set_num_threads(cores)
     model.train()
     eager_ms = _median_ms(_train_step(model, ids), dev, opts["repeats"])
@@ -240,6 +244,8 @@ def run_demo(world_size: int = 2, device: str = "cpu", **options) -> str:
 
     single_opts = DemoOptions(**{**opts, "report": None})
     single_opts["report_single"] = opts["report"] if world_size == 1 else None
+    say("scheduling, verifying, building" + (" and compiling" if opts["compile"] else "") + " it in one process, "
+        "then timing it")
     single = _scheduled_run(0, 1, single_opts)
     rows = [(f"original (1 process, {cores if device == 'cpu' else 1} {'cores' if device == 'cpu' else 'GPU'})",
              eager_ms, params_full, eager_peak),
@@ -248,6 +254,8 @@ def run_demo(world_size: int = 2, device: str = "cpu", **options) -> str:
     if world_size > 1:
         from .distributed.launch import run_distributed
 
+        say(f"the same, tensor parallel over {world_size} local ranks "
+            f"({'nccl' if device == 'cuda' else 'gloo'})")
         tp = run_distributed(_tp_rank, world_size=world_size, args=(opts,),
                              backend="nccl" if device == "cuda" else "gloo", timeout=600)[0]
         rows.append((f"schedlang, tensor parallel over {world_size} ranks", tp["ms"], tp["params"], tp["peak"]))

@@ -36,7 +36,10 @@ def _check_speeds(rows):
 
 def test_demo_one_process_schedules_verifies_and_compares(capsys):
     assert cli.main(["demo", "--world-size", "1", "--device", "cpu", *TINY]) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
+    # what runs is said while it runs (on stderr); the results come at the end (on stdout)
+    assert "schedlang demo: timing 1 training steps of the original model ...\n" in err
+    assert "schedlang demo: scheduling, verifying, building and compiling it in one process" in err
     assert "an unchanged HuggingFace LLaMA (2 layers, hidden 64" in out
     assert re.search(r"Plan \(4 steps\)", out)  # trace + fuse per layer
     assert "fuse" in out and "SwiGLU" in out and "inductor" in out
@@ -118,3 +121,93 @@ def test_bench_unknown_name(capsys):
     names = sorted(p.stem[len("bench_"):] for p in bench.glob("bench_*.py"))
     assert names and "fusion" in names
     assert f"unknown benchmark(s) no_such_benchmark; available: {', '.join(names)}\n" in err
+
+
+# ------------------------------------------------------------------------------------------ bad flags
+def _exit_code(argv):
+    """The exit status of ``schedlang ARGV``: returned, or raised by argparse as SystemExit."""
+    try:
+        return cli.main(argv)
+    except SystemExit as e:
+        return e.code
+
+
+def _one_line_error(capsys, prefix):
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith(prefix)]
+    assert len(lines) == 1, err
+    assert "Traceback" not in err and "usage:" not in err, err
+    return lines[0]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--nproc", "3", "--tp", "3"], "--tp 3 must divide the model's attention heads (4)"),
+    (["--pp", "0"], "--pp must be at least 1, got 0"),
+    (["--model", "bert"], "--model: unknown model 'bert': valid models are llama, gpt2"),
+    (["--dtype", "fp16"], "argument --dtype: invalid choice: 'fp16' (choose from 'fp32', 'bf16')"),
+    (["--steps", "ten"], "argument --steps: invalid int value: 'ten'"),
+    (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    (["--init-from", "no/such/dir"], "--init-from 'no/such/dir': no such directory"),
+    (["--resume"], "--resume needs --checkpoint-dir"),
+    (["--warmup", "-1"], "--warmup must be at least 0, got -1"),
+    (["--save-every", "-2", "--checkpoint-dir", "ckpt"], "--save-every must be at least 0, got -2"),
+    (["--log-every", "0"], "--log-every must be at least 1, got 0"),
+    (["--grad-clip", "-1"], "--grad-clip must be a number >= 0 (0: no clipping), got -1.0"),
+    (["--grad-clip", "nan"], "--grad-clip must be a number >= 0 (0: no clipping), got nan"),
+    (["--weight-decay", "-0.5"], "--weight-decay must be a number >= 0, got -0.5"),
+])
+def test_train_bad_flags_read_as_one_line(argv, message, capsys):
+    assert _exit_code(["train", "--device", "cpu", *argv]) == 2
+    line = _one_line_error(capsys, "schedlang train: error: ")
+    assert message in line
+
+
+def test_train_checkpoint_dir_that_is_a_file_is_refused_before_training(tmp_path, capsys):
+    existing = tmp_path / "a_file"
+    existing.write_text("")
+    assert cli.main(["train", "--device", "cpu", "--steps", "1", "--checkpoint-dir", str(existing)]) == 2
+    line = _one_line_error(capsys, "schedlang train: error: ")
+    assert f"--checkpoint-dir: {str(existing)!r} is an existing file" in line
+
+
+def test_train_init_from_checks_name_the_flag(tmp_path, capsys):
+    # a directory without weights
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    assert cli.main(["train", "--device", "cpu", "--init-from", str(tmp_path)]) == 2
+    line = _one_line_error(capsys, "schedlang train: error: ")
+    assert line.startswith(f"schedlang train: error: --init-from {tmp_path}: the directory holds no .safetensors file")
+    # weights of a family the trainer does not build
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    assert cli.main(["train", "--device", "cpu", "--init-from", str(tmp_path)]) == 2
+    line = _one_line_error(capsys, "schedlang train: error: ")
+    assert (f"--init-from {tmp_path}: its config.json describes a 'bert' model; valid are checkpoints of the "
+            "families schedlang train trains: llama, gpt2") in line
+
+
+def test_train_help_states_each_default_once(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["train", "--help"])
+    assert info.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert "(default: None)" not in out and "(default: False)" not in out
+    assert out.count("(default:") == out.count("(default: ") and "(default: llama, or the family of --init-from)" in out
+    assert "--lr LR peak learning rate (default: 0.001)" in out
+    assert "--weight-decay WEIGHT_DECAY the optimizer's weight decay (default: 0.1)" in out
+    assert "--seed SEED seed of the initial weights" in out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["report", "--model", "gpt2-tiny"], "--model gpt2-tiny names the model a saved plan is replayed on, so it needs "
+                                         "--plan"),
+    (["report", "--out", "{tmp}"], "--out '{tmp}' is a directory: give the path of the HTML file to write"),
+    (["report", "--out", "{tmp}/file/page.html"], "--out '{tmp}/file/page.html': '{tmp}/file' is a file"),
+    (["report", "--plan", "plan.json", "--out", "{tmp}"], "--out '{tmp}' is a directory"),
+    (["demo", "--report", "{tmp}"], "--report '{tmp}' is a directory: give the path of the HTML file to write"),
+])
+def test_report_paths_are_checked_before_any_work(argv, message, tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    argv = [a.format(tmp=tmp_path) for a in argv]
+    assert cli.main(argv) == 2
+    line = _one_line_error(capsys, f"schedlang {argv[0]}: ")
+    assert message.format(tmp=tmp_path) in line

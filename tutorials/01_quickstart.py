@@ -75,7 +75,8 @@ print(check.report)
 # Mistakes are caught, with the step that caused them
 # ---------------------------------------------------
 # Replacing the activation by one that differs is reported, naming the output that
-# differs and the steps applied inside the block.
+# differs and the steps applied inside the block. A block that fails is undone: the plan
+# and the schedule's model are as they were before it.
 
 try:
     with schedlang.Verify(sch, example_inputs=[x]):
@@ -83,6 +84,7 @@ try:
 except schedlang.VerificationError as err:
     print(str(err).splitlines()[0])
     print(str(err).splitlines()[1][:100], "...")
+print("after the failed block:", len(sch.plan), "steps; the activation is still", type(sch["activation"].mod).__name__)
 
 # %%
 # Bad arguments are refused before anything changes:
@@ -95,16 +97,9 @@ except schedlang.ShardError as err:
 # %%
 # The plan
 # --------
-# Every call is a step of ``sch.plan``. (The failed ``replace`` above was applied, and
-# Verify reported it; a fresh schedule below leaves it out.) The plan prints, saves as
-# JSON and replays on a fresh instance of the model.
+# Every call is a step of ``sch.plan``: the five verified steps above, and one more added
+# here. The plan prints, saves as JSON and replays on a fresh instance of the model.
 
-sch = schedlang.create_schedule(model)
-sch["linear1"].shard("weight", axis=0)
-sch["linear1"].shard("bias", axis=0)
-sch["linear2"].shard("weight", axis=1)
-sch["linear2"].sync(mode="fwd_post", sync_op_or_fn="all_reduce")
-sch["linear1"].sync(mode="bwd_post", sync_op_or_fn="all_reduce")
 sch["linear1"].decompose()
 print(sch.plan)
 text = sch.plan.to_json()

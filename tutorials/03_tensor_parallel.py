@@ -29,6 +29,7 @@ import os
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import schedlang
@@ -133,8 +134,18 @@ def main(rank, world):
     sharded, _ = schedlang.build(sch, device=device)
     torch.manual_seed(1)
     full, _ = schedlang.build(schedlang.create_schedule(meta), device=device)
-    mib = [sum(p.numel() * p.element_size() for p in m.parameters()) / 2 ** 20 for m in (sharded, full)]
+    # a sharded parameter is a DTensor: its shape is the whole tensor's, its local tensor the rank's shard
+    mib = [sum(local(p).numel() * p.element_size() for p in m.parameters()) / 2 ** 20 for m in (sharded, full)]
     say(f"parameters per rank: {mib[0]:.2f} MiB of {mib[1]:.2f} MiB")
+    q_shard = local(sharded.model.layers[0].self_attn.q_proj.weight)
+    q_full = full.model.layers[0].self_attn.q_proj.weight
+    torch.testing.assert_close(q_shard, q_full.chunk(world)[rank])
+    say(f"this rank's q_proj shard {tuple(q_shard.shape)} equals its rows of the unsharded {tuple(q_full.shape)}")
+
+
+def local(p):
+    """The part of a parameter this rank holds."""
+    return p.to_local() if isinstance(p, DTensor) else p
 
 
 # %%

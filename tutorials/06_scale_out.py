@@ -2,7 +2,7 @@
 From one GPU to a 2-D mesh
 ==========================
 
-One model, trained under four layouts of ranks, written as schedules of the same unchanged
+One model, trained under five layouts of ranks, written as schedules of the same unchanged
 HuggingFace LLaMA:
 
 * one process (the reference);
@@ -12,7 +12,7 @@ HuggingFace LLaMA:
 * and DDP (``replicate``) over bf16 parameters whose fp32 master weights live in the optimizer.
 
 Every layout trains on the same global batch from the same weights, so their losses agree
-step by step. A distributed checkpoint saved under one layout then loads under another
+step by step (to rounding in fp32; the bf16 DDP run to a few parts in ten thousand). A distributed checkpoint saved under one layout then loads under another
 (``schedlang.save_checkpoint`` / ``load_checkpoint``): each rank reads the pieces its own
 shards cover, weights and AdamW state alike, and training goes on as if nothing had changed.
 

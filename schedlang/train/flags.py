@@ -27,12 +27,30 @@ class TrainError(SchedlangError, ValueError):
 
 
 # ------------------------------------------------------------------------------------------------ flags
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends a flag's default to its help, unless the help already says it or the flag is off (or unset) by
+    default."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.default is None or action.default is False:
+            return text
+        return super()._get_help_string(action)
+
+
+class _Parser(argparse.ArgumentParser):
+    """An unknown flag or a value of the wrong type reads as one line, not the whole usage."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}; {self.prog} --help lists every flag\n")
+
+
 def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog=prog or "schedlang train",
         description="Train a HF causal LM (LLaMA or GPT-2) with tensor, sequence, data and pipeline parallelism "
                     "written as schedules. Run under torchrun, or spawn local ranks with --nproc N.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=_HelpFormatter)
     m = p.add_argument_group("model")
     m.add_argument("--model", default=None, help=f"model family: {', '.join(MODELS)} (default: llama, or the "
                    "family of --init-from)")
@@ -76,11 +94,13 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     t.add_argument("--lr-schedule", default="cosine", choices=["cosine", "constant"],
                    help="after warmup: cosine decay to 10%% of --lr, or constant")
     t.add_argument("--warmup", type=int, default=0, help="linear warmup steps")
-    t.add_argument("--weight-decay", type=float, default=0.1)
+    t.add_argument("--weight-decay", type=float, default=0.1, help="the optimizer's weight decay")
     t.add_argument("--grad-clip", type=float, default=1.0, help="clip the global gradient norm (0: off)")
     t.add_argument("--optimizer", default="adamw", help="adamw (torch.optim.AdamW), fused-adamw (schedlang's fused "
                    "Triton AdamW), sgd (torch.optim.SGD, momentum 0.9)")
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--seed", type=int, default=0,
+                   help="seed of the initial weights (without --init-from), the batches (synthetic tokens, or where "
+                        "sequences start in --data) and dropout")
     t.add_argument("--data", default="synthetic", help="'synthetic', or a .npy / raw .bin file of token ids "
                    "(.bin: uint16 if the vocabulary is < 65536, else uint32)")
     io = p.add_argument_group("checkpoints and output")
@@ -110,16 +130,24 @@ def _resolve_init_from(ns: argparse.Namespace) -> None:
         if not directory.is_dir():
             _fail(f"--init-from {ns.init_from!r}: no such directory (expected a HF checkpoint directory holding "
                   f"config.json and model.safetensors, as save_pretrained or --export-hf write it)")
+        if not any(directory.glob("*.safetensors")) and not (directory / "model.safetensors.index.json").is_file():
+            _fail(f"--init-from {ns.init_from}: the directory holds no .safetensors file (expected model.safetensors, "
+                  "or model.safetensors.index.json with the files it names, as save_pretrained or --export-hf write "
+                  "them; a PyTorch .bin checkpoint can be converted with transformers' save_pretrained)")
         if ns.config is None:
             if not (directory / "config.json").is_file():
                 _fail(f"--init-from {ns.init_from}: it has no config.json; give the model's config with --config")
             ns.config = str(directory)
         if ns.model is None:
             try:
-                kind = json.loads((directory / "config.json").read_text()).get("model_type")
+                raw = json.loads((directory / "config.json").read_text())
+                kind = raw.get("model_type") if isinstance(raw, dict) else None
             except (OSError, ValueError):
-                kind = None
-            ns.model = kind if kind in MODELS else None
+                kind = None  # no readable config.json there: --config names the model's, and --model its family
+            if kind is not None and kind not in MODELS:
+                _fail(f"--init-from {ns.init_from}: its config.json describes a {kind!r} model; valid are "
+                      f"checkpoints of the families schedlang train trains: {', '.join(MODELS)}")
+            ns.model = kind
     ns.model = ns.model or "llama"
     ns.config = ns.config or "tiny"
 
@@ -141,8 +169,15 @@ def validate(ns: argparse.Namespace, world: int) -> None:
         _fail(f"--nproc must be at least 1, got {ns.nproc}")
     if ns.lr <= 0 or not math.isfinite(ns.lr):
         _fail(f"--lr must be a positive number, got {ns.lr}")
-    if ns.warmup < 0 or ns.save_every < 0 or ns.grad_clip < 0 or ns.log_every < 1:
-        _fail("--warmup, --save-every and --grad-clip must be >= 0 and --log-every >= 1")
+    for flag in ("warmup", "save_every"):
+        if getattr(ns, flag) < 0:
+            _fail(f"--{flag.replace('_', '-')} must be at least 0, got {getattr(ns, flag)}")
+    if ns.log_every < 1:
+        _fail(f"--log-every must be at least 1, got {ns.log_every}")
+    if not ns.grad_clip >= 0 or not math.isfinite(ns.grad_clip):  # `not >=` also refuses nan
+        _fail(f"--grad-clip must be a number >= 0 (0: no clipping), got {ns.grad_clip}")
+    if not ns.weight_decay >= 0 or not math.isfinite(ns.weight_decay):
+        _fail(f"--weight-decay must be a number >= 0, got {ns.weight_decay}")
     if not ns.timeout > 0 or not math.isfinite(ns.timeout):
         _fail(f"--timeout must be a positive number of seconds, got {ns.timeout}")
     if ns.stop_after is not None and not 1 <= ns.stop_after <= ns.steps:
@@ -187,6 +222,8 @@ def validate(ns: argparse.Namespace, world: int) -> None:
             _check_writable_file("--metrics", ns.metrics)
         if ns.export_hf:
             _check_writable_directory("--export-hf", ns.export_hf)
+    if ns.checkpoint_dir:  # every rank writes its shards there
+        _check_writable_directory("--checkpoint-dir", ns.checkpoint_dir)
     if ns.optimizer == "fused-adamw" and _device_type(ns) == "cpu":
         logger.warning("--optimizer fused-adamw on the CPU runs its Triton kernel under the interpreter (slow); "
                        "--optimizer adamw is torch's")
