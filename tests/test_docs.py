@@ -22,9 +22,9 @@ def test_docs_build(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert (tmp_path / "_build" / "api.html").exists()
     assert (tmp_path / "_build" / "auto_tutorials" / "index.html").exists()
-    # the pages of docs/ themselves build cleanly: no malformed markup, no autodoc target that does not import
-    own = [line for line in result.stderr.splitlines()
-           if str(work) in line and ("WARNING" in line or "ERROR" in line)]
-    assert not own, "\n".join(own)
+    # the pages and the docstrings they pull in build cleanly: no malformed markup (an unclosed ``*``, a table
+    # whose text outgrows its columns), no autodoc target that does not import
+    problems = [line for line in result.stderr.splitlines() if "WARNING" in line or "ERROR" in line]
+    assert not problems, "\n".join(problems)
     assert "failed to import" not in result.stderr, result.stderr[-3000:]
     assert not (work / "sg_execution_times.rst").exists()  # nothing is written into the docs sources

@@ -2,16 +2,16 @@
 
 A schedule made with ``create_schedule(model, mesh=mesh)`` reads the mesh's dimensions by name:
 
-=================  ==========================================================================
-dimension          used by
-=================  ==========================================================================
-``"tp"``           ``shard`` / ``sync`` (tensor and sequence parallelism); sharded parameters
-                   become DTensors on this dimension at build
-``"dp"``           ``fully_shard`` (FSDP2) and ``replicate`` (DDP)
-``"dp_replicate"``  with ``"dp_shard"``: hybrid sharded data parallelism (HSDP): parameters are
-``"dp_shard"``     sharded within ``dp_shard`` and replicated across ``dp_replicate``
-``"pp"``           pipeline stages cut by ``cut_pipeline_stage``
-=================  ==========================================================================
+====================  ======================================================================
+dimension             used by
+====================  ======================================================================
+``"tp"``              ``shard`` / ``sync`` (tensor and sequence parallelism); sharded
+                      parameters become DTensors on this dimension at build
+``"dp"``              ``fully_shard`` (FSDP2) and ``replicate`` (DDP)
+``"dp_replicate"``    with ``"dp_shard"``: hybrid sharded data parallelism (HSDP): parameters
+``"dp_shard"``        are sharded within ``dp_shard`` and replicated across ``dp_replicate``
+``"pp"``              pipeline stages cut by ``cut_pipeline_stage``
+====================  ======================================================================
 
 Any subset of the names, in any order; a dimension may have size 1. ``group=`` (a process group)
 is still accepted by ``create_schedule`` and means a 1-D tensor-parallel mesh.

@@ -44,8 +44,8 @@ class ReplaceAll(Primitive):
     params = (
         Param("module_type", Type[nn.Module], doc="the type of the submodules to replace", codec=ModuleTypeCodec(),
               type_error="{where}: replace_all expects an nn.Module subclass as module_type, got {value}"),
-        Param("make_fn", Callable[..., nn.Module], doc="builds each replacement from (path, old module, *args, "
-              "**kwargs)", codec=FUNCTION,
+        Param("make_fn", Callable[..., nn.Module], doc="builds each replacement: ``make_fn(path, old_module, "
+              "*make_fn_args, **make_fn_kwargs)``", codec=FUNCTION,
               type_error="{where}: replace_all expects make_fn(path, old_module) -> nn.Module, got {type_name}"),
         Param("make_fn_args", Any, (), "further positional arguments for make_fn", variadic="*"),
         Param("make_fn_kwargs", Any, {}, "keyword arguments for make_fn", variadic="**"),
