@@ -179,7 +179,8 @@ def test_init_from_must_be_a_checkpoint(tmp_path, capsys):
 # ---------------------------------------------------------------------------------------------- errors
 @pytest.mark.parametrize("flags,message", [
     (["--nproc", "3", "--dp", "2"], "--dp 2 x --tp 1 x --pp 1 = 2 ranks, but the run has 3"),
-    (["--nproc", "3", "--tp", "3"], "--tp 3 must divide the model's attention heads (4)"),
+    (["--nproc", "3", "--tp", "3"], "--tp 3 must divide the model's attention heads (4); valid --tp values for "
+                                    "this model: 1, 2, 4"),
     (["--nproc", "2", "--dp", "2", "--global-batch", "3"], "--global-batch 3 must be divisible by --dp x "
                                                             "--microbatches = 2 x 1 = 2"),
     (["--nproc", "2", "--pp", "2", "--microbatches", "3"], "--global-batch 4 must be divisible by --dp x "
@@ -266,7 +267,8 @@ def test_kv_heads_must_divide_tp(tmp_path, capsys):
     cfg = llama_config(attn=None, num_key_value_heads=1)
     cfg.save_pretrained(tmp_path)
     assert trainer.main(COMMON + ["--config", str(tmp_path), "--nproc", "2", "--tp", "2"]) == 2
-    assert "--tp 2 must divide the model's key/value heads (1)" in capsys.readouterr().err
+    assert "--tp 2 must divide the model's key/value heads (1); valid --tp values for this model: 1" \
+        in capsys.readouterr().err
     assert trainer.main(COMMON + ["--config", str(tmp_path / "config.json"), "--model", "gpt2"]) == 2
     assert "describes a 'llama' model but --model is 'gpt2'" in capsys.readouterr().err
 
@@ -368,3 +370,15 @@ def test_gradient_clipping_matches_torch(clip, device, dtype):
     for p, q in zip(model.parameters(), twin.parameters()):
         if q.grad is not None:
             torch.testing.assert_close(p.grad, q.grad, **tolerance)
+
+
+def test_progress_shows_mfu_only_on_a_gpu(tmp_path, capsys):
+    """MFU divides by a GPU's dense bf16 peak: on a CPU the progress lines leave it out rather than print 0.00%."""
+    from schedlang.train.loop import _mfu_text
+
+    _run(tmp_path, "progress", "--steps", "2", "--log-every", "1")
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith(("step ", "done: "))]
+    assert len(lines) == 3 and all("tok/s" in line and "mfu" not in line for line in lines), lines
+    assert _mfu_text(0.4125, torch.device("cuda"), ", ") == ", mfu 41.25%"
+    assert _mfu_text(0.4125, torch.device("cpu"), ", ") == ""

@@ -139,10 +139,13 @@ def validate_model(ns, dims: Dims) -> None:
     if ns.seq > dims.positions:
         _fail(f"--seq {ns.seq} exceeds the model's {dims.positions} positions; use --seq <= {dims.positions}")
     tp = ns.tp
-    for what, n in (("attention heads", dims.heads), ("key/value heads", dims.kv_heads),
-                    ("MLP intermediate size", dims.intermediate), ("vocabulary size", dims.vocab)):
+    split = (("attention heads", dims.heads), ("key/value heads", dims.kv_heads),
+             ("MLP intermediate size", dims.intermediate), ("vocabulary size", dims.vocab))
+    for what, n in split:
         if n % tp:
-            _fail(f"--tp {tp} must divide the model's {what} ({n}); valid --tp values divide {n}")
+            valid = [d for d in range(1, min(m for _, m in split) + 1) if all(m % d == 0 for _, m in split)]
+            _fail(f"--tp {tp} must divide the model's {what} ({n}); valid --tp values for this model: "
+                  f"{', '.join(map(str, valid))}")
     if ns.sp and ns.seq % tp:
         _fail(f"--sp splits the sequence over --tp {tp} ranks: --seq {ns.seq} must be divisible by {tp}")
     stages = ns.pp * ns.stages_per_rank

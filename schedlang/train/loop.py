@@ -99,7 +99,7 @@ def train(ns: argparse.Namespace, rank: int = 0, world: int = 1) -> Optional[Dic
                 metrics.flush()
             if is_main and (step % ns.log_every == 0 or step == last):
                 _progress(f"step {step:>{len(str(ns.steps))}}/{ns.steps}  loss {rec['loss']:.4f}  lr {rec['lr']:.2e}  "
-                          f"{tps:,.0f} tok/s  mfu {100 * rec['mfu']:.2f}%  mem {mem:.2f} GiB  {1e3 * dt:.0f} ms")
+                          f"{tps:,.0f} tok/s{_mfu_text(rec['mfu'], device, '  ')}  mem {mem:.2f} GiB  {1e3 * dt:.0f} ms")
             if not math.isfinite(out["loss"]):
                 raise TrainError(f"train: the loss is {out['loss']} at step {step}; lower --lr or use --dtype fp32")
             if ns.checkpoint_dir and ((ns.save_every and step % ns.save_every == 0) or step == last):
@@ -119,6 +119,12 @@ def train(ns: argparse.Namespace, rank: int = 0, world: int = 1) -> Optional[Dic
                "mem_gib": max(r["mem_gib"] for r in history), "seconds": time.perf_counter() - t_run,
                "layout": layout}
     _progress(f"done: steps {start + 1}..{last}, final loss {summary['final_loss']:.4f}, "
-              f"{summary['tokens_per_s']:,.0f} tok/s, mfu {100 * summary['mfu']:.2f}%, "
+              f"{summary['tokens_per_s']:,.0f} tok/s{_mfu_text(summary['mfu'], device, ', ')}, "
               f"peak mem {summary['mem_gib']:.2f} GiB, {summary['seconds']:.1f} s")
     return summary
+
+
+def _mfu_text(mfu: float, device: torch.device, separator: str) -> str:
+    """``separator + "mfu 41.20%"`` on a GPU; nothing elsewhere (the peak it divides by is a GPU's dense bf16
+    rate, so on a CPU it would print a meaningless 0.00%)."""
+    return f"{separator}mfu {100 * mfu:.2f}%" if device.type == "cuda" else ""
