@@ -559,8 +559,10 @@ class _Pass:
             self._compare_runs(prefix, expected, actual, warn=False)
             why = "replicated tensors"
         else:
-            why = ("the scheduled model draws other random numbers than the original (a dropout on a split "
-                   "activation" + (f", forked streams at {', '.join(forked)})" if forked else ")"))
+            # the draws differ in count or values; which op drew them is not known here, so name the usual causes
+            why = ("the scheduled model draws other random numbers than the original (for example a dropout inside "
+                   "a fused kernel, which draws its own mask, or one on a split activation"
+                   + (f"; forked streams at {', '.join(forked)})" if forked else ")"))
         compared_with_reference = len(self.report.mismatches)
         self._cross_rank(prefix, why, streams_match, expected, actual, rec, replicated_paths)
         if actual is not None:
