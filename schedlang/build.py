@@ -527,7 +527,9 @@ def build(sch, init_weights: Union[None, bool, Callable[[nn.Module], None]] = No
 
         given = {k: v for k, v in (("optimizer", optimizer), ("device", device), ("dtype", dtype),
                                    ("pipeline", pipeline), ("pretrained", pretrained)) if v is not None}
-        return build_with_target(sch, target_framework, init_weights=init_weights, **given, **optimizer_kwargs)
+        built = build_with_target(sch, target_framework, init_weights=init_weights, **given, **optimizer_kwargs)
+        sch.root._state.built = True
+        return built
     master_weights = optimizer_kwargs.pop("master_weights", False)
     root = sch.root
     model: nn.Module = root.mod
@@ -587,6 +589,7 @@ def build(sch, init_weights: Union[None, bool, Callable[[nn.Module], None]] = No
             precompute_scales_after_step(model, opt)
         else:
             _say_float8_scales_need_a_hook(model)
+    root._state.built = True
     return model, opt
 
 

@@ -57,6 +57,8 @@ class _RootState:
         #: per-path notes for the report (graphs as traced, horizontal fusion counts ...); what a primitive did
         #: to a module that later code relies on is in the module's record (schedlang.module_record)
         self.metadata: Dict[str, Dict[str, Any]] = {}
+        #: set by ``build``: the model is now the one being trained, and its optimizer holds its parameters
+        self.built = False
 
 
 def _copy_container(value: Any) -> Any:
@@ -362,6 +364,13 @@ class Schedule:
     def _run(self, _primitive: str, /, **kwargs: Any) -> Any:
         """Check the arguments (declared types, then the primitive's own checks), apply, record."""
         primitive = get_primitive(_primitive)
+        if self._state.built:
+            # the built model is this schedule's model itself: a primitive now would change the model being
+            # trained behind its optimizer (which keeps the old parameters) and after the plan was checked
+            raise ScheduleValueError(
+                f"{self._display()}: {primitive.name} after build: this schedule's model was built "
+                f"(schedlang.build) and is the model you train; apply every primitive before build, or start "
+                f"a new schedule (schedlang.create_schedule) to change it")
         args = primitive.validate(self, **primitive.bind(self, kwargs))
         with self.atomic():
             result = primitive.apply(self, **args)

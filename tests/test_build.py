@@ -128,3 +128,25 @@ def test_build_of_a_meta_model_with_a_bad_optimizer_allocates_nothing():
     assert all(p.is_meta for p in sch.mod.parameters())
     model, _ = schedlang.build(sch, optimizer="adamw", device="cpu")
     assert not any(p.is_meta for p in model.parameters())
+
+
+@pytest.mark.parametrize("late_step", [
+    lambda sch: sch["fc1"].replace(nn.Linear(12, 20)),
+    lambda sch: sch["fc2"].checkpoint(),
+    lambda sch: sch.trace(),
+])
+def test_a_primitive_after_build_is_refused_and_the_built_model_is_unchanged(late_step):
+    """The built model is the schedule's own: a primitive now would change it behind its optimizer."""
+    sch = schedlang.create_schedule(MLP())
+    model, opt = schedlang.build(sch, optimizer=torch.optim.SGD, lr=0.1)
+    before = {name: type(m) for name, m in model.named_modules()}
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    plan_length = len(sch.plan)
+    with pytest.raises(schedlang.errors.ScheduleValueError, match="after build") as info:
+        late_step(sch)
+    assert "create_schedule" in str(info.value)
+    assert {name: type(m) for name, m in model.named_modules()} == before and len(sch.plan) == plan_length
+    assert "forward" not in vars(model.fc2)  # checkpoint sets an instance forward; nothing was set
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, state[k], rtol=0, atol=0)
+    assert {id(p) for g in opt.param_groups for p in g["params"]} == {id(p) for p in model.parameters()}
