@@ -210,10 +210,10 @@ def test_a_failed_block_is_undone_and_the_schedule_still_builds():
     assert [s.primitive for s in sch.plan] == ["decompose"]
     assert type(sch["layers.1.mlp.act"].mod) is nn.GELU
     assert not module_record(sch["layers.1"].mod).checkpointed
+    with schedlang.Verify(sch, example_inputs=[x]) as v:  # and the schedule goes on
+        sch["layers.1"].checkpoint()
+    assert v.report.passed and [s.primitive for s in sch.plan] == ["decompose", "checkpoint"]
     built, _ = schedlang.build(sch)
     model.eval()
     built.eval()
     torch.testing.assert_close(built(x), model(x), rtol=1e-5, atol=1e-5)
-    with schedlang.Verify(sch, example_inputs=[x]) as v:  # and the schedule goes on
-        sch["layers.1"].checkpoint()
-    assert v.report.passed and [s.primitive for s in sch.plan] == ["decompose", "checkpoint"]
