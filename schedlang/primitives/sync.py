@@ -28,6 +28,7 @@ from ..distributed.collectives import check_even_split
 from ..distributed.groups import world_size
 from ..distributed.sync_ops import SYNC_MODES, SYNC_OPS, SyncOp, attach_sync
 from ..errors import SyncError
+from ..module_record import sync_specs
 from .base import Param, Primitive, register_primitive
 
 logger = logging.getLogger("schedlang.primitives.sync")
@@ -84,6 +85,15 @@ class Sync(Primitive):
                 raise SyncError(f"{where}: sync function {name} cannot be called with one tensor "
                                 f"({problem}); give a function fn(tensor) -> tensor")
         axis = options.get("axis")
+        if isinstance(sync_op_or_fn, str):
+            for spec in sync_specs(sch.mod, mode):
+                if spec.op == sync_op_or_fn and spec.axis == axis:
+                    # the same collective twice at one point sums (or gathers) twice: a re-run notebook cell or a
+                    # schedule applied twice, never a layout
+                    along = f" along axis {axis}" if axis is not None else ""
+                    raise SyncError(f"{where}: a {sync_op_or_fn}{along} at {mode} is already there (its sync module "
+                                    f"'{spec.child}'); a second one would apply it twice. Valid: one {sync_op_or_fn} "
+                                    f"per point; start from a fresh schedule to apply the plan again")
         if sync_op_or_fn in ("all_gather", "reduce_scatter"):
             if axis is None:
                 raise SyncError(f"{where}: sync op {sync_op_or_fn!r} needs axis=<int> (the dimension to "

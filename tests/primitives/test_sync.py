@@ -136,3 +136,19 @@ def test_sync_refuses_a_class_or_a_function_that_cannot_take_one_tensor():
     sch["fc1"].sync("fwd_post", nn.ReLU())  # a module instance, or a function of one tensor, is fine
     sch["fc1"].sync("fwd_post", lambda t, factor=2: t * factor)
     assert sch.mod(torch.randn(3, 6)).shape == (3, 6)
+
+
+def test_the_same_collective_twice_at_one_point_is_refused():
+    sch = schedlang.create_schedule(MLP(6, 10))
+    sch["fc2"].sync("fwd_post", "all_reduce")
+    with pytest.raises(schedlang.SyncError, match=r"^fc2: a all_reduce at fwd_post is already there \(its sync module "
+                                                  r"'_schedlang_sync_fwd_post_0'\); a second one would apply it twice"):
+        sch["fc2"].sync("fwd_post", "all_reduce")
+    assert len(sch.plan) == 1 and len(list(sch["fc2"].mod.children())) == 1
+    # another point, another op, or another axis is a different sync
+    sch["fc2"].sync("bwd_post", "all_reduce")
+    sch["fc1"].sync("fwd_post", "all_gather", axis=1)
+    with pytest.raises(schedlang.SyncError, match="all_gather along axis 1 at fwd_post is already there"):
+        sch["fc1"].sync("fwd_post", "all_gather", axis=1)
+    sch["fc1"].sync("fwd_post", "all_gather", axis=0)
+    assert len(sch.plan) == 4
