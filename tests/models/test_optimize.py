@@ -56,6 +56,19 @@ def _train(model, ids, labels, steps=3):
 
 
 @pytest.mark.parametrize("make", [_llama, _gpt2], ids=["llama", "gpt2"])
+
+def _assert_same_gradients(built, reference_model, ids, labels):
+    """One more backward on both models; every gradient matches, relative to its largest entry."""
+    for m in (built, reference_model):
+        m(input_ids=ids, labels=labels, use_cache=False).loss.backward()
+    expected = dict(reference_model.named_parameters())
+    grads = {name: p.grad for name, p in built.named_parameters()}
+    assert grads.keys() == expected.keys()
+    for name, grad in grads.items():
+        scale = float(expected[name].grad.abs().max())
+        torch.testing.assert_close(grad, expected[name].grad, rtol=1e-3, atol=1e-4 * scale,
+                                   msg=lambda m: f"{name}: {m}")
+
 def test_three_steps_match_the_plain_model(make):
     model = make()
     ids, labels = _batch(model.config.vocab_size)
@@ -75,15 +88,7 @@ def test_three_steps_match_the_plain_model(make):
     torch.testing.assert_close(_train(built, ids, labels), reference, rtol=1e-5, atol=1e-5)
     # and the gradients themselves (AdamW's steps do not change when a gradient is scaled, so the losses alone
     # would not notice a head whose weight gradient is off by a constant factor)
-    for m in (built, reference_model):
-        m(input_ids=ids, labels=labels, use_cache=False).loss.backward()
-    expected = dict(reference_model.named_parameters())
-    grads = {name: p.grad for name, p in built.named_parameters()}
-    assert grads.keys() == expected.keys()
-    for name, grad in grads.items():
-        scale = float(expected[name].grad.abs().max())
-        torch.testing.assert_close(grad, expected[name].grad, rtol=1e-3, atol=1e-4 * scale,
-                                   msg=lambda m: f"{name}: {m}")
+    _assert_same_gradients(built, reference_model, ids, labels)
     # the user's model is untouched
     assert not isinstance(model.lm_head, FusedLinearCrossEntropyHead)
 
@@ -110,15 +115,7 @@ def test_layers_replayed_from_cuda_graphs_train_as_the_plain_model():
     assert skipped == []  # no graph of GPU work runs without its CUDA graph
     assert recorded_cuda_graphs() >= 2  # at least one forward and one backward graph
     # a fifth backward, replayed: the gradients the graphs wrote are the plain model's
-    for m in (built, reference_model):
-        m(input_ids=ids, labels=labels, use_cache=False).loss.backward()
-    expected = dict(reference_model.named_parameters())
-    grads = {name: p.grad for name, p in built.named_parameters()}
-    assert grads.keys() == expected.keys()
-    for name, grad in grads.items():
-        scale = float(expected[name].grad.abs().max())
-        torch.testing.assert_close(grad, expected[name].grad, rtol=1e-3, atol=1e-4 * scale,
-                                   msg=lambda m: f"{name}: {m}")
+    _assert_same_gradients(built, reference_model, ids, labels)
 
 
 def test_logits_without_labels_and_none_with_them():
