@@ -55,8 +55,6 @@ def _train(model, ids, labels, steps=3):
     return torch.stack(losses)
 
 
-@pytest.mark.parametrize("make", [_llama, _gpt2], ids=["llama", "gpt2"])
-
 def _assert_same_gradients(built, reference_model, ids, labels):
     """One more backward on both models; every gradient matches, relative to its largest entry."""
     for m in (built, reference_model):
@@ -69,6 +67,8 @@ def _assert_same_gradients(built, reference_model, ids, labels):
         torch.testing.assert_close(grad, expected[name].grad, rtol=1e-3, atol=1e-4 * scale,
                                    msg=lambda m: f"{name}: {m}")
 
+
+@pytest.mark.parametrize("make", [_llama, _gpt2], ids=["llama", "gpt2"])
 def test_three_steps_match_the_plain_model(make):
     model = make()
     ids, labels = _batch(model.config.vocab_size)
