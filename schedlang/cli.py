@@ -16,11 +16,12 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Dict, List, Optional
 
 import torch
+
+from .utils.paths import nearest_existing, refuses_new_files
 
 
 def _demo_options(ns: argparse.Namespace) -> Optional[str]:
@@ -51,20 +52,16 @@ def _demo_options(ns: argparse.Namespace) -> Optional[str]:
 def _output_problem(flag: str, path: str) -> Optional[str]:
     """Why the HTML page ``path`` could not be written, or None; checked before the minutes of work that
     precede the writing. Missing folders are created by the writer, so the nearest existing one is probed (by
-    making a file there: ``os.access`` says yes to root where the file system says no)."""
+    making a file there)."""
     target = Path(path)
     if target.is_dir():
         return f"{flag} {path!r} is a directory: give the path of the HTML file to write, e.g. {flag} report.html"
-    existing = target.parent
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
+    existing = nearest_existing(target.parent)
     if not existing.is_dir():
         return f"{flag} {path!r}: {str(existing)!r} is a file, so no folder can be made there; give another path"
-    try:
-        with tempfile.TemporaryFile(dir=existing):
-            pass
-    except OSError as e:
-        return f"{flag} {path!r}: {str(existing)!r} refuses new files ({e.strerror or e}); give a writable path"
+    reason = refuses_new_files(existing)
+    if reason:
+        return f"{flag} {path!r}: {str(existing)!r} refuses new files ({reason}); give a writable path"
     return None
 
 

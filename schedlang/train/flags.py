@@ -7,13 +7,13 @@ import json
 import logging
 import math
 import os
-import tempfile
 from pathlib import Path
 from typing import Optional
 
 import torch
 
 from ..errors import SchedlangError
+from ..utils.paths import nearest_existing, refuses_new_files
 
 logger = logging.getLogger("schedlang.train")
 
@@ -256,16 +256,12 @@ def _check_writable_directory(flag: str, path: str) -> None:
     target = Path(path)
     if target.exists() and not target.is_dir():
         _fail(f"{flag}: {path!r} is an existing file: give a directory to write into (it is created if missing)")
-    existing = target
-    while not existing.exists() and existing != existing.parent:  # the nearest folder that exists
-        existing = existing.parent
+    existing = nearest_existing(target)
     if not existing.is_dir():
         _fail(f"{flag}: {str(existing)!r} is a file, so the directory {path!r} cannot be created; give another path")
-    try:
-        with tempfile.TemporaryFile(dir=existing):
-            pass
-    except OSError as e:
-        _fail(f"{flag}: {path!r} cannot be written: {str(existing)!r} refuses new files ({e.strerror or e}); give a "
+    reason = refuses_new_files(existing)
+    if reason:
+        _fail(f"{flag}: {path!r} cannot be written: {str(existing)!r} refuses new files ({reason}); give a "
               "directory in a writable place")
 
 
