@@ -14,7 +14,9 @@ settings, rewritten here so that the benchmark runs without them):
 * ``tp-titan``: vocabulary-parallel embedding (Rowwise, output replicated), Colwise LM head with the
   logits left sharded on the vocabulary and the loss under ``loss_parallel``, per-block compile;
 * ``fsdp2-titan``: ``fully_shard`` on every (compiled) block then the root, bf16 parameters for
-  compute with fp32 gradient reduction (``MixedPrecisionPolicy``);
+  compute with fp32 gradient reduction (``MixedPrecisionPolicy``); ``fsdp2-titan-noreshard`` keeps each
+  block's gathered weights from its forward to its backward, and ``-noreshard-bf16reduce`` also
+  reduce-scatters the gradients in bf16 (torchtitan's ``mixed_precision_reduce="bfloat16"``);
 * ``fsdp2-titan-fp8``: the same over float8 blocks whose weights FSDP2 all-gathers in float8, with
   torchao's ``precompute_float8_dynamic_scale_for_fsdp`` after every optimizer step (torchtitan's
   float8 settings);
@@ -135,11 +137,13 @@ class Context:
     def autocast(self):
         return torch.autocast("cuda", dtype=torch.bfloat16) if self.bf16 else contextlib.nullcontext()
 
-    def mp_policy(self):
+    def mp_policy(self, reduce_dtype: torch.dtype = torch.float32):
+        """FSDP2's mixed precision: bf16 parameters for compute and ``reduce_dtype`` gradient reduction (fp32,
+        torchtitan's default) in a bf16 run; plain fp32 otherwise."""
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         if self.bf16:
-            return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
         return MixedPrecisionPolicy()
 
     def optimizer(self, params_or_groups) -> torch.optim.Optimizer:
@@ -312,17 +316,25 @@ def make_tp_titan(ctx: Context, cfg, dp: int = 1, fsdp: bool = False) -> Setup:
                   notes={"loss": "vocab-sharded logits -> loss_parallel F.cross_entropy (fp32)", "compile": "blocks"})
 
 
-def make_fsdp2_titan(ctx: Context, cfg, fp8: str = None, reshard: bool = True) -> Setup:
+def reduce_dtype_name(mp) -> str:
+    """The dtype FSDP2 reduces gradients in under ``mp`` (the parameters' own when the policy names none)."""
+    return str(mp.reduce_dtype).replace("torch.", "") if mp.reduce_dtype is not None else "the parameters' dtype"
+
+
+def make_fsdp2_titan(ctx: Context, cfg, fp8: str = None, reshard: bool = True,
+                     reduce_dtype: torch.dtype = torch.float32) -> Setup:
     """FSDP2 per block and at the root with bf16 mixed precision, blocks compiled one by one, as torchtitan
     applies it. ``reshard=False`` is torchtitan's ``reshard_after_forward_policy="never"``: each block keeps
-    its gathered weights from its forward to its backward (one all-gather per block and step, not two)."""
+    its gathered weights from its forward to its backward (one all-gather per block and step, not two).
+    ``reduce_dtype=torch.bfloat16`` is torchtitan's ``mixed_precision_reduce="bfloat16"``: gradients
+    reduce-scattered in bf16 (half the bytes of the default fp32)."""
     from torch.distributed.fsdp import fully_shard
 
     mesh = ctx.mesh(ctx.world, 1)["dp"]
     model = full_model(cfg, ctx.device)
     if fp8:  # torchtitan's float8 with FSDP2: weights all-gathered in float8
         convert_blocks_to_float8(model, fp8, fsdp_all_gather=True)
-    mp = ctx.mp_policy()
+    mp = ctx.mp_policy(reduce_dtype)
     layers = blocks(model)
     for i, block in enumerate(layers):
         block = ctx.compile_block(block)
@@ -341,7 +353,7 @@ def make_fsdp2_titan(ctx: Context, cfg, fp8: str = None, reshard: bool = True) -
     return Setup(model, opt, loss_fn, dp=ctx.world, dp_rank=mesh.get_local_rank(),
                  notes={"loss": "logits -> F.cross_entropy (fp32)", "compile": "blocks",
                         "float8": f"{fp8}, float8 all-gather" if fp8 else None,
-                        "reshard_after_forward": reshard})
+                        "reshard_after_forward": reshard, "reduce_dtype": reduce_dtype_name(mp)})
 
 
 def make_ddp_titan(ctx: Context, cfg, fp8: str = None) -> Setup:
@@ -381,6 +393,8 @@ BASELINES: Dict[str, Callable[[Context, Any], Setup]] = {
     "fsdp2-titan": make_fsdp2_titan,
     "fsdp2-titan-fp8": lambda ctx, cfg: make_fsdp2_titan(ctx, cfg, fp8="tensorwise"),
     "fsdp2-titan-noreshard": lambda ctx, cfg: make_fsdp2_titan(ctx, cfg, reshard=False),
+    "fsdp2-titan-noreshard-bf16reduce": lambda ctx, cfg: make_fsdp2_titan(ctx, cfg, reshard=False,
+                                                                          reduce_dtype=torch.bfloat16),
     "ddp-titan": make_ddp_titan,
     "ddp-titan-fp8": lambda ctx, cfg: make_ddp_titan(ctx, cfg, fp8="tensorwise"),
 }

@@ -41,7 +41,8 @@ Works (batch x seq; ``--batch`` / ``--seq`` override):
 
 Variants: the baselines are in ``bench/baselines.py`` (``eager``, ``compile``, ``titan-style``,
 ``titan-style-fp8``, ``dtensor-compile``, ``tp-titan``, ``fsdp2-titan``, ``fsdp2-titan-noreshard`` (torchtitan's
-``reshard_after_forward_policy="never"``), ``tp-fsdp-titan``, ``ddp-titan``, ``ddp-titan-fp8``).
+``reshard_after_forward_policy="never"``), ``fsdp2-titan-noreshard-bf16reduce`` (also its
+``mixed_precision_reduce="bfloat16"``), ``tp-fsdp-titan``, ``ddp-titan``, ``ddp-titan-fp8``).
 schedlang's, through its schedule API:
 
 * ``schedlang-layers``: ``create_schedule`` + ``build`` + ``compile_layers`` (1 GPU: the plan is
@@ -69,6 +70,9 @@ schedlang's, through its schedule API:
 * ``schedlang-tp-fsdp``: ``shard_model`` then ``fully_shard`` on a ``dp x tp`` mesh (``--tp2d``);
 * ``schedlang-fsdp-noreshard-optimize``: ``schedlang-fsdp-optimize`` keeping each layer's gathered
   parameters from its forward to its backward (one all-gather per layer and step instead of two);
+  ``-bf16reduce``: with the gradients reduce-scattered in bf16 (half the bytes; the sum of the ranks'
+  bf16 gradients is rounded to bf16 once, as ``schedlang-ddp-optimize-mw-bf16reduce``'s all-reduce
+  does; compare it with ``fsdp2-titan-noreshard-bf16reduce``, the native step with the same reduction);
 * ``schedlang-optimize-mw-graph``: ``schedlang-optimize-mw`` with the whole step (forward, backward and the
   FusedAdamW step) replayed from one CUDA graph (``schedlang.CapturedStep``) after eager warm-up steps: the
   host issues a step in one replay instead of ~1,300 launches, and the GPU has no gaps waiting on it;
@@ -185,7 +189,7 @@ OPTIMIZE_VARIANTS = tuple("schedlang-optimize" + fp8 + mw + cg for fp8 in ("", "
 SCHEDLANG = ("schedlang-layers", *OPTIMIZE_VARIANTS, *(f"schedlang-optimize-ckpt{n}" for n in CHECKPOINT_STRIDES),
              "schedlang-tp",
              "schedlang-tp-optimize", "schedlang-tp-optimize-cg", "schedlang-fsdp", "schedlang-fsdp-noreshard", "schedlang-fsdp-optimize",
-             "schedlang-fsdp-noreshard-optimize", "schedlang-fsdp-fp8", "schedlang-fsdp-fp8-optimize", "schedlang-tp-fsdp",
+             "schedlang-fsdp-noreshard-optimize", "schedlang-fsdp-noreshard-optimize-bf16reduce", "schedlang-fsdp-fp8", "schedlang-fsdp-fp8-optimize", "schedlang-tp-fsdp",
              "schedlang-ddp-optimize-mw", "schedlang-ddp-optimize-mw-bf16reduce", "schedlang-ddp-optimize-fp8-mw")
 PROFILE_STEPS = 3
 OPTIMIZER_SUFFIX = {"torch-fused": "", "schedlang-fused": "+FusedAdamW"}
@@ -427,8 +431,8 @@ def make_schedlang_tp(ctx: B.Context, cfg, dp: int = 1, fsdp: bool = False, opti
                           "compile": "layers"})
 
 
-def make_schedlang_fsdp(ctx: B.Context, cfg, reshard: Optional[bool], optimize: bool, float8: bool = False
-                        ) -> B.Setup:
+def make_schedlang_fsdp(ctx: B.Context, cfg, reshard: Optional[bool], optimize: bool, float8: bool = False,
+                        reduce_dtype: torch.dtype = torch.float32) -> B.Setup:
     import schedlang
 
     mesh = _schedlang_mesh(ctx, ctx.world, 1)
@@ -438,7 +442,7 @@ def make_schedlang_fsdp(ctx: B.Context, cfg, reshard: Optional[bool], optimize: 
             # the tiny models' Linears are below the default size floor, where float8 is not worth it
             sch[path].float8(recipe="tensorwise", fsdp_float8_all_gather=True,
                              **({"min_features": 16} if ctx.args.tiny else {}))
-    mp = ctx.mp_policy()
+    mp = ctx.mp_policy(reduce_dtype)
     for path in B.layer_paths(sch.mod):
         sch[path].fully_shard(reshard_after_forward=reshard, mp_policy=mp)
     sch.fully_shard(mp_policy=mp)
@@ -456,7 +460,8 @@ def make_schedlang_fsdp(ctx: B.Context, cfg, reshard: Optional[bool], optimize: 
 
     return B.Setup(model, opt, loss_fn, dp=ctx.world, dp_rank=mesh.get_local_rank("dp"),
                    notes={"loss": loss, "optimize": info, "compile": "layers",
-                          "float8": "tensorwise, float8 all-gather" if float8 else None})
+                          "float8": "tensorwise, float8 all-gather" if float8 else None,
+                          "reduce_dtype": B.reduce_dtype_name(mp)})
 
 
 def make_schedlang_ddp(ctx: B.Context, cfg, reduce_dtype: str = "float32", float8: Optional[str] = None
@@ -513,7 +518,8 @@ def make_variant(ctx: B.Context, name: str, cfg) -> B.Setup:
         return make_schedlang_tp(ctx, cfg, dp=ctx.world // ctx.args.tp2d, fsdp=True)
     if name.startswith("schedlang-fsdp"):
         return make_schedlang_fsdp(ctx, cfg, reshard=False if "noreshard" in name else None,
-                                   optimize=name.endswith("optimize"), float8="-fp8" in name)
+                                   optimize="-optimize" in name, float8="-fp8" in name,
+                                   reduce_dtype=torch.bfloat16 if name.endswith("-bf16reduce") else torch.float32)
     raise ValueError(f"unknown variant {name!r}: valid are {', '.join(list(B.BASELINES) + list(SCHEDLANG))}")
 
 

@@ -84,7 +84,8 @@ def test_two_rank_works_on_gloo(tmp_path):
     from pathlib import Path
 
     script = Path(__file__).resolve().parents[2] / "bench" / "bench_train.py"
-    variants = "fsdp2-titan,fsdp2-titan-noreshard,tp-titan,schedlang-tp,schedlang-fsdp-optimize,ddp-titan"
+    variants = ("fsdp2-titan,fsdp2-titan-noreshard,tp-titan,schedlang-tp,schedlang-fsdp-optimize,ddp-titan,"
+                "schedlang-fsdp-noreshard-optimize-bf16reduce")
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script), "--tiny",
          "--work", "llama-1.1b-tp2,llama-1.1b-2gpu", "--variants", variants, "--results-dir", str(tmp_path),
@@ -94,7 +95,7 @@ def test_two_rank_works_on_gloo(tmp_path):
     (path,) = tmp_path.glob("*-train-tiny.json")
     data = json.loads(path.read_text())
     rows = data["rows"]
-    assert data["ranks"] == 2 and len(rows) == 12
+    assert data["ranks"] == 2 and len(rows) == 14
     for r in rows:
         assert r["check"] == "ok", r
     layouts = {(r["work"], r["variant"]): r["layout"] for r in rows}
@@ -295,3 +296,21 @@ def test_a_captured_step_is_captured_within_the_warm_up(bench):
     Ctx.args.warmup = 3  # enough warm-up; without a GPU it says what it needs instead
     with pytest.raises(train.B.NotAvailable, match="needs a GPU"):
         train._capture_whole_step(Ctx(), setup)
+
+
+def test_bf16reduce_variants_reduce_in_bf16_and_the_others_in_fp32(bench):
+    """The ``-bf16reduce`` FSDP rows, native and schedlang's, differ from their fp32 twins only in the reduce dtype."""
+    import types
+
+    import torch
+
+    B = bench("baselines")
+    train = bench("bench_train")
+    ctx = B.Context(types.SimpleNamespace(optimizer="torch-fused"), torch.device("cpu"), 2)
+    ctx.bf16 = True  # as on a GPU: bf16 compute
+    default, bf16 = ctx.mp_policy(), ctx.mp_policy(torch.bfloat16)
+    assert (default.param_dtype, default.reduce_dtype) == (torch.bfloat16, torch.float32)
+    assert (bf16.param_dtype, bf16.reduce_dtype) == (torch.bfloat16, torch.bfloat16)
+    assert B.reduce_dtype_name(bf16) == "bfloat16" and B.reduce_dtype_name(default) == "float32"
+    assert "fsdp2-titan-noreshard-bf16reduce" in B.BASELINES
+    assert "schedlang-fsdp-noreshard-optimize-bf16reduce" in train.SCHEDLANG
