@@ -242,6 +242,77 @@ def test_specialized_arguments_are_guarded():
         gm(x, mode="other")
 
 
+class _FunctionalDropout(nn.Module):
+    """Dropout written as transformers writes it: the mode is read in forward, not held by a leaf module."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(13, 7)
+
+    def forward(self, x):
+        return F.dropout(self.proj(x), p=0.5, training=self.training)
+
+
+class _BlockWithFunctionalDropout(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = _FunctionalDropout()
+        self.head = nn.Linear(7, 7)
+
+    def forward(self, x):
+        return self.head(self.inner(x))
+
+
+@pytest.mark.parametrize("flatten", [False, True])
+@pytest.mark.parametrize("traced_training", [True, False])
+def test_a_graph_that_depends_on_the_training_mode_runs_only_in_the_traced_mode(traced_training, flatten):
+    model = _BlockWithFunctionalDropout().train(traced_training)
+    traced = trace_module(model, flatten=flatten)
+    x = torch.randn(5, 13)
+    torch.manual_seed(1)
+    expected = model(x)
+    torch.manual_seed(1)
+    torch.testing.assert_close(traced(x), expected, rtol=1.3e-6, atol=1e-5)
+    # before the guard, the dropout's frozen training flag gave silently wrong results in the other mode
+    traced.train(not traced_training)
+    where = "<root>" if flatten else "inner"
+    with pytest.raises(TraceError, match=rf"{where}: this graph was traced in {'training' if traced_training else 'eval'} "
+                                        rf"mode .* cannot run in {'eval' if traced_training else 'training'} mode"):
+        traced(x)
+    traced.train(traced_training)
+    assert copy.deepcopy(traced)(x).shape == (5, 7)  # a copy keeps the guard and still runs in the traced mode
+    copied = copy.deepcopy(traced).train(not traced_training)
+    with pytest.raises(TraceError, match="cannot run in"):
+        copied(x)
+
+
+def test_a_graph_that_reads_no_training_mode_runs_in_both_modes():
+    model = Stack().train()
+    traced = trace_module(model)
+    x = torch.randn(7, 13, 12)
+    traced.eval()
+    model.eval()
+    torch.testing.assert_close(traced(x), model(x), rtol=1.3e-6, atol=1e-5)
+    assert not any(m._forward_pre_hooks for m in traced.modules())
+
+
+def test_dropout_with_zero_probability_does_not_tie_the_graph_to_a_mode():
+    class ZeroDropout(nn.Module):  # LLaMA's attention: p=0.0, training=self.training
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(13, 7)
+
+        def forward(self, x):
+            return F.dropout(self.proj(x), p=0.0, training=self.training)
+
+    model = ZeroDropout().train()
+    traced = trace_module(model)
+    x = torch.randn(5, 13)
+    traced.eval()
+    torch.testing.assert_close(traced(x), model.eval()(x), rtol=1.3e-6, atol=1e-5)
+    assert not traced._forward_pre_hooks
+
+
 def test_placeholder_makes_an_optional_argument_an_input():
     model = _Optional()
     gm = trace_module(model, concrete_args={"scale": PH})

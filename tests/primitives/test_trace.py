@@ -178,3 +178,35 @@ def test_replaced_modules_are_traced_as_they_are_now():
     expected = model.head(model.layers[1](x + model.layers[0].drop(
         model.layers[0].mlp.fc2(torch.nn.functional.silu(model.layers[0].mlp.fc1(model.layers[0].norm(x)))))))
     torch.testing.assert_close(sch.mod(x), expected)
+
+
+def test_a_traced_graph_with_functional_dropout_refuses_the_mode_it_was_not_traced_in():
+    import torch.nn.functional as F
+
+    from schedlang.errors import TraceError
+
+    class Attention(nn.Module):  # dropout on the weights as transformers' eager attention writes it
+        def __init__(self):
+            super().__init__()
+            self.qk = nn.Linear(13, 13)
+
+        def forward(self, x):
+            weights = F.dropout(torch.softmax(self.qk(x) @ x.transpose(-1, -2), dim=-1), 0.3, self.training)
+            return weights @ x
+
+    model = Attention()  # modules start in training mode
+    sch = schedlang.create_schedule(model)
+    sch.trace()
+    x = torch.randn(2, 7, 13)
+    torch.manual_seed(0)
+    expected = model(x)
+    torch.manual_seed(0)
+    torch.testing.assert_close(sch.mod(x), expected, rtol=1.3e-6, atol=1e-5)
+    # eval after a training-mode trace used to keep dropping attention weights, silently
+    with pytest.raises(TraceError, match=r"^<root>: this graph was traced in training mode .* cannot run in eval "
+                                         r"mode; call \.train\(\) on the model first, or trace this module in eval"):
+        sch.mod.eval()(x)
+    model.eval()
+    replayed = schedlang.replay(sch.plan.to_json(), Attention().eval())  # traced in eval mode: runs in it
+    replayed.mod.load_state_dict(model.state_dict())
+    torch.testing.assert_close(replayed.mod(x), model(x), rtol=1.3e-6, atol=1e-5)

@@ -42,7 +42,8 @@ those the graph does not use), ``_schedlang_*`` attributes such as each module's
 (:mod:`schedlang.module_record`: shards, syncs, checkpointing), sync-op children and the
 forward hooks of every module that is replaced by a ``TracedModule``, container types (``ModuleList``), non-persistent buffers, and the plain attributes of the
 original module (``config``, ...). ``self.training`` and the Python values of the
-arguments are frozen at trace time (e.g. functional dropout's ``training`` flag).
+arguments are frozen at trace time (e.g. functional dropout's ``training`` flag); a graph
+that would differ in the other mode refuses to run in it (:mod:`.training_mode`).
 
 Example::
 
@@ -55,6 +56,7 @@ The pieces, one concern each:
 * :mod:`.examples` - example-value propagation on fake tensors;
 * :mod:`.call_spec` - which arguments of a ``forward`` are inputs and which are specialized;
 * :mod:`.specialization` - the guard generated code runs on specialized arguments;
+* :mod:`.training_mode` - the guard on the training mode a graph was traced in;
 * :mod:`.leaf_policy` - what stays one node (leaf functions, sync ops, ``Conv1D``);
 * :mod:`.hf_bridge` - transformers' mask builders, attention kernels and token inputs;
 * :mod:`.patches` - the global patches active while tracing;
@@ -81,6 +83,7 @@ from .hf_bridge import EXAMPLE_BATCH, EXAMPLE_SEQUENCE, capture_call, is_hf_mode
 from .leaf_policy import register_leaf_function
 from .patches import _tracing_patches
 from .specialization import check_specialized_arguments
+from .training_mode import TrainingModeGuard, guard_training_mode
 
 # _rebuild_traced_module is imported here because pickles of traced modules name it by this path
 from .traced_module import ModuleAttributes, TracedModule, _rebuild_traced_module, build_traced_module  # noqa: F401
@@ -98,6 +101,7 @@ __all__ = [
     "forward_parameters",
     "is_hf_model",
     "build_traced_module",
+    "TrainingModeGuard",
 ]
 
 
@@ -129,7 +133,6 @@ def trace_module(module: nn.Module, *, path: str = "", recursive: bool = True, f
     if "forward" in module.__dict__ and not module_record(module).checkpointed:
         raise TraceError(f"{where}: {type(module).__name__} has a forward set on the instance, which FX cannot "
                          "trace; trace its parent with this module as a leaf instead")
-    tracer = SchedlangTracer(options, path=path)
 
     def make_example(t):
         if _is_fake(t):
@@ -140,18 +143,23 @@ def trace_module(module: nn.Module, *, path: str = "", recursive: bool = True, f
                 return torch.empty(t.shape, dtype=t.dtype, device="cpu" if device.type == "meta" else device)
         return fake_mode.from_tensor(t)
 
-    try:
-        with _tracing_patches(module):
-            if call is not None:
-                spec = CallSpec.from_call(module, call[0], call[1], lambda v: tracer._map_examples_safe(v))
-            else:
-                spec = CallSpec.from_signature(module, concrete_args, make_example)
-            gm, _ = tracer.trace_to_module(module, spec)
-    except TraceError:
-        raise
-    except SchedlangError:
-        raise
-    except Exception as e:
-        raise TraceError(f"{where}: cannot trace {type(module).__name__}: {_describe(e)}; keep the failing "
-                         "submodule whole with leaf_modules=[...], or pass concrete_args") from e
+    def trace_once() -> TracedModule:
+        tracer = SchedlangTracer(options, path=path)
+        try:
+            with _tracing_patches(module):
+                if call is not None:
+                    spec = CallSpec.from_call(module, call[0], call[1], lambda v: tracer._map_examples_safe(v))
+                else:
+                    spec = CallSpec.from_signature(module, concrete_args, make_example)
+                gm, _ = tracer.trace_to_module(module, spec)
+        except SchedlangError:
+            raise
+        except Exception as e:
+            raise TraceError(f"{where}: cannot trace {type(module).__name__}: {_describe(e)}; keep the failing "
+                             "submodule whole with leaf_modules=[...], or pass concrete_args") from e
+        return gm
+
+    gm = trace_once()
+    # the graph is fixed to the mode it was traced in: refuse the other mode where that changes the graph
+    guard_training_mode(module, gm, trace_once, where)
     return gm
