@@ -56,7 +56,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
-from .checkpoint.ranks import _agree, _all_gather, _names, _rank
+from .checkpoint.ranks import _agree, _all_gather, _capped, _names, _rank
 from .errors import CheckpointError
 
 __all__ = ["load_pretrained", "PretrainedWeights", "SAFETENSORS_INDEX", "local_regions", "read_index"]
@@ -360,11 +360,13 @@ class _Plan:
         elif unexpected:
             logger.warning("pretrained: %d tensor(s) of %s are not in the model and are not read: %s",
                            len(unexpected), where, _names(unexpected))
+        shapes = []
         for t in targets:
             name = self.source.get(t.name)
             if name is not None and tuple(entries[name].shape) != tuple(t.full_shape):
-                problems.append(f"shape mismatch for {t.name!r}: the checkpoint has {_shape(entries[name].shape)} "
-                                f"(tensor {name!r} in {entries[name].file}), the model {_shape(t.full_shape)}")
+                shapes.append(f"shape mismatch for {t.name!r}: the checkpoint has {_shape(entries[name].shape)} "
+                              f"(tensor {name!r} in {entries[name].file}), the model {_shape(t.full_shape)}")
+        problems += _capped(shapes, "shape mismatches")
         self.problem = None
         if problems:
             self.problem = f"pretrained: {where} does not fit {what}; nothing loaded:\n  " + "\n  ".join(problems)

@@ -574,6 +574,20 @@ def test_shape_mismatch_names_tensor_and_shapes_and_loads_nothing(tmp_path):
     assert not opt.state
 
 
+def test_a_checkpoint_of_another_size_names_a_few_mismatches_and_counts_the_rest(tmp_path):
+    """Every tensor of a wider model mismatches: the error shows the first few and how many more, not them all."""
+    torch.manual_seed(0)
+    wide = nn.Sequential(*[nn.Linear(8, 8) for _ in range(12)])
+    schedlang.save_checkpoint(tmp_path / "c", wide)
+    narrow = nn.Sequential(*[nn.Linear(4, 4) for _ in range(12)])
+    with pytest.raises(schedlang.CheckpointError) as e:
+        schedlang.load_checkpoint(tmp_path / "c", narrow)
+    lines = str(e.value).splitlines()
+    assert lines[1] == "  shape mismatch for model '0.weight': checkpoint (8, 8), model (4, 4)"
+    assert lines[-1] == "  ... and 16 more model shape mismatches"  # 24 tensors, 8 named
+    assert len(lines) == 10
+
+
 def test_checkpoint_without_optimizer_state(tmp_path):
     model = MLP()
     schedlang.save_checkpoint(tmp_path / "c", model)

@@ -10,6 +10,7 @@ run exports the tensor-parallel LLaMA and loads it back under FSDP2.
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -478,6 +479,17 @@ def test_a_shape_mismatch_names_the_tensor_both_shapes_and_the_file(tmp_path):
     assert "shape mismatch for 'transformer.h.0.mlp.c_fc.weight': the checkpoint has (32, 72)" in message
     assert "the model (32, 40)" in message and str(tmp_path / "model.safetensors") in message
     assert all(torch.equal(v, before[k]) for k, v in _state(model).items())  # nothing loaded half-way
+
+
+def test_a_checkpoint_of_another_width_names_a_few_mismatches_and_counts_the_rest(tmp_path):
+    _save("gpt2", tmp_path)
+    from transformers import GPT2LMHeadModel
+
+    with pytest.raises(schedlang.CheckpointError) as info:
+        schedlang.load_pretrained(GPT2LMHeadModel(_gpt2_config(n_embd=16, n_inner=40)), tmp_path)
+    lines = str(info.value).splitlines()
+    assert sum(line.startswith("  shape mismatch for ") for line in lines) == 8
+    assert re.fullmatch(r"  \.\.\. and \d+ more shape mismatches", lines[-1])
 
 
 def test_bad_sources_are_clear_errors(tmp_path):

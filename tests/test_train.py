@@ -125,6 +125,22 @@ def test_exports_of_different_layouts_give_the_same_logits(reference, work):
     assert not torch.equal(logits[0], LlamaForCausalLM(model.config).eval()(input_ids=ids).logits)
 
 
+def test_a_pipeline_run_exports_a_model_transformers_loads(reference, work):
+    """--export-hf under --pp: the stages hold no HF config of their own; the export still writes the whole model."""
+    from transformers import AutoModelForCausalLM
+
+    _assert_same_losses(_run(work, "export-pp2", "--nproc", "2", "--pp", "2", "--pp-schedule", "GPipe",
+                             "--microbatches", "2", "--export-hf", str(work / "hf-pp2")), reference)
+    if not (work / "hf-single").exists():
+        _run(work, "export-single", "--export-hf", str(work / "hf-single"))
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        logits = [AutoModelForCausalLM.from_pretrained(str(work / name)).eval()(input_ids=ids).logits
+                  for name in ("hf-single", "hf-pp2")]
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
+    assert json.loads((work / "hf-pp2" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+
+
 def test_token_files_npy_and_bin(work):
     tokens = np.random.default_rng(0).integers(0, 256, size=5000).astype(np.uint16)
     np.save(work / "tokens.npy", tokens.astype(np.int32))
@@ -193,6 +209,8 @@ def test_init_from_must_be_a_checkpoint(tmp_path, capsys):
     (["--resume", "--checkpoint-dir", "empty-ckpt"], "--resume: no complete checkpoint in empty-ckpt"),
     (["--sp"], "--sp (sequence parallelism) splits the sequence over the tp ranks: it needs --tp >= 2"),
     (["--stop-after", "9"], "--stop-after must be a step of the run, 1..4"),
+    (["--stop-after", "2"], "--stop-after 2 stops the run to continue it later with --resume, which needs "
+                            "--checkpoint-dir"),
     (["--optimizer", "lamb"], "--optimizer: unknown optimizer 'lamb'"),
     (["--pp-schedule", "Zigzag"], "--pp-schedule: unknown schedule 'Zigzag'"),
     (["--timeout", "-1"], "--timeout must be a positive number of seconds, got -1.0"),
@@ -271,6 +289,53 @@ def test_kv_heads_must_divide_tp(tmp_path, capsys):
         in capsys.readouterr().err
     assert trainer.main(COMMON + ["--config", str(tmp_path / "config.json"), "--model", "gpt2"]) == 2
     assert "describes a 'llama' model but --model is 'gpt2'" in capsys.readouterr().err
+
+
+def test_resume_refuses_a_checkpoint_of_another_model_and_a_new_run_refuses_a_used_directory(tmp_path, capsys):
+    ckpt = tmp_path / "ckpt"
+    assert trainer.main(COMMON + ["--checkpoint-dir", str(ckpt), "--stop-after", "1"]) == 0
+    capsys.readouterr()
+    narrow = tmp_path / "narrow.json"
+    narrow.write_text(json.dumps({"model_type": "llama", "hidden_size": 32, "num_hidden_layers": 2,
+                                  "num_attention_heads": 4, "intermediate_size": 64, "vocab_size": 256,
+                                  "max_position_embeddings": 128}))
+    flags = COMMON + ["--checkpoint-dir", str(ckpt), "--resume", "--config", str(narrow)]
+    assert trainer.main(flags) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "holds a llama layers 4, hidden 64" in err and "builds a llama layers 2, hidden 32" in err
+    assert f"--config {narrow}" in err and "saved with --model llama --config tiny" in err
+    # without --resume, a run would put its checkpoints beside these and a later --resume take the newest of either
+    assert trainer.main(COMMON + ["--checkpoint-dir", str(ckpt)]) == 2
+    assert "already holds checkpoints of a run (the latest is step-00000001); pass --resume" in capsys.readouterr().err
+
+
+def test_a_damaged_trainer_state_is_named(tmp_path, capsys):
+    ckpt = tmp_path / "ckpt"
+    assert trainer.main(COMMON + ["--checkpoint-dir", str(ckpt), "--stop-after", "1"]) == 0
+    state = ckpt / "step-00000001" / "trainer.json"
+    state.write_text('{"step": 1, "se')  # cut short
+    capsys.readouterr()
+    assert trainer.main(COMMON + ["--checkpoint-dir", str(ckpt), "--resume"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"schedlang train: error: --resume: {state} cannot be read (JSONDecodeError")
+    assert "move it out of --checkpoint-dir" in err and len(err.splitlines()) == 1
+
+
+def test_a_failure_message_that_names_ranks_reads_whole():
+    """A checkpoint read that fails on each rank says so per rank inside one message: the summary keeps it whole."""
+    from schedlang.errors import DistributedError
+    from schedlang.train.command import _failure_summary
+
+    message = ("load_checkpoint: cannot read 'ckpt/step-00000006': rank 0: RuntimeError: bad zip; rank 1: "
+               "RuntimeError: bad zip; check that every file of the checkpoint was written and copied whole")
+    tb = ("Traceback (most recent call last):\n  File \"x.py\", line 1, in <module>\n"
+          f"schedlang.errors.CheckpointError: {message}\n")
+    error = DistributedError("run_distributed: distributed run of _rank_main on 2 ranks (gloo) failed:\n"
+                             "rank 0 failed first (CheckpointError)\n"
+                             f"rank 0 failed:\n{tb}rank 1 failed:\n{tb}"
+                             "rank(s) [2] did not finish within 60 s (stopped 5 s after rank 0 failed)")
+    assert _failure_summary(error) == message
 
 
 def test_a_failing_rank_fails_the_run_without_hanging(tmp_path, capsys):

@@ -15,7 +15,7 @@ from torch import nn
 
 from ..distributed.dtensor_params import rank_major_specs
 from ..distributed.float8_fsdp import clear_precomputed_scales
-from .ranks import _agree, _all_gather, _dist, _names, _rank, _world
+from .ranks import _agree, _all_gather, _capped, _dist, _names, _rank, _world
 from .state import (_STATE, _dcp_ready, _is_dtensor, _model_state, _OptimView, _optimizer_is_empty, _options,
                     _reset_optimizer, _restore_strided, _stages, _zero_step)
 
@@ -263,7 +263,7 @@ def _tensor_meta(md, key):
 
 def _check_tensors(kind: str, state: Dict[str, Any], md, prefix: str, path: str) -> List[str]:
     """Problems of ``state`` against the checkpoint: missing entries, other shapes."""
-    problems, missing = [], []
+    problems, missing, shapes = [], [], []
     for key, value in state.items():
         if not isinstance(value, torch.Tensor):
             continue
@@ -275,8 +275,9 @@ def _check_tensors(kind: str, state: Dict[str, Any], md, prefix: str, path: str)
         if meta is None:
             problems.append(f"{kind} {key!r} is a tensor in the model but not in the checkpoint")
         elif tuple(meta.size) != tuple(value.shape):
-            problems.append(f"shape mismatch for {kind} {key!r}: checkpoint {tuple(meta.size)}, "
-                            f"model {tuple(value.shape)}")
+            shapes.append(f"shape mismatch for {kind} {key!r}: checkpoint {tuple(meta.size)}, "
+                          f"model {tuple(value.shape)}")
+    problems += _capped(shapes, f"{kind} shape mismatches")
     if missing:
         problems.insert(0, f"{len(missing)} {kind} tensor(s) of the model are missing from the checkpoint: "
                            f"{_names(missing)}")

@@ -55,3 +55,11 @@ def _names(keys) -> str:
     keys = sorted(keys)
     shown = ", ".join(repr(k) for k in keys[:_NAMES_SHOWN])
     return shown + (f" ... and {len(keys) - _NAMES_SHOWN} more" if len(keys) > _NAMES_SHOWN else "")
+
+
+def _capped(lines: list, what: str) -> list:
+    """The first of ``lines`` (one problem each), then how many more: a model that does not fit at all (another
+    config) has a problem per tensor, and an error naming them all would run to hundreds of lines."""
+    if len(lines) <= _NAMES_SHOWN:
+        return list(lines)
+    return list(lines[:_NAMES_SHOWN]) + [f"... and {len(lines) - _NAMES_SHOWN} more {what}"]

@@ -4,6 +4,7 @@ ranks or this rank of a ``torchrun`` launch; failures read as one line per faile
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import logging
 import os
@@ -15,7 +16,7 @@ from typing import Any, Dict, Optional, Sequence
 import torch
 
 from ..errors import DistributedError, SchedlangError
-from .checkpoints import _CKPT_PREFIX, latest_checkpoint
+from .checkpoints import _CKPT_PREFIX, latest_checkpoint, read_trainer_state
 from .configs import model_config, model_dims, validate_model
 from .data import TokenBatches
 from .flags import _device_type, _fail, _world_from_env, build_parser, validate
@@ -62,10 +63,11 @@ def _failure_summary(error: DistributedError) -> str:
     """One line per failed rank (its exception), from the launcher's tracebacks."""
     text = str(error)
     lines = []
-    for block in text.split("rank ")[1:]:
-        head, _, body = block.partition(" failed:\n")
-        if not body:
-            continue
+    # the launcher starts each failed rank's traceback on a line of its own, "rank N failed:"; an error message
+    # may itself say "rank 0: ..." (a checkpoint problem found on several ranks), so only those lines split it
+    parts = re.split(r"(?m)^rank (\d+) failed:\n", text)
+    for head, body in zip(parts[1::2], parts[2::2]):
+        body = re.split(r"(?m)^rank\(s\) \[", body)[0]  # the launcher's line on ranks that did not finish
         body_lines = [l for l in body.rstrip().splitlines() if l.strip()]
         # the exception starts at the last unindented "SomeError: ..." line; its message may span lines
         starts = [i for i, l in enumerate(body_lines) if re.match(r"[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b", l)]
@@ -81,6 +83,20 @@ def _failure_summary(error: DistributedError) -> str:
     # the same error on every rank reads once
     messages = {l.split(": ", 1)[1] for l in lines}
     return lines[0].split(": ", 1)[1] if len(messages) == 1 else "; ".join(lines)
+
+
+def _check_saved_model(ns: argparse.Namespace, saved, dims) -> None:
+    """The checkpoint to resume holds the model this run builds (else its tensors would not fit)."""
+    state = read_trainer_state(saved)
+    was = state.get("dims")
+    if state.get("model") not in (None, ns.model) or (isinstance(was, dict) and was != dataclasses.asdict(dims)):
+        def describe(model, d):
+            return f"{model} " + ", ".join(f"{k} {v}" for k, v in d.items()) if isinstance(d, dict) else str(model)
+
+        _fail(f"--resume: {saved} holds a {describe(state.get('model'), was)} model (saved with --model "
+              f"{state.get('model')} --config {state.get('config')}), but this run builds a "
+              f"{describe(ns.model, dataclasses.asdict(dims))} model (--model {ns.model} --config {ns.config}); "
+              "resume with the --model and --config the checkpoint was saved with")
 
 
 def main(argv: Optional[Sequence[str]] = None, prog: Optional[str] = None) -> int:
@@ -112,6 +128,12 @@ def main(argv: Optional[Sequence[str]] = None, prog: Optional[str] = None) -> in
             if at >= (ns.stop_after or ns.steps):
                 _fail(f"--resume: the latest checkpoint ({saved}) is at step {at}; nothing is left to run up to step "
                       f"{ns.stop_after or ns.steps} (raise --steps)")
+            _check_saved_model(ns, saved, model_dims(ns.model, cfg))
+        elif ns.checkpoint_dir and latest_checkpoint(ns.checkpoint_dir) is not None:
+            # a fresh run would save among another run's checkpoints, and a later --resume take the newest of either
+            _fail(f"--checkpoint-dir {ns.checkpoint_dir} already holds checkpoints of a run (the latest is "
+                  f"{latest_checkpoint(ns.checkpoint_dir).name}); pass --resume to continue it, or give another "
+                  "--checkpoint-dir to start a new run")
     except SchedlangError as e:
         if os.environ.get("RANK", "0") == "0":  # under torchrun every rank finds it: say it once
             print(f"schedlang train: error: {e}", file=sys.stderr)

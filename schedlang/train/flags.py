@@ -87,7 +87,7 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
                      help="seconds a collective may wait before the run fails")
     t = p.add_argument_group("training")
     t.add_argument("--steps", type=int, default=10, help="steps of the run (the learning-rate schedule spans them)")
-    t.add_argument("--stop-after", type=int, default=None, help="stop after this step (resume later with --resume)")
+    t.add_argument("--stop-after", type=int, default=None, help="stop after this step, saved in --checkpoint-dir (continue later with --resume)")
     t.add_argument("--global-batch", type=int, default=8, help="sequences per step over all dp ranks")
     t.add_argument("--seq", type=int, default=64, help="tokens per sequence")
     t.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
@@ -104,7 +104,8 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     t.add_argument("--data", default="synthetic", help="'synthetic', or a .npy / raw .bin file of token ids "
                    "(.bin: uint16 if the vocabulary is < 65536, else uint32)")
     io = p.add_argument_group("checkpoints and output")
-    io.add_argument("--checkpoint-dir", default=None, help="directory of distributed checkpoints (step-NNNNNNNN/)")
+    io.add_argument("--checkpoint-dir", default=None, help="directory of distributed checkpoints (step-NNNNNNNN/); a new run needs one "
+                    "that holds none (--resume continues the run whose checkpoints it holds)")
     io.add_argument("--save-every", type=int, default=0, help="save a checkpoint every K steps (0: only at the end)")
     io.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
     io.add_argument("--export-hf", default=None, metavar="DIR", help="write the trained model as a HF model here")
@@ -215,6 +216,10 @@ def validate(ns: argparse.Namespace, world: int) -> None:
         _fail("--resume needs --checkpoint-dir (the directory the checkpoints were saved to)")
     if ns.save_every and not ns.checkpoint_dir:
         _fail("--save-every needs --checkpoint-dir")
+    if ns.stop_after is not None and ns.stop_after < ns.steps and not ns.checkpoint_dir:
+        # the run would end with nothing saved, and could not be continued
+        _fail(f"--stop-after {ns.stop_after} stops the run to continue it later with --resume, which needs "
+              "--checkpoint-dir (the checkpoint of the last step is saved there)")
     if ns.device == "cuda" and not torch.cuda.is_available():
         _fail("--device cuda but no CUDA device is available; use --device cpu")
     if os.environ.get("RANK", "0") == "0":  # rank 0 writes both, on its own host's file system

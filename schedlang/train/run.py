@@ -3,7 +3,7 @@ parallelism), the optimizer, one training step with its loss and gradient clippi
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import logging
 import math
 from pathlib import Path
@@ -11,7 +11,8 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from .checkpoints import _CKPT_PREFIX, _TRAINER_STATE, _checkpoint_path, latest_checkpoint
+from .checkpoints import (_CKPT_PREFIX, _TRAINER_STATE, _checkpoint_path, latest_checkpoint, read_trainer_state,
+                          write_trainer_state)
 from .configs import (_flops_params, _layers_path, _model_class, _stage_cuts, _tied_names, model_config, model_dims,
                       validate_model)
 from .data import _mix, lr_at
@@ -267,11 +268,15 @@ class _Run:
         ns = self.ns
         path = _checkpoint_path(ns.checkpoint_dir, step)
         extra = {"seed": ns.seed, "data": ns.data, "global_batch": ns.global_batch, "seq": ns.seq,
-                 "steps": ns.steps, "model": ns.model, "config": ns.config, "layout": self.layout()}
+                 "steps": ns.steps, "model": ns.model, "config": ns.config, "dims": dataclasses.asdict(self.dims),
+                 "layout": self.layout()}
+        if self.rank == 0:
+            # saving over an older checkpoint of this step: it is incomplete from now until this one is written
+            (path / _TRAINER_STATE).unlink(missing_ok=True)
         schedlang.save_checkpoint(str(path), self.model, self.optimizer, step=step, extra=extra)
         self._barrier()
         if self.rank == 0:  # written last: its presence marks the checkpoint complete
-            (path / _TRAINER_STATE).write_text(json.dumps({"step": step, **extra}, indent=1) + "\n")
+            write_trainer_state(path, {"step": step, **extra})
         self._barrier()
         logger.info("saved checkpoint %s", path)
         return path
@@ -284,9 +289,9 @@ class _Run:
         if path is None:
             _fail(f"--resume: no complete checkpoint in {ns.checkpoint_dir} (expected {_CKPT_PREFIX}NNNNNNNN/ "
                   f"directories holding {_TRAINER_STATE})")
-        state = json.loads((path / _TRAINER_STATE).read_text())
+        state = read_trainer_state(path)
         for key in ("seed", "data", "global_batch", "seq", "model"):
-            if state.get(key) != getattr(ns, key):
+            if state.get(key) != getattr(ns, key) and self.rank == 0:
                 logger.warning("resuming a run saved with --%s %s under --%s %s: the continuation is not the same run",
                                key.replace("_", "-"), state.get(key), key.replace("_", "-"), getattr(ns, key))
         info = schedlang.load_checkpoint(str(path), self.model, self.optimizer)
@@ -295,9 +300,17 @@ class _Run:
         return step
 
     def export(self, directory: str) -> None:
+        import copy
+
         import schedlang
 
-        schedlang.export_hf(self.model, directory)
+        # the run's own config: a pipelined model has none to read (its stages are parts of the model), and the
+        # exported model is used for inference, where the cache that training turned off belongs
+        config = copy.deepcopy(self.cfg)
+        config.use_cache = True
+        if not getattr(config, "architectures", None):
+            config.architectures = [_model_class(self.ns.model).__name__]
+        schedlang.export_hf(self.model, directory, config=config)
         self._barrier()
 
     def _barrier(self) -> None:
