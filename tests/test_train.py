@@ -73,6 +73,7 @@ def test_single_process_metrics(reference):
 
 @pytest.mark.parametrize("layout", [
     pytest.param(["--nproc", "2", "--dp", "2"], id="dp2"),
+    pytest.param(["--nproc", "2", "--dp", "2", "--no-reshard"], id="dp2-noreshard"),
     pytest.param(["--nproc", "2", "--tp", "2"], id="tp2"),
     pytest.param(["--nproc", "2", "--pp", "2"], id="pp2"),
     pytest.param(["--nproc", "4", "--dp", "2", "--tp", "2"], id="dp2-tp2"),
@@ -208,6 +209,10 @@ def test_init_from_must_be_a_checkpoint(tmp_path, capsys):
     (["--resume"], "--resume needs --checkpoint-dir"),
     (["--resume", "--checkpoint-dir", "empty-ckpt"], "--resume: no complete checkpoint in empty-ckpt"),
     (["--sp"], "--sp (sequence parallelism) splits the sequence over the tp ranks: it needs --tp >= 2"),
+    (["--reduce-dtype", "bf16", "--nproc", "2", "--dp", "2"], "--reduce-dtype bf16 sums bf16 gradients over the dp "
+     "ranks: it needs --dtype bf16 and --dp >= 2, got --dtype fp32 --dp 2"),
+    (["--no-reshard", "--nproc", "2", "--dp", "2", "--dp-mode", "ddp"], "--no-reshard keeps FSDP2's gathered "
+     "weights: it needs --dp-mode fsdp and --dp >= 2, got --dp-mode ddp --dp 2"),
     (["--stop-after", "9"], "--stop-after must be a step of the run, 1..4"),
     (["--stop-after", "2"], "--stop-after 2 stops the run to continue it later with --resume, which needs "
                             "--checkpoint-dir"),
@@ -447,3 +452,33 @@ def test_progress_shows_mfu_only_on_a_gpu(tmp_path, capsys):
     assert len(lines) == 3 and all("tok/s" in line and "mfu" not in line for line in lines), lines
     assert _mfu_text(0.4125, torch.device("cuda"), ", ") == ", mfu 41.25%"
     assert _mfu_text(0.4125, torch.device("cpu"), ", ") == ""
+
+
+def _data_parallel_policies(rank, world):
+    """On each rank: the FSDP2 settings the trainer gives its layers for --no-reshard --reduce-dtype bf16."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from schedlang.train.flags import build_parser, validate
+    from schedlang.train.run import _Run
+
+    ns = build_parser("schedlang train").parse_args(
+        COMMON + ["--dp", "2", "--dtype", "bf16", "--reduce-dtype", "bf16", "--no-reshard", "--device", "cpu"])
+    validate(ns, world)
+    run = _Run(ns, rank, world, torch.device("cpu"))
+    run.make_mesh()
+    run.build()
+    layers = [m for name, m in run.model.named_modules() if isinstance(m, FSDPModule) and name.count(".") == 2]
+    states = [m._get_fsdp_state() for m in layers]
+    return (len(layers) == run.dims.layers, {(s._mp_policy.param_dtype, s._mp_policy.reduce_dtype) for s in states},
+            {s._fsdp_param_group.post_forward_mesh_info is None for s in states}, run.layout())
+
+
+def test_no_reshard_and_bf16_reduction_reach_fsdp2():
+    """--no-reshard keeps each layer's gathered weights to its backward; --reduce-dtype bf16 sums in bf16."""
+    from tests.helpers.distributed import run_distributed
+
+    for every_layer, policies, kept, layout in run_distributed(_data_parallel_policies, world_size=2, timeout=300):
+        assert every_layer  # every decoder layer is an FSDP2 unit of its own
+        assert policies == {(torch.bfloat16, torch.bfloat16)}
+        assert kept == {True}  # no post-forward resharding
+        assert layout == "pp=1 dp=2 tp=1 (fsdp no-reshard bf16-reduce)"

@@ -75,6 +75,12 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     lay.add_argument("--sp", action="store_true", help="sequence parallelism on the tp ranks")
     lay.add_argument("--dp-mode", default="fsdp", choices=["fsdp", "ddp"], help="FSDP2 (fully_shard) or DDP "
                      "(replicate) on the dp ranks")
+    lay.add_argument("--reduce-dtype", default="fp32", choices=["fp32", "bf16"],
+                     help="with --dtype bf16 and --dp >= 2: the dtype the gradients are summed in over the dp ranks "
+                          "(bf16: half the bytes of fp32; the sum is rounded to bf16 once)")
+    lay.add_argument("--no-reshard", action="store_true",
+                     help="with --dp-mode fsdp: each layer keeps its gathered weights from its forward to its backward "
+                          "(one all-gather per layer and step instead of two, for the memory of the whole model)")
     lay.add_argument("--pp-schedule", default="1F1B", help=f"pipeline schedule: {', '.join(PP_SCHEDULES)}")
     lay.add_argument("--stages-per-rank", type=int, default=None,
                      help="pipeline stages each pp rank holds (default 2 for Interleaved1F1B / ZeroBubble, else 1)")
@@ -192,6 +198,12 @@ def validate(ns: argparse.Namespace, world: int) -> None:
     if ns.optimize and ns.pp > 1:
         _fail(f"--optimize rewrites the whole model's norms, head and loss, which pipeline stages split: it works on "
               f"pp=1 layouts, got --pp {ns.pp}; drop --optimize or --pp")
+    if ns.reduce_dtype == "bf16" and (ns.dtype != "bf16" or ns.dp < 2):
+        _fail(f"--reduce-dtype bf16 sums bf16 gradients over the dp ranks: it needs --dtype bf16 and --dp >= 2, got "
+              f"--dtype {ns.dtype} --dp {ns.dp}")
+    if ns.no_reshard and (ns.dp_mode != "fsdp" or ns.dp < 2):
+        _fail(f"--no-reshard keeps FSDP2's gathered weights: it needs --dp-mode fsdp and --dp >= 2, got --dp-mode "
+              f"{ns.dp_mode} --dp {ns.dp}")
     if ns.sp and ns.tp < 2:
         _fail("--sp (sequence parallelism) splits the sequence over the tp ranks: it needs --tp >= 2")
     if ns.stages_per_rank is None:  # not `or`: an explicit 0 is refused below, not replaced by the default

@@ -50,7 +50,8 @@ class _Run:
         if ns.sp:
             extras.append("sp")
         if ns.dp > 1:
-            extras.append(ns.dp_mode)
+            extras.append(ns.dp_mode + (" no-reshard" if ns.no_reshard else "")
+                          + (" bf16-reduce" if ns.reduce_dtype == "bf16" else ""))
         if ns.pp > 1:
             extras.append(f"{ns.pp_schedule} x{ns.microbatches} mb")
         return s + (f" ({', '.join(extras)})" if extras else "")
@@ -87,9 +88,12 @@ class _Run:
         bf16 = ns.dtype == "bf16"
         if ns.dp > 1:
             policy = "bf16" if bf16 else "fp32"
+            if ns.reduce_dtype == "bf16":  # the bf16 gradients summed as they are, with no casts
+                policy = {"param_dtype": "bfloat16", "reduce_dtype": "bfloat16"}
             if ns.dp_mode == "fsdp":
                 for i in range(self.dims.layers):
-                    sch[f"{layers}.{i}"].fully_shard(mp_policy=policy)
+                    sch[f"{layers}.{i}"].fully_shard(mp_policy=policy,
+                                                     reshard_after_forward=False if ns.no_reshard else None)
                 sch.fully_shard(mp_policy=policy)
             else:
                 sch.replicate(mp_policy=policy)
