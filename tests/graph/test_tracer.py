@@ -198,8 +198,8 @@ def test_shape_dependent_python_is_answered_by_example_inputs():
 def test_shape_dependent_python_without_an_example_fails_loudly():
     with pytest.raises(TraceError, match=r"^<root>: 'getitem = getitem\(getattr_1, slice\(None, -1, None\)\)' is "
                                          r"iterated over \(for / \* unpacking\), so its value must be known while "
-                                         r"tracing, but no example input reaches it; pass example tensors for the "
-                                         r"inputs in concrete_args"):
+                                         r"tracing, but no example input reaches it; pass example tensors for 'x' "
+                                         r"in concrete_args \(e\.g\. concrete_args=\{'x': <example tensor>\}\)"):
         trace_module(_ShapeBranches())
 
 

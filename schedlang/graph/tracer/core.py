@@ -280,11 +280,16 @@ class SchedlangTracer(ExampleValues, fx.Tracer):
     def _example_or_fail(self, obj: fx.Proxy, how: str) -> Any:
         example = self.metas.get(obj.node, UNKNOWN)
         if example is UNKNOWN:
+            # name the forward's own inputs that have no example, so the hint can be copied as it is
+            missing = [str(n.target) for n in obj.node.graph.nodes if n.op == "placeholder"
+                       and not str(n.target).startswith("*") and self.metas.get(n, UNKNOWN) is UNKNOWN]
+            inputs = ", ".join(repr(name) for name in missing) or "the inputs"
+            hint = f"concrete_args={{{missing[0]!r}: <example tensor>}}" if missing else \
+                "concrete_args={'<input name>': <example tensor>}"
             raise TraceError(
                 f"{self.where()}: '{_describe_node(obj.node)}' is {how}, so its value must be known while tracing, "
-                "but no example input reaches it; pass example tensors for the inputs in concrete_args "
-                "(e.g. concrete_args={'hidden_states': torch.randn(2, 8, 64)}), specialize the argument, or keep "
-                "the module as a leaf (leaf_modules=[...])")
+                f"but no example input reaches it; pass example tensors for {inputs} in concrete_args "
+                f"(e.g. {hint}), specialize the argument, or keep the module as a leaf (leaf_modules=[...])")
         return example
 
     # ----------------------------------------------------------------- module calls
