@@ -199,3 +199,79 @@ def test_training_mode_on_cuda_draws_from_the_cuda_stream():
     with pytest.raises(schedlang.VerificationError, match="training mode: recomputed module 'layer.mlp.drop'"):
         with schedlang.Verify(sch, example_inputs=[x]):
             sch["layer"].checkpoint(preserve_rng_state=False)
+
+
+class FunctionalDropout(nn.Module):
+    """Dropout written as F.dropout(..., self.training): a traced graph of it holds one mode's flag."""
+
+    def __init__(self, hidden=12, inner=20):
+        super().__init__()
+        self.fc1 = nn.Linear(hidden, inner)
+        self.fc2 = nn.Linear(inner, hidden)
+
+    def forward(self, x):
+        return self.fc2(nn.functional.dropout(torch.relu(self.fc1(x)), 0.3, self.training))
+
+
+class FunctionalDropoutNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first = FunctionalDropout()
+        self.second = FunctionalDropout()
+        self.head = nn.Linear(12, 5)
+
+    def forward(self, x):
+        return self.head(self.second(self.first(x)))
+
+
+def _mode_fixed_schedule(mode: str):
+    torch.manual_seed(0)
+    model = FunctionalDropoutNet()
+    getattr(model, mode)()
+    return schedlang.create_schedule(model), torch.randn(3, 7, 12)
+
+
+def test_a_graph_traced_in_training_mode_is_verified_in_training_mode_with_a_warning():
+    sch, x = _mode_fixed_schedule("train")
+    verify = schedlang.Verify(sch, example_inputs=[x])
+    with pytest.warns(schedlang.verify.VerifyWarning, match=r"eval mode not checked: 'first' were traced in training mode"):
+        with verify:
+            sch["first"].trace()
+    assert any(n.startswith("training mode compared with the original") for n in verify.report.notes)
+    assert any(c.startswith("training mode: ") for c in verify.report.compared)
+    assert not any(not c.startswith("training mode: ") and not c.startswith("buffer") for c in verify.report.compared)
+
+
+def test_a_wrong_step_beside_a_training_mode_graph_is_still_caught():
+    sch, x = _mode_fixed_schedule("train")
+    with pytest.raises(schedlang.VerificationError, match=r"training mode: output"):
+        with pytest.warns(schedlang.verify.VerifyWarning, match="eval mode not checked"):
+            with schedlang.Verify(sch, example_inputs=[x]):
+                sch["first"].trace()
+                sch["head"].replace(nn.Linear(12, 5))  # other weights: the outputs differ
+    assert len(sch.plan.steps) == 0  # the block is undone
+
+
+def test_a_graph_traced_in_eval_mode_is_verified_in_eval_mode_with_a_warning():
+    sch, x = _mode_fixed_schedule("eval")
+    verify = schedlang.Verify(sch, example_inputs=[x])
+    with pytest.warns(schedlang.verify.VerifyWarning, match=r"training mode not checked: 'first' were traced in eval mode"):
+        with verify:
+            sch["first"].trace()
+    assert verify.report.compared and not any(c.startswith("training mode: ") for c in verify.report.compared)
+
+
+def test_verify_refuses_a_schedule_it_cannot_run_in_any_checked_mode():
+    sch, x = _mode_fixed_schedule("train")
+    with pytest.raises(schedlang.VerificationError, match=r"nothing to compare: 'first' run only in training mode"):
+        with schedlang.Verify(sch, example_inputs=[x], check_training=False):
+            sch["first"].trace()
+    torch.manual_seed(0)
+    model = FunctionalDropoutNet().train()
+    model.second.eval()  # a model may hold modules in different modes on purpose
+    sch = schedlang.create_schedule(model)
+    with pytest.raises(schedlang.VerificationError, match=r"runs in neither mode: 'first' only in training mode and "
+                                                          r"'second' only in eval mode"):
+        with schedlang.Verify(sch, example_inputs=[x]):
+            sch["first"].trace()
+            sch["second"].trace()

@@ -169,7 +169,10 @@ class Verify:
             (:data:`~schedlang.verify.DEFAULT_TOLERANCES`; an override also turns off the
             half-precision outlier allowance).
         check_backward: compare input and parameter gradients too (default True).
-        check_training: run the training-mode pass too (dropout on; default True).
+        check_training: run the training-mode pass too (dropout on; default True). A traced graph
+            that depends on the mode (functional dropout, a branch on ``self.training``) runs only in
+            the mode it was traced in: the other mode's pass is then skipped with a
+            :class:`VerifyWarning` naming it, and a schedule left with no mode to compare is refused.
         seed: seeds the random output gradients and the training pass (identical on every rank).
         reduction_size: the longest reduction behind outputs and gradients, which widens the
             half-precision norm bound (default: estimated from the weights and inputs).
@@ -349,14 +352,35 @@ class Verify:
             tol_for = functools.partial(tolerance_for, rtol=self.rtol, atol=self.atol, reduction_size=size,
                                         float8=float8)
             pass_ = _Pass(self, report, reference, scheduled, base_params, tol_for, group, device, args, kwargs)
+            only = _mode_fixed_graphs(scheduled)  # graphs traced with dropout run in their traced mode alone
             with agreement(group, phase="verify: running the original and the scheduled model"):
-                replicated_paths = pass_.eval_mode()
-                if self.check_training:
-                    # decided together, so that every rank takes the same cross-rank steps
-                    if ranks.all_ranks_agree(replicated_paths is not None and report.passed, group):
-                        pass_.training_mode(replicated_paths)
-                    else:
-                        report.notes.append("training mode not checked: eval mode already differs")
+                if only["training"] and only["eval"]:
+                    raise VerificationError(
+                        f"the scheduled model runs in neither mode: {_paths(only['training'])} only in training mode "
+                        f"and {_paths(only['eval'])} only in eval mode (each was traced in that mode, and its graph "
+                        "depends on it); trace them all in the mode the model will run in")
+                if only["training"]:
+                    if not self.check_training:
+                        raise VerificationError(
+                            f"nothing to compare: {_paths(only['training'])} run only in training mode (traced in it, "
+                            "with dropout or a branch on self.training), and check_training=False skips that mode; "
+                            "pass check_training=True, or trace them in eval mode")
+                    report.warnings.append(
+                        f"eval mode not checked: {_paths(only['training'])} were traced in training mode and depend on "
+                        "it (dropout or a branch on self.training), so they run only in training mode")
+                    pass_.training_mode([])
+                else:
+                    replicated_paths = pass_.eval_mode()
+                    if self.check_training and only["eval"]:
+                        report.warnings.append(
+                            f"training mode not checked: {_paths(only['eval'])} were traced in eval mode and depend on "
+                            "it (dropout or a branch on self.training), so they run only in eval mode")
+                    elif self.check_training:
+                        # decided together, so that every rank takes the same cross-rank steps
+                        if ranks.all_ranks_agree(replicated_paths is not None and report.passed, group):
+                            pass_.training_mode(replicated_paths)
+                        else:
+                            report.notes.append("training mode not checked: eval mode already differs")
                 pass_.compare_buffers(base_buffers, initial_buffers)
             del keep_alive
         self._finish(report, group)
@@ -393,6 +417,24 @@ class Verify:
         else:
             lines.append("no steps were applied inside this Verify block; an earlier step broke it")
         raise VerificationError("\n".join(lines))
+
+
+def _mode_fixed_graphs(model: nn.Module) -> Dict[str, List[str]]:
+    """The traced graphs of ``model`` that run in one training mode only, by that mode ("training" / "eval"), as
+    the paths their guards name (see :mod:`schedlang.graph.tracer.training_mode`)."""
+    from ..graph.tracer.training_mode import TrainingModeGuard
+
+    found: Dict[str, List[str]] = {"training": [], "eval": []}
+    for module in model.modules():
+        for hook in module._forward_pre_hooks.values():
+            if isinstance(hook, TrainingModeGuard):
+                found["training" if hook.traced_training else "eval"].append(hook.where)
+    return found
+
+
+def _paths(paths: List[str]) -> str:
+    shown = ", ".join(repr(p) for p in paths[:4])
+    return shown + (f" and {len(paths) - 4} more" if len(paths) > 4 else "")
 
 
 class _Pass:
