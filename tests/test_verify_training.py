@@ -263,15 +263,17 @@ def test_a_graph_traced_in_eval_mode_is_verified_in_eval_mode_with_a_warning():
 
 def test_verify_refuses_a_schedule_it_cannot_run_in_any_checked_mode():
     sch, x = _mode_fixed_schedule("train")
-    with pytest.raises(schedlang.VerificationError, match=r"nothing to compare: 'first' run only in training mode"):
+    with pytest.raises(schedlang.VerificationError,
+                       match=r"Verify: nothing to compare: 'first' run only in training mode"):
         with schedlang.Verify(sch, example_inputs=[x], check_training=False):
             sch["first"].trace()
     torch.manual_seed(0)
     model = FunctionalDropoutNet().train()
     model.second.eval()  # a model may hold modules in different modes on purpose
     sch = schedlang.create_schedule(model)
-    with pytest.raises(schedlang.VerificationError, match=r"runs in neither mode: 'first' only in training mode and "
-                                                          r"'second' only in eval mode"):
+    with pytest.raises(schedlang.VerificationError,
+                       match=r"Verify: the scheduled model runs in neither mode: 'first' only in training mode and "
+                             r"'second' only in eval mode"):
         with schedlang.Verify(sch, example_inputs=[x]):
             sch["first"].trace()
             sch["second"].trace()
