@@ -234,7 +234,8 @@ def _mode_fixed_schedule(mode: str):
 def test_a_graph_traced_in_training_mode_is_verified_in_training_mode_with_a_warning():
     sch, x = _mode_fixed_schedule("train")
     verify = schedlang.Verify(sch, example_inputs=[x])
-    with pytest.warns(schedlang.verify.VerifyWarning, match=r"eval mode not checked: 'first' were traced in training mode"):
+    with pytest.warns(schedlang.verify.VerifyWarning,
+                      match=r"eval mode not checked: 'first' were traced in training mode"):
         with verify:
             sch["first"].trace()
     assert any(n.startswith("training mode compared with the original") for n in verify.report.notes)
@@ -255,7 +256,8 @@ def test_a_wrong_step_beside_a_training_mode_graph_is_still_caught():
 def test_a_graph_traced_in_eval_mode_is_verified_in_eval_mode_with_a_warning():
     sch, x = _mode_fixed_schedule("eval")
     verify = schedlang.Verify(sch, example_inputs=[x])
-    with pytest.warns(schedlang.verify.VerifyWarning, match=r"training mode not checked: 'first' were traced in eval mode"):
+    with pytest.warns(schedlang.verify.VerifyWarning,
+                      match=r"training mode not checked: 'first' were traced in eval mode"):
         with verify:
             sch["first"].trace()
     assert verify.report.compared and not any(c.startswith("training mode: ") for c in verify.report.compared)
