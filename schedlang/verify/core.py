@@ -357,14 +357,14 @@ class Verify:
                 if only["training"] and only["eval"]:
                     raise VerificationError(
                         f"Verify: the scheduled model runs in neither mode: {_paths(only['training'])} only in "
-                        f"training mode and {_paths(only['eval'])} only in eval mode (each was traced in that mode, and its graph "
-                        "depends on it); trace them all in the mode the model will run in")
+                        f"training mode and {_paths(only['eval'])} only in eval mode (each was traced in that mode, "
+                        "and its graph depends on it); trace them all in the mode the model will run in")
                 if only["training"]:
                     if not self.check_training:
                         raise VerificationError(
                             f"Verify: nothing to compare: {_paths(only['training'])} run only in training mode "
-                            "(traced in it, with dropout or a branch on self.training), and check_training=False skips that mode; "
-                            "pass check_training=True, or trace them in eval mode")
+                            "(traced in it, with dropout or a branch on self.training), and check_training=False "
+                            "skips that mode; pass check_training=True, or trace them in eval mode")
                     report.warnings.append(
                         f"eval mode not checked: {_paths(only['training'])} were traced in training mode and depend on "
                         "it (dropout or a branch on self.training), so they run only in training mode")
