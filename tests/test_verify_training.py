@@ -3,6 +3,8 @@
 Each schedule below is wrong only while dropout draws masks, so an eval-mode check passes it.
 """
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -202,7 +204,7 @@ def test_training_mode_on_cuda_draws_from_the_cuda_stream():
 
 
 class FunctionalDropout(nn.Module):
-    """Dropout written as F.dropout(..., self.training): a traced graph of it holds one mode's flag."""
+    """Dropout written as F.dropout(..., self.training): the traced graph follows the mode."""
 
     def __init__(self, hidden=12, inner=20):
         super().__init__()
@@ -213,11 +215,21 @@ class FunctionalDropout(nn.Module):
         return self.fc2(nn.functional.dropout(torch.relu(self.fc1(x)), 0.3, self.training))
 
 
+class TrainingOnlyDropout(FunctionalDropout):
+    """Dropout behind ``if self.training``: a traced graph of it holds one mode's operations."""
+
+    def forward(self, x):
+        h = torch.relu(self.fc1(x))
+        if self.training:
+            h = nn.functional.dropout(h, 0.3)
+        return self.fc2(h)
+
+
 class FunctionalDropoutNet(nn.Module):
-    def __init__(self):
+    def __init__(self, block=TrainingOnlyDropout):
         super().__init__()
-        self.first = FunctionalDropout()
-        self.second = FunctionalDropout()
+        self.first = block()
+        self.second = block()
         self.head = nn.Linear(12, 5)
 
     def forward(self, x):
@@ -229,6 +241,19 @@ def _mode_fixed_schedule(mode: str):
     model = FunctionalDropoutNet()
     getattr(model, mode)()
     return schedlang.create_schedule(model), torch.randn(3, 7, 12)
+
+
+def test_a_graph_with_functional_dropout_traced_in_training_mode_is_verified_in_both_modes():
+    torch.manual_seed(0)
+    sch = schedlang.create_schedule(FunctionalDropoutNet(FunctionalDropout).train())
+    verify = schedlang.Verify(sch, example_inputs=[torch.randn(3, 7, 12)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", schedlang.verify.VerifyWarning)
+        with verify:
+            sch["first"].trace()
+    assert any(n.startswith("training mode compared with the original") for n in verify.report.notes)
+    assert any(c.startswith("training mode: ") for c in verify.report.compared)
+    assert any(not c.startswith("training mode: ") and not c.startswith("buffer") for c in verify.report.compared)
 
 
 def test_a_graph_traced_in_training_mode_is_verified_in_training_mode_with_a_warning():

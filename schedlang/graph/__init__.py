@@ -18,10 +18,10 @@ Example::
 from .pattern import call_module, find_nodes, find_subgraphs, graph_modules, trace_pattern
 from .subgraph import (CheckpointedSubgraph, checkpoint_subgraph, decode_subgraphs, encode_subgraphs,
                        extract_subgraph, fuse_subgraphs, replace_subgraphs, require_traced, validate_subgraphs)
-from .tracer import PH, ModuleAttributes, TracedModule, register_leaf_function, trace_module
+from .tracer import PH, ModeDependentCall, ModuleAttributes, TracedModule, register_leaf_function, trace_module
 
 __all__ = [
-    "PH", "ModuleAttributes", "TracedModule", "register_leaf_function", "trace_module",
+    "PH", "ModeDependentCall", "ModuleAttributes", "TracedModule", "register_leaf_function", "trace_module",
     "call_module", "find_nodes", "find_subgraphs", "graph_modules", "trace_pattern",
     "CheckpointedSubgraph", "checkpoint_subgraph", "decode_subgraphs", "encode_subgraphs", "extract_subgraph",
     "fuse_subgraphs", "replace_subgraphs", "require_traced", "validate_subgraphs",

@@ -51,6 +51,7 @@ from torch import nn
 
 from ..errors import PatternError
 from ..module_record import module_record
+from .tracer.training_mode import ModeDependentCall
 
 __all__ = ["call_module", "find_nodes", "find_subgraphs", "trace_pattern", "graph_modules", "ParamRef"]
 
@@ -269,6 +270,12 @@ def canonicalize(node: fx.Node, owner: nn.Module, path: str = "") -> _Canon:
         return _Canon(("method", node.target), _generic(node.args, node.kwargs), exact=True)
     if node.op == "call_module":
         module = owner.get_submodule(node.target)
+        if isinstance(module, ModeDependentCall):  # the call it makes in its current mode
+            args, kwargs = module.call_for(node.args)
+            spec = _BY_FUNCTION.get(id(module.target))
+            if spec is not None:
+                return _Canon(spec.key, _named(spec, args, kwargs), spec.commutative)
+            return _Canon(("function", module.target), _generic(args, kwargs), exact=True)
         for module_type, spec in _BY_MODULE:
             if type(module) is module_type:
                 named = _named(_OpSpec(spec.key, positional=("input",)), node.args, node.kwargs)

@@ -170,8 +170,8 @@ class Verify:
             half-precision outlier allowance).
         check_backward: compare input and parameter gradients too (default True).
         check_training: run the training-mode pass too (dropout on; default True). A traced graph
-            that depends on the mode (functional dropout, a branch on ``self.training``) runs only in
-            the mode it was traced in: the other mode's pass is then skipped with a
+            that depends on the mode beyond the constants of its calls (a branch on ``self.training``
+            that adds or removes operations) runs only in the mode it was traced in: the other mode's pass is then skipped with a
             :class:`VerifyWarning` naming it, and a schedule left with no mode to compare is refused.
         seed: seeds the random output gradients and the training pass (identical on every rank).
         reduction_size: the longest reduction behind outputs and gradients, which widens the
@@ -352,7 +352,7 @@ class Verify:
             tol_for = functools.partial(tolerance_for, rtol=self.rtol, atol=self.atol, reduction_size=size,
                                         float8=float8)
             pass_ = _Pass(self, report, reference, scheduled, base_params, tol_for, group, device, args, kwargs)
-            only = _mode_fixed_graphs(scheduled)  # graphs traced with dropout run in their traced mode alone
+            only = _mode_fixed_graphs(scheduled)  # graphs with a branch on the mode run in their traced mode alone
             with agreement(group, phase="verify: running the original and the scheduled model"):
                 if only["training"] and only["eval"]:
                     raise VerificationError(
@@ -363,18 +363,18 @@ class Verify:
                     if not self.check_training:
                         raise VerificationError(
                             f"Verify: nothing to compare: {_paths(only['training'])} run only in training mode "
-                            "(traced in it, with dropout or a branch on self.training), and check_training=False "
+                            "(traced in it, with a branch on self.training), and check_training=False "
                             "skips that mode; pass check_training=True, or trace them in eval mode")
                     report.warnings.append(
                         f"eval mode not checked: {_paths(only['training'])} were traced in training mode and depend on "
-                        "it (dropout or a branch on self.training), so they run only in training mode")
+                        "it (a branch on self.training), so they run only in training mode")
                     pass_.training_mode([])
                 else:
                     replicated_paths = pass_.eval_mode()
                     if self.check_training and only["eval"]:
                         report.warnings.append(
                             f"training mode not checked: {_paths(only['eval'])} were traced in eval mode and depend on "
-                            "it (dropout or a branch on self.training), so they run only in eval mode")
+                            "it (a branch on self.training), so they run only in eval mode")
                     elif self.check_training:
                         # decided together, so that every rank takes the same cross-rank steps
                         if ranks.all_ranks_agree(replicated_paths is not None and report.passed, group):

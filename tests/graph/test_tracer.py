@@ -1,6 +1,7 @@
 """The hierarchy-keeping tracer: structure, numerics, what survives tracing, and its errors."""
 
 import copy
+import io
 
 import pytest
 
@@ -12,6 +13,7 @@ from torch import nn
 
 from schedlang.errors import TraceError
 from schedlang.graph import PH, TracedModule, register_leaf_function, trace_module
+from schedlang.graph.pattern import find_subgraphs
 from schedlang.module_record import shard_specs, update_record
 from tests.helpers.models import MLP, Stack
 
@@ -263,17 +265,143 @@ class _BlockWithFunctionalDropout(nn.Module):
         return self.head(self.inner(x))
 
 
+def _same_in_both_modes(model: nn.Module, traced: nn.Module, *inputs) -> None:
+    """The traced module gives the model's outputs and gradients in training mode (same seed) and in eval mode."""
+    for training in (True, False, True):
+        model.train(training)
+        traced.train(training)
+        torch.manual_seed(1)
+        ref_in = [x.clone().requires_grad_() for x in inputs]
+        ref = model(*ref_in)
+        torch.manual_seed(1)
+        new_in = [x.clone().requires_grad_() for x in inputs]
+        out = traced(*new_in)
+        torch.testing.assert_close(out, ref, rtol=1.3e-6, atol=1e-5)
+        out.sum().backward()
+        ref.sum().backward()
+        for a, b in zip(new_in, ref_in):
+            torch.testing.assert_close(a.grad, b.grad, rtol=1.3e-6, atol=1e-5)
+
+
 @pytest.mark.parametrize("flatten", [False, True])
 @pytest.mark.parametrize("traced_training", [True, False])
-def test_a_graph_that_depends_on_the_training_mode_runs_only_in_the_traced_mode(traced_training, flatten):
+def test_functional_dropout_in_a_traced_graph_follows_the_training_mode(traced_training, flatten):
     model = _BlockWithFunctionalDropout().train(traced_training)
     traced = trace_module(model, flatten=flatten)
     x = torch.randn(5, 13)
-    torch.manual_seed(1)
-    expected = model(x)
-    torch.manual_seed(1)
-    torch.testing.assert_close(traced(x), expected, rtol=1.3e-6, atol=1e-5)
-    # before the guard, the dropout's frozen training flag gave silently wrong results in the other mode
+    # the graph froze the flag it was traced with: eval after a training-mode trace kept dropping, silently
+    owner = traced if flatten else traced.inner
+    dropouts = [m for m in owner.children() if type(m) is nn.Dropout]
+    assert len(dropouts) == 1 and dropouts[0].p == 0.5 and "dropout(" not in owner.code
+    _same_in_both_modes(model, traced, x)
+    assert not any(m._forward_pre_hooks for m in traced.modules())
+    _same_in_both_modes(model, copy.deepcopy(traced), x)
+    buffer = io.BytesIO()
+    torch.save(traced, buffer)
+    buffer.seek(0)
+    _same_in_both_modes(model, torch.load(buffer, weights_only=False), x)
+    _same_in_both_modes(model, trace_module(traced, flatten=True), x)  # traced again: the module stays a call
+
+
+@pytest.mark.parametrize("functional", [F.dropout, F.dropout1d, F.alpha_dropout, F.feature_alpha_dropout, torch.dropout])
+def test_each_dropout_function_becomes_its_module(functional):
+    class Drop(nn.Module):
+        def forward(self, x):
+            if functional is torch.dropout:
+                return torch.dropout(x, 0.25, self.training)
+            return functional(x, 0.25, self.training)
+
+    model = Drop().train()
+    traced = trace_module(model)
+    assert [type(m).__name__ for m in traced.children()] == [
+        {F.dropout: "Dropout", torch.dropout: "Dropout", F.dropout1d: "Dropout1d", F.alpha_dropout: "AlphaDropout",
+         F.feature_alpha_dropout: "FeatureAlphaDropout"}[functional]]
+    _same_in_both_modes(model, traced, torch.randn(3, 6, 11))
+
+
+def _noisy(x, module, scale):
+    """A kernel in a library: reads the module's training flag from the snapshot it is given."""
+    return x + scale * torch.randn_like(x) if module.training else x * (1.0 + scale)
+
+
+register_leaf_function(_noisy)
+
+
+def test_a_leaf_call_given_other_constants_per_mode_follows_the_mode():
+    class Noisy(nn.Module):  # as transformers calls its attention kernels: dropout=p if self.training else 0.0
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(9, 9)
+
+        def forward(self, x):
+            return _noisy(self.proj(x), self, scale=0.5 if self.training else 0.25)
+
+    for traced_training in (True, False):
+        model = Noisy().train(traced_training)
+        traced = trace_module(model)
+        calls = [m for m in traced.children() if isinstance(m, schedlang.graph.ModeDependentCall)]
+        assert len(calls) == 1 and calls[0].target is _noisy
+        _same_in_both_modes(model, traced, torch.randn(4, 9))
+        _same_in_both_modes(model, copy.deepcopy(traced), torch.randn(4, 9))
+
+
+def test_attention_with_dropout_only_in_training_follows_the_mode_and_is_found_as_that_call():
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = nn.Linear(16, 48)
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).view(2, 5, 3, 2, 8).permute(2, 0, 3, 1, 4)
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=0.3 if self.training else 0.0, is_causal=True)
+
+    model = Attention().train()
+    traced = trace_module(model)
+    (name, call), = [(n, m) for n, m in traced.named_children() if isinstance(m, schedlang.graph.ModeDependentCall)]
+    assert call.target is F.scaled_dot_product_attention
+    _same_in_both_modes(model, traced, torch.randn(2, 5, 16))
+
+    def pattern(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=0.3, is_causal=True)
+
+    traced.train()  # matched as the call it makes in the mode the module is in
+    assert [[n.target for _, n in m] for m in find_subgraphs(traced, pattern)] == [[name]]
+    traced.eval()
+    assert find_subgraphs(traced, pattern) == []
+    assert len(find_subgraphs(traced, lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True))) == 1
+
+
+class _TrainingOnlyNoise(nn.Module):
+    """A branch on self.training that adds an operation: the graphs of the two modes differ in their nodes."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(13, 7)
+
+    def forward(self, x):
+        h = self.proj(x)
+        if self.training:
+            h = h * 2.0
+        return h
+
+
+class _BlockWithTrainingOnlyNoise(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = _TrainingOnlyNoise()
+        self.head = nn.Linear(7, 7)
+
+    def forward(self, x):
+        return self.head(self.inner(x))
+
+
+@pytest.mark.parametrize("flatten", [False, True])
+@pytest.mark.parametrize("traced_training", [True, False])
+def test_a_graph_with_a_branch_on_the_training_mode_runs_only_in_the_traced_mode(traced_training, flatten):
+    model = _BlockWithTrainingOnlyNoise().train(traced_training)
+    traced = trace_module(model, flatten=flatten)
+    x = torch.randn(5, 13)
+    torch.testing.assert_close(traced(x), model(x), rtol=1.3e-6, atol=1e-5)
     traced.train(not traced_training)
     where = "<root>" if flatten else "inner"
     with pytest.raises(TraceError, match=rf"{where}: this graph was traced in {'training' if traced_training else 'eval'} "

@@ -204,3 +204,54 @@ def test_retracing_a_traced_model_flat_keeps_attention_causal(family):
     assert not any(isinstance(m, fx.GraphModule) for n, m in sch.mod.named_modules() if n)
     assert "scaled_dot_product_attention(" not in sch.mod.code  # still inside the sdpa leaf
     _assert_same(model, sch.mod, _ids())
+
+
+def _with_dropout(family, impl):
+    torch.manual_seed(0)
+    if family == "gpt2":
+        config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                                         bos_token_id=0, eos_token_id=0, resid_pdrop=0.1, embd_pdrop=0.1,
+                                         attn_pdrop=0.2)
+        config._attn_implementation = impl
+        return transformers.GPT2LMHeadModel(config).train(), "transformer.h.0"
+    config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=96, max_position_embeddings=64, hidden_dropout_prob=0.1,
+                                     attention_probs_dropout_prob=0.2)
+    config._attn_implementation = impl
+    return transformers.BertModel(config).train(), "encoder.layer.0"
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+@pytest.mark.parametrize("family", ["gpt2", "bert"])
+def test_a_block_with_attention_dropout_traced_in_training_mode_follows_the_mode(family, impl):
+    # transformers passes dropout=p if self.training else 0.0 to its attention kernel: the traced call
+    # now takes the constant of the mode it runs in, where it used to keep the training-mode dropout
+    model, block = _with_dropout(family, impl)
+    sch = schedlang.create_schedule(model)
+    sch[block].trace()
+    assert not any(m._forward_pre_hooks for m in sch[block].mod.modules())
+    ids = _ids()
+    for training in (True, False, True):
+        model.train(training)
+        sch.mod.train(training)
+        torch.manual_seed(5)
+        ref = _main_output(model(ids))
+        torch.manual_seed(5)
+        torch.testing.assert_close(_main_output(sch.mod(ids)), ref, rtol=1e-5, atol=1e-5)
+    model.eval()
+    sch.mod.eval()
+    _assert_same(model, sch.mod, ids)
+
+
+def test_verify_checks_a_gpt2_block_with_dropout_traced_in_training_mode_in_both_modes():
+    import warnings
+
+    model, block = _with_dropout("gpt2", "sdpa")
+    sch = schedlang.create_schedule(model)
+    verify = schedlang.Verify(sch, example_inputs=[_ids()])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", schedlang.verify.VerifyWarning)
+        with verify:
+            sch[block].trace()
+    assert any(c.startswith("training mode: ") for c in verify.report.compared)
+    assert any(not c.startswith("training mode: ") and not c.startswith("buffer") for c in verify.report.compared)

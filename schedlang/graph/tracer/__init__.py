@@ -41,9 +41,11 @@ What survives tracing: parameters and buffers (same objects, same qualified name
 those the graph does not use), ``_schedlang_*`` attributes such as each module's record
 (:mod:`schedlang.module_record`: shards, syncs, checkpointing), sync-op children and the
 forward hooks of every module that is replaced by a ``TracedModule``, container types (``ModuleList``), non-persistent buffers, and the plain attributes of the
-original module (``config``, ...). ``self.training`` and the Python values of the
-arguments are frozen at trace time (e.g. functional dropout's ``training`` flag); a graph
-that would differ in the other mode refuses to run in it (:mod:`.training_mode`).
+original module (``config``, ...). The Python values of the arguments are frozen at trace
+time. ``self.training`` is too, but the module is traced in both modes: calls that differ only
+in constants (functional dropout's ``training`` flag, the ``dropout`` transformers passes its
+attention kernels) are rewritten to follow the mode when they run, and a graph that differs in
+more than that refuses to run in the other mode (:mod:`.training_mode`).
 
 Example::
 
@@ -83,7 +85,7 @@ from .hf_bridge import EXAMPLE_BATCH, EXAMPLE_SEQUENCE, capture_call, is_hf_mode
 from .leaf_policy import register_leaf_function
 from .patches import _tracing_patches
 from .specialization import check_specialized_arguments
-from .training_mode import TrainingModeGuard, guard_training_mode
+from .training_mode import ModeDependentCall, TrainingModeGuard, guard_training_mode
 
 # _rebuild_traced_module is imported here because pickles of traced modules name it by this path
 from .traced_module import ModuleAttributes, TracedModule, _rebuild_traced_module, build_traced_module  # noqa: F401
@@ -102,6 +104,7 @@ __all__ = [
     "is_hf_model",
     "build_traced_module",
     "TrainingModeGuard",
+    "ModeDependentCall",
 ]
 
 
@@ -160,6 +163,6 @@ def trace_module(module: nn.Module, *, path: str = "", recursive: bool = True, f
         return gm
 
     gm = trace_once()
-    # the graph is fixed to the mode it was traced in: refuse the other mode where that changes the graph
+    # the graph is fixed to the mode it was traced in: make it follow the mode, or refuse the other mode
     guard_training_mode(module, gm, trace_once, where)
     return gm

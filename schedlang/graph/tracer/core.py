@@ -31,6 +31,7 @@ from .leaf_policy import _hf_leaf_types, _sync_op_class
 from .patches import _ACTIVE
 from .specialization import check_specialized_arguments
 from .traced_module import ModuleAttributes, TracedModule, build_traced_module
+from .training_mode import ModeDependentCall
 
 logger = logging.getLogger("schedlang.graph.tracer")
 
@@ -104,7 +105,7 @@ class SchedlangTracer(ExampleValues, fx.Tracer):
         full = ".".join(p for p in (self.path, qualname) if p)
         record = module_record(m)
         if (sync_op is not None and isinstance(m, sync_op)) or record.checkpointed or record.fused \
-                or "forward" in m.__dict__:
+                or "forward" in m.__dict__ or isinstance(m, ModeDependentCall):
             return "leaf"
         if full in self.options.leaf_names or (self.options.leaf_types and isinstance(m, self.options.leaf_types)):
             return "leaf"
