@@ -303,7 +303,8 @@ def test_functional_dropout_in_a_traced_graph_follows_the_training_mode(traced_t
     _same_in_both_modes(model, trace_module(traced, flatten=True), x)  # traced again: the module stays a call
 
 
-@pytest.mark.parametrize("functional", [F.dropout, F.dropout1d, F.alpha_dropout, F.feature_alpha_dropout, torch.dropout])
+@pytest.mark.parametrize("functional",
+                         [F.dropout, F.dropout1d, F.alpha_dropout, F.feature_alpha_dropout, torch.dropout])
 def test_each_dropout_function_becomes_its_module(functional):
     class Drop(nn.Module):
         def forward(self, x):
@@ -404,8 +405,9 @@ def test_a_graph_with_a_branch_on_the_training_mode_runs_only_in_the_traced_mode
     torch.testing.assert_close(traced(x), model(x), rtol=1.3e-6, atol=1e-5)
     traced.train(not traced_training)
     where = "<root>" if flatten else "inner"
-    with pytest.raises(TraceError, match=rf"{where}: this graph was traced in {'training' if traced_training else 'eval'} "
-                                        rf"mode .* cannot run in {'eval' if traced_training else 'training'} mode"):
+    traced_mode, other_mode = ("training", "eval") if traced_training else ("eval", "training")
+    with pytest.raises(TraceError, match=rf"{where}: this graph was traced in {traced_mode} mode .* cannot run in "
+                                        rf"{other_mode} mode"):
         traced(x)
     traced.train(traced_training)
     assert copy.deepcopy(traced)(x).shape == (5, 7)  # a copy keeps the guard and still runs in the traced mode
@@ -540,3 +542,49 @@ def test_duck_typing_probes_see_a_tensor_not_a_proxy():
     assert "jax" not in sch.mod.code
     x = torch.randn(3, 4)
     torch.testing.assert_close(sch.mod(x), model(x))
+
+
+class _ShapeBranch(nn.Module):
+    """Python control flow on what tracing knows from the example: a shape, a dtype, a row count."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(6, 6)
+
+    def forward(self, x):
+        h = self.proj(x)
+        if h.size(1) > 4:  # e.g. a chunked path for long sequences
+            h = h * 0.5
+        if h.dtype == torch.float16:
+            h = h.clamp(-100, 100)
+        return torch.stack([row.sum(0) for row in h])  # one op per row: unrolled to the traced batch
+
+
+def test_a_branch_taken_while_tracing_is_checked_when_the_graph_runs():
+    model = _ShapeBranch()
+    traced = trace_module(model, concrete_args={"x": torch.randn(3, 7, 6)})
+    _check_fwd_bwd(model, traced, torch.randn(3, 9, 6))  # the same branches at another length
+    # the graph used to take the traced branch for any input, silently
+    with pytest.raises(TraceError, match=r"^<root>: the graph was traced where 'proj\.size\(1\) > 4' was True, and "
+                                         r"now it is False; the graph holds only the branch taken while tracing"):
+        traced(torch.randn(3, 2, 6))
+    with pytest.raises(TraceError, match=r"^<root>: the graph was traced where len\(proj \* 0\.5\) was 3, and now "
+                                         r"it is 5; the graph was unrolled to the traced length"):
+        traced(torch.randn(5, 7, 6))
+    with pytest.raises(TraceError, match=r"'\(proj \* 0\.5\)\.dtype == torch\.float16' was False, and now it is True"):
+        traced.half()(torch.randn(3, 7, 6, dtype=torch.float16))
+    traced.float()
+    again = trace_module(model, concrete_args={"x": torch.randn(5, 2, 6)})  # the way out the message gives
+    _check_fwd_bwd(model, again, torch.randn(5, 2, 6))
+    for dynamic in (False, True):  # torch.compile keeps the checks (as guards of its own)
+        compiled = torch.compile(traced, backend="eager", dynamic=dynamic)
+        torch.testing.assert_close(compiled(x := torch.randn(3, 9, 6)), model(x))
+        with pytest.raises(TraceError, match="was True, and now it is False"):
+            compiled(torch.randn(3, 2, 6))
+
+
+def test_ranks_and_hf_blocks_add_no_checks_of_their_own():
+    # a shape's length is its rank: a graph on the wrong rank fails in its own ops, so no check is added
+    traced = trace_module(Stack().eval())
+    assert not any(n.target.__name__.startswith("check_traced") for m in traced.modules()
+                   if isinstance(m, fx.GraphModule) for n in m.graph.nodes if n.op == "call_function")

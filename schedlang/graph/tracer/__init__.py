@@ -15,7 +15,12 @@ all three. This tracer keeps shapes symbolic in the graph but also carries an *e
 value* for every node: a ``FakeTensor`` (shape, dtype, device, no data) computed by running
 each operation under ``FakeTensorMode``. When Python needs a concrete answer (``bool``,
 ``len``, iteration), the example answers it, and the graph is *specialized* on that answer
-(logged at DEBUG level). Examples come from
+(logged at DEBUG level). The generated code checks the answer each time it runs
+(:func:`~.specialization.check_traced_condition`, :func:`~.specialization.check_traced_length`)
+and raises :class:`TraceError` on inputs that would take the other branch or loop another
+number of times; a condition is a Python value there (from shapes, dtypes, lengths), so the
+check costs no device sync, and ``torch.compile`` turns it into guards of its own. A shape's
+own length (the rank) is not checked: ops on a wrong rank fail by themselves. Examples come from
 
 * tensors given in ``concrete_args`` (an example input: the argument stays a graph input);
 * a synthesized ``input_ids`` of shape (2, 8) for an HF model (``main_input_name``);

@@ -90,6 +90,42 @@ def _describe_node(node: fx.Node) -> str:
     return f"{node.name} = {target}({args})" if node.op != "placeholder" else node.name
 
 
+_INFIX = {operator.gt: ">", operator.ge: ">=", operator.lt: "<", operator.le: "<=", operator.eq: "==",
+          operator.ne: "!=", operator.add: "+", operator.sub: "-", operator.mul: "*", operator.floordiv: "//",
+          operator.truediv: "/", operator.mod: "%", operator.and_: "&", operator.or_: "|"}
+
+
+def _expression(value: Any, depth: int = 4, top: bool = True) -> str:
+    """``value`` (a node or a constant) as a Python expression over the graph's inputs, for messages:
+    ``hidden_states.size()[1] > 1``; nodes deeper than ``depth`` calls go by their names."""
+    if not isinstance(value, fx.Node):
+        return repr(value) if not isinstance(value, slice) else \
+            ":".join("" if v is None else str(v) for v in (value.start, value.stop)) + \
+            ("" if value.step is None else f":{value.step}")
+    node = value
+    if node.op in ("placeholder", "get_attr") or depth == 0:
+        return str(node.target) if node.op != "placeholder" else node.name
+
+    def sub(v):
+        return _expression(v, depth - 1, top=False)
+
+    if node.op == "call_function":
+        if node.target in _INFIX and len(node.args) == 2:
+            text = f"{sub(node.args[0])} {_INFIX[node.target]} {sub(node.args[1])}"
+            return text if top else f"({text})"
+        if node.target is operator.getitem:
+            return f"{sub(node.args[0])}[{sub(node.args[1])}]"
+        if node.target is getattr and len(node.args) == 2:
+            return f"{sub(node.args[0])}.{node.args[1]}"
+        if node.target is operator.not_:
+            return f"not {sub(node.args[0])}"
+        name = getattr(node.target, "__name__", str(node.target))
+        return f"{name}({', '.join(sub(a) for a in node.args)})"
+    if node.op == "call_method":
+        return f"{sub(node.args[0])}.{node.target}({', '.join(sub(a) for a in node.args[1:])})"
+    return node.name
+
+
 def _reserve_name(graph: fx.Graph, name: str) -> None:
     namespace = getattr(graph, "_graph_namespace", None)
     if namespace is not None and hasattr(namespace, "create_name"):

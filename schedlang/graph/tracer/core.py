@@ -20,6 +20,7 @@ from .common import (
     _describe,
     _describe_node,
     _eliminate_dead_queries,
+    _expression,
     _guard_value,
     _holds_tensor,
     _literal_default,
@@ -29,7 +30,7 @@ from .examples import ExampleValues, _plain_modules
 from .hf_bridge import _keep_mask_flags
 from .leaf_policy import _hf_leaf_types, _sync_op_class
 from .patches import _ACTIVE
-from .specialization import check_specialized_arguments
+from .specialization import check_specialized_arguments, check_traced_condition, check_traced_length
 from .traced_module import ModuleAttributes, TracedModule, build_traced_module
 from .training_mode import ModeDependentCall
 
@@ -248,6 +249,10 @@ class SchedlangTracer(ExampleValues, fx.Tracer):
                 f"tracing cannot know; mark the module as a leaf (leaf_modules=[...]) or make the function a leaf "
                 f"(schedlang.graph.register_leaf_function) ({_describe(e)})") from e
         self.specializations.append(f"bool({obj.node.name}) = {value}")
+        # the other branch is not in the graph: refuse inputs that would take it (a Python bool or int here,
+        # from shapes, dtypes or specialized values: checking it costs no device sync)
+        self.create_node("call_function", check_traced_condition,
+                         (obj.node, value, self.where(), _expression(obj.node)), {})
         return value
 
     def iter(self, obj: fx.Proxy):
@@ -276,6 +281,9 @@ class SchedlangTracer(ExampleValues, fx.Tracer):
         else:
             n = len(example)
         self.specializations.append(f"len({obj.node.name}) = {n}")
+        if not isinstance(example, torch.Size):  # a shape's length is the rank: ops on a wrong rank fail by themselves
+            self.create_node("call_function", check_traced_length, (obj.node, n, self.where(), _expression(obj.node)),
+                             {})
         return n
 
     def _example_or_fail(self, obj: fx.Proxy, how: str) -> Any:

@@ -1,4 +1,5 @@
-"""The guard that generated code runs: a specialized argument must keep its traced value."""
+"""The guards that generated code runs: a specialized argument must keep its traced value, and a
+condition or a length that Python read while tracing must come out the same."""
 
 from __future__ import annotations
 
@@ -55,13 +56,37 @@ def _specialization_failed(where, name, want, got) -> None:
         "a graph input)")
 
 
-try:  # keep the guard through dead-code elimination
+def check_traced_condition(value: Any, traced: bool, where: str, condition: str) -> None:
+    """Raise :class:`TraceError` if a condition that decided a Python branch while tracing (``if x.size(1) > 1``)
+    comes out otherwise now: the graph holds only the branch taken then."""
+    # `bool(value) != traced` would compare a symbolic bool (under torch.compile) with a constant, which fails
+    if (not value) if traced else value:
+        raise TraceError(
+            f"{where}: the graph was traced where '{condition}' was {traced}, and now it is {not traced}; the graph "
+            "holds only the branch taken while tracing, so it cannot run on these inputs; trace the module again "
+            "with example inputs of this kind (concrete_args), or keep it whole as a leaf (leaf_modules=[...])")
+
+
+def check_traced_length(value: Any, traced: int, where: str, what: str) -> None:
+    """Raise :class:`TraceError` if a value whose length Python read while tracing (a loop over a tensor's rows,
+    a list unpacked) now has another length: the graph was unrolled to the traced one."""
+    if len(value) != traced:
+        raise TraceError(
+            f"{where}: the graph was traced where len({what}) was {traced}, and now it is {len(value)}; the graph "
+            "was unrolled to the traced length, so it cannot run on these inputs; trace the module again with "
+            "example inputs of this size (concrete_args), or keep it whole as a leaf (leaf_modules=[...])")
+
+
+_GUARDS = (check_specialized_arguments, check_traced_condition, check_traced_length)
+try:  # keep the guards through dead-code elimination
     from torch.fx.node import has_side_effect as _has_side_effect
 
-    _has_side_effect(check_specialized_arguments)
+    for _guard in _GUARDS:
+        _has_side_effect(_guard)
 except ImportError:  # pragma: no cover - old torch
     pass
 
-register_leaf_function(check_specialized_arguments)
+for _guard in _GUARDS:
+    register_leaf_function(_guard)
 
 
