@@ -55,7 +55,10 @@ def report_memory(msg: str = "", report_gc: bool = False) -> float:
         for obj in gc.get_objects():
             try:
                 if torch.is_tensor(obj):
-                    count, elements = count + 1, elements + obj.numel()
+                    numel = obj.numel()
+                    if type(numel) is not int:  # a compiler's fake tensor of symbolic shape holds no memory
+                        continue
+                    count, elements = count + 1, elements + numel
             except Exception:  # objects that fail on inspection are not tensors we can count
                 continue
         logger.info("%s live tensors: %d (%d elements)", msg, count, elements)

@@ -576,11 +576,14 @@ def test_a_branch_taken_while_tracing_is_checked_when_the_graph_runs():
     traced.float()
     again = trace_module(model, concrete_args={"x": torch.randn(5, 2, 6)})  # the way out the message gives
     _check_fwd_bwd(model, again, torch.randn(5, 2, 6))
-    for dynamic in (False, True):  # torch.compile keeps the checks (as guards of its own)
-        compiled = torch.compile(traced, backend="eager", dynamic=dynamic)
-        torch.testing.assert_close(compiled(x := torch.randn(3, 9, 6)), model(x))
-        with pytest.raises(TraceError, match="was True, and now it is False"):
-            compiled(torch.randn(3, 2, 6))
+    try:
+        for dynamic in (False, True):  # torch.compile keeps the checks (as guards of its own)
+            compiled = torch.compile(traced, backend="eager", dynamic=dynamic)
+            torch.testing.assert_close(compiled(x := torch.randn(3, 9, 6)), model(x))
+            with pytest.raises(TraceError, match="was True, and now it is False"):
+                compiled(torch.randn(3, 2, 6))
+    finally:
+        torch._dynamo.reset()  # drop the compiled frames and their symbolic shapes
 
 
 def test_ranks_and_hf_blocks_add_no_checks_of_their_own():

@@ -86,6 +86,22 @@ def test_memory_and_profile_reports_are_logged_not_printed(caplog, capsys):
     assert capsys.readouterr().out == ""
 
 
+def test_memory_report_skips_tensors_of_symbolic_shape(caplog, monkeypatch):
+    # torch.compile with dynamic shapes keeps fake tensors whose sizes are symbols: they hold no memory, and
+    # adding their symbolic sizes up broke the report once their shape environment was gone
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    dynamic = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.DYNAMIC])
+    symbolic = FakeTensorMode(shape_env=ShapeEnv()).from_tensor(torch.randn(3, 5), symbolic_context=dynamic)
+    assert type(symbolic.numel()) is not int
+    real = torch.randn(7, 11)
+    monkeypatch.setattr(report.gc, "get_objects", lambda: [real, symbolic, "not a tensor"])
+    with caplog.at_level(logging.INFO, logger="schedlang"):
+        report.report_memory("after compile", report_gc=True)
+    assert "after compile live tensors: 1 (77 elements)" in caplog.text
+
+
 def test_logger_lives_under_schedlang_and_takes_ranks(caplog):
     log = slapo.get_logger("train")
     assert log.logger.name == "schedlang.train" and slapo.get_logger("train") is log
