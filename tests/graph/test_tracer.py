@@ -586,7 +586,7 @@ def test_a_branch_taken_while_tracing_is_checked_when_the_graph_runs():
         torch._dynamo.reset()  # drop the compiled frames and their symbolic shapes
 
 
-def test_ranks_and_hf_blocks_add_no_checks_of_their_own():
+def test_a_shape_unpacked_adds_no_check():
     # a shape's length is its rank: a graph on the wrong rank fails in its own ops, so no check is added
     traced = trace_module(Stack().eval())
     assert not any(n.target.__name__.startswith("check_traced") for m in traced.modules()

@@ -255,3 +255,19 @@ def test_verify_checks_a_gpt2_block_with_dropout_traced_in_training_mode_in_both
             sch[block].trace()
     assert any(c.startswith("training mode: ") for c in verify.report.compared)
     assert any(not c.startswith("training mode: ") and not c.startswith("buffer") for c in verify.report.compared)
+
+
+def test_llama_traces_to_the_same_graph_in_both_modes_without_checks():
+    # LLaMA's attention passes dropout=0.0 in both modes and unpacks only shapes: its graphs get no mode
+    # modules, no mode guard and no run-time checks, so what the benchmarks compile is what it was
+    model = _llama("sdpa").train()
+    sch = schedlang.create_schedule(model)
+    sch.trace()
+    graphs = [m for m in sch.mod.modules() if isinstance(m, fx.GraphModule)]
+    assert len(graphs) > 4
+    assert not any(isinstance(m, schedlang.graph.ModeDependentCall) for m in sch.mod.modules())
+    assert not any(m._forward_pre_hooks for m in graphs)
+    assert not any(getattr(n.target, "__name__", "").startswith("check_traced") for m in graphs for n in m.graph.nodes)
+    model.eval()
+    sch.mod.eval()
+    _assert_same(model, sch.mod, _ids())
