@@ -236,17 +236,16 @@ class FunctionalDropoutNet(nn.Module):
         return self.head(self.second(self.first(x)))
 
 
-def _mode_fixed_schedule(mode: str):
+def _mode_fixed_schedule(mode: str, block=TrainingOnlyDropout):
     torch.manual_seed(0)
-    model = FunctionalDropoutNet()
+    model = FunctionalDropoutNet(block)
     getattr(model, mode)()
     return schedlang.create_schedule(model), torch.randn(3, 7, 12)
 
 
 def test_a_graph_with_functional_dropout_traced_in_training_mode_is_verified_in_both_modes():
-    torch.manual_seed(0)
-    sch = schedlang.create_schedule(FunctionalDropoutNet(FunctionalDropout).train())
-    verify = schedlang.Verify(sch, example_inputs=[torch.randn(3, 7, 12)])
+    sch, x = _mode_fixed_schedule("train", block=FunctionalDropout)
+    verify = schedlang.Verify(sch, example_inputs=[x])
     with warnings.catch_warnings():
         warnings.simplefilter("error", schedlang.verify.VerifyWarning)
         with verify:

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...errors import TraceError
-from .traced_module import ModuleAttributes
+from .traced_module import ModuleAttributes, _lookup
 
 logger = logging.getLogger("schedlang.graph.tracer")
 
@@ -236,7 +236,7 @@ def _recorded_call(node: fx.Node, owner: nn.Module, inputs: List[fx.Node]) -> Tu
     ``inputs``, appended in order of first use), snapshots of modules stay as recorded."""
     def mark(a):
         if a.op == "get_attr":
-            value = _attribute(owner, a.target)
+            value = _lookup(owner, a.target)
             if isinstance(value, ModuleAttributes):
                 return value
         if a not in inputs:
@@ -246,13 +246,6 @@ def _recorded_call(node: fx.Node, owner: nn.Module, inputs: List[fx.Node]) -> Tu
     args = fx.node.map_arg(node.args, mark)
     kwargs = fx.node.map_arg(node.kwargs, mark)
     return args, dict(kwargs)
-
-
-def _attribute(owner: nn.Module, target: str) -> Any:
-    value = owner
-    for part in target.split("."):
-        value = getattr(value, part, None)
-    return value
 
 
 def _free_name(owner: nn.Module, base: str) -> str:
@@ -302,7 +295,7 @@ def follow_training_mode(gm: fx.GraphModule, other: fx.GraphModule, traced_train
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
     for node in list(gm.graph.nodes):  # module snapshots no call reads any more
-        if node.op == "get_attr" and not node.users and isinstance(_attribute(gm, node.target), ModuleAttributes):
+        if node.op == "get_attr" and not node.users and isinstance(_lookup(gm, node.target), ModuleAttributes):
             gm.graph.erase_node(node)
     gm.recompile()
     return True
