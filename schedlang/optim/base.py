@@ -7,7 +7,9 @@ multi-tensor kernel of :mod:`schedlang.kernels`. The launch tables of a bucket a
 :class:`~schedlang.kernels.multi_tensor_apply.ChunkTables` between steps.
 
 DTensor parameters are updated through their local shard (their state is a DTensor laid out like
-the parameter, as torch.optim makes it), so DTensor and plain parameters mix freely in a group.
+the parameter, as torch.optim makes it), so DTensor and plain parameters mix freely in a group. A
+DTensor gradient laid out otherwise than its parameter (``Replicate`` or ``Partial`` for a sharded
+weight) is first redistributed to the parameter's placements, as torch.optim's DTensor ops do.
 torchao's float8 weights under FSDP2 are updated through the tensor they wrap; any other tensor
 subclass goes through the kernels' PyTorch reference, whose ops it dispatches itself.
 """
@@ -246,8 +248,41 @@ class FusedOptimizer(torch.optim.Optimizer):
                 raise ScheduleTypeError(
                     f"{type(self).__name__}: the gradient of parameter {i} of param group {gi} has "
                     f"dtype {grad.dtype}; the fused kernels read only {_DTYPE_NAMES} gradients")
-            entries.append((p, grad))
+            entries.append((p, self._grad_laid_out_like(p, grad, i, gi)))
         return entries
+
+    def _grad_laid_out_like(self, p: torch.Tensor, grad: torch.Tensor, i: int, gi: int) -> torch.Tensor:
+        """``grad`` with ``p``'s layout: the kernels pair each parameter's local shard with its gradient's.
+
+        A DTensor gradient can come out of the backward laid out otherwise than its parameter: torch's
+        ``RowwiseParallel`` embedding, for one, gives its ``Shard(0)`` weight a ``Replicate`` gradient, and a
+        ``Partial`` gradient is a sum not yet taken. torch.optim's DTensor ops bring such a gradient to the
+        parameter's placements before updating; so does this (slicing a replicated gradient, reducing a
+        partial one: a collective, which every rank makes for the same parameters in the same order). Read
+        as it is, the local tensor would pair shard ``k`` of the parameter with other rows of the gradient."""
+        dtensor = _dtensor_class()
+        if not dtensor or (not isinstance(p, dtensor) and not isinstance(grad, dtensor)):
+            return grad
+        owner, where = type(self).__name__, f"parameter {i} of param group {gi}"
+        if not isinstance(p, dtensor) or not isinstance(grad, dtensor):
+            kind = "a DTensor" if isinstance(p, dtensor) else "a plain tensor"
+            raise ScheduleTypeError(
+                f"{owner}: {where} is {kind} (shape {tuple(p.shape)}) but its gradient is "
+                f"{'a DTensor' if isinstance(grad, dtensor) else 'a plain tensor'}; a DTensor parameter needs a "
+                "DTensor gradient and a plain one a plain gradient (was .grad set by hand?)")
+        if grad.device_mesh != p.device_mesh:
+            raise ScheduleValueError(
+                f"{owner}: the gradient of {where} lives on mesh {grad.device_mesh}, the parameter on "
+                f"{p.device_mesh}; a gradient must be on its parameter's mesh")
+        if tuple(grad.placements) != tuple(p.placements):
+            logger.debug("%s: the gradient of %s is laid out as %s, its parameter as %s; redistributed",
+                         owner, where, grad.placements, p.placements)
+            grad = grad.redistribute(p.device_mesh, p.placements)
+        if grad._local_tensor.shape != p._local_tensor.shape:
+            raise ScheduleValueError(
+                f"{owner}: the local gradient of {where} has shape {tuple(grad._local_tensor.shape)}, the "
+                f"parameter's local shard {tuple(p._local_tensor.shape)}; they must match")
+        return grad
 
     def _build_plan(self, gi: int, group: dict, entries):
         """Create missing state, sort tensors into buckets, prepare one launcher per bucket."""

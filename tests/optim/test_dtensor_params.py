@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from schedlang.errors import ScheduleTypeError
 from schedlang.optim import FusedAdamW, FusedSGD
 
 from .common import assert_params_close
@@ -67,3 +68,75 @@ def test_dtensor_and_plain_params_together(mesh, kind):
     loaded = opt2.state[fresh[0]][key]
     assert isinstance(loaded, DTensor) and loaded.dtype == torch.float32
     assert torch.equal(loaded.to_local(), opt.state[ours[0]][key].to_local())
+
+
+# -------------------------------------------------------------- gradients laid out otherwise than their parameter
+# (parameter placement, gradient placement): torch's RowwiseParallel embedding gives its Shard(0) weight a Replicate
+# gradient; a Partial gradient is a per-rank share of the sum; the last pair is the usual case
+_LAYOUTS = [("shard0", "replicate"), ("shard0", "partial"), ("shard1", "replicate"), ("replicate", "partial"),
+            ("shard0", "shard0")]
+_FULL_SHAPE = (6, 10)  # rows and columns split evenly over 2 ranks
+
+
+def _placement(name: str):
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    return {"shard0": Shard(0), "shard1": Shard(1), "replicate": Replicate(), "partial": Partial()}[name]
+
+
+def _laid_out(full: torch.Tensor, mesh, name: str):
+    """``full`` as a DTensor with placement ``name``; a Partial one holds a different share on each rank."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if name != "partial":
+        return distribute_tensor(full.clone(), mesh, [_placement(name)])
+    rank, world = dist.get_rank(), dist.get_world_size()
+    share = full * (rank + 1) / (world * (world + 1) / 2)  # the ranks' shares add up to ``full``
+    return DTensor.from_local(share, mesh, [_placement("partial")], run_check=False)
+
+
+def _mismatched_layout_worker(rank, world, kind):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)  # the same values on every rank
+    fulls = [torch.randn(_FULL_SHAPE) for _ in _LAYOUTS]
+    ours = [_laid_out(f, mesh, p).requires_grad_(True) for f, (p, _) in zip(fulls, _LAYOUTS)]
+    ref = [f.clone().requires_grad_(True) for f in fulls]
+    if kind == "adamw":
+        opt, ref_opt = FusedAdamW(ours, lr=1e-2, weight_decay=0.1), torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1)
+    else:
+        opt, ref_opt = FusedSGD(ours, lr=0.05, momentum=0.9), torch.optim.SGD(ref, lr=0.05, momentum=0.9)
+    for _ in range(3):
+        grads = [torch.randn(_FULL_SHAPE) for _ in _LAYOUTS]
+        for p, r, g, (_, g_layout) in zip(ours, ref, grads, _LAYOUTS):
+            p.grad = _laid_out(g, mesh, g_layout)
+            r.grad = g.clone()
+        opt.step()
+        ref_opt.step()
+    for p, r, (p_layout, g_layout) in zip(ours, ref, _LAYOUTS):
+        assert tuple(p.placements) == (_placement(p_layout),), "the parameter keeps its layout"
+        torch.testing.assert_close(p.full_tensor(), r.detach(), msg=lambda m: f"{p_layout} / {g_layout}: {m}")
+    # the gradients themselves are left as the backward made them
+    assert [tuple(p.grad.placements) for p in ours] == [(_placement(g),) for _, g in _LAYOUTS]
+
+
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+def test_a_gradient_laid_out_otherwise_than_its_parameter_updates_the_right_shard(kind):
+    """Each rank's shard must be updated from its own rows of the gradient: read as it is, the local tensor
+    of a replicated gradient would give every rank the first rows, and a partial one its share of the sum."""
+    from tests.helpers.distributed import run_distributed
+
+    run_distributed(_mismatched_layout_worker, world_size=2, args=(kind,), timeout=120)
+
+
+def test_a_plain_gradient_on_a_dtensor_parameter_is_refused(mesh):
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    p = distribute_tensor(torch.randn(4, 3), mesh, [Shard(0)]).requires_grad_(True)
+    p.grad = torch.randn(4, 3)
+    opt = FusedAdamW([p], lr=1e-2)
+    before = p.to_local().clone()
+    with pytest.raises(ScheduleTypeError, match=r"parameter 0 of param group 0 is a DTensor .* plain tensor"):
+        opt.step()
+    assert torch.equal(p.to_local(), before) and not opt.state[p]
