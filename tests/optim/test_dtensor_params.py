@@ -1,5 +1,7 @@
-"""DTensor and plain parameters in one fused optimizer (one gloo rank: DTensor's local shard
-is the whole tensor), against torch.optim's single-tensor path."""
+"""DTensor and plain parameters in one fused optimizer, against torch.optim: on one gloo rank (DTensor's local
+shard is the whole tensor), and on two, with gradients laid out otherwise than their parameters."""
+
+import copy
 
 import pytest
 import torch
@@ -140,3 +142,36 @@ def test_a_plain_gradient_on_a_dtensor_parameter_is_refused(mesh):
     with pytest.raises(ScheduleTypeError, match=r"parameter 0 of param group 0 is a DTensor .* plain tensor"):
         opt.step()
     assert torch.equal(p.to_local(), before) and not opt.state[p]
+
+
+def _vocab_parallel_embedding_worker(rank, world):
+    """torch's own vocabulary-parallel embedding (``RowwiseParallel`` on an ``nn.Embedding``, as torchtitan's
+    plan has it): its Shard(0) weight gets a Replicate gradient."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Embedding(14, 6), nn.Linear(6, 5))
+    model = parallelize_module(copy.deepcopy(ref), mesh,
+                               {"0": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())})
+    opt = FusedAdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    for step in range(3):
+        ids = torch.randint(0, 14, (3, 7), generator=torch.Generator().manual_seed(step))
+        for m, o in ((model, opt), (ref, ref_opt)):
+            o.zero_grad()
+            m(ids).square().mean().backward()
+            o.step()
+    assert model[0].weight.placements == (Shard(0),)
+    assert model[0].weight.grad.placements == (Replicate(),), "torch's layout this test is about"
+    torch.testing.assert_close(model[0].weight.full_tensor(), ref[0].weight.detach())
+    torch.testing.assert_close(model[1].weight.detach(), ref[1].weight.detach())
+
+
+def test_torchs_vocabulary_parallel_embedding_trains_as_one_process():
+    from tests.helpers.distributed import run_distributed
+
+    run_distributed(_vocab_parallel_embedding_worker, world_size=2, timeout=120)
