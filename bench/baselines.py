@@ -130,6 +130,7 @@ class Context:
 
     def __init__(self, args, device, world):
         self.args, self.device, self.world = args, device, world
+        self.lr = getattr(args, "lr", None) or LR
         self.cuda = device.type == "cuda"
         self.bf16 = self.cuda  # --tiny runs in fp32 on the CPU
         self._meshes: Dict[Any, Any] = {}
@@ -147,15 +148,22 @@ class Context:
         return MixedPrecisionPolicy()
 
     def optimizer(self, params_or_groups) -> torch.optim.Optimizer:
-        """The run's AdamW (lr 1e-4, weight decay 0.01), the same class and kind for every variant."""
+        """The run's AdamW (lr ``--lr``, 1e-4 by default; weight decay 0.01), the same class and kind for every
+        variant."""
         if self.args.optimizer == "schedlang-fused":
             from schedlang.optim import FusedAdamW
 
             params = [p for g in params_or_groups for p in (g["params"] if isinstance(g, dict) else [g])]
-            return FusedAdamW(params, lr=LR, weight_decay=0.01)
+            return FusedAdamW(params, lr=self.lr, weight_decay=0.01)
         # torch's fused AdamW on GPUs; on the CPU (--tiny) its foreach twin, which takes DTensors on gloo
         kind = {"fused": True} if self.cuda else {"foreach": True}
-        return torch.optim.AdamW(params_or_groups, lr=LR, weight_decay=0.01, **kind)
+        return torch.optim.AdamW(params_or_groups, lr=self.lr, weight_decay=0.01, **kind)
+
+    def optimizer_name(self) -> str:
+        """What :meth:`optimizer` makes, as the rows record it."""
+        if self.args.optimizer == "torch-fused" and not self.cuda:
+            return "torch.optim.AdamW(foreach=True)"
+        return OPTIMIZERS[self.args.optimizer]
 
     def mesh(self, dp: int, tp: int):
         """A ("dp", "tp") DeviceMesh made with torch alone, for the baselines."""

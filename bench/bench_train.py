@@ -99,8 +99,8 @@ plain model eagerly on its share of the batch, forward and backward; every varia
 must match it (1e-2 relative in bf16, 1e-4 in fp32), and so must the direction of its first gradient
 (``grad_cosine``: the cosine of random projections of both gradients, per parameter, at least 0.98 in
 bf16, 0.9999 in fp32, 0.8 for the float8 works; at a random initialization the loss and the gradient norm hardly depend on the
-labels, the gradient's direction does); its gradient norm after the first backward and its loss after
-the warm-up steps must match the work's first variant that passed (5% / 2%). A variant that fails
+labels, the gradient's direction does); its gradient norm after the first backward and its loss at each
+warm-up step after the first must match the work's first variant that passed (5% / 2%). A variant that fails
 records "FAIL <error>" and the others still run.
 
 Timing: ``--warmup`` steps, then ``--repeats`` repeats of ``--iters`` steps between CUDA events;
@@ -270,8 +270,8 @@ def make_schedlang_single(ctx: B.Context, cfg, optimize: bool, float8=None, cuda
         from schedlang.optim import FusedAdamW, master_weight_groups
 
         model, _ = schedlang.build(sch)
-        opt = (LayerwiseOverlappedAdamW(model, ctx.device) if overlap_optimizer
-               else FusedAdamW(master_weight_groups(model), lr=B.LR, weight_decay=0.01))
+        opt = (LayerwiseOverlappedAdamW(model, ctx.device, ctx.lr) if overlap_optimizer
+               else FusedAdamW(master_weight_groups(model), lr=ctx.lr, weight_decay=0.01))
     else:
         model, opt = _build(ctx, sch)
     del sch  # the schedule holds the original; let it go before the timed steps
@@ -296,7 +296,7 @@ class LayerwiseOverlappedAdamW:
     weights). The first backward runs with the hooks off, so the row's gradient check sees every gradient
     before any step; the updates are the same as one FusedAdamW's (AdamW is per element)."""
 
-    def __init__(self, model, device):
+    def __init__(self, model, device, lr: float = B.LR):
         from schedlang.optim import FusedAdamW, master_weight_groups
 
         layers = list(B.blocks(model))
@@ -306,8 +306,8 @@ class LayerwiseOverlappedAdamW:
         rest_groups = [{**g, "params": [p for p in g["params"] if id(p) not in in_layers]}
                        for g in master_weight_groups(model)]
         rest_groups = [g for g in rest_groups if g["params"]]
-        self.layer_optimizers = [FusedAdamW(groups, lr=B.LR, weight_decay=0.01) for groups in layer_groups]
-        self.rest = FusedAdamW(rest_groups, lr=B.LR, weight_decay=0.01)
+        self.layer_optimizers = [FusedAdamW(groups, lr=lr, weight_decay=0.01) for groups in layer_groups]
+        self.rest = FusedAdamW(rest_groups, lr=lr, weight_decay=0.01)
         self.device = device
         self.side = None  # the side stream, made at the first overlapped step (a CPU model never needs one)
         self.enabled = False
@@ -476,7 +476,7 @@ def make_schedlang_ddp(ctx: B.Context, cfg, reduce_dtype: str = "float32", float
     sch = schedlang.create_schedule(B.full_model(cfg, ctx.device), mesh=mesh)
     sch.replicate(mp_policy={"reduce_dtype": reduce_dtype})
     info = _optimize(ctx, sch, float8=float8)
-    model, opt = schedlang.build(sch, optimizer="adamw", master_weights=True, lr=B.LR, weight_decay=0.01)
+    model, opt = schedlang.build(sch, optimizer="adamw", master_weights=True, lr=ctx.lr, weight_decay=0.01)
     del sch
     return B.Setup(model, opt, _labels_loss(ctx, model), dp=ctx.world, dp_rank=mesh.get_local_rank("dp"),
                    notes={"loss": "fused linear + cross entropy (labels=)", "optimize": info, "compile": "layers",
@@ -596,7 +596,7 @@ def run_work(ctx: B.Context, work_name: str, variants: List[str]) -> List[dict]:
     rows_global = batch * world if work.data_parallel else batch
     ids, labels = harness.global_batch(cfg.vocab_size, rows_global, seq, device)
     common = {"layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size, "batch": rows_global, "seq": seq,
-              "optimizer": B.OPTIMIZERS[args.optimizer], "baseline": work.baseline + suffix,
+              "optimizer": ctx.optimizer_name(), "lr": ctx.lr, "baseline": work.baseline + suffix,
               "dtype": "bf16 autocast / fp32 weights" if ctx.bf16 else "fp32", "use_cache": False,
               "compiled": bool(args.compile)}
     if work.needs:
@@ -670,6 +670,9 @@ def parse_args(argv=None):
                         help="the AdamW of every row: torch's fused one or schedlang.optim.FusedAdamW")
     parser.add_argument("--batch", type=int, default=None, help="sequences (per GPU for data-parallel works)")
     parser.add_argument("--seq", type=int, default=None)
+    parser.add_argument("--lr", type=float, default=B.LR,
+                        help="the AdamW learning rate of every row (a larger one makes the loss check after the "
+                             "warm-up steps see a wrong update on the tiny models)")
     parser.add_argument("--layers-8b", type=int, default=8, help="decoder layers of llama-8b-layers-2gpu")
     parser.add_argument("--tp2d", type=int, default=2, help="tensor-parallel size of the 2-D (dp x tp) variants")
     parser.add_argument("--warmup", type=int, default=3, help="warm-up steps (compilation; their losses are checked)")

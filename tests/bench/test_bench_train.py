@@ -25,7 +25,7 @@ def test_tiny_run_checks_every_variant_against_eager(bench, tmp_path):
     for r in rows:
         assert r["check"] == "ok", r
         assert r["role"] == ("schedlang" if r["variant"].startswith("schedlang") else "baseline")
-        assert r["baseline"] == "titan-style" and r["optimizer"] == "torch.optim.AdamW(fused=True)"
+        assert r["baseline"] == "titan-style" and r["optimizer"] == "torch.optim.AdamW(foreach=True)"  # its CPU twin
         assert r["use_cache"] is False and r["dtype"] == "fp32"
         assert len(r["ms_runs"]) == 2 and r["ms"] > 0 and r["host_ms"] > 0 and r["tokens_per_s"] > 0
         assert len(r["losses"]) == 3 and r["loss"]
@@ -76,8 +76,11 @@ def test_unknown_variant_is_a_failed_row_naming_the_valid_ones(bench, tmp_path):
     assert row["check"].startswith("FAIL ValueError: unknown variant 'turbo': valid are eager, compile, titan-style")
 
 
-def test_two_rank_works_on_gloo(tmp_path):
-    """The tensor-parallel and data-parallel variants under torchrun (2 CPU ranks, gloo)."""
+@pytest.mark.parametrize("optimizer", ["torch-fused", "schedlang-fused"])
+def test_two_rank_works_on_gloo(tmp_path, optimizer):
+    """The tensor-parallel and data-parallel variants under torchrun (2 CPU ranks, gloo), with torch's AdamW and
+    with schedlang's FusedAdamW on every row. The learning rate is large enough that a wrong update of any
+    shard moves a warm-up loss past the check's tolerance (at the default 1e-4 it hid one)."""
     import os
     import subprocess
     import sys
@@ -89,7 +92,7 @@ def test_two_rank_works_on_gloo(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script), "--tiny",
          "--work", "llama-1.1b-tp2,llama-1.1b-2gpu", "--variants", variants, "--results-dir", str(tmp_path),
-         "--repeats", "1", "--iters", "1", "--warmup", "2"],
+         "--repeats", "1", "--iters", "1", "--warmup", "2", "--lr", "1e-2", "--optimizer", optimizer],
         capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert result.returncode == 0, result.stderr[-3000:]
     (path,) = tmp_path.glob("*-train-tiny.json")
@@ -97,7 +100,10 @@ def test_two_rank_works_on_gloo(tmp_path):
     rows = data["rows"]
     assert data["ranks"] == 2 and len(rows) == 14
     for r in rows:
-        assert r["check"] == "ok", r
+        assert r["check"] == "ok" and r["lr"] == 1e-2, r
+        assert r["optimizer"] == ("schedlang.optim.FusedAdamW" if optimizer == "schedlang-fused"
+                                  else "torch.optim.AdamW(foreach=True)"), r
+        r["variant"], r["baseline"] = r["variant"].removesuffix("+FusedAdamW"), r["baseline"].removesuffix("+FusedAdamW")
     layouts = {(r["work"], r["variant"]): r["layout"] for r in rows}
     assert layouts[("llama-1.1b-tp2", "schedlang-tp")] == "dp=1 x tp=2"
     assert layouts[("llama-1.1b-2gpu", "schedlang-fsdp-optimize")] == "dp=2 x tp=1"

@@ -15,7 +15,10 @@ def test_check_losses_passes_and_fails(bench):
     assert ok["check"] == "ok" and ok["losses"] == [10.41, 9.91, 9.52]
     bad = h.check_losses([10.9, 9.9, 9.1], 2.5, 10.4, anchor, h.TOL_BF16)
     assert bad["check"] == ("FAIL first loss 10.9000 vs eager 10.4000; grad norm 2.5 vs titan-style 2; "
-                            "loss after 3 steps 9.1000 vs titan-style 9.5000")
+                            "loss of step 3 9.1000 vs titan-style 9.5000")
+    # a step off the anchor's path fails even where the last step comes back onto it
+    detour = h.check_losses([10.41, 9.6, 9.51], 2.02, 10.4, anchor, h.TOL_BF16)
+    assert detour["check"] == "FAIL loss of step 2 9.6000 vs titan-style 9.9000"
     nan = h.check_losses([math.nan], 1.0, 10.4, None, h.TOL_FP32)
     assert nan["check"].startswith("FAIL first loss nan vs eager 10.4000") and "non-finite" in nan["check"]
 
