@@ -103,7 +103,8 @@ def test_two_rank_works_on_gloo(tmp_path, optimizer):
         assert r["check"] == "ok" and r["lr"] == 1e-2, r
         assert r["optimizer"] == ("schedlang.optim.FusedAdamW" if optimizer == "schedlang-fused"
                                   else "torch.optim.AdamW(foreach=True)"), r
-        r["variant"], r["baseline"] = r["variant"].removesuffix("+FusedAdamW"), r["baseline"].removesuffix("+FusedAdamW")
+        for key in ("variant", "baseline"):
+            r[key] = r[key].removesuffix("+FusedAdamW")
     layouts = {(r["work"], r["variant"]): r["layout"] for r in rows}
     assert layouts[("llama-1.1b-tp2", "schedlang-tp")] == "dp=1 x tp=2"
     assert layouts[("llama-1.1b-2gpu", "schedlang-fsdp-optimize")] == "dp=2 x tp=1"
