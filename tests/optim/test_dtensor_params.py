@@ -175,3 +175,54 @@ def test_torchs_vocabulary_parallel_embedding_trains_as_one_process():
     from tests.helpers.distributed import run_distributed
 
     run_distributed(_vocab_parallel_embedding_worker, world_size=2, timeout=120)
+
+
+def _sequence_parallel_worker(rank, world):
+    """torch's ``SequenceParallel`` norm (torchtitan's plan): its Replicate weight and bias get Partial gradients,
+    each rank's share of the sum over the sequence it holds."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Partial, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
+                                                   parallelize_module)
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm, self.up, self.down = nn.LayerNorm(8), nn.Linear(8, 12), nn.Linear(12, 8)
+
+        def forward(self, x):
+            return self.down(torch.relu(self.up(self.norm(x))))
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    ref = Block()
+    model = parallelize_module(copy.deepcopy(ref), mesh, {
+        "norm": SequenceParallel(), "up": ColwiseParallel(input_layouts=Shard(1)),
+        "down": RowwiseParallel(output_layouts=Shard(1))})
+    opt = FusedAdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    for step in range(3):
+        x = torch.randn(3, 6, 8, generator=torch.Generator().manual_seed(step))
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        # SequenceParallel takes each rank's part of the sequence (3 of the 6 positions); the losses of the
+        # ranks' parts add up to the whole sequence's
+        model(x[:, 3 * rank:3 * (rank + 1)]).square().sum().backward()
+        ref(x).square().sum().backward()
+        opt.step()
+        ref_opt.step()
+    assert model.norm.weight.grad.placements == (Partial(),), "torch's layout this test is about"
+    for (name, p), r in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.full_tensor(), r.detach(), msg=lambda m: f"{name}: {m}")
+    # every rank holds the same norm weights (each stepped from the whole sum, not its own share)
+    mine = model.norm.weight.to_local().clone()
+    gathered = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(gathered, mine)
+    assert all(torch.equal(g, gathered[0]) for g in gathered)
+
+
+def test_torchs_sequence_parallel_norm_trains_as_one_process():
+    from tests.helpers.distributed import run_distributed
+
+    run_distributed(_sequence_parallel_worker, world_size=2, timeout=120)
