@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from schedlang.errors import ScheduleTypeError
+from schedlang.errors import ScheduleTypeError, ScheduleValueError
 from schedlang.optim import FusedAdamW, FusedSGD
 
 from .common import assert_params_close
@@ -130,6 +130,32 @@ def test_a_gradient_laid_out_otherwise_than_its_parameter_updates_the_right_shar
     from tests.helpers.distributed import run_distributed
 
     run_distributed(_mismatched_layout_worker, world_size=2, args=(kind,), timeout=120)
+
+
+def test_a_dtensor_gradient_on_a_plain_parameter_is_refused(mesh):
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    p = torch.randn(4, 3, requires_grad=True)
+    p.grad = distribute_tensor(torch.randn(4, 3), mesh, [Shard(0)])
+    opt = FusedSGD([p], lr=0.1)
+    before = p.detach().clone()
+    with pytest.raises(ScheduleTypeError, match=r"parameter 0 of param group 0 is a plain tensor .* a DTensor"):
+        opt.step()
+    assert torch.equal(p.detach(), before)
+
+
+def test_a_gradient_on_another_mesh_is_refused(mesh):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    p = distribute_tensor(torch.randn(4, 3), mesh, [Shard(0)]).requires_grad_(True)
+    p.grad = distribute_tensor(torch.randn(4, 3), init_device_mesh("cpu", (1,), mesh_dim_names=("tp",)), [Shard(0)])
+    opt = FusedAdamW([p], lr=1e-2)
+    before = p.to_local().clone()
+    with pytest.raises(ScheduleValueError, match=r"FusedAdamW: the gradient of parameter 0 of param group 0 lives on "
+                                                 r"mesh .* a gradient must be on its parameter's mesh"):
+        opt.step()
+    assert torch.equal(p.to_local(), before) and not opt.state[p]
 
 
 def test_a_plain_gradient_on_a_dtensor_parameter_is_refused(mesh):
