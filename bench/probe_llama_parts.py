@@ -3,9 +3,10 @@
     python bench/probe_llama_parts.py      # on a GPU; prints one line per part and then all of them as JSON
     python bench/probe_llama_parts.py D    # only the norms (part D)
 
-At the shapes of ``bench_train.py --work llama-1.1b-1gpu`` (batch 4 x 2048 = 8192 tokens, hidden 2048, 32
-query and 4 key/value heads of 64, MLP 5632, bf16), each part forward and backward where it has one,
-timed with ``triton.testing.do_bench`` (median):
+At the shapes of ``bench_train.py --work llama-1.1b-1gpu`` (batch 4 x 2048 = 8192 tokens, hidden 2048, 16
+query and 16 key/value heads of 128, MLP 5632, bf16), each part forward and backward where it has one,
+timed with ``triton.testing.do_bench`` (median). (Parts A and C once ran at TinyLlama's grouped shape instead,
+32 query and 4 key/value heads of 64: the figures in ``bench/results/2026-11-27-llama-1gpu-analysis.md``.)
 
 * (A) the q/k/v projections as three GEMMs, as one GEMM on weights concatenated on every call, and on one
   stored concatenated weight; the same for the MLP's gate and up projections (with SiLU(gate) * up);
@@ -29,7 +30,8 @@ from typing import Callable, Dict
 import torch
 import torch.nn.functional as F
 
-TOKENS, HIDDEN, KV, INTERMEDIATE, VOCAB = 8192, 2048, 256, 5632, 32000
+TOKENS, HIDDEN, KV, INTERMEDIATE, VOCAB = 8192, 2048, 2048, 5632, 32000
+HEADS = 16  # of 128: key/value as many
 LAYERS, PARAMS = 22, 1_100_000_000
 BF16 = torch.bfloat16
 
@@ -138,8 +140,9 @@ def main(parts: str = "ABCD") -> Dict[str, float]:
         torch.autograd.backward([down, k, v, gate], [gq, gk, gv, gm])
 
     bench(layer_gemms, "layer_all_gemms_fwd_bwd")
-    heads = [torch.randn(4, 32, 2048, 64, device="cuda", dtype=BF16, requires_grad=True) for _ in range(3)]
-    grad_out = torch.randn(4, 32, 2048, 64, device="cuda", dtype=BF16)
+    shape = (4, HEADS, 2048, HIDDEN // HEADS)
+    heads = [torch.randn(*shape, device="cuda", dtype=BF16, requires_grad=True) for _ in range(3)]
+    grad_out = torch.randn(*shape, device="cuda", dtype=BF16)
     for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION):
         def attention(backend=backend):
             with sdpa_kernel(backend):
