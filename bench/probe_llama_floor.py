@@ -1,6 +1,7 @@
 """The floor of a LLaMA-1.1B training step on one GPU: the work a bf16 step cannot drop, timed as steps.
 
     python bench/probe_llama_floor.py [--rounds 2] [--results-dir DIR]   # on a GPU; bench/results by default
+    python bench/probe_llama_floor.py --tiny --rounds 1                  # 2 small layers on the CPU: the script runs
 
 At the shapes of ``bench_train.py --work llama-1.1b-1gpu`` (4 x 2048 tokens, hidden 2048, 16 heads of 128,
 MLP 5632, vocabulary 32000, 22 layers, bf16), three synthetic steps, each timed as the training steps are
@@ -27,7 +28,9 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Callable, Dict, List
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -35,38 +38,61 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402  (bench/harness.py)
 
-BATCH, SEQ, HIDDEN, HEADS, INTERMEDIATE, VOCAB, LAYERS = 4, 2048, 2048, 16, 5632, 32000, 22
-TOKENS = BATCH * SEQ
 BF16 = torch.bfloat16
-#: (output, input) features of each decoder layer's linears, in the order the forward runs them
-LAYER_LINEARS = [("q", HIDDEN, HIDDEN), ("k", HIDDEN, HIDDEN), ("v", HIDDEN, HIDDEN), ("o", HIDDEN, HIDDEN),
-                 ("gate", INTERMEDIATE, HIDDEN), ("up", INTERMEDIATE, HIDDEN), ("down", HIDDEN, INTERMEDIATE)]
 
 
-def n_params() -> int:
-    """Parameters of the work's model: 22 layers of 7 linears and 2 norms, the embedding, the final norm and
-    an untied LM head."""
-    layer = sum(out * inp for _, out, inp in LAYER_LINEARS) + 2 * HIDDEN
-    return LAYERS * layer + 2 * VOCAB * HIDDEN + HIDDEN
+@dataclass(frozen=True)
+class Shape:
+    """The model and batch of a synthetic step; the default is the work's."""
+
+    batch: int = 4
+    seq: int = 2048
+    hidden: int = 2048
+    heads: int = 16  # key/value heads as many
+    intermediate: int = 5632
+    vocab: int = 32000
+    layers: int = 22
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq
+
+    def linears(self) -> List[Tuple[str, int, int]]:
+        """(name, output, input features) of each decoder layer's linears, in the order the forward runs them."""
+        h, i = self.hidden, self.intermediate
+        return [("q", h, h), ("k", h, h), ("v", h, h), ("o", h, h), ("gate", i, h), ("up", i, h), ("down", h, i)]
 
 
-def step_flops() -> Dict[str, float]:
+WORK = Shape()
+#: a 2-layer shape that runs on the CPU in seconds: checks the script, measures nothing
+TINY = Shape(batch=2, seq=16, hidden=32, heads=2, intermediate=48, vocab=64, layers=2)
+
+
+def n_params(shape: Shape = WORK) -> int:
+    """Parameters of the model: per layer 7 linears and 2 norms, the embedding, the final norm and an untied
+    LM head."""
+    layer = sum(out * inp for _, out, inp in shape.linears()) + 2 * shape.hidden
+    return shape.layers * layer + 2 * shape.vocab * shape.hidden + shape.hidden
+
+
+def step_flops(shape: Shape = WORK) -> Dict[str, float]:
     """FLOPs of the GEMMs and the attention of one step, and their total: 2 per multiply-add, forward once and
     backward twice (input and weight gradients). Causal attention does half of its square, and its backward
     recomputes the scores, as cuDNN's and Flash's kernels do. (The harness's model FLOPs count the full square
     without the recompute, and the embedding as if it were a GEMM.)"""
-    linears = LAYERS * sum(out * inp for _, out, inp in LAYER_LINEARS) + VOCAB * HIDDEN
-    gemm = 3 * 2.0 * TOKENS * linears
-    product = 2.0 * BATCH * HEADS * SEQ * SEQ * (HIDDEN // HEADS) / 2  # one causal S x S x head_dim product
-    attention = LAYERS * (2 + 5) * product  # forward: scores, weighted sum; backward: 5 products
+    linears = shape.layers * sum(out * inp for _, out, inp in shape.linears()) + shape.vocab * shape.hidden
+    gemm = 3 * 2.0 * shape.tokens * linears
+    # one causal S x S x head_dim product over every head: half of 2 * batch * seq^2 * hidden
+    product = 2.0 * shape.batch * shape.seq * shape.seq * shape.hidden / 2
+    attention = shape.layers * (2 + 5) * product  # forward: scores, weighted sum; backward: 5 products
     return {"gemm": gemm, "attention": attention, "total": gemm + attention}
 
 
-def min_traffic_bytes() -> Dict[str, int]:
+def min_traffic_bytes(shape: Shape = WORK) -> Dict[str, int]:
     """The fewest HBM bytes the memory-bound work of one decoder layer moves in bf16, forward and backward, if
     every piece of it is one pass (read its inputs once, write its outputs once), and that of the embedding
-    and the loss. Activations of ``TOKENS x HIDDEN`` are ``a`` bytes, of ``TOKENS x INTERMEDIATE`` ``m``."""
-    a, m = TOKENS * HIDDEN * 2, TOKENS * INTERMEDIATE * 2
+    and the loss. Activations of ``tokens x hidden`` are ``a`` bytes, of ``tokens x intermediate`` ``m``."""
+    a, m = shape.tokens * shape.hidden * 2, shape.tokens * shape.intermediate * 2
     forward = (
         4 * a      # residual add + input norm: read the stream and the last layer's output, write both
         + 4 * a    # rotary embedding of q and k: read them, write them
@@ -76,37 +102,41 @@ def min_traffic_bytes() -> Dict[str, int]:
         5 * m      # SwiGLU: read gate, up and the product's gradient, write both gradients
         + 2 * 4 * a  # two norms: read the saved input, the gradient and the residual's gradient, write one
         + 4 * a)   # rotary: read the q and k gradients, write them
-    logits = TOKENS * VOCAB * 2
+    logits = shape.tokens * shape.vocab * 2
     ends = (
         2 * a + 2 * a        # embedding forward (gather, write) and backward (read the gradient, scatter)
-        + VOCAB * HIDDEN * 2  # the embedding's gradient, zeroed
+        + shape.vocab * shape.hidden * 2  # the embedding's gradient, zeroed
         + 4 * logits)        # the loss over chunks of logits: write, read, write the gradient, read it
     return {"layer_forward": forward, "layer_backward": backward, "ends": ends,
-            "step": LAYERS * (forward + backward) + ends}
+            "step": shape.layers * (forward + backward) + ends}
 
 
 class SyntheticStep:
     """The buffers of the synthetic steps: one weight per linear per layer (so every layer reads its own), a few
     activation buffers the layers reuse (their values do not change the kernels' work)."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, shape: Shape = WORK):
+        self.shape = shape
         g = torch.Generator(device=device).manual_seed(0)
 
-        def randn(*shape, scale=1.0, dtype=BF16):
-            return torch.randn(*shape, device=device, dtype=dtype, generator=g) * scale
+        def randn(*size, scale=1.0, dtype=BF16):
+            return torch.randn(*size, device=device, dtype=dtype, generator=g) * scale
 
-        self.weights = [{name: randn(out, inp, scale=0.02) for name, out, inp in LAYER_LINEARS}
-                        for _ in range(LAYERS)]
-        self.head = randn(VOCAB, HIDDEN, scale=0.02)
-        self.x = randn(TOKENS, HIDDEN)
-        self.mlp = randn(TOKENS, INTERMEDIATE)
-        self.grad_hidden = randn(TOKENS, HIDDEN)
-        self.grad_mlp = randn(TOKENS, INTERMEDIATE)
-        self.grad_logits = randn(TOKENS, VOCAB, scale=1e-4)
-        shape = (BATCH, HEADS, SEQ, HIDDEN // HEADS)
-        self.qkv = [randn(*shape).requires_grad_() for _ in range(3)]
-        self.grad_attention = randn(*shape)
-        self.traffic = min_traffic_bytes()
+        t, h, i = shape.tokens, shape.hidden, shape.intermediate
+        self.weights = [{name: randn(out, inp, scale=0.02) for name, out, inp in shape.linears()}
+                        for _ in range(shape.layers)]
+        self.head = randn(shape.vocab, h, scale=0.02)
+        self.x, self.mlp = randn(t, h), randn(t, i)
+        self.grad_hidden, self.grad_mlp = randn(t, h), randn(t, i)
+        self.grad_logits = randn(t, shape.vocab, scale=1e-4)
+        heads = (shape.batch, shape.heads, shape.seq, h // shape.heads)
+        self.qkv = [randn(*heads).requires_grad_() for _ in range(3)]
+        self.grad_attention = randn(*heads)
+        # cuDNN's attention on the GPU, as the work's steps run it; the math kernel elsewhere
+        from torch.nn.attention import SDPBackend
+
+        self.attention_backend = SDPBackend.CUDNN_ATTENTION if device.type == "cuda" else SDPBackend.MATH
+        self.traffic = min_traffic_bytes(shape)
         largest = max(self.traffic["layer_forward"], self.traffic["layer_backward"], self.traffic["ends"])
         # a copy moves twice its size: read the source, write the destination
         self.copy_src = torch.empty(largest // 2, device=device, dtype=torch.uint8)
@@ -114,8 +144,7 @@ class SyntheticStep:
         self.optimizer = None
 
     def add_optimizer(self) -> None:
-        count = n_params()
-        flat = torch.randn(count, device=self.x.device) * 0.02
+        flat = torch.randn(n_params(self.shape), device=self.x.device) * 0.02
         param = torch.nn.Parameter(flat)
         param.grad = torch.randn_like(flat) * 1e-3
         self.optimizer = torch.optim.AdamW([param], lr=1e-4, fused=True)
@@ -126,14 +155,14 @@ class SyntheticStep:
         self.copy_dst[:half].copy_(self.copy_src[:half])
 
     def step(self, traffic: bool) -> None:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
+        from torch.nn.attention import sdpa_kernel
 
-        x, mlp = self.x, self.mlp
+        x, mlp, linears = self.x, self.mlp, self.shape.linears()
         attention: List[torch.Tensor] = []  # each layer's output, kept with what its backward saved
         for w in self.weights:  # forward; the GEMMs' values are not used, only their work counts
-            for name, _, _ in LAYER_LINEARS:
+            for name, _, _ in linears:
                 torch.mm(mlp if name == "down" else x, w[name].t())
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            with sdpa_kernel(self.attention_backend):
                 attention.append(F.scaled_dot_product_attention(*self.qkv, is_causal=True))
             if traffic:
                 self.move(self.traffic["layer_forward"])
@@ -143,7 +172,7 @@ class SyntheticStep:
         if traffic:
             self.move(self.traffic["ends"])
         for w in reversed(self.weights):  # backward
-            for name, _, _ in reversed(LAYER_LINEARS):
+            for name, _, _ in reversed(linears):
                 grad_out = self.grad_hidden if name in ("q", "k", "v", "o", "down") else self.grad_mlp
                 torch.mm(grad_out, w[name])  # input gradient
                 torch.mm(grad_out.t(), mlp if name == "down" else x)  # weight gradient
@@ -158,10 +187,11 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2, help="the three steps timed in turn this many times")
     parser.add_argument("--results-dir", default=None, help="where the JSON goes (default: bench/results)")
+    parser.add_argument("--tiny", action="store_true", help="a 2-layer shape on the CPU: checks the script")
     args = parser.parse_args(argv)
-    device = torch.device("cuda")
-    synthetic = SyntheticStep(device)
-    flops = step_flops()
+    device, shape = (torch.device("cpu"), TINY) if args.tiny else (torch.device("cuda"), WORK)
+    synthetic = SyntheticStep(device, shape)
+    flops = step_flops(shape)
     variants: Dict[str, Callable[[], None]] = {
         "gemms+attention": lambda: synthetic.step(traffic=False),
         "+adamw": lambda: synthetic.step(traffic=False),
@@ -180,10 +210,11 @@ def main(argv=None) -> dict:
             print(json.dumps(row), flush=True)
         synthetic.optimizer = None
         harness.free_memory(device)
-    probe = {"work": "llama-1.1b-1gpu", "step_flops": flops, "params": n_params(),
-             "min_traffic_bytes": min_traffic_bytes(), "steps": rows}
+    probe = {"work": "tiny" if args.tiny else "llama-1.1b-1gpu", "shape": dataclasses.asdict(shape),
+             "step_flops": flops, "params": n_params(shape), "min_traffic_bytes": min_traffic_bytes(shape),
+             "steps": rows}
     # no rows, so that the README's tables never take the probe for a timing of the work
-    path = harness.write_results("probe-llama-floor", [], gpus=1, merge=False,
+    path = harness.write_results("probe-llama-floor", [], gpus=0 if args.tiny else 1, merge=False,
                                  directory=Path(args.results_dir) if args.results_dir else None, probe=probe)
     print(f"wrote {path}")
     return probe
