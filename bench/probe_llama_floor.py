@@ -9,9 +9,9 @@ MLP 5632, vocabulary 32000, 22 layers, bf16), three synthetic steps, each timed 
 
 * ``gemms+attention``: every GEMM of the step forward and backward (input and weight gradients), each
   layer's causal cuDNN attention forward and backward, and the LM head's GEMMs over the full logits, back to
-  back: the compute every bf16 implementation of the step does, and nothing else;
-* ``+adamw``: then torch's fused AdamW over the model's 1.26B fp32 parameters, as both steps of the work
-  update them;
+  back: the compute of a bf16 step on cuBLAS and cuDNN, and nothing else;
+* ``+adamw``: then torch's fused AdamW over the model's 1.26B fp32 parameters (in the work's profiles the
+  steps' FusedAdamW kernel takes as long);
 * ``+min-traffic``: and, between the GEMMs where that work runs, copies that move the fewest bytes the
   memory-bound work needs (norms, rotary embedding, SwiGLU and residual adds, each fused into one pass
   forward and one backward; the embedding and the loss), counted by :func:`min_traffic_bytes`.
@@ -25,11 +25,11 @@ alone. A probe for deciding what is reachable, not a figure: the training step i
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
-from pathlib import Path
-import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Dict, List, Tuple
 
 import torch
