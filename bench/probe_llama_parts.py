@@ -25,14 +25,20 @@ These are probes for choosing what to build next, not figures: the training step
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 from typing import Callable, Dict
 
 import torch
 import torch.nn.functional as F
 
-TOKENS, HIDDEN, KV, INTERMEDIATE, VOCAB = 8192, 2048, 2048, 5632, 32000
-HEADS = 16  # of 128: key/value as many
-LAYERS, PARAMS = 22, 1_100_000_000
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from probe_llama_floor import WORK  # noqa: E402  (bench/probe_llama_floor.py: the work's shape, kept in one place)
+
+TOKENS, HIDDEN, INTERMEDIATE, VOCAB, HEADS, LAYERS = (WORK.tokens, WORK.hidden, WORK.intermediate, WORK.vocab,
+                                                       WORK.heads, WORK.layers)
+KV = HIDDEN  # as many key/value heads as query heads
+PARAMS = 1_100_000_000
 BF16 = torch.bfloat16
 
 

@@ -265,11 +265,12 @@ class FusedOptimizer(torch.optim.Optimizer):
             return grad
         owner, where = type(self).__name__, f"parameter {i} of param group {gi}"
         if not isinstance(p, dtensor) or not isinstance(grad, dtensor):
-            kind = "a DTensor" if isinstance(p, dtensor) else "a plain tensor"
+            def kind(t):
+                return "a DTensor" if isinstance(t, dtensor) else "a plain tensor"
+
             raise ScheduleTypeError(
-                f"{owner}: {where} is {kind} (shape {tuple(p.shape)}) but its gradient is "
-                f"{'a DTensor' if isinstance(grad, dtensor) else 'a plain tensor'}; a DTensor parameter needs a "
-                "DTensor gradient and a plain one a plain gradient (was .grad set by hand?)")
+                f"{owner}: {where} is {kind(p)} (shape {tuple(p.shape)}) but its gradient is {kind(grad)}; a "
+                "DTensor parameter needs a DTensor gradient and a plain one a plain gradient (was .grad set by hand?)")
         if grad.device_mesh != p.device_mesh:
             raise ScheduleValueError(
                 f"{owner}: the gradient of {where} lives on mesh {grad.device_mesh}, the parameter on "
