@@ -43,3 +43,19 @@ def pytest_collection_modifyitems(config, items):
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(autouse=True)
+def _leaves_global_state_as_found(request):
+    """Fail the test that changed torch's compiler configs or process defaults, naming what it changed;
+    then restore them (and the random generators), so the tests after it are not affected."""
+    from tests.helpers.global_state import GlobalState
+
+    before = GlobalState()
+    yield
+    changes = before.changes()
+    before.restore()
+    if changes:
+        pytest.fail(f"{request.node.nodeid} left process-wide state changed (restore it, e.g. with "
+                    f"torch._dynamo.config.patch(...) as a context manager):\n  " + "\n  ".join(changes),
+                    pytrace=False)

@@ -433,7 +433,7 @@ def test_layers_with_float8_linears_compile_with_the_shared_scale_pass():
     assert _with_passes(converted, other) is other
 
 
-def test_float8_layers_share_one_compiled_graph(monkeypatch):
+def test_float8_layers_share_one_compiled_graph():
     """Every layer's compile options compare equal, so torch.compile reuses the first layer's graph for
     the others instead of counting a recompile per layer (which, past its limit, runs layers eagerly)."""
     float8 = pytest.importorskip("torchao.float8", reason="torchao not installed (pip install 'schedlang[fp8]')")
@@ -451,10 +451,10 @@ def test_float8_layers_share_one_compiled_graph(monkeypatch):
     assert _with_passes(layers[0], cudagraphs) == _with_passes(layers[1], cudagraphs)
     torch._dynamo.reset()
     counters.clear()
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)  # a second graph would be an error here
-    assert compile_layers(model) == 2
-    ids, labels = _batch(97)
-    model(input_ids=ids, labels=labels, use_cache=False).loss.backward()
+    with torch._dynamo.config.patch(recompile_limit=1):  # a second graph would be an error here
+        assert compile_layers(model) == 2
+        ids, labels = _batch(97)
+        model(input_ids=ids, labels=labels, use_cache=False).loss.backward()
     assert counters["stats"]["unique_graphs"] == 1
     assert all(p.grad is not None for p in layers[1].parameters())
 
