@@ -13,6 +13,7 @@ checkpoint, trace, find, fuse ...), check it with ``Verify`` and ``build`` it::
 
 from . import distributed, env, primitives
 from .build import build
+from . import framework_dialect  # noqa: E402,F401  (registers build(target=...) for other frameworks' engines)
 from .captured_step import CapturedStep
 from .distributed.agreement import RankFailureError
 from .checkpoint import export_hf, load_checkpoint, save_checkpoint
@@ -50,7 +51,7 @@ __all__ = [
 ]
 
 # Slapo's module paths under schedlang (``import schedlang as slapo; slapo.op.FusedQKV``), loaded on first use
-_LAZY_MODULES = ("op", "pattern", "sharding", "random", "pipeline", "framework_dialect", "utils", "model_schedule",
+_LAZY_MODULES = ("op", "pattern", "sharding", "random", "pipeline", "utils", "model_schedule",
                  "autotune", "logger", "initialization", "tracer", "version")
 # Slapo's top-level names: name -> module that defines it
 _LAZY_NAMES = {"Pattern": "pattern", "ModulePattern": "pattern", "get_logger": "logger",
@@ -61,7 +62,7 @@ _LAZY_NAMES = {"Pattern": "pattern", "ModulePattern": "pattern", "get_logger": "
 def __getattr__(name):
     # graph helpers and optimizers are imported on first use, so `import schedlang` stays light
     if name == "call_module":
-        from .graph.pattern import call_module
+        from .graph.canonical import call_module
 
         return call_module
     if name == "PH":

@@ -4,284 +4,26 @@ For a model with real weights the working copy is already the scheduled model: b
 moves it to ``device`` / ``dtype`` and makes the optimizer. For a model on the meta device
 (:func:`schedlang.init_empty_weights`) build allocates every tensor at its *sharded*
 size and initializes it so that each shard equals the matching slice of the unsharded
-model initialized the same way with the same seed: each module is initialized once at
-full size in a temporary copy and cut, so memory holds at most one full module at a time.
+model initialized the same way with the same seed (:mod:`schedlang.materialize`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from tqdm.auto import tqdm
 
 from .distributed.agreement import agreement, check_same_plan
 from .distributed.groups import default_device
-from .distributed.sharding import shard_tensor
 from .errors import ArgumentTypeError, SchedlangError, ScheduleTypeError, ScheduleValueError
 from .init import has_meta_tensors
-from .module_record import original_view, shard_specs
+from .materialize import DEFAULT_INIT, Materializer, default_inits
 
-__all__ = ["build"]
+__all__ = ["build", "register_target_builder", "NATIVE_TARGETS"]
 
 logger = logging.getLogger("schedlang.build")
-
-
-def _is_hf_model(module: nn.Module) -> bool:
-    """A transformers PreTrainedModel (without importing transformers): it initializes its submodules itself."""
-    return callable(getattr(module, "_init_weights", None)) and hasattr(module, "config") and any(
-        k.__name__ == "PreTrainedModel" for k in type(module).__mro__)
-
-
-def _default_inits(root: nn.Module) -> Dict[int, Callable[[nn.Module], None]]:
-    """Per module (by id), the function that initializes it: the ``_init_weights`` of the closest enclosing
-    HF model, as transformers' ``initialize_weights`` dispatches it, else the module's ``reset_parameters``."""
-    inits: Dict[int, Callable[[nn.Module], None]] = {}
-
-    def reset(module: nn.Module) -> None:
-        if callable(getattr(module, "reset_parameters", None)):
-            module.reset_parameters()
-
-    def visit(module: nn.Module, owner) -> None:
-        if _is_hf_model(module):
-            owner = module._init_weights
-        inits.setdefault(id(module), owner or reset)
-        for child in module.children():
-            visit(child, owner)
-
-    visit(root, None)
-    return inits
-
-
-def _own_tensors(module: nn.Module):
-    return [(n, t, n in module._parameters) for n, t in list(module._parameters.items()) + list(module._buffers.items())
-            if t is not None]
-
-
-def _full_shape(module: nn.Module, name: str, tensor: torch.Tensor) -> Tuple[int, ...]:
-    spec = shard_specs(module).get(name)
-    return tuple(spec.full_shape) if spec is not None else tuple(tensor.shape)
-
-
-def _template(module: nn.Module, make_tensor: Callable, memo: Dict[int, torch.Tensor]) -> nn.Module:
-    """A copy of ``module``'s subtree as the unsharded model has it: original classes and attributes (from
-    each module's record), full-size tensors made by ``make_tensor(module, name, tensor, is_param)``
-    (one per distinct tensor, so tied tensors stay tied). The module itself is not changed."""
-    klass, attributes = original_view(module)
-    copy_ = klass.__new__(klass)
-    copy_.__dict__.update(module.__dict__)
-    copy_.__dict__.update(attributes)
-    # None entries (a Linear without bias) are kept: inits test `module.bias is not None`
-    copy_.__dict__["_parameters"] = {n: None for n, t in module._parameters.items() if t is None}
-    copy_.__dict__["_buffers"] = {n: None for n, t in module._buffers.items() if t is None}
-    copy_.__dict__["_modules"] = {}
-    for name, t, is_param in _own_tensors(module):
-        if id(t) not in memo:
-            memo[id(t)] = make_tensor(module, name, t, is_param)
-        (copy_._parameters if is_param else copy_._buffers)[name] = memo[id(t)]
-    for name, child in module._modules.items():
-        copy_._modules[name] = None if child is None else _template(child, make_tensor, memo)
-    return copy_
-
-
-def _new_tensor(shape, like: torch.Tensor, is_param: bool, device) -> torch.Tensor:
-    data = torch.empty(shape, dtype=like.dtype, device=device)
-    return nn.Parameter(data, requires_grad=like.requires_grad) if is_param else data
-
-
-def _cut(module: nn.Module, name: str, full: torch.Tensor) -> torch.Tensor:
-    spec = shard_specs(module).get(name)
-    if spec is None:
-        return full.detach()
-    return shard_tensor(full, spec.axis, spec.rank, spec.world_size, getattr(spec, "groups", 1),
-                        getattr(spec, "blocks", None))
-
-
-class _Materializer:
-    """Allocates a meta-device model's tensors at their sharded size, module by module, children first.
-
-    Each module's init runs on a temporary full-size copy (so it sees the shapes, classes and
-    attributes of the unsharded module and draws the same random numbers in the same order), and
-    each rank keeps its shard of the result. An init may also write its descendants' tensors
-    (GPT-2's attention re-initializes ``c_proj``): a dry run on meta tensors finds which, and those
-    are re-cut into the descendants' shards. Tied tensors are materialized once and stay tied.
-    """
-
-    def __init__(self, device, init: Optional[Callable[[nn.Module], None]], inits: Dict[int, Callable]):
-        self.device = device
-        self.init = init
-        self.inits = inits
-        self.done: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # id(meta tensor) -> (meta tensor, new tensor)
-
-    def run(self, root: nn.Module) -> None:
-        needs = {id(m) for m in root.modules() if any(t.is_meta for _, t, _ in _own_tensors(m))}
-        # modules with a meta tensor somewhere below them; their init may have something to write
-        order = list(_post_order(root))
-        has_meta_below: Dict[int, bool] = {}
-        for m in order:
-            has_meta_below[id(m)] = id(m) in needs or any(has_meta_below.get(id(c), False)
-                                                           for c in m.children())
-        for m in tqdm(order, desc="materializing", disable=not _show_progress(len(order)), leave=False):
-            if has_meta_below[id(m)]:
-                self._materialize(m)
-
-    def _init_fn(self, module: nn.Module):
-        if self.init is None:
-            return None
-        return self.init if self.init is not _DEFAULT else self.inits.get(id(module))
-
-    def _materialize(self, module: nn.Module) -> None:
-        pending = []
-        for name, t, is_param in _own_tensors(module):
-            if not t.is_meta:
-                continue
-            if id(t) in self.done:  # tied: materialized with its other holder
-                (module._parameters if is_param else module._buffers)[name] = self.done[id(t)][1]
-            else:
-                pending.append((name, t, is_param))
-        init = self._init_fn(module)
-        if init is None:
-            for name, t, is_param in pending:
-                shape = tuple(t.shape)
-                self._store(module, name, t, is_param, _new_tensor(shape, t, is_param, self.device))
-            return
-        written_below = self._dry_run(module, init) if module._modules else set()
-        if not pending and not written_below:
-            return
-        own_ids = {id(t) for _, t, _ in pending}
-
-        def make(owner, name, t, is_param):
-            shape = _full_shape(owner, name, t)
-            if id(t) in own_ids:
-                return _new_tensor(shape, t, is_param, self.device)
-            if id(t) in written_below:
-                return _new_tensor(shape, t, is_param, self.device)
-            return _new_tensor(shape, t, is_param, "meta")  # not touched: a placeholder of the right shape
-
-        memo: Dict[int, torch.Tensor] = {}
-        template = _template(module, make, memo)
-        versions = {i: memo[i]._version for i in own_ids}
-        # which elements of the descendants' tensors the init writes: a whole tensor can be re-cut into shards
-        written = _WrittenElements([memo[i] for i in written_below]) if written_below else contextlib.nullcontext()
-        with torch.no_grad(), written:
-            init(template)
-        for name, t, is_param in pending:
-            full = memo[id(t)]
-            if full._version == versions[id(t)]:
-                logger.warning("%s: %s's init did not set '%s'; it is initialized to zeros", type(module).__name__,
-                               type(module).__name__, name)
-                with torch.no_grad():
-                    full.zero_()
-            self._store(module, name, t, is_param, _cut(module, name, full))
-        if written_below:
-            self._recut_descendants(module, memo, written_below, written)
-
-    def _dry_run(self, module: nn.Module, init) -> set:
-        """ids of the tensors *below* ``module`` that its init writes (found on meta copies)."""
-        memo: Dict[int, torch.Tensor] = {}
-        template = _template(module, lambda owner, name, t, is_param: _new_tensor(
-            _full_shape(owner, name, t), t, is_param, "meta"), memo)
-        before = {i: m._version for i, m in memo.items()}
-        try:
-            with torch.no_grad():
-                init(template)
-        except Exception as e:  # an init that cannot run on meta tensors: assume it writes only its own
-            logger.debug("%s: dry run of the init failed (%s); assuming it writes only its own tensors",
-                         type(module).__name__, e)
-            return set()
-        own = {id(t) for _, t, _ in _own_tensors(module)}
-        return {i for i, m in memo.items() if m._version != before[i] and i not in own}
-
-    def _recut_descendants(self, module: nn.Module, memo, written: set, elements: "_WrittenElements") -> None:
-        for path, sub in module.named_modules():
-            if sub is module:
-                continue
-            for name, t, is_param in _own_tensors(sub):
-                if id(t) not in written:
-                    continue
-                full = memo[id(t)]
-                if not elements.whole(full):
-                    raise ScheduleValueError(
-                        f"build: the init of {type(module).__name__} writes only part of '{path}.{name}' (a tensor of "
-                        "one of its submodules), which cannot be rebuilt from a shard; initialize that tensor in the "
-                        "submodule's own init, or build the model with real weights")
-                with torch.no_grad():
-                    t.copy_(_cut(sub, name, full))
-                written = written - {id(t)}
-
-    def _store(self, module: nn.Module, name: str, old: torch.Tensor, is_param: bool, value: torch.Tensor) -> None:
-        if is_param:
-            new = nn.Parameter(value.detach().contiguous(), requires_grad=old.requires_grad)
-            module._parameters[name] = new
-        else:
-            new = value.contiguous()
-            module._buffers[name] = new
-        self.done[id(old)] = (old, new)
-
-
-class _WrittenElements(TorchDispatchMode):
-    """While active, records which elements of the given tensors are written (by any in-place or ``out=``
-    operation on the tensor or on a view of it): an explicit record of what an init initialized."""
-
-    def __init__(self, tensors):
-        super().__init__()
-        self.tensors = {t.untyped_storage().data_ptr(): t for t in tensors if t.numel()}
-        self.masks = {key: torch.zeros(t.shape, dtype=torch.bool, device=t.device) for key, t in self.tensors.items()}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        schema = func._schema
-        for i, argument in enumerate(schema.arguments):
-            if argument.alias_info is None or not argument.alias_info.is_write:
-                continue
-            value = kwargs[argument.name] if argument.name in kwargs else (args[i] if i < len(args) else None)
-            for target in value if isinstance(value, (list, tuple)) else (value,):
-                if isinstance(target, torch.Tensor):
-                    self._mark(target)
-        return out
-
-    def _mark(self, target: torch.Tensor) -> None:
-        key = target.untyped_storage().data_ptr()
-        base = self.tensors.get(key)
-        if base is None:
-            return
-        with torch.no_grad():
-            # the written view, laid over the (contiguous) tensor it belongs to
-            self.masks[key].as_strided(target.shape, target.stride(),
-                                       target.storage_offset() - base.storage_offset()).fill_(True)
-
-    def whole(self, tensor: torch.Tensor) -> bool:
-        """Whether every element of ``tensor`` (one of those given) was written."""
-        mask = self.masks.get(tensor.untyped_storage().data_ptr())
-        return mask is None or bool(mask.all())
-
-
-_DEFAULT = object()
-
-
-def _post_order(root: nn.Module):
-    seen = set()
-
-    def visit(m):
-        if id(m) in seen:
-            return
-        seen.add(id(m))
-        for c in m.children():
-            yield from visit(c)
-        yield m
-
-    yield from visit(root)
-
-
-def _show_progress(n: int) -> bool:
-    import sys
-
-    return n > 200 and sys.stderr.isatty()
 
 
 def _model_device(model: nn.Module) -> torch.device:
@@ -469,6 +211,18 @@ def _check_arguments(model: nn.Module, init_weights, optimizer, optimizer_kwargs
     return target
 
 
+#: ``target=`` values that mean schedlang's own runtime
+NATIVE_TARGETS = (None, "schedlang", "torch", "native")
+#: the builder of every other ``target=`` (another framework's engine, Slapo's ``target="deepspeed"``):
+#: :mod:`schedlang.framework_dialect`, a layer above this one, registers it when imported (``import schedlang`` does)
+_TARGET_BUILDER: Dict[str, Callable[..., Any]] = {}
+
+
+def register_target_builder(builder: Callable[..., Any]) -> None:
+    """Make ``builder(sch, target, init_weights=..., **kwargs)`` build every ``target=`` outside ``NATIVE_TARGETS``."""
+    _TARGET_BUILDER["builder"] = builder
+
+
 def build(sch, init_weights: Union[None, bool, Callable[[nn.Module], None]] = None, optimizer: Any = None,
           device: Union[None, str, torch.device] = None, dtype: Optional[torch.dtype] = None,
           pipeline: Optional[Dict[str, Any]] = None, pretrained: Any = None,
@@ -522,9 +276,11 @@ def build(sch, init_weights: Union[None, bool, Callable[[nn.Module], None]] = No
         raise ArgumentTypeError(f"build: sch must be a schedlang.Schedule, got {type(sch).__name__}; wrap the model "
                                 f"first: sch = schedlang.create_schedule(model)")
     target_framework = optimizer_kwargs.pop("target", None)
-    if target_framework not in (None, "schedlang", "torch", "native"):
-        from .framework_dialect import build_with_target
-
+    if target_framework not in NATIVE_TARGETS:
+        build_with_target = _TARGET_BUILDER.get("builder")
+        if build_with_target is None:  # pragma: no cover  (``import schedlang`` registers the framework dialects)
+            raise ScheduleValueError(f"build: target {target_framework!r} needs schedlang.framework_dialect; import it "
+                                     "first (import schedlang.framework_dialect)")
         given = {k: v for k, v in (("optimizer", optimizer), ("device", device), ("dtype", dtype),
                                    ("pipeline", pipeline), ("pretrained", pretrained)) if v is not None}
         built = build_with_target(sch, target_framework, init_weights=init_weights, **given, **optimizer_kwargs)
@@ -548,11 +304,11 @@ def build(sch, init_weights: Union[None, bool, Callable[[nn.Module], None]] = No
     check_same_plan(root.plan, group, phase="build: plan comparison")
     with agreement(group, phase="build: initializing the weights"):
         if has_meta_tensors(model):
-            init = None if init_weights is False else (init_weights if callable(init_weights) else _DEFAULT)
+            init = None if init_weights is False else (init_weights if callable(init_weights) else DEFAULT_INIT)
             if weights is not None:
                 weights.materialize(model, target)
             else:
-                _Materializer(target, init, _default_inits(model) if init is _DEFAULT else {}).run(model)
+                Materializer(target, init, default_inits(model) if init is DEFAULT_INIT else {}).run(model)
             logger.info("materialized meta tensors on %s", target)
         elif callable(init_weights) and weights is None:
             with torch.no_grad():

@@ -458,7 +458,7 @@ class PretrainedWeights:
 
     def materialize(self, model: nn.Module, device: torch.device) -> None:
         """Allocate the meta tensors empty on ``device``; initialize only those the checkpoint does not hold."""
-        from .build import _DEFAULT, _default_inits, _Materializer
+        from .materialize import DEFAULT_INIT, Materializer, default_inits
         from .init import has_meta_tensors
 
         if not has_meta_tensors(model):
@@ -469,10 +469,10 @@ class PretrainedWeights:
                           for t in list(m._parameters.values()) + list(m._buffers.values()))]
         inits: Dict[int, Any] = {}
         if init is not False and needing:
-            defaults = {} if callable(init) else _default_inits(model)
+            defaults = {} if callable(init) else default_inits(model)
             for module in needing:
                 inits[id(module)] = init if callable(init) else defaults.get(id(module))
-        _Materializer(device, _DEFAULT, inits).run(model)
+        Materializer(device, DEFAULT_INIT, inits).run(model)
 
     def load(self, model: nn.Module) -> Dict[str, Any]:
         """Read this rank's slices into ``model`` (built: DTensors, FSDP2, pipeline stages); collective."""

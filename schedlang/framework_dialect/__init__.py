@@ -3,7 +3,8 @@
 schedlang runs data, tensor and pipeline parallelism itself (``schedlang.build(sch,
 pipeline={...})``). For scripts written against Slapo's DeepSpeed target, ``target="deepspeed"``
 still works where DeepSpeed is installed; elsewhere it raises an error pointing at the native
-pipeline. :func:`build_with_target` is what ``schedlang.build`` calls when given ``target=``.
+pipeline. :func:`build_with_target` is what ``schedlang.build`` calls when given ``target=`` (this
+package registers it with :func:`schedlang.build.register_target_builder` when imported).
 
 Example::
 
@@ -14,21 +15,14 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from ..errors import SchedlangError
+from ..build import NATIVE_TARGETS, build, register_target_builder
 from . import deepspeed, megatron  # noqa: F401  (registers their dialects)
 from .deepspeed.utils import DeepSpeedLogParser
 from .megatron.utils import MegatronLogParser
-from .registry import get_all_dialects, get_dialect_cls, register_framework_dialect
+from .registry import FrameworkUnavailableError, get_all_dialects, get_dialect_cls, register_framework_dialect
 
 __all__ = ["register_framework_dialect", "get_all_dialects", "get_dialect_cls", "build_with_target",
            "DeepSpeedLogParser", "MegatronLogParser", "FrameworkUnavailableError", "NATIVE_TARGETS"]
-
-#: targets that mean schedlang's own runtime
-NATIVE_TARGETS = (None, "schedlang", "torch", "native")
-
-
-class FrameworkUnavailableError(SchedlangError, ImportError):
-    """The framework a build target names is not installed."""
 
 
 def build_with_target(sch, target: Optional[str], init_weights: Any = None, **kwargs: Any):
@@ -39,8 +33,6 @@ def build_with_target(sch, target: Optional[str], init_weights: Any = None, **kw
     ``cut_pipeline_stage`` steps) to the target's ``pipeline_engine`` or ``runtime_engine``
     dialect with ``kwargs`` (e.g. DeepSpeed's ``config=``).
     """
-    from ..build import build
-
     if target in NATIVE_TARGETS:
         return build(sch, init_weights=init_weights, **kwargs)
     get_dialect_cls("runtime_engine", target)  # unknown targets fail before anything is built
@@ -50,3 +42,6 @@ def build_with_target(sch, target: Optional[str], init_weights: Any = None, **kw
         return engine(sch, cuts, init_weights=init_weights, **kwargs)
     model, _ = build(sch, init_weights=init_weights)
     return get_dialect_cls("runtime_engine", target)(model, **kwargs)
+
+
+register_target_builder(build_with_target)

@@ -16,9 +16,14 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, Optional
 
-from ..errors import ScheduleKeyError, ScheduleValueError
+from ..errors import SchedlangError, ScheduleKeyError, ScheduleValueError
 
-__all__ = ["register_framework_dialect", "get_all_dialects", "get_dialect_cls", "DIALECTS"]
+__all__ = ["register_framework_dialect", "get_all_dialects", "get_dialect_cls", "DIALECTS",
+           "FrameworkUnavailableError"]
+
+
+class FrameworkUnavailableError(SchedlangError, ImportError):
+    """The framework a build target names is not installed."""
 
 
 def _plain_runtime(model, **kwargs):

@@ -19,7 +19,7 @@ def require_deepspeed():
 
     deepspeed = importlib_or_none("deepspeed")
     if deepspeed is None:
-        from .. import FrameworkUnavailableError
+        from ..registry import FrameworkUnavailableError
 
         raise FrameworkUnavailableError(f"build(target='deepspeed'): needs DeepSpeed, which is not installed. "
                                         f"{_NATIVE_HINT}")
