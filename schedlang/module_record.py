@@ -28,12 +28,11 @@ from __future__ import annotations
 
 import dataclasses
 import types
-from typing import TYPE_CHECKING, Any, Callable, Dict, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union
 
 from torch import nn
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .distributed.sharding import ShardSpec
+from .shard_spec import ShardSpec
 
 __all__ = ["ModuleRecord", "SyncSpec", "RECORD_ATTR", "module_record", "has_record", "update_record", "shard_specs",
            "record_shard", "record_sync", "sync_specs", "remember_original", "original_view",
