@@ -81,7 +81,7 @@ from torch.fx import PH
 from ...errors import SchedlangError, TraceError
 from ...module_record import module_record
 from .call_spec import CallSpec
-from .common import _describe, _is_fake, _module_device, _new_fake_mode, forward_parameters
+from .common import _describe, _is_fake, module_device, _new_fake_mode, forward_parameters
 from .core import SchedlangTracer, _Options
 
 # also read by schedlang.primitives.trace and schedlang.distributed.pipeline, which trace whole models
@@ -146,7 +146,7 @@ def trace_module(module: nn.Module, *, path: str = "", recursive: bool = True, f
         if _is_fake(t):
             return t
         if t.device.type == "meta":  # an example from a plan: only its shape and dtype count
-            device = _module_device(module)
+            device = module_device(module)
             with fake_mode:
                 return torch.empty(t.shape, dtype=t.dtype, device="cpu" if device.type == "meta" else device)
         return fake_mode.from_tensor(t)

@@ -28,7 +28,8 @@ class _NeedsExample(Exception):
     """Raised internally when an example value is needed but unknown."""
 
 
-def _module_device(module: nn.Module) -> torch.device:
+def module_device(module: nn.Module) -> torch.device:
+    """The device of the module's first parameter, else of its first buffer, else the CPU."""
     for t in module.parameters():
         return t.device
     for t in module.buffers():

@@ -32,6 +32,7 @@ from .leaf_policy import _hf_leaf_types, _sync_op_class
 from .patches import _ACTIVE
 from .specialization import check_specialized_arguments, check_traced_condition, check_traced_length
 from .traced_module import ModuleAttributes, TracedModule, build_traced_module
+from .tracer_base import TracerBase
 from .training_mode import ModeDependentCall
 
 logger = logging.getLogger("schedlang.graph.tracer")
@@ -45,7 +46,7 @@ class _Options:
     fake_mode: Any
 
 
-class SchedlangTracer(ExampleValues, fx.Tracer):
+class SchedlangTracer(ExampleValues, TracerBase):
     """``fx.Tracer`` with example values, leaf functions and nested per-module tracing.
 
     Use :func:`trace_module`; this class is public for subclassing (e.g. more leaves).

@@ -13,7 +13,7 @@ import torch.fx as fx
 from torch import nn
 
 from ...errors import TraceError
-from .common import _P, UNKNOWN, _module_device, _new_fake_mode, forward_parameters
+from .common import _P, UNKNOWN, module_device, _new_fake_mode, forward_parameters
 from .examples import _shape_only_syncs
 
 # HF mask builders: they branch on tensor data and build masks with vmap; one node each.
@@ -55,7 +55,7 @@ def _synthesize_example(module: nn.Module, name: str, make_example) -> Any:
     config = getattr(module, "config", None)
     if name not in _HF_TOKEN_INPUTS or config is None or not getattr(config, "vocab_size", None):
         return UNKNOWN
-    device = _module_device(module)
+    device = module_device(module)
     if device.type == "meta":
         device = torch.device("cpu")
     shape = (EXAMPLE_BATCH, EXAMPLE_SEQUENCE)
@@ -125,7 +125,7 @@ def capture_call(container: nn.Module, target: nn.Module, fake_mode=None) -> Tup
     if "use_cache" in params or has_varkw:
         kwargs["use_cache"] = False
     try:
-        device = _module_device(container)
+        device = module_device(container)
         if device.type == "meta":
             device = torch.device("cpu")
         with _shape_only_syncs(), fake_mode, torch.no_grad():

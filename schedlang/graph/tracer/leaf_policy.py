@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import functools
 import sys
-from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 import torch.fx as fx
 
-if TYPE_CHECKING:
-    from .core import SchedlangTracer
-
+from .tracer_base import TracerBase
 
 _LEAF_FUNCTIONS: Dict[int, Callable] = {}
 _LEAF_WRAPPERS: Dict[int, Callable] = {}
@@ -51,11 +49,9 @@ def _leaf_wrapper(fn: Callable) -> Callable:
     return wrapper
 
 
-def _tracer_of(tree: Any) -> Optional["SchedlangTracer"]:
-    from .core import SchedlangTracer
-
+def _tracer_of(tree: Any) -> Optional[TracerBase]:
     for leaf in torch.utils._pytree.tree_leaves(tree):
-        if isinstance(leaf, fx.Proxy) and isinstance(leaf.tracer, SchedlangTracer):
+        if isinstance(leaf, fx.Proxy) and isinstance(leaf.tracer, TracerBase):
             return leaf.tracer
     return None
 
@@ -64,7 +60,7 @@ def _sync_op_class():
     mod = sys.modules.get("schedlang.distributed.sync_ops")
     if mod is None:
         try:
-            from ..distributed import sync_ops as mod
+            from ...distributed import sync_ops as mod
         except ImportError:  # pragma: no cover
             return None, None
     return getattr(mod, "SyncOp", None), getattr(mod, "SyncHook", None)

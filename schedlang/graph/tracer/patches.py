@@ -14,6 +14,7 @@ from torch import nn
 from .common import UNKNOWN
 from .hf_bridge import _default_leaf_functions
 from .leaf_policy import _LEAF_FUNCTIONS, _leaf_wrapper
+from .tracer_base import TracerBase
 
 
 class _Patches:
@@ -61,9 +62,7 @@ _ACTIVE: Dict[str, Any] = {"patches": None, "depth": 0}
 
 
 def _proxy_len(self):
-    from .core import SchedlangTracer
-
-    if isinstance(self.tracer, SchedlangTracer):
+    if isinstance(self.tracer, TracerBase):
         return self.tracer.len_of(self)
     return _ORIGINAL_PROXY_LEN(self)
 
@@ -77,9 +76,7 @@ def _proxy_getattr(self, name):
     # ``hasattr(x, "numpy")`` in framework-detection helpers) would take the wrong branch; a proxy
     # whose example is a tensor has exactly the tensor's attributes
     tracer = self.__dict__.get("tracer")
-    from .core import SchedlangTracer
-
-    if isinstance(tracer, SchedlangTracer):
+    if isinstance(tracer, TracerBase):
         example = tracer.metas.get(self.node, UNKNOWN)
         if isinstance(example, torch.Tensor) and not hasattr(example, name):
             raise AttributeError(f"'{type(example).__name__}' object has no attribute '{name}'")

@@ -7,16 +7,14 @@ import collections
 import copy
 import dataclasses
 import types
-from typing import TYPE_CHECKING, Any, Dict, Optional
+from typing import Any, Dict, Optional
 
 import torch
 import torch.fx as fx
 from torch import nn
 
 from ...module_record import RECORD_ATTR, ModuleRecord
-
-if TYPE_CHECKING:
-    from .core import SchedlangTracer
+from .tracer_base import TracerBase
 
 
 class ModuleAttributes:
@@ -136,7 +134,7 @@ def _submodule_or_none(root: nn.Module, path: str) -> Optional[nn.Module]:
     return module
 
 
-def build_traced_module(original: nn.Module, graph: fx.Graph, tracer: SchedlangTracer) -> TracedModule:
+def build_traced_module(original: nn.Module, graph: fx.Graph, tracer: TracerBase) -> TracedModule:
     """Turn a traced graph into a :class:`TracedModule` that stands in for ``original``."""
     root: Dict[str, Any] = {}
     for node in graph.nodes:
