@@ -10,17 +10,7 @@ replays them.
 
 from __future__ import annotations
 
-import importlib
-
 from .api import apply_schedule
-from .registry import get_schedule, register_schedule
+from .registry import FAMILIES, get_schedule, register_schedule
 
 __all__ = ["apply_schedule", "get_schedule", "register_schedule", "FAMILIES"]
-
-#: the schedule modules, one per family
-FAMILIES = ("gpt2", "gpt_neo", "opt", "llama", "bert", "roberta", "albert", "t5")
-
-
-def _load_all() -> None:
-    for name in FAMILIES:
-        importlib.import_module(f".{name}", __name__)

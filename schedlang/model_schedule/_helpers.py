@@ -18,7 +18,7 @@ from torch import nn
 from ..errors import ScheduleKeyError, ScheduleValueError
 from ..logger import get_logger
 from ..module_record import shard_specs
-from ._base import fuse_bias_act, shard_column, shard_row
+from ._base import fuse_bias_act, schedule_layers, shard_column, shard_row
 
 __all__ = ["expand_paths", "get_sch_config_str", "shard_word_embedding", "shard_vocabulary", "shard_attention", "shard_mlp", "checkpoint",
            "fuse_bias_gelu", "broadcast_input", "fix_attention_mask_shape", "annotate_layernorm_and_bias",
@@ -54,6 +54,43 @@ def get_sch_config_str(sch_config: Dict[str, Any]) -> str:
     return json.dumps(sch_config, indent=2, sort_keys=True, default=encode)
 
 
+def gen_embedding_hooks(sch, vocab_size):
+    """The ``(fwd_pre, fwd_post)`` sync functions of a vocabulary-parallel word embedding.
+
+    For ``sch["wte"].shard("weight", axis=0)`` followed by
+    ``sync(mode="fwd_pre", sync_op_or_fn=pre)`` and ``sync(mode="fwd_post", sync_op_or_fn=post)``.
+    The sharded embedding already looks up only the ids of its own rows and returns zero rows
+    for the others (:class:`schedlang.distributed.shard_rules.embedding.VocabParallelEmbedding`),
+    so ``pre`` only checks that the ids lie in ``[0, vocab_size)`` and ``post`` sums the partial
+    embeddings over ``sch.group``. Written as ``fn(tensor) -> tensor``, the form ``sync`` takes.
+
+    Example::
+
+        sch["transformer.wte"].shard("weight", axis=0)
+        pre, post = gen_embedding_hooks(sch, model.config.vocab_size)
+        sch["transformer.wte"].sync(mode="fwd_pre", sync_op_or_fn=pre)
+        sch["transformer.wte"].sync(mode="fwd_post", sync_op_or_fn=post)
+    """
+    from ..distributed import collectives
+
+    where = sch.path or "<root>"
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < sch.world_size:
+        raise ScheduleValueError(f"{where}: gen_embedding_hooks needs the vocabulary size as an int of at least the "
+                                 f"group size {sch.world_size}, got {vocab_size!r}")
+    group = sch.group
+
+    def embedding_ids_in_range(ids):
+        if not ids.is_floating_point() and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+            raise ScheduleValueError(f"{where}: embedding ids must lie in [0, {vocab_size}), got values in "
+                                     f"[{int(ids.min())}, {int(ids.max())}]")
+        return ids
+
+    def sum_partial_embeddings(output):
+        return collectives.reduce_forward(output, group) if sch.world_size > 1 else output
+
+    return embedding_ids_in_range, sum_partial_embeddings
+
+
 def _sharded(sch, name: str) -> bool:
     return name in shard_specs(sch.mod)
 
@@ -65,8 +102,6 @@ def shard_word_embedding(sch, vocab_size: int, word_embed_name: str, head_sch=No
     ``head_sch``, an LM head, and every Linear tied to the embedding's weight are split along the
     vocabulary too: their input gradients are summed and, with ``gather_logits``, their logits are
     gathered. Nothing on one rank."""
-    from .gpt2 import gen_embedding_hooks
-
     if sch.world_size == 1:
         return
     emb = sch[word_embed_name]
@@ -97,6 +132,20 @@ def shard_word_embedding(sch, vocab_size: int, word_embed_name: str, head_sch=No
             head_sch.sync(mode="bwd_post", sync_op_or_fn="all_reduce")
             if gather_logits:
                 head_sch.sync(mode="fwd_post", sync_op_or_fn="all_gather", axis=-1)
+
+
+def schedule_decoder(sch, sch_config, base_name: str, layers_name: str, embed_name: str, **parts) -> list:
+    """The common schedule of a decoder-only family: every layer under ``<base>.<layers_name>`` scheduled as
+    ``parts`` say (:func:`schedule_layers`), and over several ranks the word embedding at
+    ``<base>.<embed_name>`` and ``lm_head`` made vocabulary-parallel; ``<base>`` is the child ``base_name``
+    when the schedule is of the LM (a base model schedule is its own base). Returns the layers."""
+    base = sch[base_name] if base_name in sch.child else sch
+    layers = list(base[layers_name].child.values())
+    with sch.atomic():
+        schedule_layers(sch, layers, sch_config, **parts)
+        if sch.world_size > 1:
+            shard_vocabulary(sch, f"{base.path}.{embed_name}" if base.path else embed_name, "lm_head", sch_config)
+    return layers
 
 
 def shard_vocabulary(sch, embed_path: str, head_path: str, sch_config: Dict[str, Any]) -> None:

@@ -6,7 +6,7 @@ tied LM head are vocabulary parallel (logits gathered unless ``gather_logits=Fal
 from __future__ import annotations
 
 from . import _helpers
-from ._base import finish, prepare, register_head_count_rule, schedule_layers
+from ._base import finish, prepare, register_head_count_rule
 from ._helpers import annotate_layernorm_and_bias
 from .registry import register_schedule
 
@@ -19,14 +19,9 @@ register_head_count_rule("GPTNeoSelfAttention", "q_proj", "num_heads", "head_dim
 @register_schedule()
 def apply(model, **sch_config):
     sch = prepare(model, sch_config, "gpt_neo")
-    base = sch["transformer"] if "transformer" in sch.child else sch
-    layers = list(base["h"].child.values())
-    with sch.atomic():
-        schedule_layers(sch, layers, sch_config,
-                        attention=("attn.attention", ["q_proj", "k_proj", "v_proj"], "out_proj"),
-                        mlp=("mlp", ["c_fc"], "c_proj"), fuse=("mlp", "c_fc", "act"))
-        if sch.world_size > 1:
-            _helpers.shard_vocabulary(sch, f"{base.path}.wte" if base.path else "wte", "lm_head", sch_config)
+    layers = _helpers.schedule_decoder(sch, sch_config, "transformer", "h", "wte",
+                                       attention=("attn.attention", ["q_proj", "k_proj", "v_proj"], "out_proj"),
+                                       mlp=("mlp", ["c_fc"], "c_proj"), fuse=("mlp", "c_fc", "act"))
     return finish(sch, "gpt_neo", layers, sch_config)
 
 

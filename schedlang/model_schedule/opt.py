@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 from . import _helpers
-from ._base import finish, prepare, schedule_layers
+from ._base import finish, prepare
 from ._helpers import broadcast_input, fix_attention_mask_shape
 from .registry import register_schedule
 
@@ -16,14 +16,9 @@ __all__ = ["apply", "generate_pipeline_schedule", "fix_attention_mask_shape", "r
 @register_schedule()
 def apply(model, **sch_config):
     sch = prepare(model, sch_config, "opt")
-    base = sch["model"] if "model" in sch.child else sch
-    layers = list(base["decoder.layers"].child.values())
-    with sch.atomic():
-        schedule_layers(sch, layers, sch_config, attention=("self_attn", ["q_proj", "k_proj", "v_proj"], "out_proj"),
-                        mlp=("", ["fc1"], "fc2"), fuse=("", "fc1", "activation_fn"))
-        if sch.world_size > 1:
-            _helpers.shard_vocabulary(sch, f"{base.path}.decoder.embed_tokens" if base.path else "decoder.embed_tokens",
-                                      "lm_head", sch_config)
+    layers = _helpers.schedule_decoder(sch, sch_config, "model", "decoder.layers", "decoder.embed_tokens",
+                                       attention=("self_attn", ["q_proj", "k_proj", "v_proj"], "out_proj"),
+                                       mlp=("", ["fc1"], "fc2"), fuse=("", "fc1", "activation_fn"))
     return finish(sch, "opt", layers, sch_config)
 
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import os
 from typing import Callable, Dict, Optional
@@ -28,10 +29,18 @@ def register_schedule(name: Optional[str] = None):
     return decorator
 
 
+#: the schedule modules, one per family
+FAMILIES = ("gpt2", "gpt_neo", "opt", "llama", "bert", "roberta", "albert", "t5")
+
+
+def _load_all() -> None:
+    """Import every family's schedule module, which registers its schedule."""
+    for name in FAMILIES:
+        importlib.import_module(f".{name}", __package__)
+
+
 def get_schedule(model_name: str) -> Callable:
     """The schedule registered as ``model_name``."""
-    from . import _load_all
-
     _load_all()
     if model_name not in SCHEDULE_METHODS:
         raise ScheduleKeyError(f"model_schedule: no model schedule named {model_name!r}: valid are "

@@ -458,7 +458,7 @@ def optimize_model(sch, *, fused_kernels: bool = True, compile: Optional[str] = 
         raise ScheduleValueError("optimize_model: compile_options were given, but compile=None compiles nothing; "
                                  "pass compile='layers' or 'layers-cudagraphs'")
     if compile is not None:
-        from . import _check_compile_options
+        from .compiling import _check_compile_options
 
         # torch.compile itself would refuse them only at the first layer, after the other parts were applied;
         # checked with the mode "layers-cudagraphs" adds, as compile_layers will receive them
@@ -510,7 +510,7 @@ def optimize_model(sch, *, fused_kernels: bool = True, compile: Optional[str] = 
                 layer.forward = _WithSDPABackend(layer, backend)
             done.append(f"sdpa: {backend}")
         if compile in ("layers", "layers-cudagraphs"):
-            from . import compile_layers
+            from .compiling import compile_layers
 
             options = _layer_compile_options(compile, compile_options)
             done.append(f"compile: {compile_layers(root.mod, fuse_projections=fuse_projections, **options)} layers"
