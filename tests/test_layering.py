@@ -1,7 +1,9 @@
-"""The core modules import downward only: primitives, then the plan, then the schedule, then replay.
+"""The core modules import downward only: primitives, then the plan, then the schedule, then replay; and no
+module of the package takes part in an import circle.
 
-Every import counts, at module level or inside a function (a lazy import is still a dependency),
-except those under ``if TYPE_CHECKING:``.
+Every import counts, at module level or inside a function (a lazy import is still a dependency). The
+layer checks pass over those under ``if TYPE_CHECKING:``; the circle check counts them too (a type the
+pieces of a circle share belongs in a module below them all).
 """
 
 import ast
@@ -42,14 +44,15 @@ def _is_type_checking(node: ast.If) -> bool:
         (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def _imports(path: Path):
-    """Every schedlang module ``path`` imports (names imported from a package count as its submodules)."""
+def _imports(path: Path, type_checking: bool = False):
+    """Every schedlang module ``path`` imports (names imported from a package count as its submodules); with
+    ``type_checking``, those imported under ``if TYPE_CHECKING:`` too."""
     name = _module_name(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
 
     def visit(node):
-        if isinstance(node, ast.If) and _is_type_checking(node):
+        if isinstance(node, ast.If) and _is_type_checking(node) and not type_checking:
             for child in node.orelse:
                 visit(child)
             return
@@ -75,8 +78,8 @@ def _imports(path: Path):
 
 
 @functools.lru_cache(maxsize=None)
-def _graph():
-    return {_module_name(p): _imports(p) for p in PACKAGE.rglob("*.py")}
+def _graph(type_checking: bool = False):
+    return {_module_name(p): _imports(p, type_checking) for p in PACKAGE.rglob("*.py")}
 
 
 def _layer(module: str):
@@ -131,3 +134,84 @@ def test_no_import_cycle_through_the_core():
     for m in sorted(core):
         if m not in state:
             visit(m)
+
+
+def _circles(graph):
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index, low, on_stack, stack, found = {}, {}, set(), [], []
+    counter = 0
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = counter
+        counter += 1
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, targets = work[-1]
+            for target in targets:
+                if target == "schedlang" or target not in graph:
+                    continue
+                if target not in index:
+                    index[target] = low[target] = counter
+                    counter += 1
+                    stack.append(target)
+                    on_stack.add(target)
+                    work.append((target, iter(sorted(graph[target]))))
+                    break
+                if target in on_stack:
+                    low[node] = min(low[node], index[target])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    if len(component) > 1:
+                        found.append(sorted(component))
+    return found
+
+
+def _describe(circle, graph):
+    inside = set(circle)
+    return "; ".join(f"{m} -> {', '.join(sorted(t for t in graph[m] if t in inside))}" for m in circle)
+
+
+def test_the_circle_finder_finds_a_circle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert _circles(graph) == [["a", "b", "c"]]
+    assert _circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_module_takes_part_in_an_import_circle():
+    """Over the whole package: imports inside functions and under ``if TYPE_CHECKING:`` count. (Importing the
+    package root, ``schedlang``, is not followed: it imports everything, and is refused in the core above.)"""
+    graph = _graph(type_checking=True)
+    circles = _circles(graph)
+    assert not circles, "import circles:\n" + "\n".join(_describe(c, graph) for c in circles)
+
+
+def test_every_import_of_the_package_names_a_module_that_exists():
+    """A relative import one level short (``..distributed`` from ``graph/tracer/``) names no module; inside a
+    function it fails only when that function first runs."""
+    graph = _graph(type_checking=True)
+    missing = sorted(f"{m} imports {t}" for m, targets in graph.items() for t in targets
+                     if t != "schedlang" and t not in graph)
+    assert not missing, missing
+
+
+#: the most lines a module of the package may have: past it, a module holds more than one idea and is split
+MAX_MODULE_LINES = 700
+
+
+def test_no_module_is_over_the_line_limit():
+    long = sorted(f"{p.relative_to(PACKAGE.parent)}: {n} lines" for p in PACKAGE.rglob("*.py")
+                  if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES)
+    assert not long, f"split these modules (at most {MAX_MODULE_LINES} lines each): {long}"
