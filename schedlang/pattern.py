@@ -35,7 +35,7 @@ from __future__ import annotations
 from torch import nn
 
 from .errors import PatternError
-from .graph.pattern import call_module, check_regex
+from .graph.canonical import call_module, check_regex
 
 __all__ = ["Pattern", "ModulePattern", "call_module"]
 

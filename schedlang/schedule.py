@@ -23,7 +23,6 @@ import functools
 import inspect
 import logging
 import os
-import re
 from collections.abc import MutableMapping
 from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple, Type, Union
 
@@ -33,16 +32,18 @@ from torch import nn
 
 from . import primitives  # noqa: F401  (registers every primitive before the methods below are checked)
 from .distributed import groups
-from .errors import ArgumentTypeError, PatternError, ScheduleKeyError, ScheduleTypeError, ScheduleValueError
+from .errors import ArgumentTypeError, ScheduleKeyError, ScheduleTypeError, ScheduleValueError
 from .fingerprint import ModelFingerprint
 from .plan import Plan, Step
 from .primitives.base import get_primitive, signature_mismatch
+from .schedule_queries import INTERNAL_CHILD as _INTERNAL_CHILD
+from .schedule_queries import ScheduleQueries, list_names
+from .schedule_queries import join_path as _join
 
 __all__ = ["Schedule", "create_schedule"]
 
 logger = logging.getLogger("schedlang.schedule")
 
-_INTERNAL_CHILD = re.compile(r"^_schedlang_")
 
 
 class _RootState:
@@ -217,7 +218,7 @@ def _primitive_method(fn: Callable) -> Callable:
     return method
 
 
-class Schedule:
+class Schedule(ScheduleQueries):
     """A view of one submodule of the scheduled model.
 
     Example::
@@ -281,10 +282,9 @@ class Schedule:
             children = dict(module.named_children())
             if part not in children or _INTERNAL_CHILD.match(part):
                 valid = [n for n in children if not _INTERNAL_CHILD.match(n)]
-                shown = ", ".join(valid[:20]) + (", ..." if len(valid) > 20 else "") if valid else "none (a leaf module)"
                 raise ScheduleKeyError(
                     f"{walked or '<root>'}: no submodule '{part}' (looking up '{_join(self._path, path)}'); "
-                    f"valid children: {shown}")
+                    f"valid children: {list_names(valid)}")
             module = children[part]
             walked = _join(walked, part)
         return Schedule(self._state, walked)
@@ -393,172 +393,6 @@ class Schedule:
                                     f"os.PathLike such as 'report.html'), got {type(path).__name__} {path!r}")
         return write_report(self.root, path, model=model, verify=verify, title=title)
 
-    # ------------------------------------------------------------------ Slapo's tree and graph queries
-    # Plain methods, not primitives: they look at the schedule and record nothing, except that
-    # the graph queries trace a module not traced yet (a ``trace`` step, as ``find`` does), and
-    # update_submodule, which changes the model through ``replace``.
-    def get_top_schedule(self) -> "Schedule":
-        """The schedule of the whole model (Slapo's name for :attr:`root`).
-
-        Example::
-
-            sch["layers.0.mlp"].get_top_schedule() is not None   # same plan as sch
-        """
-        return self.root
-
-    @staticmethod
-    def tokenize_module_path(module_path: str) -> list:
-        """Split a dotted path into Slapo's child names: an index joins the name before it, as
-        Slapo names the children of a ``ModuleList`` (``"layers.0"``). ``""`` has no tokens.
-
-        Example::
-
-            Schedule.tokenize_module_path("layers.0.mlp.fc1")   # ['layers.0', 'mlp', 'fc1']
-        """
-        if not isinstance(module_path, str):
-            raise ScheduleTypeError(f"tokenize_module_path: expects a dotted module path like 'layers.0.mlp', got "
-                                    f"{type(module_path).__name__} {module_path!r}")
-        if not module_path:
-            return []
-        tokens: list = []
-        for part in module_path.split("."):
-            if part.isdigit():
-                if not tokens:
-                    raise ScheduleValueError(
-                        f"tokenize_module_path: {module_path!r} starts with the index '{part}'; a path starts with "
-                        "a submodule name, e.g. 'layers.0' (an index follows the ModuleList it indexes)")
-                tokens[-1] = f"{tokens[-1]}.{part}"
-            else:
-                tokens.append(part)
-        return tokens
-
-    def get_module(self, name: str) -> nn.Module:
-        """The submodule called ``name`` relative to this schedule (``""``: :attr:`mod` itself),
-        e.g. the module a ``call_module`` node of this traced module calls.
-
-        Example::
-
-            node = sch["mlp"].find_node(r"fc1")[0][1]
-            sch["mlp"].get_module(node.target)   # the Linear
-        """
-        if not isinstance(name, str):
-            raise ScheduleTypeError(f"{self._display()}: get_module expects a submodule name like 'mlp.fc1', got "
-                                    f"{type(name).__name__} {name!r}")
-        module = self.mod
-        if not name:
-            return module
-        try:
-            return module.get_submodule(name)
-        except AttributeError:
-            valid = [n for n, _ in module.named_modules() if n and not any(_INTERNAL_CHILD.match(p)
-                                                                             for p in n.split("."))]
-            shown = ", ".join(valid[:20]) + (", ..." if len(valid) > 20 else "") if valid else "none (a leaf module)"
-            raise ScheduleKeyError(f"{self._display()}: get_module: no submodule '{name}' here (names are relative "
-                                   f"to this schedule's path); valid names: {shown}") from None
-
-    def find_node(self, regex_or_pattern_fn: Union[str, Callable[[fx.Node], bool]]) -> list:
-        """Nodes of this module's graphs, as ``[(path, node), ...]`` (``path``: the traced module
-        holding ``node``, relative to this schedule). A regex selects the ``call_module`` nodes
-        whose target matches it from the start (``re.match``); a function ``node -> bool``
-        selects the nodes it accepts. A module not traced yet is traced first (see ``find``).
-
-        Example::
-
-            sch.find_node(r"fc\\d")                                          # the Linear calls
-            sch.find_node(lambda n: n.op == "call_function" and n.target is torch.add)
-        """
-        from .graph.pattern import graph_modules
-        from .primitives.find import trace_on_demand
-
-        where = self._display()
-        query = regex_or_pattern_fn
-        if isinstance(query, str):
-            try:
-                compiled = re.compile(query)
-            except re.error as e:
-                raise PatternError(f"{where}: find_node got an invalid regex {query!r}: {e}") from e
-
-            def accepts(node: fx.Node) -> bool:
-                return node.op == "call_module" and compiled.match(str(node.target)) is not None
-        elif callable(query) and not isinstance(query, (type, nn.Module)):
-            accepts = query
-        else:
-            raise ArgumentTypeError(f"{where}: find_node expects a regex string or a function node -> bool, got "
-                                    f"{type(query).__name__} {query!r}; to match a subgraph pattern use "
-                                    "find_subgraph")
-        found = []
-        # all-or-nothing, as find() is: a predicate that raises must not leave behind the trace made for it
-        # (a module traced already has nothing to undo, and skips the snapshot of every module's attributes)
-        tracing = not isinstance(self.mod, fx.GraphModule)
-        with self.atomic() if tracing else contextlib.nullcontext():
-            trace_on_demand(self, "find_node")
-            for path, gm in graph_modules(self.mod):
-                for node in gm.graph.nodes:
-                    try:
-                        hit = accepts(node)
-                    except Exception as e:
-                        raise PatternError(f"{where}: find_node's function raised {type(e).__name__}: {e} on node "
-                                           f"'{node.name}' (op {node.op}) of the graph at '{path or '<root>'}'; it "
-                                           "must return True or False for every node") from e
-                    if hit:
-                        found.append((path, node))
-        return found
-
-    def find_subgraph(self, pattern_fn: Callable[..., Any]) -> list:
-        """Subgraphs computing what ``pattern_fn`` computes (a function or ``nn.Module``), matched by
-        dataflow: ``[[(path, node), ...], ...]``, as ``find`` returns for a pattern. A module not
-        traced yet is traced first.
-
-        Example::
-
-            sch.find_subgraph(lambda x, bias: F.gelu(bias + x))
-        """
-        if isinstance(pattern_fn, str) or not callable(pattern_fn):
-            raise ArgumentTypeError(f"{self._display()}: find_subgraph expects a pattern function or an nn.Module, "
-                                    f"got {type(pattern_fn).__name__} {pattern_fn!r}; to select nodes by a regex "
-                                    "over module names use find_node")
-        return self.find(pattern_fn)
-
-    def trace_until(self, paths: Union[str, Sequence[str]], **kwargs: Any) -> None:
-        """Trace this module down to the submodules at ``paths`` (relative to this schedule, ``""``
-        for this module): they are traced too, and their children stay calls. Slapo uses it to
-        expose a model's layers, e.g. as pipeline cut points. Recorded as one ``trace`` step
-        (``leaf_modules`` = those children); ``leaf_modules`` and ``concrete_args`` may be given,
-        ``tracer`` may be Slapo's ``"pytorch"`` or ``"huggingface"`` (both the same tracer here).
-        A submodule on the way that cannot be traced stays a call too (logged at INFO and listed
-        in the step's ``leaf_modules``); this module itself failing is a ``TraceError``.
-
-        Example::
-
-            sch.trace_until("layers")          # root and 'layers' traced, 'layers.0', ... stay calls
-            sch["layers.3"].cut_pipeline_stage()
-        """
-        from .trace_levels import trace_until
-
-        trace_until(self, paths, **kwargs)
-
-    def update_submodule(self, mod: nn.Module, submod_name: str, new_submod: nn.Module) -> None:
-        """Put ``new_submod`` in place of the child ``submod_name`` (a dotted path, e.g. ``"layers.0"``)
-        of ``mod``, a module of this schedule's model (``sch.mod``, ``sch.parent.mod`` ...). The
-        change is a ``replace`` step of the plan, so it is checked, recorded and replayed like
-        any other.
-
-        Example::
-
-            sch.update_submodule(sch["mlp"].mod, "act", nn.ReLU())   # == sch["mlp.act"].replace(nn.ReLU())
-        """
-        where = self._display()
-        if not isinstance(submod_name, str) or not submod_name:
-            raise ScheduleTypeError(f"{where}: update_submodule expects the child's name (a non-empty dotted path "
-                                    f"like 'layers.0'), got {submod_name!r}")
-        owner = next((p for p, m in self._state.module.named_modules(remove_duplicate=False) if m is mod), None)
-        if owner is None:
-            raise ScheduleValueError(
-                f"{where}: update_submodule got a {type(mod).__name__} that is not part of this schedule's model; "
-                "pass sch.mod or a module under it (the schedule works on a copy: the model given to "
-                "create_schedule is never changed)")
-        self.root[_join(owner, submod_name)].replace(new_submod)
-
     # ------------------------------------------------------------------ graph-free primitives
     # Each method's signature is checked against its primitive's declaration when this class is
     # defined; its docstring is the primitive's, and its body is the call (see _primitive_method).
@@ -627,10 +461,6 @@ class Schedule:
 
     @_primitive_method
     def overlap_communication(self, hoist: bool = True): ...
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
 
 
 def _get_submodule(root: nn.Module, path: str) -> nn.Module:

@@ -32,7 +32,6 @@ Example::
 from __future__ import annotations
 
 import copy
-import dataclasses
 import heapq
 import inspect
 import operator
@@ -40,12 +39,12 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 from torch import nn
 
 from ..errors import NotTracedError, PatternError, ScheduleTypeError, ScheduleValueError
-from ..module_record import module_record, update_record
+from ..module_record import update_record
 from ..utils.common import transfer_hooks
+from .extract import ParamInput, extract_subgraph, has_hooks, has_sync, inputs_of, outputs_of
 
 __all__ = [
     "validate_subgraphs",
@@ -190,7 +189,7 @@ def validate_subgraphs(sch, subgraphs: Any, primitive_name: str) -> Subgraphs:
             raise ScheduleValueError(f"{where}: subgraph {i} has no operation (only parameters)")
         nodes.sort(key=order.__getitem__)
         _check_no_cycle(nodes, where, f"subgraph {i}", primitive_name)
-        if not _outputs_of(nodes):
+        if not outputs_of(nodes):
             raise ScheduleValueError(f"{where}: subgraph {i} ({', '.join(n.name for n in nodes)}) computes nothing "
                                      "that is used outside it; drop it, or match a subgraph whose result is used")
         result.append([(path, n) for n in nodes])
@@ -234,185 +233,6 @@ def _check_no_cycle(nodes: Sequence[fx.Node], where: str, what: str, primitive: 
 # ---------------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class _ParamInput:
-    """A parameter a fused subgraph reads; becomes a ``get_attr`` node in the parent."""
-
-    target: str
-
-
-def _inputs_of(nodes: Sequence[fx.Node]) -> List[fx.Node]:
-    inside = set(nodes)
-    inputs: List[fx.Node] = []
-    for n in nodes:
-        def visit(arg):
-            if arg not in inside and arg not in inputs:
-                inputs.append(arg)
-            return arg
-
-        fx.node.map_arg((n.args, n.kwargs), visit)
-    return inputs
-
-
-def _outputs_of(nodes: Sequence[fx.Node]) -> List[fx.Node]:
-    inside = set(nodes)
-    return [n for n in nodes if any(u not in inside for u in n.users)]
-
-
-def _has_hooks(module: nn.Module) -> bool:
-    return any(bool(getattr(module, name, None)) for name in (
-        "_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")) or _has_sync(module)
-
-
-def _has_sync(module: nn.Module) -> bool:
-    return bool(module_record(module).syncs)
-
-
-def _functional_call(module: nn.Module, target: str):
-    """``(function, argument builder)`` for a module whose parameters can be passed in, or None."""
-    def p(name):
-        return _ParamInput(f"{target}.{name}") if getattr(module, name, None) is not None else None
-
-    if type(module) in (nn.Linear,) or type(module).__name__ == "LinearWithSeparateBias":
-        if type(module).__name__ == "LinearWithSeparateBias" and _has_sync(module):
-            return None
-        if type(module).__name__ == "LinearWithSeparateBias":
-            return lambda x: [(F.linear, (x, p("weight")), {}), (operator.add, ("$0", p("bias")), {})] \
-                if module.bias is not None else [(F.linear, (x, p("weight")), {})]
-        return lambda x: [(F.linear, (x, p("weight"), p("bias")), {})]
-    if type(module) is nn.LayerNorm:
-        return lambda x: [(F.layer_norm, (x, tuple(module.normalized_shape), p("weight"), p("bias"), module.eps), {})]
-    if hasattr(nn, "RMSNorm") and type(module) is nn.RMSNorm:
-        return lambda x: [(F.rms_norm, (x, tuple(module.normalized_shape), p("weight"), module.eps), {})]
-    if type(module) is nn.Embedding:
-        return lambda x: [(F.embedding, (x, p("weight"), module.padding_idx, module.max_norm, module.norm_type,
-                                         module.scale_grad_by_freq, module.sparse), {})]
-    return None
-
-
-def _is_stateless(module: nn.Module) -> bool:
-    return not any(True for _ in module.parameters()) and not any(True for _ in module.buffers())
-
-
-def extract_subgraph(gm: fx.GraphModule, nodes: Sequence[fx.Node], *, functionalize: bool = False,
-                     where: str = "<root>", primitive: str = "fuse"):
-    """The subgraph ``nodes`` of ``gm`` as a standalone GraphModule.
-
-    Returns ``(module, inputs, outputs)``: placeholders stand for ``inputs`` (nodes of
-    ``gm``, or parameters to read with ``get_attr`` when ``functionalize``), the output is
-    one value or a tuple for ``outputs`` (nodes of ``gm`` in graph order). With
-    ``functionalize``, modules holding parameters (``nn.Linear``, ``nn.LayerNorm``,
-    ``nn.RMSNorm``, ``nn.Embedding``) become functional calls whose parameters are inputs,
-    so they stay where they are; other parameter-free modules move into the subgraph.
-    """
-    body = fx.Graph()
-    env: Dict[fx.Node, fx.Node] = {}
-    inputs: List[Any] = []
-    used_names = set()
-
-    def placeholder_for(value, hint: str) -> fx.Node:
-        name = hint.replace(".", "_")
-        base, k = name, 1
-        while name in used_names:
-            name, k = f"{base}_{k}", k + 1
-        used_names.add(name)
-        inputs.append(value)
-        return body.placeholder(name)
-
-    for value in _inputs_of(nodes):
-        env[value] = placeholder_for(value, value.name)
-    param_nodes: Dict[str, fx.Node] = {}
-    root: Dict[str, Any] = {}
-
-    def param(ref: Optional[_ParamInput]) -> Any:
-        if ref is None:
-            return None
-        if ref.target not in param_nodes:
-            param_nodes[ref.target] = placeholder_for(ref, ref.target)
-        return param_nodes[ref.target]
-
-    for node in nodes:
-        if node.op == "call_module":
-            module = gm.get_submodule(node.target)
-            if functionalize and isinstance(module, fx.GraphModule) and _is_stateless(module) \
-                    and not _has_hooks(module):
-                # a traced parameter-free child (an activation wrapper): its ops join the subgraph
-                env[node] = _inline(body, module, node, env, root, node.target)
-                continue
-            if functionalize and _has_hooks(module):
-                raise ScheduleValueError(
-                    f"{where}: cannot {primitive} '{node.name}': module '{node.target}' ({type(module).__name__}) has "
-                    "hooks or sync points, which the new module would drop; leave it out of the subgraph, or remove "
-                    "its hooks first")
-            calls = _functional_call(module, node.target) if functionalize else None
-            if calls is not None and len(node.args) == 1 and not node.kwargs:
-                value = env[node.args[0]] if isinstance(node.args[0], fx.Node) else node.args[0]
-                for fn, args, kwargs in calls(value):
-                    args = tuple(value if a == "$0" else param(a) if isinstance(a, _ParamInput) else a for a in args)
-                    value = body.call_function(fn, args, kwargs)
-                env[node] = value
-                continue
-            if functionalize and not _is_stateless(module):
-                raise ScheduleValueError(
-                    f"{where}: cannot {primitive} '{node.name}': module '{node.target}' "
-                    f"({type(module).__name__}) holds parameters that cannot be passed in as inputs; trace with "
-                    "flatten=True so its operations are in the graph, or leave it out of the subgraph")
-            root[node.target] = module
-        env[node] = body.node_copy(node, lambda a: env[a])
-    outputs = _outputs_of(nodes)
-    body.output(env[outputs[0]] if len(outputs) == 1 else tuple(env[o] for o in outputs))
-    module = fx.GraphModule(root, body, class_name="Subgraph")
-    return module, inputs, outputs
-
-
-def _inline(body: fx.Graph, module: fx.GraphModule, call: fx.Node, env: Dict[fx.Node, Any], root: Dict[str, Any],
-            prefix: str) -> Any:
-    """Copy the ops of ``module`` (called by ``call``) into ``body``; returns its output value."""
-    from .tracer import check_specialized_arguments
-
-    def outer(v):
-        return env[v] if isinstance(v, fx.Node) else v
-
-    values: Dict[fx.Node, Any] = {}
-    placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
-    for i, ph in enumerate(placeholders):
-        if i < len(call.args):
-            values[ph] = fx.node.map_arg(call.args[i], outer)
-        elif ph.target in call.kwargs:
-            values[ph] = fx.node.map_arg(call.kwargs[ph.target], outer)
-        else:
-            values[ph] = ph.args[0] if ph.args else None
-    for n in module.graph.nodes:
-        if n.op == "placeholder":
-            continue
-        if n.op == "output":
-            return fx.node.map_arg(n.args[0], lambda a: values[a])
-        if n.op == "call_function" and n.target is check_specialized_arguments:
-            continue  # the call site passes the traced values
-        target = f"{prefix}.{n.target}" if n.op in ("get_attr", "call_module") else n.target
-        if n.op == "get_attr":
-            root[target] = _attr(module, n.target)
-            values[n] = body.get_attr(target)
-        elif n.op == "call_module":
-            inner = module.get_submodule(n.target)
-            if isinstance(inner, fx.GraphModule) and _is_stateless(inner) and not _has_hooks(inner):
-                values[n] = _inline(body, inner, n, values, root, target)
-                continue
-            root[target] = inner
-            values[n] = body.create_node("call_module", target, fx.node.map_arg(n.args, lambda a: values[a]),
-                                         fx.node.map_arg(n.kwargs, lambda a: values[a]))
-        else:
-            values[n] = body.node_copy(n, lambda a: values[a])
-    raise ScheduleValueError(f"{prefix}: traced module has no output")  # pragma: no cover
-
-
-def _attr(module: nn.Module, target: str) -> Any:
-    obj: Any = module
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 # ---------------------------------------------------------------------------------------------
 # rewriting a graph
 # ---------------------------------------------------------------------------------------------
@@ -448,7 +268,7 @@ class _GraphEdit:
         with graph.inserting_before(mine[0]):
             args = []
             for value in inputs:
-                if isinstance(value, _ParamInput):
+                if isinstance(value, ParamInput):
                     args.append(graph.get_attr(value.target))
                 else:
                     args.append(self.node(value))
@@ -557,8 +377,8 @@ def replace_subgraphs(sch, new_mod_or_fn: Union[nn.Module, Callable], subgraphs:
     node_lists = [[n for _, n in sg] for sg in normalized]
     all_nodes = [n for nodes in node_lists for n in nodes]
     order = {n: k for k, n in enumerate(gm.graph.nodes)}
-    inputs = _inputs_of(sorted(all_nodes, key=order.__getitem__))
-    outputs = [o for nodes in node_lists for o in _outputs_of(nodes)]
+    inputs = inputs_of(sorted(all_nodes, key=order.__getitem__))
+    outputs = [o for nodes in node_lists for o in outputs_of(nodes)]
     is_module = isinstance(new_mod_or_fn, nn.Module)
     if not is_module and not callable(new_mod_or_fn):
         raise ScheduleTypeError(f"{where}: replace expects an nn.Module or a callable, got "
@@ -571,7 +391,7 @@ def replace_subgraphs(sch, new_mod_or_fn: Union[nn.Module, Callable], subgraphs:
             if n.op != "call_module":
                 continue
             module = gm.get_submodule(n.target)
-            if _has_sync(module) or (not movable and _has_hooks(module)):
+            if has_sync(module) or (not movable and has_hooks(module)):
                 raise ScheduleValueError(
                     f"{where}: cannot replace '{n.name}': module '{n.target}' has hooks or sync points, which the "
                     "replacement would drop; leave it out of the subgraph, or remove its hooks first")
