@@ -58,24 +58,22 @@ def _dtype_names(dtypes: Sequence[torch.dtype]) -> str:
 
 def check_int(where: str, name: str, value: Any, minimum: Optional[int] = None) -> None:
     """``value`` is an int (a bool is not) and at least ``minimum``."""
-    if torch.compiler.is_compiling():  # see _checked_by_eager_calls
-        return
-    bound = f" >= {minimum}" if minimum is not None else ""
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
-        raise ArgumentTypeError(f"{where}: {name} must be an int{bound}, got {shown(value)}")
-    if minimum is not None and value < minimum:
-        raise ScheduleValueError(f"{where}: {name} must be an int{bound}, got {value}")
+    _check_real(where, name, value, minimum, numbers.Integral, "an int", finite=False)
 
 
 def check_number(where: str, name: str, value: Any, minimum: Optional[float] = None) -> None:
     """``value`` is a finite real number (an int or a float; a bool is not) and at least ``minimum``."""
+    _check_real(where, name, value, minimum, numbers.Real, "a finite number", finite=True)
+
+
+def _check_real(where: str, name: str, value: Any, minimum, kind: type, described: str, finite: bool) -> None:
     if torch.compiler.is_compiling():  # see _checked_by_eager_calls
         return
     bound = f" >= {minimum}" if minimum is not None else ""
-    if not isinstance(value, numbers.Real) or isinstance(value, bool):
-        raise ArgumentTypeError(f"{where}: {name} must be a finite number{bound}, got {shown(value)}")
-    if not math.isfinite(value) or (minimum is not None and value < minimum):
-        raise ScheduleValueError(f"{where}: {name} must be a finite number{bound}, got {value}")
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise ArgumentTypeError(f"{where}: {name} must be {described}{bound}, got {shown(value)}")
+    if (finite and not math.isfinite(value)) or (minimum is not None and value < minimum):
+        raise ScheduleValueError(f"{where}: {name} must be {described}{bound}, got {value}")
 
 
 def check_tensor(where: str, name: str, value: Any, dtypes: Optional[Sequence[torch.dtype]] = None,

@@ -181,20 +181,22 @@ def gather_forward(x: torch.Tensor, axis: int, group=None, grad_is_replicated: b
 
 def scatter_forward(x: torch.Tensor, axis: int, group=None) -> torch.Tensor:
     """Keep this rank's slice along ``axis`` in forward; all-gather the gradient in backward."""
-    world = _world_size(group)
-    if world == 1:
-        return x
     # named here, where the sync point that splits is known (an all_gather of the gradient, at bwd_post)
-    check_even_split("scatter_forward", "split", x, axis, world,
-                     " (the forward half of sync op 'all_gather' at bwd_post)")
-    return _ScatterForward.apply(x, axis, group)
+    return _split_forward(_ScatterForward, "scatter_forward", "split", x, axis, group,
+                          " (the forward half of sync op 'all_gather' at bwd_post)")
 
 
 def reduce_scatter_forward(x: torch.Tensor, axis: int, group=None) -> torch.Tensor:
     """Reduce-scatter along ``axis`` in forward; all-gather the gradient in backward."""
+    return _split_forward(_ReduceScatterForward, "reduce_scatter_forward", "reduce-scatter", x, axis, group,
+                          " (sync op 'reduce_scatter' at fwd_pre or fwd_post)")
+
+
+def _split_forward(function, name: str, verb: str, x: torch.Tensor, axis: int, group, sync_point: str) -> torch.Tensor:
+    """``function`` (a collective that leaves each rank one of ``world`` equal parts along ``axis``), after checking
+    that ``x`` splits evenly; ``x`` itself on one rank."""
     world = _world_size(group)
     if world == 1:
         return x
-    check_even_split("reduce_scatter_forward", "reduce-scatter", x, axis, world,
-                     " (sync op 'reduce_scatter' at fwd_pre or fwd_post)")
-    return _ReduceScatterForward.apply(x, axis, group)
+    check_even_split(name, verb, x, axis, world, sync_point)
+    return function.apply(x, axis, group)

@@ -225,7 +225,7 @@ def _record_ranks(model) -> Dict[str, Tuple[Optional[int], Optional[int]]]:
         handles.append(m.register_forward_pre_hook(before, with_kwargs=True))
         handles.append(m.register_forward_hook(after))
     try:
-        device = T._module_device(model)
+        device = T.module_device(model)
         kwargs = {}
         params = T.forward_parameters(model)
         if any(p.name == "use_cache" or p.kind is p.VAR_KEYWORD for p in params):

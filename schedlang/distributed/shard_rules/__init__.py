@@ -12,7 +12,7 @@ itself with :func:`register_shard_rule`. Modules without a rule may still be sha
 from __future__ import annotations
 
 import logging
-from typing import Dict, List, Optional, Type
+from typing import Dict, List, Optional, Tuple, Type
 
 from torch import nn
 
@@ -87,6 +87,26 @@ def refuse_bias_of_row_parallel(path: str, kind: str, shards, tensor_name: str, 
         raise ShardError(
             f"{path or '<root>'}: cannot shard 'bias' of a row-parallel {kind} (weight sharded along axis "
             f"{row_axis}): its bias is added once after the all-reduce; keep it whole")
+
+
+def follow_sharded_weight(module: nn.Module, tensor_name: str, axis: int, size_attributes: Tuple[str, str],
+                          row_axis: int, remember: bool = True) -> None:
+    """The ``after_shard`` every Linear-like rule shares: once its weight is split, the module's two size
+    attributes (``size_attributes``, in the weight's dimension order) follow the weight's new shape, recorded
+    first as they were (unless ``remember`` is False: the module's init reads the sizes off the weight); and a
+    row-parallel shard (along ``row_axis``) adds the bias after the output syncs."""
+    if tensor_name != "weight":
+        return
+    if remember:
+        from ..sharding import remember_unsharded
+
+        remember_unsharded(module, **{name: getattr(module, name) for name in size_attributes})
+    for name, size in zip(size_attributes, module.weight.shape):
+        setattr(module, name, size)
+    if axis == row_axis and getattr(module, "bias", None) is not None:
+        from ..sync_ops import run_post_syncs_before_bias
+
+        run_post_syncs_before_bias(module)
 
 
 def register_shard_rule(rule: Type[ShardRule]) -> Type[ShardRule]:

@@ -30,9 +30,8 @@ import torch
 
 from ...errors import ShardError
 from ...module_record import shard_specs
-from ..sharding import remember_unsharded
-from ..sync_ops import bias_after_inner_syncs, run_post_syncs, run_post_syncs_before_bias
-from . import ShardRule, refuse_bias_of_row_parallel, register_shard_rule
+from ..sync_ops import bias_after_inner_syncs, run_post_syncs
+from . import ShardRule, follow_sharded_weight, refuse_bias_of_row_parallel, register_shard_rule
 
 __all__ = ["Conv1DShardRule", "row_parallel_conv1d_class"]
 
@@ -81,10 +80,5 @@ class Conv1DShardRule(ShardRule):
 
     @classmethod
     def after_shard(cls, module, tensor_name, axis, world_size, rank):
-        if tensor_name != "weight":
-            return
-        remember_unsharded(module, nx=module.nx, nf=module.nf)
-        module.nx, module.nf = module.weight.shape
-        if axis == 0:
-            run_post_syncs_before_bias(module)
+        follow_sharded_weight(module, tensor_name, axis, ("nx", "nf"), row_axis=0)
 

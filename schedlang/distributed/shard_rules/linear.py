@@ -14,8 +14,7 @@ from torch import nn
 
 from ...errors import ShardError
 from ...module_record import shard_specs
-from ..sync_ops import run_post_syncs_before_bias
-from . import ShardRule, refuse_bias_of_row_parallel, register_shard_rule
+from . import ShardRule, follow_sharded_weight, refuse_bias_of_row_parallel, register_shard_rule
 
 
 @register_shard_rule
@@ -51,8 +50,4 @@ class LinearShardRule(ShardRule):
 
     @classmethod
     def after_shard(cls, module, tensor_name, axis, world_size, rank):
-        if tensor_name != "weight":
-            return
-        module.out_features, module.in_features = module.weight.shape
-        if axis == 1 and module.bias is not None:
-            run_post_syncs_before_bias(module)
+        follow_sharded_weight(module, tensor_name, axis, ("out_features", "in_features"), row_axis=1, remember=False)

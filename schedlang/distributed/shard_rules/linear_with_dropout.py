@@ -14,9 +14,7 @@ from __future__ import annotations
 from ...errors import ShardError
 from ...module_record import shard_specs
 from ...op.linear import LinearWithAct, LinearWithDropout, LinearWithSyncFunc
-from ..sharding import remember_unsharded
-from ..sync_ops import run_post_syncs_before_bias
-from . import ShardRule, refuse_bias_of_row_parallel, register_shard_rule
+from . import ShardRule, follow_sharded_weight, refuse_bias_of_row_parallel, register_shard_rule
 
 __all__ = ["FusedBiasLinearShardRule"]
 
@@ -53,9 +51,4 @@ class FusedBiasLinearShardRule(ShardRule):
 
     @classmethod
     def after_shard(cls, module, tensor_name, axis, world_size, rank):
-        if tensor_name != "weight":
-            return
-        remember_unsharded(module, in_features=module.in_features, out_features=module.out_features)
-        module.out_features, module.in_features = module.weight.shape
-        if axis == 1 and module.bias is not None:
-            run_post_syncs_before_bias(module)
+        follow_sharded_weight(module, tensor_name, axis, ("out_features", "in_features"), row_axis=1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import operator
 import weakref
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import fx
@@ -72,6 +72,15 @@ def fuse_tensors(ctx: RewriteContext, hint: str, refs: Sequence[TensorRef], how:
     return ctx.call(torch.cat if how == "cat" else torch.stack, nodes, dim)
 
 
+def fuse_weights_and_biases(ctx: RewriteContext, prefix: str, weights: Sequence[Optional[TensorRef]],
+                            biases: Sequence[Optional[TensorRef]], how: str) -> Tuple[Optional[fx.Node], Optional[fx.Node]]:
+    """The members' weights and biases each joined by :func:`fuse_tensors` along dim 0 (``<prefix>_weight``,
+    ``<prefix>_bias``); None for a kind the members do not have (the grouping makes them all alike)."""
+    w = fuse_tensors(ctx, f"{prefix}_weight", weights, how, 0) if weights[0] is not None else None
+    b = fuse_tensors(ctx, f"{prefix}_bias", biases, how, 0) if biases[0] is not None else None
+    return w, b
+
+
 def stack(ctx: RewriteContext, inputs: Sequence[fx.Node], dim: int) -> fx.Node:
     return ctx.call(torch.stack, list(inputs), dim)
 
@@ -107,6 +116,31 @@ def unsettled(node: fx.Node, last_dim: Optional[int] = None) -> bool:
     """Whether ``node`` is an int split's last piece whose size nothing settles (it may be shorter)."""
     piece = piece_of(node)
     return piece is not None and piece.spec.kind == "split" and settled_size(piece, last_dim) is None
+
+
+def settled_members(ctx: RewriteContext, members: Sequence[fx.Node], operands: Sequence[Tuple], size: Optional[int]
+                    ) -> Optional[Tuple[List[fx.Node], List[Tuple]]]:
+    """The members whose input (``operands[i][0]``) is not a possibly shorter piece of a split (see
+    :func:`unsettled`), with their operands: the shorter piece cannot be stacked, the others still can.
+    None when fewer than the rule's minimum group size remain."""
+    kept = [(m, o) for m, o in zip(members, operands) if not unsettled(o[0], size)]
+    if len(kept) < ctx.min_group_size:
+        return None
+    return [m for m, _ in kept], [o for _, o in kept]
+
+
+def replace_by_stacked_call(ctx: RewriteContext, rule: str, members: Sequence[fx.Node], inputs: Sequence[fx.Node],
+                            dim: int, call: Callable[[fx.Node], fx.Node], description: str) -> None:
+    """The group rewrite shared by the stacking rules: ``inputs`` stacked along ``dim``, ``call(stacked)`` the one
+    grouped op, its result unbound along ``dim`` into one value per member, recorded under ``rule``, and each
+    member replaced by its piece."""
+    with ctx.graph.inserting_before(members[0]):
+        grouped = stack(ctx, inputs, dim)
+        y = call(grouped)
+        outs = unstack(ctx, y, dim, len(members))
+    ctx.record(rule, members, y, description)
+    for member, out in zip(members, outs):
+        ctx.replace(member, out)
 
 
 def stack_dim_for(inputs: Sequence[fx.Node], default: int) -> int:

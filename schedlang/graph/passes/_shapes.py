@@ -18,6 +18,7 @@ import torch
 from torch import fx
 
 from ...errors import SchedlangError, ScheduleTypeError, ScheduleValueError
+from ..tracer.common import module_device
 from ._nodes import EXAMPLE_META
 
 __all__ = ["check_example_inputs", "describe_examples", "note_example_values", "forget_example_values"]
@@ -73,14 +74,6 @@ class _Recorder(fx.Interpreter):
         return result
 
 
-def _device(gm: fx.GraphModule) -> torch.device:
-    for t in gm.parameters():
-        return t.device
-    for t in gm.buffers():
-        return t.device
-    return torch.device("cpu")
-
-
 def note_example_values(gm: fx.GraphModule, graph: fx.Graph, example_inputs: Sequence[torch.Tensor],
                         where: str) -> None:
     """Run ``graph`` (a copy of ``gm.graph``, with ``gm``'s modules) on fake tensors shaped like
@@ -90,7 +83,7 @@ def note_example_values(gm: fx.GraphModule, graph: fx.Graph, example_inputs: Seq
     from ..tracer.examples import _shape_only_syncs
 
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)  # parameters become fake as they are used
-    device = _device(gm)
+    device = module_device(gm)
     with fake_mode:
         args = [torch.empty(t.shape, dtype=t.dtype, device=device) for t in example_inputs]
     recorder = _Recorder(gm, graph=graph)

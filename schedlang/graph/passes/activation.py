@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from ._build import group_key, stack, stack_dim_for, unstack
+from ._build import group_key, replace_by_stacked_call, stack_dim_for
 from ._context import RewriteContext, Rule
 from ._nodes import NUM_PIECES_META, arg, module_of, piece_of, plain_module
 
@@ -119,11 +119,6 @@ class ActivationGroup(Rule):
                 members, inputs = [members[i] for i in kept], [inputs[i] for i in kept]
         dim = stack_dim_for(inputs, 0)
         n = len(members)
-        with ctx.graph.inserting_before(members[0]):
-            grouped = stack(ctx, inputs, dim)
-            y = _emit(ctx, signature, grouped)
-            outs = unstack(ctx, y, dim, n)
-        ctx.record(self.name, members, y, f"{n} x {label} -> 1 {label} over {n} stacked tensors")
-        for m, out in zip(members, outs):
-            ctx.replace(m, out)
+        replace_by_stacked_call(ctx, self.name, members, inputs, dim, lambda grouped: _emit(ctx, signature, grouped),
+                                f"{n} x {label} -> 1 {label} over {n} stacked tensors")
         return True

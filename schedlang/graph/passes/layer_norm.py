@@ -41,15 +41,15 @@ from . import group_ops
 from ._build import (
     TensorRef,
     attr_ref,
-    fuse_tensors,
+    fuse_weights_and_biases,
     group_key,
     module_ref,
     piece_order,
     replace_by_pieces,
-    stack,
+    replace_by_stacked_call,
+    settled_members,
     stack_dim_for,
     unsettled,
-    unstack,
 )
 from ._context import RewriteContext, Rule
 from ._nodes import NUM_PIECES_META, arg, every_piece_once, is_call, module_of, piece_of, plain_module
@@ -115,11 +115,10 @@ class LayerNormGroup(Rule):
         if any(unsettled(o[0], last_dim) for o in operands):
             if every_piece_once([o[0] for o in operands]):
                 return self._rewrite_piecewise(ctx, members, operands)
-            # the possibly shorter piece cannot be stacked: the others still can
-            kept = [(m, o) for m, o in zip(members, operands) if not unsettled(o[0], last_dim)]
-            if len(kept) < ctx.min_group_size:
+            settled = settled_members(ctx, members, operands, last_dim)
+            if settled is None:
                 return False
-            members, operands = [m for m, _ in kept], [o for _, o in kept]
+            members, operands = settled
         inputs = [o[0] for o in operands]
         shape, eps = operands[0][1], operands[0][2]
         weights = [o[3] for o in operands]
@@ -130,14 +129,10 @@ class LayerNormGroup(Rule):
             dim = -(k + 1)
         n = len(members)
         with ctx.graph.inserting_before(members[0]):
-            w = fuse_tensors(ctx, "ln_weight", weights, "stack", 0) if weights[0] is not None else None
-            b = fuse_tensors(ctx, "ln_bias", biases, "stack", 0) if biases[0] is not None else None
-            grouped = stack(ctx, inputs, dim)
-            y = ctx.call(group_ops.group_layer_norm, grouped, shape, w, b, eps, dim)
-            outs = unstack(ctx, y, dim, n)
-        ctx.record(self.name, members, y, f"{n} x layer_norm{shape} -> 1 group_layer_norm over {n} stacked pieces")
-        for m, out in zip(members, outs):
-            ctx.replace(m, out)
+            w, b = fuse_weights_and_biases(ctx, "ln", weights, biases, "stack")
+        replace_by_stacked_call(ctx, self.name, members, inputs, dim,
+                                lambda grouped: ctx.call(group_ops.group_layer_norm, grouped, shape, w, b, eps, dim),
+                                f"{n} x layer_norm{shape} -> 1 group_layer_norm over {n} stacked pieces")
         return True
 
     def _rewrite_piecewise(self, ctx: RewriteContext, members: List[fx.Node], operands: List[_Operands]) -> bool:
@@ -149,8 +144,7 @@ class LayerNormGroup(Rule):
         biases = [operands[i][4] for i in order]
         n = len(members)
         with ctx.graph.inserting_before(members[0]):
-            w = fuse_tensors(ctx, "ln_weight", weights, "stack", 0) if weights[0] is not None else None
-            b = fuse_tensors(ctx, "ln_bias", biases, "stack", 0) if biases[0] is not None else None
+            w, b = fuse_weights_and_biases(ctx, "ln", weights, biases, "stack")
             y = ctx.call(group_ops.piecewise_layer_norm, spec.base, spec.sizes, spec.dim, n, shape, w, b, eps)
         replace_by_pieces(ctx, self.name, members, order, y, spec, spec.node.meta.get(NUM_PIECES_META),
                           f"{n} x layer_norm{shape} on the pieces of '{spec.node.name}' -> 1 piecewise_layer_norm on "

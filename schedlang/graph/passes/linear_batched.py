@@ -40,8 +40,8 @@ from typing import Hashable, List, Optional, Sequence, Tuple
 from torch import fx
 
 from . import group_ops
-from ._build import (TensorRef, fuse_tensors, group_key, piece_order, replace_by_pieces, stack, stack_dim_for,
-                     unsettled, unstack)
+from ._build import (TensorRef, fuse_weights_and_biases, group_key, piece_order, replace_by_pieces,
+                     replace_by_stacked_call, settled_members, stack_dim_for, unsettled)
 from ._context import RewriteContext
 from ._nodes import every_piece_once, piece_of
 from .linear_same_input import LinearRule, linear_operands, linear_signature
@@ -68,11 +68,10 @@ class LinearBatched(LinearRule):
         if any(unsettled(o[0], in_f) for o in operands):
             if every_piece_once([o[0] for o in operands]) and _pieces_keep_their_length(operands):
                 return self._rewrite_piecewise(ctx, members, operands)
-            # the possibly shorter piece cannot be stacked: the others still can
-            kept = [(m, o) for m, o in zip(members, operands) if not unsettled(o[0], in_f)]
-            if len(kept) < ctx.min_group_size:
+            settled = settled_members(ctx, members, operands, in_f)
+            if settled is None:
                 return False
-            members, operands = [m for m, _ in kept], [o for _, o in kept]
+            members, operands = settled
         inputs = [o[0] for o in operands]
         weights = [o[1] for o in operands]
         biases = [o[2] for o in operands]
@@ -81,16 +80,12 @@ class LinearBatched(LinearRule):
             dim = -2
         n = len(members)
         with ctx.graph.inserting_before(members[0]):
-            w = fuse_tensors(ctx, "blinear_weight", weights, "stack", 0)
-            b = fuse_tensors(ctx, "blinear_bias", biases, "stack", 0) if biases[0] is not None else None
-            grouped = stack(ctx, inputs, dim)
-            y = ctx.call(group_ops.batched_linear, grouped, w, b, dim)
-            outs = unstack(ctx, y, dim, n)
+            w, b = fuse_weights_and_biases(ctx, "blinear", weights, biases, "stack")
         out_f, in_f = weights[0].value.shape
-        ctx.record(self.name, members, y, f"{n} x linear({in_f}->{out_f}) on different inputs -> 1 batched_linear "
-                                          f"(baddbmm over {n} stacked inputs)")
-        for m, out in zip(members, outs):
-            ctx.replace(m, out)
+        replace_by_stacked_call(ctx, self.name, members, inputs, dim,
+                                lambda grouped: ctx.call(group_ops.batched_linear, grouped, w, b, dim),
+                                f"{n} x linear({in_f}->{out_f}) on different inputs -> 1 batched_linear "
+                                f"(baddbmm over {n} stacked inputs)")
         return True
 
     def _rewrite_piecewise(self, ctx: RewriteContext, members: List[fx.Node], operands: List[_Operands]) -> bool:
@@ -101,8 +96,7 @@ class LinearBatched(LinearRule):
         biases = [operands[i][2] for i in order]
         n = len(members)
         with ctx.graph.inserting_before(members[0]):
-            w = fuse_tensors(ctx, "blinear_weight", weights, "stack", 0)
-            b = fuse_tensors(ctx, "blinear_bias", biases, "stack", 0) if biases[0] is not None else None
+            w, b = fuse_weights_and_biases(ctx, "blinear", weights, biases, "stack")
             y = ctx.call(group_ops.piecewise_batched_linear, spec.base, spec.sizes, spec.dim, n, w, b)
         out_f, in_f = weights[0].value.shape
         # the result holds exactly the n pieces (a part of the input after them is not used)

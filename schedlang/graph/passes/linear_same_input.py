@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from ._build import TensorRef, attr_ref, fuse_tensors, module_ref
+from ._build import TensorRef, attr_ref, fuse_weights_and_biases, module_ref
 from ._context import RewriteContext, Rule
 from ._nodes import arg, is_call, module_of, plain_module
 
@@ -84,8 +84,7 @@ class LinearSameInput(LinearRule):
         biases = [o[2] for o in operands]
         sizes = [w.value.shape[0] for w in weights]
         with ctx.graph.inserting_before(members[0]):
-            w = fuse_tensors(ctx, "linear_weight", weights, "cat", 0)
-            b = fuse_tensors(ctx, "linear_bias", biases, "cat", 0) if biases[0] is not None else None
+            w, b = fuse_weights_and_biases(ctx, "linear", weights, biases, "cat")
             y = ctx.call(F.linear, x, w, b)
             parts = ctx.call(torch.split, y, sizes, -1)
             outs = [ctx.call(operator.getitem, parts, i) for i in range(len(members))]
