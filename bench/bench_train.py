@@ -38,6 +38,10 @@ Works (batch x seq; ``--batch`` / ``--seq`` override):
   Skipped with a message when torchao is missing.
 * ``llama-8b-layers-2gpu``: LLaMA-3-8B's layer shapes with ``--layers-8b`` layers (default 8),
   2 GPUs, as ``llama-1.1b-2gpu``.
+* ``llama-8b-4gpu``: the whole LLaMA-3-8B (32 layers, hidden 4096, 32 heads with 8 key/value heads,
+  intermediate 14336, vocab 128256), 4 GPUs, b4 s2048 per GPU (a global batch of 16 sequences);
+  its baselines: FSDP2 titan-style, the same with no reshard and bf16 gradient reduction (the native
+  row with the numerics of schedlang's best row, its ``baseline``), and 2-D dp2 x tp2 titan-style.
 
 Variants: the baselines are in ``bench/baselines.py`` (``eager``, ``compile``, ``titan-style``,
 ``titan-style-fp8``, ``dtensor-compile``, ``tp-titan``, ``fsdp2-titan``, ``fsdp2-titan-noreshard`` (torchtitan's
@@ -148,6 +152,7 @@ class Work:
     variants: Tuple[str, ...]
     needs: Optional[str] = None  # a module it cannot run without
     float8: bool = False  # its variants train in float8: their gradients are further from the eager bf16 ones
+    layers: Optional[int] = None  # decoder layers of a llama-8b shape (default: --layers-8b)
 
 
 ONE_GPU = ("eager", "compile", "titan-style", "schedlang-layers", "schedlang-optimize", "schedlang-optimize-cg")
@@ -174,6 +179,10 @@ WORKS: Dict[str, Work] = {
     "llama-8b-layers-2gpu": Work("llama", "llama-8b", 4, 2048, 2, True, "fsdp2-titan",
                                  ("fsdp2-titan", "tp-titan", "tp-fsdp-titan", "schedlang-fsdp",
                                   "schedlang-fsdp-noreshard", "schedlang-tp", "schedlang-tp-fsdp")),
+    # the size people train: the whole LLaMA-3-8B (32 layers) on 4 GPUs, 4 sequences of 2048 per GPU
+    "llama-8b-4gpu": Work("llama", "llama-8b", 4, 2048, 4, True, "fsdp2-titan-noreshard-bf16reduce",
+                          ("fsdp2-titan", "fsdp2-titan-noreshard-bf16reduce", "tp-fsdp-titan",
+                           "schedlang-fsdp-noreshard-optimize-bf16reduce", "schedlang-tp-fsdp"), layers=32),
 }
 CHECKPOINT_STRIDES = (4, 2, 1)
 # Inductor options of the -cdt and -autotune variants: block sizes tuned by coordinate descent; or every GEMM
@@ -592,7 +601,7 @@ def run_work(ctx: B.Context, work_name: str, variants: List[str]) -> List[dict]:
     batch, seq = args.batch or work.batch, args.seq or work.seq
     if args.tiny:
         batch, seq = min(batch, 2), min(seq, 32)
-    cfg = B.model_config(work.family, work.shape, args.tiny, layers=args.layers_8b, seq=seq)
+    cfg = B.model_config(work.family, work.shape, args.tiny, layers=work.layers or args.layers_8b, seq=seq)
     rows_global = batch * world if work.data_parallel else batch
     ids, labels = harness.global_batch(cfg.vocab_size, rows_global, seq, device)
     common = {"layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size, "batch": rows_global, "seq": seq,

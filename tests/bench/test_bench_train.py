@@ -4,6 +4,7 @@ import builtins
 import json
 
 import pytest
+import torch
 
 
 def _rows(path):
@@ -322,3 +323,18 @@ def test_bf16reduce_variants_reduce_in_bf16_and_the_others_in_fp32(bench):
     assert B.reduce_dtype_name(bf16) == "bfloat16" and B.reduce_dtype_name(default) == "float32"
     assert "fsdp2-titan-noreshard-bf16reduce" in B.BASELINES
     assert "schedlang-fsdp-noreshard-optimize-bf16reduce" in train.SCHEDLANG
+
+
+def test_the_8b_four_gpu_work_is_the_whole_llama_3_8b(bench):
+    """32 layers whatever --layers-8b says, and LLaMA-3-8B's 8.03 billion parameters (counted on the meta device)."""
+    from transformers import LlamaForCausalLM
+
+    train = bench("bench_train")
+    work = train.WORKS["llama-8b-4gpu"]
+    assert work.world == 4 and work.seq == 2048 and work.layers == 32
+    assert work.baseline in work.variants and "fsdp2-titan" in work.variants and "tp-fsdp-titan" in work.variants
+    cfg = bench("baselines").model_config(work.family, work.shape, tiny=False, layers=work.layers, seq=work.seq)
+    with torch.device("meta"):
+        n_params = sum(p.numel() for p in LlamaForCausalLM(cfg).parameters())
+    assert cfg.num_hidden_layers == 32 and cfg.num_key_value_heads == 8
+    assert 8.02e9 < n_params < 8.04e9, n_params
