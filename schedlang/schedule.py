@@ -114,7 +114,9 @@ class ScheduleMetadata(MutableMapping):
     def param_tags(self) -> set:
         from .module_record import module_record
 
-        return {key for tags in module_record(self._sch.mod).annotations.values() for key in tags}
+        # every annotation under this schedule's module, as Slapo's one set per schedule tree
+        return {key for module in self._sch.mod.modules() for tags in module_record(module).annotations.values()
+                for key in tags}
 
     @property
     def primitives(self) -> Dict[str, Any]:

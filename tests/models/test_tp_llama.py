@@ -54,7 +54,7 @@ def _tp_vocab_parallel_loss():
 def _tied_verify_and_gather():
     model = _model(tied=True)
     ids, labels = _inputs()
-    sch = schedlang.create_schedule(model)
+    sch = schedlang.create_schedule(model, mesh=T.tp_mesh())  # DTensor parameters: their placements are checked
     with schedlang.Verify(sch, example_inputs=[ids]):
         shard_llama(sch, gather_logits=True)
     built, _ = schedlang.build(sch)
@@ -155,7 +155,7 @@ def _compiled_layers_share_graphs():
         for layers in (1, 3):
             torch.manual_seed(0)
             model = LlamaForCausalLM(T.llama_config(layers=layers)).to(T.device())
-            sch = schedlang.create_schedule(model)
+            sch = schedlang.create_schedule(model, mesh=T.tp_mesh())  # DTensor parameters, their views hoisted
             shard_llama(sch)
             if when == "before_build":
                 assert compile_layers(sch.mod, backend="eager") == layers
