@@ -352,8 +352,9 @@ def test_traced_collectives_are_refused_before_torch_2_13():
     from unittest import mock
 
     import schedlang.models as models
+    from schedlang.models import compiling
 
-    with mock.patch.object(models, "_torch_version", lambda: (2, 11)):
+    with mock.patch.object(compiling, "_torch_version", lambda: (2, 11)):  # where compile_layers reads it
         with pytest.raises(schedlang.ScheduleValueError,
                            match=r"compile_layers: trace_collectives=True needs torch >= 2.13 \(this is .*\): older "
                                  r"compilers lose the backward all-reduce of traced collectives"):
