@@ -49,13 +49,14 @@ def _parallelize(root, model: nn.Module, pipeline: Optional[Dict[str, Any]],
     if cuts and pipeline is None:
         raise ScheduleValueError(f"build: the plan cuts pipeline stages after {', '.join(cuts)}; pass "
                                  "pipeline={'schedule': '1F1B', 'n_microbatches': N, 'loss_fn': fn} to run them")
-    # DTensors need a live process group (tests that only pretend to be a rank have none)
-    if root.world_size > 1 and is_distributed() and any(s.primitive == "shard" for s in root.plan):
-        tp_mesh = meshes.tensor_parallel_mesh(mesh) if mesh is not None else meshes.mesh_from_group(
-            root.group, device.type)
+    # sharded parameters are DTensors when the schedule has a mesh, and stay plain local shards without one
+    # (Slapo's model: a process group, or the world): see "Where a shard lives" in ARCHITECTURE.md. DTensors
+    # also need a live process group (tests that only pretend to be a rank have none)
+    if (mesh is not None and root.world_size > 1 and is_distributed()
+            and any(s.primitive == "shard" for s in root.plan)):
         from .distributed.dtensor_params import distribute_parameters
 
-        distribute_parameters(model, tp_mesh)
+        distribute_parameters(model, meshes.tensor_parallel_mesh(mesh))
     dp_steps = data_parallel_steps(root.plan)
     dp_mesh = meshes.data_parallel_mesh(mesh)
     if dp_steps and dp_mesh is None:
@@ -179,7 +180,7 @@ def _check_master_weights(master_weights, optimizer, root, compute_dtype) -> Non
     if not fused_adam:
         raise ScheduleValueError(f"build: master_weights=True needs optimizer='adamw' or 'adam' (schedlang's fused "
                                  f"Adam keeps the fp32 masters), got optimizer={optimizer!r}")
-    if root.world_size > 1 and any(s.primitive == "shard" for s in root.plan):
+    if root.mesh is not None and root.world_size > 1 and any(s.primitive == "shard" for s in root.plan):
         shard = next(s for s in root.plan if s.primitive == "shard")
         raise ScheduleValueError(
             f"build: master_weights=True keeps plain parameters, but the plan shards '{shard.path}' over "
@@ -259,8 +260,10 @@ def build(sch, init_weights: Union[None, bool, Callable[[nn.Module], None]] = No
 
     The layers of a parallel model, in the order they are put on:
 
-    1. tensor parallelism: with a ``tp`` dimension (or group) of more than one rank, every parameter
-       becomes a DTensor on it (see :mod:`schedlang.distributed.dtensor_params`);
+    1. tensor parallelism: with a mesh whose ``tp`` dimension has more than one rank, every parameter
+       becomes a DTensor on it (see :mod:`schedlang.distributed.dtensor_params`); a schedule made with a
+       process group (or the world) and no mesh keeps its sharded parameters plain local shards, as Slapo
+       does (their record, ``shard_specs(module)``, says where each belongs);
     2. pipeline stages (``cut_pipeline_stage`` + ``pipeline=``), each rank keeping its own stages;
     3. data parallelism (``fully_shard`` / ``replicate`` steps) on the data dimensions, inner modules
        first, within each stage;

@@ -22,6 +22,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import copy
 import random as _py_random
 from typing import Any, Dict, Iterator, Optional
 
@@ -50,16 +51,36 @@ class CudaRNGStatesTracker:
         self.states_ = {}
         self.seeds_ = set()
 
-    def get_states(self) -> Dict[str, Any]:
+    def streams(self) -> Dict[str, Any]:
         """The streams by name (a new dictionary holding the same stream objects)."""
         return dict(self.states_)
 
+    def get_states(self) -> Dict[str, Any]:
+        """Each stream's generator state, as Megatron's and Slapo's trackers give it: the state tensor of
+        the current GPU's generator (the CPU's where there is no GPU), where the stream stands now.
+        A value that :meth:`set_states` was given and that is no stream comes back as it was."""
+        key = _device_key()
+        return {name: stream.state(key) if isinstance(stream, ForkedRNG) else stream
+                for name, stream in self.states_.items()}
+
     def set_states(self, states: Dict[str, Any]) -> None:
-        """Replace the streams (as returned by :meth:`get_states`)."""
+        """Replace the streams: a generator state tensor (from :meth:`get_states`) moves the stream of
+        that name to it on the current device; a stream object (from :meth:`streams`) is taken as it is."""
         if not isinstance(states, dict):
             raise ScheduleTypeError(f"CudaRNGStatesTracker.set_states: expects a dict of streams by name, got "
                                     f"{type(states).__name__}")
-        self.states_ = dict(states)
+        key = _device_key()
+        new: Dict[str, Any] = {}
+        for name, value in states.items():
+            stream = self.states_.get(name)
+            if isinstance(value, torch.Tensor) and value.dtype == torch.uint8:
+                stream = copy.copy(stream) if isinstance(stream, ForkedRNG) else ForkedRNG(None)
+                stream._states = {**stream._states, key: value.clone()}
+                stream._saved = []
+                new[name] = stream
+            else:
+                new[name] = value
+        self.states_ = new
 
     def add(self, name: str, seed: int) -> None:
         """Add the stream ``name`` seeded with ``seed``; names and seeds must be new."""
@@ -81,13 +102,18 @@ class CudaRNGStatesTracker:
                                    f"{', '.join(sorted(self.states_)) or 'none'}); call "
                                    "schedlang.set_random_seed(seed, tp_rank=...) or tracker.add(name, seed) first")
         if not isinstance(stream, ForkedRNG):
-            raise ScheduleTypeError(f"rng_tracker: stream {name!r} holds {type(stream).__name__}, not a stream "
-                                    "from get_states(); only streams made by add() can be forked")
+            raise ScheduleTypeError(f"rng_tracker: stream {name!r} holds {type(stream).__name__}, not a stream; only "
+                                    "streams made by add() or given a generator state by set_states() can be forked")
         stream.enter()
         try:
             yield
         finally:
             stream.exit()
+
+
+def _device_key() -> str:
+    """The generator ``get_states`` reports: the current GPU's where CUDA is available, else the CPU's."""
+    return f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
 
 
 _CUDA_RNG_STATE_TRACKER = CudaRNGStatesTracker()

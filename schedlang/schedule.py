@@ -114,7 +114,9 @@ class ScheduleMetadata(MutableMapping):
     def param_tags(self) -> set:
         from .module_record import module_record
 
-        return {key for tags in module_record(self._sch.mod).annotations.values() for key in tags}
+        # every annotation under this schedule's module, as Slapo's one set per schedule tree
+        return {key for module in self._sch.mod.modules() for tags in module_record(module).annotations.values()
+                for key in tags}
 
     @property
     def primitives(self) -> Dict[str, Any]:
@@ -443,13 +445,13 @@ class Schedule(ScheduleQueries):
     @_primitive_method
     def trace(self, recursive: bool = True, flatten: bool = False,
               leaf_modules: Optional[Union[str, Type[nn.Module], Sequence[Any]]] = None, tracer: str = "fx",
-              concrete_args: Optional[Dict[str, Any]] = None): ...
+              concrete_args: Optional[Dict[str, Any]] = None, **options: Any): ...
 
     @_primitive_method
     def find(self, regex_or_pattern_fn: Union[str, Callable[..., Any]]): ...
 
     @_primitive_method
-    def fuse(self, subgraph: Any, compiler: str = "triton", name: str = "FusedModule"): ...
+    def fuse(self, subgraph: Any, compiler: Optional[str] = "triton", name: str = "FusedModule"): ...
 
     @_primitive_method
     def horizontal_fuse(self, rules: Optional[Sequence[str]] = None, min_group_size: int = 2,

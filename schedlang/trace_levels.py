@@ -25,7 +25,7 @@ __all__ = ["trace_until", "SLAPO_TRACERS"]
 
 logger = logging.getLogger("schedlang.trace_until")
 
-#: Slapo's tracer names; both mean schedlang's tracer (it handles HF models itself)
+#: Slapo's tracer names: schedlang's tracer with torch.fx's input rule (see :mod:`schedlang.primitives.trace`)
 SLAPO_TRACERS = ("pytorch", "huggingface")
 _OPTIONS = ("leaf_modules", "concrete_args", "tracer")
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict)
@@ -90,12 +90,12 @@ def trace_until(sch, paths: Union[str, Sequence[str]], **kwargs: Any) -> None:
     if extra is not None:
         leaves.extend([extra] if isinstance(extra, (str, type)) else list(extra))
     tracer = kwargs.get("tracer", "fx")
-    tracer = "fx" if tracer in SLAPO_TRACERS else tracer
+    options = {"config": kwargs["config"]} if kwargs.get("config") is not None else {}
     kept: List[str] = []
     while True:
         try:
             sch.trace(recursive=True, flatten=False, leaf_modules=(leaves + kept) or None, tracer=tracer,
-                      concrete_args=kwargs.get("concrete_args"))
+                      concrete_args=kwargs.get("concrete_args"), **options)
             return
         except TraceError as e:
             failing = _failing_module(e)

@@ -121,14 +121,9 @@ def test_verify_bf16_tolerances_and_kwargs():
 def test_verify_argument_errors():
     sch = schedlang.create_schedule(MLP())
     with pytest.raises(schedlang.ScheduleValueError,
-                       match="example_inputs must be a list or tuple of inputs, got Tensor"):
-        schedlang.Verify(sch, example_inputs=torch.randn(2, 12))
-    with schedlang.init_empty_weights():
-        meta = MLP()
-    msch = schedlang.create_schedule(meta)
-    with pytest.raises(schedlang.ScheduleValueError, match="Verify: needs a model with real weights"):
-        with schedlang.Verify(msch, example_inputs=[torch.randn(2, 12)]):
-            msch["fc1"].decompose()
+                       match=r"^Verify: example_inputs must be a tensor, or a list or tuple of inputs, got int$"):
+        schedlang.Verify(sch, example_inputs=5)
+    # Slapo's forms (one tensor, device=, eval_mode=, a meta-device model) are tested in tests/slapo/test_verify_args.py
 
 
 @pytest.mark.parametrize("kwargs, message", [

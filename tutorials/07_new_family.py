@@ -92,7 +92,8 @@ def shard_opt(sch, gather_logits: bool = False):
     embed.sync(mode="fwd_post", sync_op_or_fn="all_reduce")
     sch["lm_head"].sync(mode="bwd_post", sync_op_or_fn="all_reduce")
     if gather_logits:
-        sch["lm_head"].sync(mode="fwd_post", sync_op_or_fn="all_gather", axis=-1)
+        # the loss after it is replicated: the gather's backward only slices the gradient
+        sch["lm_head"].sync(mode="fwd_post", sync_op_or_fn="all_gather", axis=-1, tensor_parallel_output_grad=False)
     return sch
 
 

@@ -25,6 +25,9 @@ Example::
     schedlang.export_hf(model, "hf-out")                          # from_pretrained("hf-out") works
 """
 
+import sys
+import types
+
 from .dcp import FORMAT_VERSION, load_checkpoint, save_checkpoint
 from .hf_export import export_hf
 from .state import full_tensor
@@ -40,3 +43,17 @@ def __getattr__(name):
 
         return getattr(rng_checkpoint, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+class _CallableModule(types.ModuleType):
+    """``from slapo import checkpoint`` gives Slapo's activation-checkpointing function, where this name is
+    the checkpoint package: the package is callable, ``checkpoint(fn, *args)`` runs
+    :func:`schedlang.utils.rng_checkpoint.checkpoint`."""
+
+    def __call__(self, function, *args, **kwargs):
+        from ..utils import rng_checkpoint
+
+        return rng_checkpoint.checkpoint(function, *args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -68,6 +68,24 @@ def _argument_problem(where: str, path, model, optimizer) -> Optional[str]:
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         return (f"{where}: optimizer must be a torch.optim.Optimizer over the model's parameters, or None for the "
                 f"model alone, got {type(optimizer).__name__} {_short_repr(optimizer)}")
+    return _plain_shard_problem(where, model)
+
+
+def _plain_shard_problem(where: str, model: nn.Module) -> Optional[str]:
+    """A model built from a schedule without a mesh holds its shards as plain tensors (Slapo's model): DCP would
+    take every rank's shard for the whole tensor. Refused, naming the first one."""
+    from ..module_record import shard_specs
+
+    for path, module in model.named_modules():
+        for name, spec in shard_specs(module).items():
+            t = module._parameters.get(name)
+            t = module._buffers.get(name) if t is None else t
+            if t is not None and spec.world_size > 1 and not _is_dtensor(t):
+                full = f"{path}.{name}" if path else name
+                return (f"{where}: {full!r} is a plain local shard (rank {spec.rank} of {spec.world_size}, of "
+                        f"{tuple(spec.full_shape)}): the schedule was made without a mesh, so build kept its shards "
+                        "plain tensors, whose layout a checkpoint cannot record; create the schedule with a mesh "
+                        "(schedlang.create_schedule(model, mesh=make_mesh(tp=...))) to checkpoint it")
     return None
 
 

@@ -48,6 +48,12 @@ class ForkedRNG:
         else:
             torch.set_rng_state(state)
 
+    def state(self, key: str) -> torch.Tensor:
+        """The generator state of device ``key`` (``"cpu"``, ``"cuda:0"``) where the stream stands now."""
+        if key not in self._states:
+            self._states[key] = torch.Generator(device=key).manual_seed(self.seed).get_state()
+        return self._states[key]
+
     def enter(self) -> None:
         saved = []
         for key in self._device_keys():

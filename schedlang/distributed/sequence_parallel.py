@@ -11,7 +11,7 @@ activations live as sequence shards ``(batch, seq / world, hidden)``:
 * the norm then runs on the sequence shard; its weights stay whole, and their gradients are
   summed over the group (:func:`make_sequence_parallel_norm`);
 * its output is *all-gathered* along the sequence before the next column-parallel linears
-  (``sync(mode="fwd_post", sync_op_or_fn="all_gather", axis=1, tensor_parallel_output_grad=False)``:
+  (``sync(mode="fwd_post", sync_op_or_fn="all_gather", axis=1, tensor_parallel_output_grad=True)``:
   the column-parallel consumers each produce a partial input gradient, so the backward
   reduce-scatters it).
 

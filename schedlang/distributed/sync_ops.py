@@ -40,7 +40,7 @@ from . import collectives as C
 from . import opaque_collectives as O
 from .groups import world_size
 
-__all__ = ["SyncOp", "SyncHook", "SYNC_MODES", "SYNC_OPS", "sync_children", "attach_sync", "run_sync",
+__all__ = ["SyncOp", "SyncHook", "SYNC_MODES", "SYNC_OPS", "RESHARD_SCHEMES", "reshard", "hook_style", "sync_children", "attach_sync", "run_sync",
            "run_post_syncs", "bias_after_inner_syncs", "run_post_syncs_before_bias"]
 
 SYNC_MODES = ("fwd_pre", "fwd_post", "bwd_post")
@@ -48,6 +48,48 @@ SYNC_MODES = ("fwd_pre", "fwd_post", "bwd_post")
 OPAQUE_ATTR = "_schedlang_opaque_all_reduce"
 SYNC_OPS = ("all_reduce", "all_gather", "reduce_scatter")
 SYNC_PREFIX = "_schedlang_sync_"
+#: Slapo's resharding schemes of an activation (..., seq, hidden): R replicated, S sharded; the first letter is
+#: the sequence (second to last) axis, the second the hidden (last) one. Each is (axis gathered, axis kept a slice
+#: of), counted from the end (None: nothing); see schedlang.sharding.reshard_ops
+RESHARD_SCHEMES = {"RR->RR": (None, None), "RS->RS": (None, None), "SR->SR": (None, None),
+                   "RR->RS": (None, -1), "RR->SR": (None, -2), "RS->RR": (-1, None), "SR->RR": (-2, None),
+                   "RS->SR": (-1, -2), "SR->RS": (-2, -1)}
+
+
+def reshard(x: torch.Tensor, scheme: str, group=None) -> torch.Tensor:
+    """``x`` changed from one layout of ``RESHARD_SCHEMES`` to another, differentiably (the gradient goes back to
+    the source layout). RS<->SR gathers then keeps a slice: more bytes than an all-to-all, but every backend
+    (gloo has no all-to-all) runs it, and its gradient is the two collectives' adjoints."""
+    gathered, kept = RESHARD_SCHEMES[scheme]
+    if gathered is not None:
+        x = C.gather_forward(x, x.dim() + gathered, group)
+    if kept is not None:
+        x = C.scatter_forward(x, x.dim() + kept, group)
+    return x
+
+
+def hook_style(fn: Callable, mode: str) -> bool:
+    """Whether ``fn`` is a Slapo hook rather than ``fn(tensor)``: ``fn(module, input)`` at ``fwd_pre``,
+    ``fn(module, input, output)`` at ``fwd_post`` (PyTorch's forward (pre-)hook signatures)."""
+    import inspect
+
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return False
+    try:
+        signature.bind(None)
+        return False
+    except TypeError:
+        pass
+    arity = {"fwd_pre": 2, "fwd_post": 3}.get(mode)
+    if arity is None:
+        return False
+    try:
+        signature.bind(*([None] * arity))
+    except TypeError:
+        return False
+    return True
 
 
 class SyncOp(nn.Module):
@@ -61,10 +103,19 @@ class SyncOp(nn.Module):
         self.axis = axis
         self.group = group
         self.grad_is_replicated = grad_is_replicated
+        #: a Slapo hook fn(module, input[, output]): its SyncHook calls it with the module and its arguments
+        self.hook_style = callable(op) and hook_style(op, mode)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.__dict__.get("hook_style"):
+            raise RuntimeError(f"the {self.mode} sync {getattr(self.op, '__name__', self.op)}(module, input"
+                               f"{', output' if self.mode == 'fwd_post' else ''}) is a hook: it runs from its "
+                               "module's forward hooks only, not inside a traced graph or a row-parallel forward; "
+                               "give a function fn(tensor) -> tensor there")
         if callable(self.op):
             return self.op(x)
+        if self.op in RESHARD_SCHEMES:
+            return reshard(x, self.op, self.group)
         if self.__dict__.get(OPAQUE_ATTR) and world_size(self.group) > 1:
             # inside a compiled layer: one opaque operator the graph keeps whole (opaque_collectives)
             name = O.group_name(self.group)
@@ -131,6 +182,10 @@ class SyncHook:
         def sync(x):
             return run_sync(module, self.child_name, x)
 
+        op = getattr(module, self.child_name)
+        if op.__dict__.get("hook_style"):
+            return self._call_hook(op.op, module, args, *rest)
+
         if self.mode in ("fwd_pre", "bwd_post"):
             # registered with_kwargs=True: rest == (kwargs,) and the hook returns (args, kwargs)
             kwargs = rest[0] if rest else None
@@ -153,6 +208,18 @@ class SyncHook:
             return output
         raise RuntimeError(f"{type(module).__name__}: fwd_post sync found no tensor output "
                            f"(got {type(output).__name__})")
+
+    def _call_hook(self, fn: Callable, module: nn.Module, args, *rest):
+        """Run a Slapo hook as PyTorch would: a pre-hook's result (None: unchanged) is the new input, a hook's
+        result (None: unchanged) the new output."""
+        if self.mode == "fwd_post":
+            return fn(module, args, rest[0])
+        kwargs = rest[0] if rest else None
+        result = fn(module, args)
+        if result is None:
+            return None
+        new_args = result if isinstance(result, tuple) else (result,)
+        return new_args if kwargs is None else (new_args, kwargs)
 
     def __repr__(self) -> str:
         return f"SyncHook({self.child_name!r}, {self.mode!r})"

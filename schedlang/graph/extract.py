@@ -72,6 +72,11 @@ def _functional_call(module: nn.Module, target: str):
         return lambda x: [(F.layer_norm, (x, tuple(module.normalized_shape), p("weight"), p("bias"), module.eps), {})]
     if hasattr(nn, "RMSNorm") and type(module) is nn.RMSNorm:
         return lambda x: [(F.rms_norm, (x, tuple(module.normalized_shape), p("weight"), module.eps), {})]
+    convolutions = {nn.Conv1d: F.conv1d, nn.Conv2d: F.conv2d, nn.Conv3d: F.conv3d}
+    if type(module) in convolutions and module.padding_mode == "zeros":
+        fn = convolutions[type(module)]
+        return lambda x: [(fn, (x, p("weight"), p("bias"), module.stride, module.padding, module.dilation,
+                                module.groups), {})]
     if type(module) is nn.Embedding:
         return lambda x: [(F.embedding, (x, p("weight"), module.padding_idx, module.max_norm, module.norm_type,
                                          module.scale_grad_by_freq, module.sparse), {})]
@@ -90,7 +95,7 @@ def extract_subgraph(gm: fx.GraphModule, nodes: Sequence[fx.Node], *, functional
     ``gm``, or parameters to read with ``get_attr`` when ``functionalize``), the output is
     one value or a tuple for ``outputs`` (nodes of ``gm`` in graph order). With
     ``functionalize``, modules holding parameters (``nn.Linear``, ``nn.LayerNorm``,
-    ``nn.RMSNorm``, ``nn.Embedding``) become functional calls whose parameters are inputs,
+    ``nn.RMSNorm``, ``nn.Embedding``, zero-padded ``nn.Conv1d/2d/3d``) become functional calls whose parameters are inputs,
     so they stay where they are; other parameter-free modules move into the subgraph.
     """
     body = fx.Graph()

@@ -472,9 +472,14 @@ def fuse_subgraphs(sch, subgraphs: Any, compiler: str, name: str) -> List[str]:
         gm = _graph_module_at(sch, path, "fuse")
         taken: set = set()
         for nodes in node_lists:
-            body, inputs, outputs = extract_subgraph(gm, nodes, functionalize=True, where=where, primitive="fuse")
+            # no compiler (Slapo's compiler=None): the subgraph's own modules move into one container
+            body, inputs, outputs = extract_subgraph(gm, nodes, functionalize=compiler is not None, where=where,
+                                                     primitive="fuse")
             module_name = _unique_name(gm, name, taken)
-            fused = lower_subgraph(body, compiler, module_name)  # may raise: nothing has changed yet
+            if compiler is None:
+                fused = _container(body, name)
+            else:
+                fused = lower_subgraph(body, compiler, module_name)  # may raise: nothing has changed yet
             update_record(fused, fused=True)
             planned.append((path, gm, nodes, inputs, outputs, module_name, fused))
     made = []
@@ -487,6 +492,31 @@ def fuse_subgraphs(sch, subgraphs: Any, compiler: str, name: str) -> List[str]:
     for edit in edits.values():
         edit.commit(drop_unused=True)
     return made
+
+
+def _container(body: fx.GraphModule, class_name: str) -> fx.GraphModule:
+    """The extracted subgraph as a module of class ``class_name`` whose children are the subgraph's modules,
+    named ``"0"``, ``"1"`` ... in the order the graph calls them (what Slapo's ``fuse(compiler=None)`` makes)."""
+    graph = copy.deepcopy(body.graph)
+    children: Dict[str, nn.Module] = {}
+    renamed: Dict[str, str] = {}
+    for node in graph.nodes:
+        if node.op == "call_module":
+            if node.target not in renamed:
+                renamed[node.target] = str(len(renamed))
+                children[renamed[node.target]] = body.get_submodule(node.target)
+            node.target = renamed[node.target]
+    for node in graph.nodes:
+        if node.op == "get_attr":
+            children[node.target.replace(".", "_")] = _attribute(body, node.target)
+            node.target = node.target.replace(".", "_")
+    return fx.GraphModule(children, graph, class_name=class_name)
+
+
+def _attribute(module: nn.Module, dotted: str):
+    for part in dotted.split("."):
+        module = getattr(module, part)
+    return module
 
 
 #: base name of the modules that run checkpointed subgraphs (``CheckPointWrapper_0`` ..., as Slapo names them)

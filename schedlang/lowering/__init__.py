@@ -6,9 +6,12 @@
   (pointwise ops with broadcasting, reductions over the last dimension: LayerNorm,
   RMSNorm, softmax, sum/mean; dropout);
 * ``"inductor"``: ``torch.compile(fullgraph=True)`` of the subgraph (any PyTorch op);
-* ``"eager"``: the subgraph run as plain PyTorch (for debugging).
+* ``"eager"``: the subgraph run as plain PyTorch (for debugging);
+* ``"torchscript"`` (Slapo's ``"TorchScript"``): ``torch.jit.script`` of the subgraph, a real
+  ``ScriptModule`` (``"inductor"`` where TorchScript cannot compile it).
 
-Slapo's ``"TorchScript"`` is accepted as a deprecated alias of ``"inductor"``.
+Slapo's ``compiler=None`` (no compiler: the subgraph's modules gathered in one container) is handled
+by ``fuse`` itself (:func:`schedlang.graph.subgraph.fuse_subgraphs`).
 
 Triton is imported only when the triton compiler is used.
 
@@ -35,15 +38,13 @@ from ..errors import ScheduleTypeError, ScheduleValueError
 __all__ = ["lower_subgraph", "normalize_compiler", "COMPILERS"]
 
 #: The compilers ``lower_subgraph`` accepts, in the order they are suggested.
-COMPILERS = ("triton", "inductor", "eager")
-_ALIASES = {"torchscript": "inductor"}
+COMPILERS = ("triton", "inductor", "eager", "torchscript")
+_ALIASES: dict = {}
 
 
 def normalize_compiler(compiler) -> str:
-    """The canonical compiler name for ``compiler`` (case-insensitive).
-
-    ``"TorchScript"`` maps to ``"inductor"`` with a ``DeprecationWarning``; anything else
-    that is not a known compiler raises :class:`~schedlang.errors.ScheduleValueError`.
+    """The canonical compiler name for ``compiler`` (case-insensitive); anything that is not a
+    known compiler raises :class:`~schedlang.errors.ScheduleValueError`.
 
     >>> normalize_compiler("Triton")
     'triton'
@@ -58,8 +59,8 @@ def normalize_compiler(compiler) -> str:
         return _ALIASES[key]
     if key not in COMPILERS:
         raise ScheduleValueError(f"fuse: unknown compiler {compiler!r}: valid compilers are "
-                                 f"{', '.join(repr(c) for c in COMPILERS)} ('TorchScript' is accepted as a "
-                                 "deprecated alias of 'inductor')")
+                                 f"{', '.join(repr(c) for c in COMPILERS)}, or None (no compiler: the subgraph's "
+                                 "modules in one container)")
     return key
 
 
@@ -69,8 +70,7 @@ def lower_subgraph(gm: torch.fx.GraphModule, compiler: str, name: str, example_i
     Args:
         gm: a standalone GraphModule; its placeholders are the subgraph's tensor inputs and
             its output is one tensor or a tuple of tensors.
-        compiler: ``"triton"``, ``"inductor"`` or ``"eager"`` (any case; ``"TorchScript"``
-            is a deprecated alias of ``"inductor"``).
+        compiler: ``"triton"``, ``"inductor"``, ``"eager"`` or ``"torchscript"`` (any case).
         name: the module's name (shown by ``print(model)``; names the generated kernels).
         example_inputs: optional tensors (or fake tensors) for the placeholders. With them
             (or with shapes recorded in the placeholders' ``meta``) the triton compiler
@@ -102,6 +102,8 @@ def lower_subgraph(gm: torch.fx.GraphModule, compiler: str, name: str, example_i
         from . import triton_backend as backend
     elif compiler == "inductor":
         from . import inductor as backend
+    elif compiler == "torchscript":
+        from . import torchscript as backend
     else:
         from . import eager as backend
     return backend.lower(gm, name, example_inputs)

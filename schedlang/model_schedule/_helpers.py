@@ -131,7 +131,7 @@ def shard_word_embedding(sch, vocab_size: int, word_embed_name: str, head_sch=No
                 head_sch.shard("bias", axis=0)
             head_sch.sync(mode="bwd_post", sync_op_or_fn="all_reduce")
             if gather_logits:
-                head_sch.sync(mode="fwd_post", sync_op_or_fn="all_gather", axis=-1)
+                head_sch.sync(mode="fwd_post", sync_op_or_fn="all_gather", axis=-1, tensor_parallel_output_grad=False)
 
 
 def schedule_decoder(sch, sch_config, base_name: str, layers_name: str, embed_name: str, **parts) -> list:

@@ -84,7 +84,7 @@ def shard_linear_pair(layer, block, columns: List[str], row: str, sequence_paral
     shard_row(block[row])
     if sequence_parallel:
         layer[norm].sync(mode="fwd_post", sync_op_or_fn="all_gather", axis=SEQUENCE_AXIS,
-                         tensor_parallel_output_grad=False)
+                         tensor_parallel_output_grad=True)
         block[row].sync(mode="fwd_post", sync_op_or_fn="reduce_scatter", axis=SEQUENCE_AXIS)
     else:
         block[row].sync(mode="fwd_post", sync_op_or_fn="all_reduce")
@@ -115,7 +115,7 @@ def finish_lm_head(sch, base, final_norm: str, sequence_parallel: bool, gather_l
     has_head = head_path in sch
     if sequence_parallel:
         base[final_norm].sync(mode="fwd_post", sync_op_or_fn="all_gather", axis=SEQUENCE_AXIS,
-                              tensor_parallel_output_grad=not has_head)
+                              tensor_parallel_output_grad=has_head)
     if not has_head:
         return
     head = sch[head_path]
@@ -123,7 +123,7 @@ def finish_lm_head(sch, base, final_norm: str, sequence_parallel: bool, gather_l
     if not sequence_parallel:
         head.sync(mode="bwd_post", sync_op_or_fn="all_reduce")
     if gather_logits:
-        head.sync(mode="fwd_post", sync_op_or_fn="all_gather", axis=-1)
+        head.sync(mode="fwd_post", sync_op_or_fn="all_gather", axis=-1, tensor_parallel_output_grad=False)
     elif install_loss and hasattr(type(sch.root.mod), "loss_function"):
         from ..distributed.cross_entropy import use_vocab_parallel_loss
 

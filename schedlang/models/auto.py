@@ -398,7 +398,7 @@ def apply_tensor_parallel(sch, plan: TensorParallelPlan) -> TensorParallelPlan:
             b[block.row].sync(mode="fwd_post", sync_op_or_fn="all_reduce")
         for target, mode in _entries(root, b, block):
             if sp:  # each consumer holds a partial input gradient: the gather's backward reduce-scatters it
-                target.sync(mode=mode, sync_op_or_fn="all_gather", axis=axis, tensor_parallel_output_grad=False)
+                target.sync(mode=mode, sync_op_or_fn="all_gather", axis=axis, tensor_parallel_output_grad=True)
             elif mode == "fwd_pre":
                 target.sync(mode="bwd_post", sync_op_or_fn="all_reduce")
             else:
@@ -412,7 +412,7 @@ def apply_tensor_parallel(sch, plan: TensorParallelPlan) -> TensorParallelPlan:
         # the last layer's output whole again: the final norm and the LM head see the whole sequence, and
         # the LM head's input gradient is summed (below), so the gather's backward only slices it
         root[f"{plan.layers}.{plan.n_layers - 1}"].sync(mode="fwd_post", sync_op_or_fn="all_gather",
-                                                        axis=SEQUENCE_AXIS)
+                                                        axis=SEQUENCE_AXIS, tensor_parallel_output_grad=False)
     if plan.embedding:
         shard_vocab_embedding(root[plan.embedding])
     if plan.lm_head:

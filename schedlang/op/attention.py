@@ -181,27 +181,46 @@ class FlashAttentionOp(nn.Module):
         elif mask is not None and mask.dtype != torch.bool:
             mask = mask.to(q.dtype)
         p = p if self.training else 0.0
+        backend = self.backend
+        what = (f"q{tuple(q.shape)} {q.dtype} on {q.device} (mask: {None if mask is None else tuple(mask.shape)}, "
+                f"causal: {causal}, dropout: {p})")
+        if backend is not None and mask is not None and mask.requires_grad and torch.is_grad_enabled() \
+                and backend.name != "MATH":
+            # the fused kernels either refuse a mask that needs a gradient or (the memory-efficient one, in
+            # half precision) return an inexact one: the math kernel computes it as the unfused model does
+            warning_once(f"attention: kernel {self.attn_op_name!r} does not compute the gradient of an attention "
+                         f"mask exactly; running {what} with the 'math' kernel")
+            backend = _math_backend()
         try:
-            if self.backend is None:
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal,
-                                                     scale=self.scale)
-            else:
-                from torch.nn.attention import sdpa_kernel
-
-                with sdpa_kernel([self.backend]):
-                    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal,
-                                                         scale=self.scale)
+            out = _sdpa(q, k, v, mask, p, causal, self.scale, backend)
         except RuntimeError as e:
-            if isinstance(e, SchedlangError):
-                raise
-            raise AttentionKernelError(
-                f"attention: kernel {self.attn_op_name!r} cannot run q{tuple(q.shape)} {q.dtype} on {q.device} "
-                f"(mask: {None if mask is None else tuple(mask.shape)}, causal: {causal}, dropout: {p}): "
-                f"{str(e).splitlines()[0]}; 'math' runs every case") from e
+            if isinstance(e, SchedlangError) or backend is None or backend.name == "MATH":
+                raise AttentionKernelError(f"attention: kernel {self.attn_op_name!r} cannot run {what}: "
+                                           f"{str(e).splitlines()[0]}") from e
+            # a kernel that refuses these inputs (flash with a mask, a dtype or head size it lacks on this
+            # device): the math kernel runs every case
+            warning_once(f"attention: kernel {self.attn_op_name!r} cannot run {what} "
+                         f"({str(e).splitlines()[0]}); falling back to the 'math' kernel")
+            out = _sdpa(q, k, v, mask, p, causal, self.scale, _math_backend())
         return out.transpose(1, 2)
 
     def extra_repr(self) -> str:
         return f"attn_op_name={self.attn_op_name!r}, apply_causal_mask={self.apply_causal_mask}"
+
+
+def _math_backend():
+    from torch.nn.attention import SDPBackend
+
+    return SDPBackend.MATH
+
+
+def _sdpa(q, k, v, mask, p, causal, scale, backend):
+    if backend is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal, scale=scale)
+    from torch.nn.attention import sdpa_kernel
+
+    with sdpa_kernel([backend]):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal, scale=scale)
 
 
 class FlashAttention(nn.Module):

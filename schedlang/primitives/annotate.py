@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
 from ..errors import ScheduleKeyError, ScheduleTypeError, ScheduleValueError
@@ -19,8 +20,14 @@ _RESERVED = {"data", "grad", "requires_grad", "shape", "dtype", "device"}
 
 
 def apply_annotations(module) -> None:
-    """Set recorded annotations as attributes of the module's (current) parameters."""
-    for pname, kv in module_record(module).annotations.items():
+    """Set recorded annotations as attributes of the module's (current) parameters, and Slapo's
+    ``orig_shape`` (the unsharded shape, a ``torch.Size``) on each of its sharded parameters."""
+    record = module_record(module)
+    for pname, spec in record.shards.items():
+        param = module._parameters.get(pname)
+        if param is not None:
+            param.orig_shape = torch.Size(spec.full_shape)
+    for pname, kv in record.annotations.items():
         param = module._parameters.get(pname)
         if param is not None:
             for key, value in kv.items():

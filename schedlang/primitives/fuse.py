@@ -2,9 +2,11 @@
 
 Each subgraph found by ``find`` becomes one submodule ``<name>_<k>`` of the traced module
 holding it, compiled by :func:`schedlang.lowering.lower_subgraph`: ``"triton"``
-(generated forward and backward kernels), ``"inductor"`` (``torch.compile``) or
-``"eager"`` (the same ops, for debugging); ``"TorchScript"`` is a deprecated alias of
-``"inductor"``. The graph then calls the new module where the subgraph was.
+(generated forward and backward kernels), ``"inductor"`` (``torch.compile``),
+``"eager"`` (the same ops, for debugging) or Slapo's ``"TorchScript"`` (``torch.jit.script``: a real
+``ScriptModule``). The graph then calls the new module where the subgraph was. Slapo's
+``compiler=None`` compiles nothing: the subgraph's own modules move into one container of class
+``name`` (children ``"0"``, ``"1"`` ... in call order), whose forward runs the subgraph.
 
 Parameters the subgraph reads stay where they are: their ``get_attr`` nodes remain in
 the parent graph and are passed to the fused module (a fused ``nn.Linear`` or
@@ -20,7 +22,7 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from .base import Param, Primitive, register_primitive
 from .params import SUBGRAPHS
@@ -41,7 +43,9 @@ class Fuse(Primitive):
     name = "fuse"
     params = (
         Param("subgraph", Any, doc="subgraphs found in this traced module by find()", codec=SUBGRAPHS),
-        Param("compiler", str, "triton", "'triton', 'inductor' or 'eager'"),
+        Param("compiler", Optional[str], "triton",
+              "'triton', 'inductor', 'eager', 'torchscript', or None: no compiler (the subgraph's modules in one "
+              "container of class `name`, Slapo's fallback)"),
         Param("name", str, "FusedModule", "name of the new submodules (name_0, name_1 ...)"),
     )
 
@@ -52,7 +56,7 @@ class Fuse(Primitive):
 
         where = sch.path or "<root>"
         require_traced(sch, "fuse")
-        compiler = normalize_compiler(compiler)
+        compiler = None if compiler is None else normalize_compiler(compiler)
         _check_name(where, name, "fuse")
         return {"subgraph": validate_subgraphs(sch, subgraph, "fuse"), "compiler": compiler, "name": name}
 

@@ -2,13 +2,16 @@
 
 ``mode`` says where: ``fwd_pre`` (on the input, in forward), ``fwd_post`` (on the output, in
 forward) or ``bwd_post`` (on the input's gradient, after the module's backward). The op is
-``all_reduce``, ``all_gather`` or ``reduce_scatter`` (the last two take ``axis=``), or any
-callable ``fn(tensor) -> tensor``. Collectives are autograd-aware (see
+``all_reduce``, ``all_gather`` or ``reduce_scatter`` (the last two take ``axis=``), one of Slapo's
+resharding schemes of an activation (``"RS->SR"`` ...: :data:`~schedlang.distributed.sync_ops.RESHARD_SCHEMES`),
+any callable ``fn(tensor) -> tensor``, or a Slapo hook ``fn(module, input)`` at ``fwd_pre`` /
+``fn(module, input, output)`` at ``fwd_post`` (called as PyTorch calls forward hooks). Collectives are autograd-aware (see
 :mod:`schedlang.distributed.collectives`), so gradients stay exact.
 
 Keyword options: ``axis`` (all_gather / reduce_scatter), ``tensor_parallel_output_grad``
-(all_gather in forward: True when the consumer is replicated so the gradient only needs
-slicing, False when each rank holds a partial gradient that must be reduce-scattered).
+(all_gather in forward, Slapo's and Megatron's meaning: True (the default) when the consumer is
+tensor parallel, so each rank holds a partial gradient that the backward reduce-scatters; False
+when the consumer is replicated (a loss, a gathered logit), so the gradient is only sliced).
 
 An ``axis`` is checked against the rank of the tensor it applies to: at call time when the
 module sits in a transformers model (one run of that model on fake tensors tells the rank of
@@ -26,7 +29,7 @@ import torch
 
 from ..distributed.collectives import check_even_split
 from ..distributed.groups import world_size
-from ..distributed.sync_ops import SYNC_MODES, SYNC_OPS, SyncOp, attach_sync
+from ..distributed.sync_ops import RESHARD_SCHEMES, SYNC_MODES, SYNC_OPS, SyncOp, attach_sync, hook_style
 from ..errors import SyncError
 from ..module_record import sync_specs
 from .base import Param, Primitive, register_primitive
@@ -61,7 +64,8 @@ class Sync(Primitive):
               "'all_reduce', 'all_gather', 'reduce_scatter' or a callable fn(tensor) -> tensor"),
         Param("axis", int, None, "the dimension all_gather / reduce_scatter work along", option=True),
         Param("tensor_parallel_output_grad", bool, True,
-              "all_gather in forward: the consumer is replicated (True) or holds partial gradients (False)",
+              "all_gather in forward: the consumer holds partial gradients (True: reduce-scatter them) or is "
+              "replicated (False: slice the gradient)",
               option=True),
     )
 
@@ -70,20 +74,22 @@ class Sync(Primitive):
         where = sch.path or "<root>"
         if mode not in SYNC_MODES:
             raise SyncError(f"{where}: invalid sync mode {mode!r}: valid modes are {', '.join(SYNC_MODES)}")
-        if not callable(sync_op_or_fn) and sync_op_or_fn not in SYNC_OPS:
+        if not callable(sync_op_or_fn) and sync_op_or_fn not in SYNC_OPS and sync_op_or_fn not in RESHARD_SCHEMES:
             raise SyncError(f"{where}: invalid sync op {sync_op_or_fn!r}: valid ops are {', '.join(SYNC_OPS)}, "
-                            "or a callable fn(tensor) -> tensor")
+                            f"a resharding scheme ({', '.join(RESHARD_SCHEMES)}), or a callable fn(tensor) -> tensor")
         if isinstance(sync_op_or_fn, type):
             # a class is callable, but calling it on the tensor would make an object, not the synced tensor
             raise SyncError(f"{where}: sync got the class {sync_op_or_fn.__name__} as its function; pass an instance "
                             f"({sync_op_or_fn.__name__}(...)) or a function fn(tensor) -> tensor, or one of the ops "
                             f"{', '.join(SYNC_OPS)}")
-        if callable(sync_op_or_fn):
+        if callable(sync_op_or_fn) and not hook_style(sync_op_or_fn, mode):
             problem = _cannot_take_one_tensor(sync_op_or_fn)
             if problem:
                 name = getattr(sync_op_or_fn, "__name__", type(sync_op_or_fn).__name__)
+                hook = {"fwd_pre": ", or a hook fn(module, input)", "fwd_post": ", or a hook fn(module, input, "
+                        "output)"}.get(mode, "")
                 raise SyncError(f"{where}: sync function {name} cannot be called with one tensor "
-                                f"({problem}); give a function fn(tensor) -> tensor")
+                                f"({problem}); give a function fn(tensor) -> tensor{hook}")
         axis = options.get("axis")
         if isinstance(sync_op_or_fn, str):
             for spec in sync_specs(sch.mod, mode):
@@ -108,7 +114,9 @@ class Sync(Primitive):
 
     @classmethod
     def apply(cls, sch, mode, sync_op_or_fn, axis=None, tensor_parallel_output_grad=True):
-        op = SyncOp(mode, sync_op_or_fn, axis=axis, group=sch.group, grad_is_replicated=tensor_parallel_output_grad)
+        # Slapo's (and Megatron's) meaning: True, the consumer is tensor parallel and each rank holds a partial
+        # gradient (reduce-scatter it); False, the consumer is replicated (keep this rank's slice)
+        op = SyncOp(mode, sync_op_or_fn, axis=axis, group=sch.group, grad_is_replicated=not tensor_parallel_output_grad)
         attach_sync(sch.mod, op)  # lists the sync in the module's record
         if axis is not None:
             op.register_forward_pre_hook(AxisCheck(sch.path, mode, sync_op_or_fn, axis))

@@ -10,7 +10,13 @@ Only this submodule is traced ("trace by need"); the rest of the model is untouc
   fuse across a module boundary, e.g. a decomposed linear's bias add with the next GELU).
 * ``leaf_modules``: module types, or names relative to this path, to keep as calls.
 * ``tracer``: ``"fx"`` (symbolic tracing guided by fake-tensor examples, see
-  :mod:`schedlang.graph.tracer`).
+  :mod:`schedlang.graph.tracer`). Slapo's ``"pytorch"`` and ``"huggingface"`` are the same
+  tracer with torch.fx's input rule: when ``concrete_args`` is given, every ``forward``
+  parameter it does not name is a graph input, in the signature's order (with ``"fx"`` such
+  a parameter keeps its default). ``config`` (Slapo's HF tracer option) is the model config
+  the examples of such inputs are shaped from when no enclosing model records the call.
+  Slapo's ``"dynamo"`` is refused: its graphs of ATen-level or renamed modules are not the
+  module hierarchy a schedule works on.
 * ``concrete_args``: values to specialize ``forward``'s arguments on; a tensor is an
   *example input* (the argument stays an input, its shape guides Python control flow);
   ``schedlang.graph.PH`` makes an argument an input without an example.
@@ -44,8 +50,24 @@ __all__ = ["Trace", "TRACERS"]
 
 logger = logging.getLogger("schedlang.primitives.trace")
 
-#: the tracers ``trace`` accepts
-TRACERS = ("fx",)
+#: the tracers ``trace`` accepts: schedlang's, and Slapo's names of torch.fx-style tracing (see the module docstring)
+TRACERS = ("fx", "pytorch", "huggingface")
+#: tracers following torch.fx's rule that every argument not in ``concrete_args`` is an input
+FX_INPUT_RULE = ("pytorch", "huggingface")
+
+
+class _ConfigCodec(Codec):
+    """A transformers config as its class and its values (``to_dict``), rebuilt with ``from_dict``."""
+
+    def encode(self, value, where):
+        cls = type(value)
+        return {"config_class": f"{cls.__module__}.{cls.__qualname__}", "values": value.to_dict()}
+
+    def decode(self, data, ctx: DecodeContext):
+        if not (isinstance(data, dict) and set(data) == {"config_class", "values"} and isinstance(data["values"], dict)):
+            raise ctx.error(f"expected {{\"config_class\": \"package.module.Class\", \"values\": {{...}}}}, got {data!r}")
+        cls = ctx.resolve_dotted(data["config_class"], base=object)
+        return cls.from_dict(data["values"])
 
 
 class _LeafModulesCodec(Codec):
@@ -136,21 +158,31 @@ class Trace(Primitive):
         Param("leaf_modules", Optional[Union[str, Type[nn.Module], Sequence[Any]]], None,
               "module types, or submodule names relative to this path, kept as calls", codec=_LeafModulesCodec(),
               expects="None, a submodule name, an nn.Module subclass or a list of them"),
-        Param("tracer", str, "fx", "the tracer ('fx')"),
+        Param("tracer", str, "fx", "the tracer: 'fx', or Slapo's 'pytorch' / 'huggingface' (torch.fx's input rule)"),
         Param("concrete_args", Optional[Dict[str, Any]], None,
               "forward arguments to specialize on: example tensors, fixed values or schedlang.graph.PH",
               codec=_ConcreteArgsCodec(),
               type_error="{where}: concrete_args must be a dict from argument names to values, got {value}"),
+        Param("config", Any, None, "Slapo's HF tracer option: the model config that shapes example inputs",
+              codec=_ConfigCodec(), option=True),
     )
 
     @classmethod
-    def validate(cls, sch, recursive=True, flatten=False, leaf_modules=None, tracer="fx", concrete_args=None):
+    def validate(cls, sch, recursive=True, flatten=False, leaf_modules=None, tracer="fx", concrete_args=None,
+                 config=None):
         from ..graph.tracer import forward_parameters
 
         where = sch.path or "<root>"
+        if tracer == "dynamo":
+            raise ScheduleValueError(f"{where}: tracer 'dynamo' is not supported: its graph (ATen operators, modules "
+                                     "renamed) is not the module hierarchy a schedule works on; use tracer='fx' "
+                                     "(Slapo's 'pytorch' and 'huggingface' mean the same tracer here)")
         if tracer not in TRACERS:
             raise ScheduleValueError(f"{where}: unknown tracer {tracer!r}: valid tracers are "
                                      f"{', '.join(repr(t) for t in TRACERS)}")
+        if config is not None and not (hasattr(config, "to_dict") and hasattr(type(config), "from_dict")):
+            raise ScheduleTypeError(f"{where}: trace config must be a transformers PretrainedConfig (Slapo's HF tracer "
+                                    f"option), got {type(config).__name__}")
         leaves = []
         if leaf_modules is not None:
             if isinstance(leaf_modules, (str, type)) or not isinstance(leaf_modules, (list, tuple, set)):
@@ -162,8 +194,15 @@ class Trace(Primitive):
                     try:
                         sch.mod.get_submodule(item)
                     except AttributeError:
-                        raise ScheduleKeyError(f"{where}: leaf_modules names '{item}', which is not a submodule here "
-                                               "(names are relative to this schedule's path)") from None
+                        # Slapo names leaf classes by their class name
+                        by_class = {type(m) for m in sch.mod.modules() if type(m).__name__ == item}
+                        if len(by_class) != 1:
+                            raise ScheduleKeyError(
+                                f"{where}: leaf_modules names '{item}', which is neither a submodule here (names are "
+                                "relative to this schedule's path) nor the class name of exactly one module type "
+                                "under it") from None
+                        leaves.append(by_class.pop())
+                        continue
                     leaves.append(item)
                 else:
                     raise ScheduleTypeError(f"{where}: leaf_modules entries must be nn.Module subclasses or submodule "
@@ -179,24 +218,31 @@ class Trace(Primitive):
                         f"{'is' if len(unknown) == 1 else 'are'} not an argument of "
                         f"{type(sch.mod).__name__}.forward; valid arguments are {', '.join(names) or 'none'}")
             concrete_args = dict(concrete_args)
-        return {"recursive": recursive, "flatten": flatten, "leaf_modules": leaves or None, "tracer": tracer,
+        args = {"recursive": recursive, "flatten": flatten, "leaf_modules": leaves or None, "tracer": tracer,
                 "concrete_args": concrete_args}
+        if config is not None:
+            args["config"] = config
+        return args
 
     @classmethod
-    def apply(cls, sch, recursive=True, flatten=False, leaf_modules=None, tracer="fx", concrete_args=None):
+    def apply(cls, sch, recursive=True, flatten=False, leaf_modules=None, tracer="fx", concrete_args=None,
+              config=None):
         from ..graph import tracer as T
 
         module = sch.mod
         fake_mode = T._new_fake_mode()
         ancestor = _hf_ancestor(sch, module)
+        fx_rule = tracer in FX_INPUT_RULE and concrete_args is not None
         call = None
-        if concrete_args is None and ancestor is not None:
+        if (concrete_args is None or fx_rule) and ancestor is not None:
             try:
                 call = T.capture_call(ancestor[1], module, fake_mode)
             except Exception as e:  # fall back to the signature; tracing says what is missing
                 logger.debug("%s: could not record the call inside %s: %s", sch.path, ancestor[0] or "<root>", e)
-        gm = T.trace_module(module, path=sch.path, recursive=recursive, flatten=flatten, leaf_modules=leaf_modules,
-                            concrete_args=concrete_args, call=call, fake_mode=fake_mode)
+        with T.example_config(config):
+            gm = T.trace_module(module, path=sch.path, recursive=recursive, flatten=flatten,
+                                leaf_modules=leaf_modules, concrete_args=concrete_args, call=call,
+                                fake_mode=fake_mode, unlisted_are_inputs=fx_rule)
         sch._set_module(gm)
         _keep_graphs_as_traced(sch, gm)
         config = getattr(ancestor[1], "config", None) if ancestor is not None else None

@@ -34,8 +34,9 @@ def host_memory_gib() -> float:
 
 
 def report_memory(msg: str = "", report_gc: bool = False) -> float:
-    """Log host memory and, with CUDA, the peak GPU memory since the last call; returns the GPU peak
-    in MiB (0.0 without CUDA). ``report_gc`` also logs the number of live tensors and their elements.
+    """Log host memory and, with CUDA, the GPU memory allocated now and the peak since the last call;
+    returns the GPU memory allocated now in MiB, as Slapo's does (0.0 without CUDA). ``report_gc`` also
+    logs the number of live tensors and their elements.
 
     Example::
 
@@ -46,9 +47,11 @@ def report_memory(msg: str = "", report_gc: bool = False) -> float:
     gpu_mib = 0.0
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         device = torch.cuda.current_device()
-        gpu_mib = torch.cuda.max_memory_allocated(device) / 2**20
+        peak_mib = torch.cuda.max_memory_allocated(device) / 2**20
         torch.cuda.reset_peak_memory_stats(device)
-        logger.info("%s GPU rank %d peak memory: %.4f MiB", msg, rank, gpu_mib)
+        gpu_mib = torch.cuda.memory_allocated(device) / 2**20
+        logger.info("%s GPU rank %d memory: %.4f MiB allocated, %.4f MiB peak since the last report", msg, rank,
+                    gpu_mib, peak_mib)
     if report_gc:
         gc.collect()
         count = elements = 0

@@ -34,7 +34,7 @@ def _stream_states() -> Dict[str, Dict[str, torch.Tensor]]:
     from ..distributed.rng import ForkedRNG
 
     return {name: {k: v.clone() for k, v in stream._states.items()}
-            for name, stream in get_cuda_rng_tracker().get_states().items() if isinstance(stream, ForkedRNG)}
+            for name, stream in get_cuda_rng_tracker().streams().items() if isinstance(stream, ForkedRNG)}
 
 
 @contextlib.contextmanager
@@ -42,7 +42,7 @@ def _streams_at(saved: Dict[str, Dict[str, torch.Tensor]]) -> Iterator[None]:
     """Run with the tracker's streams as ``saved``; afterwards they are as before the block."""
     from ..random import get_cuda_rng_tracker
 
-    streams = get_cuda_rng_tracker().get_states()
+    streams = get_cuda_rng_tracker().streams()
     current = {name: dict(streams[name]._states) for name in saved if name in streams}
     for name, states in saved.items():
         if name in streams:

@@ -37,7 +37,7 @@ from ..distributed import groups
 from ..distributed.agreement import agreement, check_same_plan
 from ..errors import ArgumentTypeError, ScheduleValueError, VerificationError
 from ..plan import Plan, apply_steps
-from . import ranks
+from . import ranks, slapo_arguments
 from .compare import compare_tensors, nonfinite_summary, reduction_size_of, tolerance_for
 from .counterparts import CounterpartFinder
 from .locate import ModuleRecorder, attention_hint, first_divergence, flatten_outputs, split_input_hint
@@ -192,7 +192,7 @@ class Verify:
     def __init__(self, sch, example_inputs: Sequence[Any] = (), example_kwargs: Optional[Dict[str, Any]] = None,
                  rtol: Optional[float] = None, atol: Optional[float] = None, check_backward: bool = True,
                  seed: int = 0, enable: bool = True, check_training: bool = True,
-                 reduction_size: Optional[int] = None):
+                 reduction_size: Optional[int] = None, device: Any = None, eval_mode: Optional[bool] = None):
         from ..schedule import Schedule
 
         # every argument is checked here, before the block runs: a bad one found on exit would undo the
@@ -200,9 +200,10 @@ class Verify:
         if not isinstance(sch, Schedule):
             raise ArgumentTypeError(f"Verify: sch must be a schedlang.Schedule (from schedlang.create_schedule(model)),"
                                     f" got {type(sch).__name__}")
-        if not isinstance(example_inputs, (list, tuple)):
-            raise ScheduleValueError(f"Verify: example_inputs must be a list or tuple of inputs, got "
-                                     f"{type(example_inputs).__name__}")
+        # Slapo's forms (one tensor, device=, eval_mode=, a meta model): see verify/slapo_arguments.py
+        example_inputs = slapo_arguments.example_input_list(example_inputs)
+        self.device = slapo_arguments.verify_device(device)
+        check_training = slapo_arguments.training_check(eval_mode, check_training)
         self.example_kwargs = _keyword_inputs(example_kwargs)
         for name, tolerance in (("rtol", rtol), ("atol", atol)):
             if tolerance is not None:
@@ -248,10 +249,15 @@ class Verify:
                 for i in range(self.start, len(plan))]
 
     def _device(self) -> torch.device:
-        for x in list(self.example_inputs) + list(self.example_kwargs.values()):
-            if isinstance(x, torch.Tensor):
-                return x.device
-        return torch.device("cpu")
+        if self.device is not None:
+            return self.device
+        tensors = [x for x in list(self.example_inputs) + list(self.example_kwargs.values())
+                   if isinstance(x, torch.Tensor)]
+        # an accelerator named by an input, else the model's own (Slapo's scripts pass CPU inputs to a CUDA model)
+        for device in [t.device for t in tensors] + slapo_arguments.model_devices(self.sch._state.original):
+            if device.type not in ("cpu", "meta"):
+                return device
+        return tensors[0].device if tensors else torch.device("cpu")
 
     def _prepare(self, args, kwargs, device):
         def prep(x):
@@ -316,15 +322,15 @@ class Verify:
         group = state.group
         report = VerifyReport(steps=self._block_steps())
         original = state.original
-        if any(t.is_meta for t in list(original.parameters()) + list(original.buffers())):
-            raise ScheduleValueError("Verify: needs a model with real weights; this one is on the meta device. Verify "
-                                     "the schedule on a small real instance, then replay its plan on the meta model")
         device = self._device()
         # ranks agree before and after each phase with collectives inside it: a rank that fails makes
         # every rank raise within seconds, naming it, instead of leaving the others blocked
         check_same_plan(self.sch.plan, group, phase="verify: plan comparison")
         with _rng_preserved(device):
-            reference = copy.deepcopy(original).to(device)
+            if slapo_arguments.has_meta_tensors(original):  # Slapo's way: verify on real weights made for it
+                reference = slapo_arguments.materialized_copy(original, device, self.seed)
+            else:
+                reference = copy.deepcopy(original).to(device)
             args, kwargs = list(self.example_inputs), dict(self.example_kwargs)
             if groups.world_size(group) > 1:
                 # tensor parallelism needs the same weights and inputs everywhere: use rank 0's

@@ -72,6 +72,8 @@ class ModuleRecorder:
         for path, module in self.model.named_modules():
             if not path:
                 continue  # the whole model's output is compared on its own
+            if isinstance(module, torch.jit.ScriptModule):
+                continue  # a TorchScript-fused subgraph takes no hooks; its output is compared where it is used
             self.types[path] = type(module).__name__
             self._handles.append(module.register_forward_hook(self._hook(path)))
         return self

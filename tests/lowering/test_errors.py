@@ -128,21 +128,43 @@ def test_partially_broadcast_output_is_rejected():
 def test_unknown_compiler():
     gm = torch.fx.symbolic_trace(lambda x: x + 1)
     with pytest.raises(ScheduleValueError, match=r"unknown compiler 'nvfuser': valid compilers are 'triton', "
-                                                 r"'inductor', 'eager' \('TorchScript' is accepted as a deprecated "
-                                                 r"alias of 'inductor'\)"):
+                                                 r"'inductor', 'eager', 'torchscript', or None \(no compiler: the "
+                                                 r"subgraph's modules in one container\)"):
         lower_subgraph(gm, "nvfuser", "AddOne")
     with pytest.raises(ScheduleTypeError, match=r"compiler must be a string, got None \(NoneType\): valid "
                                                 r"compilers are 'triton', 'inductor', 'eager'"):
         lower_subgraph(gm, None, "AddOne")
 
 
+class _AddOne(torch.nn.Module):
+    def forward(self, x):
+        return x + 1
+
+
+def _first_of(*values):  # variadic: TorchScript cannot compile a call to it
+    return values[0]
+
+
 @pytest.mark.parametrize("spelling", ["TorchScript", "torchscript", "TORCHSCRIPT"])
-def test_torchscript_maps_to_inductor_with_a_deprecation_warning(spelling):
-    gm = torch.fx.symbolic_trace(lambda x: x + 1)
-    with pytest.warns(DeprecationWarning, match=r"compiler='.*' is deprecated \(TorchScript/nvFuser are gone from "
-                                                r"PyTorch 2.x\): using compiler='inductor'"):
-        fused = lower_subgraph(gm, spelling, "AddOne")
-    assert isinstance(fused, InductorFusedSubgraph) and fused.compiler == "inductor"
+def test_torchscript_scripts_the_subgraph(spelling):
+    gm = torch.fx.symbolic_trace(_AddOne())  # TorchScript reads the generated source of a named class
+    fused = lower_subgraph(gm, spelling, "AddOne")
+    assert isinstance(fused, torch.jit.ScriptModule)
+    x = torch.randn(3, 5)
+    torch.testing.assert_close(fused(x), x + 1)
+
+
+def test_torchscript_falls_back_to_inductor_where_it_cannot_compile():
+    gm = torch.fx.symbolic_trace(_AddOne())
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    with gm.graph.inserting_before(out):
+        first = gm.graph.call_function(_first_of, (out.args[0], out.args[0]))
+    out.args = (first,)
+    gm.recompile()
+    with pytest.warns(UserWarning, match=r"fuse TanhTwice: TorchScript cannot compile the subgraph .*; lowered with "
+                                         r"compiler='inductor' instead"):
+        fused = lower_subgraph(gm, "torchscript", "TanhTwice")
+    assert isinstance(fused, InductorFusedSubgraph)
 
 
 def test_compiler_names_are_case_insensitive():

@@ -86,7 +86,7 @@ def _phi3_grouped_query_attention():
     model, _ = T.family_model("phi3_gqa")
     model = model.to(T.device())
     ids, _ = _inputs()
-    sch = schedlang.create_schedule(model)
+    sch = schedlang.create_schedule(model, mesh=T.tp_mesh())  # DTensor parameters: the placement is checked
     with schedlang.Verify(sch, example_inputs=[ids]):  # outputs and every gradient against the unsharded model
         plan = shard_model(sch, gather_logits=True)
     attn = sch["model.layers.0.self_attn"].mod

@@ -54,7 +54,7 @@ def _tp_vocab_parallel_loss():
 def _tied_verify_and_gather():
     model = _model(tied=True)
     ids, labels = _inputs()
-    sch = schedlang.create_schedule(model)
+    sch = schedlang.create_schedule(model, mesh=T.tp_mesh())  # DTensor parameters: their placements are checked
     with schedlang.Verify(sch, example_inputs=[ids]):
         shard_llama(sch, gather_logits=True)
     built, _ = schedlang.build(sch)
@@ -155,7 +155,7 @@ def _compiled_layers_share_graphs():
         for layers in (1, 3):
             torch.manual_seed(0)
             model = LlamaForCausalLM(T.llama_config(layers=layers)).to(T.device())
-            sch = schedlang.create_schedule(model)
+            sch = schedlang.create_schedule(model, mesh=T.tp_mesh())  # DTensor parameters, their views hoisted
             shard_llama(sch)
             if when == "before_build":
                 assert compile_layers(sch.mod, backend="eager") == layers
@@ -352,8 +352,9 @@ def test_traced_collectives_are_refused_before_torch_2_13():
     from unittest import mock
 
     import schedlang.models as models
+    from schedlang.models import compiling
 
-    with mock.patch.object(models, "_torch_version", lambda: (2, 11)):
+    with mock.patch.object(compiling, "_torch_version", lambda: (2, 11)):  # where compile_layers reads it
         with pytest.raises(schedlang.ScheduleValueError,
                            match=r"compile_layers: trace_collectives=True needs torch >= 2.13 \(this is .*\): older "
                                  r"compilers lose the backward all-reduce of traced collectives"):

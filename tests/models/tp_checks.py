@@ -25,6 +25,14 @@ VOCAB = 128
 HIDDEN = 64
 
 
+def tp_mesh():
+    """A one-dimensional ``tp`` mesh over the world: schedules made with it get DTensor parameters at build
+    (without a mesh, sharded parameters stay plain local shards)."""
+    from schedlang.distributed.mesh import make_mesh
+
+    return make_mesh(tp=dist.get_world_size(), device_type=device().type)
+
+
 def device() -> torch.device:
     # the group is "cpu:gloo,cuda:nccl" where every rank has a GPU
     if dist.is_initialized() and "nccl" in str(dist.get_backend()):

@@ -160,14 +160,15 @@ def test_fusing_inside_a_hierarchically_traced_child():
     _assert_same_numerics(model, sch.mod, torch.randn(3, 8))
 
 
-def test_torchscript_is_a_deprecated_alias_of_inductor():
+def test_torchscript_scripts_the_subgraph():
     model = MLP(hidden=8, inner=8)
     sch = schedlang.create_schedule(model)
     sch["fc1"].decompose()
     sch.trace(flatten=True)
-    with pytest.warns(DeprecationWarning, match="TorchScript"):
-        sch.fuse(sch.find(_bias_gelu), compiler="TorchScript", name="BiasGeLU")
-    assert sch.plan[-1].args["compiler"] == "inductor"
+    sch.fuse(sch.find(_bias_gelu), compiler="TorchScript", name="BiasGeLU")
+    assert sch.plan[-1].args["compiler"] == "torchscript"
+    assert isinstance(sch["BiasGeLU_0"].mod, torch.jit.ScriptModule)
+    _assert_same_numerics(model, sch.mod, torch.randn(3, 8))
 
 
 class _Cycle(nn.Module):

@@ -55,7 +55,8 @@ def test_sync_with_tuple_output_applies_to_first_element():
     (dict(mode=3, sync_op_or_fn="all_reduce"),
      r"fc1: sync mode must be a str, got 3; valid modes are fwd_pre, fwd_post, bwd_post"),
     (dict(mode="fwd_post", sync_op_or_fn="broadcast"),
-     r"fc1: invalid sync op 'broadcast': valid ops are all_reduce, all_gather, reduce_scatter, or a callable"),
+     r"fc1: invalid sync op 'broadcast': valid ops are all_reduce, all_gather, reduce_scatter, a resharding scheme "
+     r"\(RR->RR, RS->RS, SR->SR, RR->RS, RR->SR, RS->RR, SR->RR, RS->SR, SR->RS\), or a callable"),
     (dict(mode="fwd_post", sync_op_or_fn="all_gather"), r"fc1: sync op 'all_gather' needs axis=<int>"),
     (dict(mode="fwd_post", sync_op_or_fn="reduce_scatter", axis="1"), r"fc1: sync axis must be an int, got '1'"),
     (dict(mode="fwd_post", sync_op_or_fn="all_reduce", axis=1), r"fc1: sync op 'all_reduce' takes no axis"),
@@ -130,7 +131,7 @@ def test_sync_refuses_a_class_or_a_function_that_cannot_take_one_tensor():
 
     with pytest.raises(schedlang.SyncError, match=r"^fc1: sync function scale cannot be called with one tensor "
                                                   r"\(its signature is \(t, factor\): missing a required argument: "
-                                                  r"'factor'\); give a function fn\(tensor\) -> tensor$"):
+                                                  r"'factor'\); give a function fn\(tensor\) -> tensor, or a hook fn\(module, input, output\)$"):
         sch["fc1"].sync("fwd_post", scale)
     assert len(sch.plan) == 0 and not list(sch["fc1"].mod.children())
     sch["fc1"].sync("fwd_post", nn.ReLU())  # a module instance, or a function of one tensor, is fine

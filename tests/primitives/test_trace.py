@@ -69,10 +69,18 @@ def test_argument_errors_are_explained():
     sch = schedlang.create_schedule(Stack())
     with pytest.raises(ScheduleTypeError, match=r"^<root>: trace flatten must be True or False, got 1$"):
         sch.trace(flatten=1)
-    with pytest.raises(ScheduleValueError, match=r"^<root>: unknown tracer 'jit': valid tracers are 'fx'$"):
+    with pytest.raises(ScheduleValueError, match=r"^<root>: unknown tracer 'jit': valid tracers are 'fx', 'pytorch', "
+                                                 r"'huggingface'$"):
         sch.trace(tracer="jit")
-    with pytest.raises(ScheduleKeyError, match=r"^<root>: leaf_modules names 'layers\.7', which is not a submodule "
-                                               r"here \(names are relative to this schedule's path\)$"):
+    with pytest.raises(ScheduleValueError, match=r"^<root>: tracer 'dynamo' is not supported: its graph \(ATen "
+                                                 r"operators, modules renamed\) is not the module hierarchy"):
+        sch.trace(tracer="dynamo")
+    with pytest.raises(ScheduleTypeError, match=r"^<root>: trace config must be a transformers PretrainedConfig "
+                                                r"\(Slapo's HF tracer option\), got dict$"):
+        sch.trace(config={"hidden_size": 8})
+    with pytest.raises(ScheduleKeyError, match=r"^<root>: leaf_modules names 'layers\.7', which is neither a "
+                                               r"submodule here \(names are relative to this schedule's path\) nor "
+                                               r"the class name of exactly one module type under it$"):
         sch.trace(leaf_modules=["layers.7"])
     with pytest.raises(ScheduleTypeError, match=r"^<root>: leaf_modules entries must be nn.Module subclasses or "
                                                 r"submodule names, got 3$"):

@@ -180,7 +180,7 @@ def _parallel_fused_linears(rank, world):
         sch["0"].shard("weight", axis=0)
         sch["0"].shard("bias", axis=0)
         sch["0"].sync(mode="bwd_post", sync_op_or_fn="all_reduce")
-        sch["0"].sync(mode="fwd_post", sync_op_or_fn="all_gather", axis=-1)
+        sch["0"].sync(mode="fwd_post", sync_op_or_fn="all_gather", axis=-1, tensor_parallel_output_grad=False)
         sch["1"].shard("weight", axis=0)
         sch["1"].shard("bias", axis=0)
         sch["1"].sync(mode="bwd_post", sync_op_or_fn="all_reduce")

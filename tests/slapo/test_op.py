@@ -139,6 +139,22 @@ def test_attention_kernels_match_the_reference(kernel, causal):
         torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("kernel", ["flash", "auto", "cuda", "triton"])
+def test_a_mask_that_needs_a_gradient_runs_on_the_math_kernel(kernel, caplog):
+    b, s, h, d = 2, 6, 2, 8
+    q, k, v = (torch.randn(b, s, h, d) for _ in range(3))
+    mask = torch.randn(b, 1, 1, s)  # HF's additive mask, as Slapo's attention test makes it: it gets a gradient
+    attn = op.FlashAttentionOp(kernel, apply_causal_mask=True)
+    with caplog.at_level("WARNING", logger="schedlang.op.attention"):
+        out, grads = _grads(lambda q, k, v, m: attn(q, k, v, m, p=0.0), q, k, v, mask)
+    ref, ref_grads = _grads(lambda q, k, v, m: flash_attn_ref(q, k, v, bias=m, causal=True), q, k, v, mask)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
+    for g, r in zip(grads, ref_grads):  # the mask's gradient too
+        torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-4)
+    if kernel != "auto":
+        assert "running" in caplog.text and "with the 'math' kernel" in caplog.text
+
+
 def test_flash_attention_module_fused_equals_separate_projections():
     torch.manual_seed(3)
     sep = op.FlashAttention(24, 4, fused_qkv=False, attn_op_name="math")

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from schedlang.errors import ScheduleKeyError, ScheduleValueError
+from schedlang.errors import ScheduleKeyError, ScheduleTypeError, ScheduleValueError
 from schedlang.random import (CudaRNGStatesTracker, get_cuda_rng_tracker, is_random_seed_set,
                               model_parallel_cuda_manual_seed, set_random_seed)
 
@@ -109,3 +109,44 @@ def test_reentrant_checkpoint_refuses_keyword_arguments():
 
     with pytest.raises(TypeError, match=r"keyword arguments \['scale'\] need use_reentrant=False"):
         checkpoint(lambda x, scale: x * scale, torch.ones(2), scale=2.0)
+
+
+def test_get_states_gives_each_stream_its_generator_state():
+    tracker = CudaRNGStatesTracker()
+    tracker.set_states({"opaque": 1234})  # any value is kept as it is, as Megatron's tracker does
+    assert tracker.get_states()["opaque"] == 1234
+    tracker.reset()
+    tracker.add("s", 1111)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    fresh = torch.Generator(device=device).manual_seed(1111).get_state()
+    assert torch.equal(tracker.get_states()["s"], fresh)
+    with tracker.fork("s"):
+        drawn = torch.rand(5, device=device)
+    moved = tracker.get_states()["s"]
+    assert not torch.equal(moved, fresh)
+    # a state from get_states() puts the stream back there: the same numbers again
+    tracker.set_states({"s": fresh})
+    with tracker.fork("s"):
+        again = torch.rand(5, device=device)
+    torch.testing.assert_close(again, drawn)
+    with pytest.raises(ScheduleTypeError, match=r"stream 'opaque' holds int, not a stream; only streams made by "
+                                                r"add\(\) or given a generator state by set_states\(\) can be forked"):
+        tracker.set_states({"opaque": 1})
+        with tracker.fork("opaque"):
+            pass
+
+
+def test_the_checkpoint_package_is_slapos_checkpoint_function():
+    from schedlang import checkpoint
+
+    lin = torch.nn.Linear(6, 6)
+    x = torch.randn(4, 6, requires_grad=True)
+    out = checkpoint(lambda t: torch.relu(lin(t)), x)
+    out.sum().backward()
+    ref_x = x.detach().clone().requires_grad_(True)
+    ref = torch.relu(lin(ref_x))
+    torch.testing.assert_close(out, ref)
+    grad = x.grad.clone()
+    ref.sum().backward()
+    torch.testing.assert_close(grad, ref_x.grad)
+    assert callable(checkpoint.save_checkpoint)  # still the checkpoint package

@@ -178,3 +178,19 @@ def test_pipeline_partition_ties_and_targets():
     assert get_dialect_cls("log_parser", "megatron").parse_log(
         "iteration 10 | elapsed time per iteration (ms): 250.0 | max allocated: 2048.0")[1:3] == (4.0, 2.0)
     assert isinstance(parts.mod.submod_0, fx.GraphModule)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_report_memory_gives_the_gpu_memory_allocated_now():
+    from schedlang.utils.report import report_memory
+
+    big = torch.empty(64, 2**20, dtype=torch.uint8, device="cuda")  # 64 MiB
+    del big  # a peak, gone again: what is allocated now does not include it
+    before = report_memory("before")
+    with slapo.init_empty_weights():
+        torch.nn.Linear(4096, 4096)
+    assert report_memory("after an empty model") == before
+    held = torch.empty(16, 2**20, dtype=torch.uint8, device="cuda")
+    assert report_memory("holding 16 MiB") - before >= 16
+    del held

@@ -86,7 +86,7 @@ from .core import SchedlangTracer, _Options
 
 # also read by schedlang.primitives.trace and schedlang.distributed.pipeline, which trace whole models
 from .examples import _shape_only_syncs  # noqa: F401
-from .hf_bridge import EXAMPLE_BATCH, EXAMPLE_SEQUENCE, capture_call, is_hf_model  # noqa: F401
+from .hf_bridge import EXAMPLE_BATCH, EXAMPLE_SEQUENCE, capture_call, example_config, is_hf_model  # noqa: F401
 from .leaf_policy import register_leaf_function
 from .patches import _tracing_patches
 from .specialization import check_specialized_arguments
@@ -115,13 +115,16 @@ __all__ = [
 
 def trace_module(module: nn.Module, *, path: str = "", recursive: bool = True, flatten: bool = False,
                  leaf_modules: Optional[Iterable[Any]] = None, concrete_args: Optional[Dict[str, Any]] = None,
-                 call: Optional[Tuple[Tuple, Dict[str, Any]]] = None, fake_mode=None) -> TracedModule:
+                 call: Optional[Tuple[Tuple, Dict[str, Any]]] = None, fake_mode=None,
+                 unlisted_are_inputs: bool = False) -> TracedModule:
     """Trace ``module`` into a :class:`TracedModule`; raise :class:`TraceError` on failure.
 
     ``path`` is used in messages and to resolve ``leaf_modules`` names (relative to
     ``module``). ``call`` is a recorded ``(args, kwargs)`` call (e.g. from
     :func:`capture_call`, values may be fake tensors); without it the signature policy and
-    ``concrete_args`` decide the inputs. The module itself is not changed.
+    ``concrete_args`` decide the inputs. With ``unlisted_are_inputs`` (torch.fx's and Slapo's rule)
+    and ``concrete_args`` given, every ``forward`` parameter not named in ``concrete_args`` is an
+    input; a ``call`` then only supplies those inputs' example values. The module itself is not changed.
 
     Example::
 
@@ -155,10 +158,11 @@ def trace_module(module: nn.Module, *, path: str = "", recursive: bool = True, f
         tracer = SchedlangTracer(options, path=path)
         try:
             with _tracing_patches(module):
-                if call is not None:
+                if call is not None and not (unlisted_are_inputs and concrete_args is not None):
                     spec = CallSpec.from_call(module, call[0], call[1], lambda v: tracer._map_examples_safe(v))
                 else:
-                    spec = CallSpec.from_signature(module, concrete_args, make_example)
+                    spec = CallSpec.from_signature(module, concrete_args, make_example, unlisted_are_inputs,
+                                                   _bound_arguments(module, call))
                 gm, _ = tracer.trace_to_module(module, spec)
         except SchedlangError:
             raise
@@ -171,3 +175,16 @@ def trace_module(module: nn.Module, *, path: str = "", recursive: bool = True, f
     # the graph is fixed to the mode it was traced in: make it follow the mode, or refuse the other mode
     guard_training_mode(module, gm, trace_once, where)
     return gm
+
+
+def _bound_arguments(module: nn.Module, call: Optional[Tuple[Tuple, Dict[str, Any]]]) -> Dict[str, Any]:
+    """The recorded call's values by parameter name (empty without a call, or when they do not bind)."""
+    if call is None:
+        return {}
+    import inspect
+
+    try:
+        bound = inspect.Signature(forward_parameters(module)).bind(*call[0], **call[1])
+    except TypeError:
+        return {}
+    return dict(bound.arguments)

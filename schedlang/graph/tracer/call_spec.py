@@ -64,8 +64,17 @@ class CallSpec:
 
     @classmethod
     def from_signature(cls, module: nn.Module, concrete_args: Optional[Dict[str, Any]] = None,
-                       make_example: Optional[Callable[[torch.Tensor], Any]] = None) -> "CallSpec":
-        """Spec from ``forward``'s signature (see the module docstring for the policy)."""
+                       make_example: Optional[Callable[[torch.Tensor], Any]] = None,
+                       unlisted_are_inputs: bool = False,
+                       recorded: Optional[Dict[str, Any]] = None) -> "CallSpec":
+        """Spec from ``forward``'s signature (see the module docstring for the policy).
+
+        ``unlisted_are_inputs``: torch.fx's own rule, which Slapo's tracers follow: with
+        ``concrete_args`` given, every parameter *not* named there is a graph input, in the
+        signature's order. ``recorded`` holds the values of a recorded call (:func:`capture_call`),
+        used as those inputs' examples."""
+        unlisted_are_inputs = unlisted_are_inputs and concrete_args is not None
+        recorded = recorded or {}
         concrete_args = dict(concrete_args or {})
         make_example = make_example or (lambda t: t)
         params = forward_parameters(module)
@@ -94,8 +103,13 @@ class CallSpec:
                 if is_input and example is UNKNOWN:
                     example = _synthesize_example(module, p.name, make_example)
                 spec.values[p.name] = (is_input, example)
-            elif p.default is _P.empty or p.name in main_inputs:
-                spec.values[p.name] = (True, _synthesize_example(module, p.name, make_example))
+            elif p.default is _P.empty or p.name in main_inputs or unlisted_are_inputs:
+                value = recorded.get(p.name)
+                if isinstance(value, torch.Tensor):
+                    example = make_example(value)
+                else:
+                    example = _synthesize_example(module, p.name, make_example)
+                spec.values[p.name] = (True, example)
             elif p.name in _RUNTIME_FLAG_DEFAULTS and p.default is None:
                 spec.values[p.name] = (False, _RUNTIME_FLAG_DEFAULTS[p.name])
             else:

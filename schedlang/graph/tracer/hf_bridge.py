@@ -4,9 +4,11 @@ synthesized token inputs and the recorded call of a submodule."""
 from __future__ import annotations
 
 import collections
+import contextlib
+import contextvars
 import inspect
 import sys
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Tuple
 
 import torch
 import torch.fx as fx
@@ -50,15 +52,34 @@ _RUNTIME_FLAG_DEFAULTS = {"use_cache": False, "output_attentions": False, "outpu
 EXAMPLE_BATCH, EXAMPLE_SEQUENCE = 2, 8
 
 
+#: the config given to ``trace(config=...)`` (Slapo's HF tracer option), for modules that hold none
+_EXAMPLE_CONFIG: contextvars.ContextVar = contextvars.ContextVar("schedlang_example_config", default=None)
+
+
+@contextlib.contextmanager
+def example_config(config) -> Iterator[None]:
+    """Shape synthesized examples from ``config`` (None: only from each module's own ``config``)."""
+    token = _EXAMPLE_CONFIG.set(config)
+    try:
+        yield
+    finally:
+        _EXAMPLE_CONFIG.reset(token)
+
+
 def _synthesize_example(module: nn.Module, name: str, make_example) -> Any:
-    """Example for an HF model's token-level inputs: (batch, sequence) integer tensors."""
-    config = getattr(module, "config", None)
-    if name not in _HF_TOKEN_INPUTS or config is None or not getattr(config, "vocab_size", None):
-        return UNKNOWN
+    """Example for an HF model's token-level inputs: (batch, sequence) integer tensors; and, for a submodule
+    whose config (its own, or the one given to ``trace``) has a ``hidden_size``, ``hidden_states`` of
+    (batch, sequence, hidden_size) in the module's dtype."""
+    config = getattr(module, "config", None) or _EXAMPLE_CONFIG.get()
     device = module_device(module)
     if device.type == "meta":
         device = torch.device("cpu")
     shape = (EXAMPLE_BATCH, EXAMPLE_SEQUENCE)
+    if name == "hidden_states" and isinstance(getattr(config, "hidden_size", None), int):
+        dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
+        return make_example(torch.zeros(shape + (config.hidden_size,), dtype=dtype, device=device))
+    if name not in _HF_TOKEN_INPUTS or config is None or not getattr(config, "vocab_size", None):
+        return UNKNOWN
     if name == "position_ids":
         return make_example(torch.arange(EXAMPLE_SEQUENCE, device=device).expand(shape))
     fill = 1 if name == "attention_mask" else 0

@@ -83,6 +83,28 @@ def _proxy_getattr(self, name):
     return _ORIGINAL_PROXY_GETATTR(self, name)
 
 
+_ORIGINAL_FINFO, _ORIGINAL_IINFO = torch.finfo, torch.iinfo
+
+
+def _example_dtype(value):
+    """A proxy's example value when it is known (``x.dtype`` of a traced tensor), else ``value`` itself."""
+    if isinstance(value, fx.Proxy) and isinstance(value.tracer, TracerBase):
+        example = value.tracer.metas.get(value.node, UNKNOWN)
+        if isinstance(example, torch.dtype):
+            return example
+    return value
+
+
+def _finfo(*args):
+    # torch.finfo(x.dtype) needs a real dtype (HF attention takes the mask value from it): the traced
+    # tensor's dtype is read off its example, which fixes that constant to the dtype seen while tracing
+    return _ORIGINAL_FINFO(*(_example_dtype(a) for a in args))
+
+
+def _iinfo(*args):
+    return _ORIGINAL_IINFO(*(_example_dtype(a) for a in args))
+
+
 @contextlib.contextmanager
 def _tracing_patches(root: nn.Module):
     with _PATCH_LOCK:
@@ -92,6 +114,8 @@ def _tracing_patches(root: nn.Module):
             patches.refresh_leaf_ids()
             patches.patch_attr(fx.Proxy, "__len__", _proxy_len)
             patches.patch_attr(fx.Proxy, "__getattr__", _proxy_getattr)
+            patches.patch_attr(torch, "finfo", _finfo)
+            patches.patch_attr(torch, "iinfo", _iinfo)
             modeling_utils = sys.modules.get("transformers.modeling_utils")
             interface = getattr(modeling_utils, "AttentionInterface", None)
             if interface is not None:
