@@ -202,9 +202,28 @@ def _build(variant: str, directory: str, cfg, device: torch.device, world: int):
     return model, opt, loss
 
 
+def _profiled(profile_dir: Optional[str], name: str, fn, *args):
+    """``fn(*args)``, under cProfile when ``profile_dir`` is given: the 40 costliest calls by cumulative time
+    go to ``<profile_dir>/<name>.txt`` (the timings of a profiled run include the profiler's overhead)."""
+    if not profile_dir:
+        return fn(*args)
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    result = profiler.runcall(fn, *args)
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(40)
+    Path(profile_dir).mkdir(parents=True, exist_ok=True)
+    (Path(profile_dir) / f"{name}.txt").write_text(text.getvalue())
+    return result
+
+
 def run_rank(rank: int, world: int, variant: str, directory: str, tiny: bool, batch: int, seq: int,
-             steps: int) -> Dict[str, Any]:
-    """One rank of one variant, in a fresh process: build, first step, a few timed steps."""
+             steps: int, profile_dir: Optional[str] = None) -> Dict[str, Any]:
+    """One rank of one variant, in a fresh process: build, first step, a few timed steps. With ``profile_dir``,
+    rank 0 profiles the build and the first step (see :func:`_profiled`)."""
     import torch.distributed as dist
 
     import schedlang  # noqa: F401  (imported before the clock starts, like transformers)
@@ -224,15 +243,20 @@ def run_rank(rank: int, world: int, variant: str, directory: str, tiny: bool, ba
     dist.barrier()
     before = _peak_rss_gib()
     t0 = time.perf_counter()
-    model, opt, loss = _build(variant, directory, cfg, device, world)
+    profile_dir = profile_dir if rank == 0 else None
+    model, opt, loss = _profiled(profile_dir, f"{variant}-load", _build, variant, directory, cfg, device, world)
     if cuda:
         torch.cuda.synchronize(device)
     t_loaded = time.perf_counter()
     rss_loaded = _peak_rss_gib()
-    first = loss(ids, labels)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    first_loss = float(first)  # waits for the step
+
+    def first_step():
+        value = loss(ids, labels)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(value)  # waits for the step
+
+    first_loss = _profiled(profile_dir, f"{variant}-first-step", first_step)
     t_first = time.perf_counter()
     rss = _peak_rss_gib()
     times = []
@@ -265,6 +289,9 @@ def main(argv=None) -> List[dict]:
     parser.add_argument("--timeout", type=float, default=1200.0, help="seconds one variant may take")
     parser.add_argument("--name", default=None, help="result file name (default: pretrained[-tiny])")
     parser.add_argument("--results-dir", default=None, help="where the JSON goes (default: bench/results)")
+    parser.add_argument("--profile", default=None, metavar="DIR",
+                        help="profile rank 0's build and first step with cProfile (text reports in DIR); the row's "
+                             "times then include the profiler's overhead")
     args = parser.parse_args(argv)
     if args.tiny:
         args.batch, args.seq, args.steps = min(args.batch, 2), min(args.seq, 32), min(args.steps, 2)
@@ -295,7 +322,8 @@ def main(argv=None) -> List[dict]:
         print(f"{variant} ...", flush=True)
         try:
             per_rank = run_distributed(run_rank, world_size=args.nproc,
-                                       args=(variant, str(directory), args.tiny, args.batch, args.seq, args.steps),
+                                       args=(variant, str(directory), args.tiny, args.batch, args.seq, args.steps,
+                                             args.profile),
                                        backend="nccl" if cuda else "gloo", timeout=args.timeout)
         except Exception as e:  # one variant failing does not lose the others
             rows.append(harness.failed_row(WORK, variant, ROLES[variant], e, layout=f"tp={args.nproc}"))
