@@ -39,7 +39,7 @@ Example::
 from .checkpoints import latest_checkpoint
 from .command import main
 from .configs import Dims, _model_class, model_config, model_dims, validate_model
-from .data import TokenBatches, lr_at
+from .data import EvalBatches, TokenBatches, lr_at, open_data
 from .flags import MODELS, OPTIMIZERS, PP_SCHEDULES, TrainError, build_parser, validate
 from .loop import PEAK_FLOPS_PER_GPU, train
 
