@@ -102,7 +102,7 @@ def _documents(path: Path, flag: str = "--data") -> Iterator[Tuple[int, str]]:
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                record = json.loads(line.strip())
             except ValueError as e:
                 _fail(f"{flag} {path}:{number}: invalid JSON ({getattr(e, 'msg', e)} at column "
                       f"{getattr(e, 'colno', '?')}); each line of a .jsonl file must be an object with a 'text' "
