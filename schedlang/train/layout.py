@@ -149,7 +149,7 @@ def choose(ns: argparse.Namespace, facts: ModelFacts, hw: Hardware, world: int) 
     if not hasattr(ns, "_auto_fixed"):  # the user's own choices, before any choice of ours is written into ns
         ns._auto_fixed = fixed_choices(ns)
     limit = min(world, 8)
-    tp_sizes = [t for t in valid_tp_sizes(facts.dims, limit) if t == 1 or not facts.tp_problem]
+    tp_sizes = [t for t in valid_tp_sizes(facts.dims, limit) if world % t == 0 and (t == 1 or not facts.tp_problem)]
     try:
         return choose_layout(facts.shape, hw, world, ns.global_batch, ns.seq, base=base_layout(ns),
                              tp_sizes=tp_sizes, fixed=ns._auto_fixed)
