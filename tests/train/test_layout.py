@@ -107,8 +107,8 @@ def test_layout_flags_fail_with_a_clear_message(flags, message, capsys):
 
 
 def test_layout_auto_on_two_ranks_trains_and_probes(tmp_path, capfd):
-    """With no --dp/--tp/--pp on 2 ranks the trainer chooses (data parallelism for the tiny LLaMA on a CPU), says
-    why, times the two best layouts with --probe, and trains the losses of one process."""
+    """With no --dp/--tp/--pp on 2 ranks the trainer chooses a layout from the measured link (on a CPU the
+    estimates are rough: which one is not pinned), says why, times the two best layouts with --probe, and trains the losses of one process."""
     flags = ["--config", "tiny", "--steps", "2", "--global-batch", "4", "--seq", "32", "--device", "cpu", "--seed",
              "5"]
     single = tmp_path / "single.jsonl"
@@ -116,7 +116,7 @@ def test_layout_auto_on_two_ranks_trains_and_probes(tmp_path, capfd):
     auto = tmp_path / "auto.jsonl"
     assert trainer.main(flags + ["--nproc", "2", "--probe", "--metrics", str(auto)]) == 0
     err = capfd.readouterr().err
-    assert "--layout auto chose pp=1 dp=2 tp=1" in err and "interconnect" in err and "(measured)" in err
+    assert "--layout auto chose pp=1 " in err and "interconnect" in err and "(measured)" in err
     assert err.count("--probe pp=") == 2 and "--probe keeps" in err
     records = [json.loads(line) for line in auto.read_text().splitlines()]
     reference = [json.loads(line) for line in single.read_text().splitlines()]
