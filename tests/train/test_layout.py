@@ -11,9 +11,10 @@ import pytest
 from schedlang import train as trainer
 from schedlang.autotune.training_cost import GIB, Hardware, Layout, ModelShape, choose_layout, estimate_step
 
-#: LLaMA-1.1B (the trainer's --config 1b)
+#: LLaMA-1.1B as the trainer's --config 1b and the benchmark build it (TinyLlama's depth and width, full multi-head
+#: attention: 1.26B parameters)
 LLAMA_1B = ModelShape(layers=22, hidden=2048, heads=16, kv_heads=16, head_dim=128, intermediate=5632, vocab=32000,
-                      params=1_100_048_384, flops_params=1_034_512_384, embedding_params=131_072_000)
+                      params=1_261_529_088, flops_params=1_195_993_088, embedding_params=131_072_000)
 FAST = Layout(dtype="bf16", optimize=True, compiled=True, optimizer="fused-adamw")
 
 
