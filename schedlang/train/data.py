@@ -103,7 +103,8 @@ class EvalBatches:
         out = torch.from_numpy(np.asarray(self.tokens[start:start + self.rows * n], dtype=np.int64)).view(self.rows, n)
         if int(out.max()) >= self.vocab or int(out.min()) < 0:
             _fail(f"--eval-data {self.spec}: token id {int(out.max())} is outside the model's vocabulary "
-                  f"(0..{self.vocab - 1})")
+                  f"(0..{self.vocab - 1}); token ids must be below the vocabulary size, so check that --eval-data "
+                  "was tokenized for this model")
         return out
 
 
@@ -120,7 +121,8 @@ def _tokens_of(spec: str, ns, vocab: int, flag: str, mode: str):
     cache = token_cache(spec, ns.tokenizer, vocab, flag=flag, write=mode == "prepare")
     if cache is None:
         if mode == "open":
-            _fail(f"{flag} {spec}: its token cache is missing (rank 0 tokenizes the text before the others read it); "
+            where = f"{flag} {spec}"
+            _fail(f"{where}: its token cache is missing (rank 0 tokenizes the text before the others read it); "
                   "check that every rank sees the same file system")
         return ()
     return cache.open()

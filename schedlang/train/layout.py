@@ -65,7 +65,7 @@ def check_model_layout(ns: argparse.Namespace, facts: ModelFacts) -> None:
     validate_model(ns, facts.dims, facts.cfg)
     if ns.tp > 1 and facts.tp_problem:
         _fail(f"--tp {ns.tp}: {facts.cfg.model_type} models cannot be split by tensor parallelism here: "
-              f"{facts.tp_problem}")
+              f"{facts.tp_problem}; use --tp 1 (data or pipeline parallelism)")
 
 
 # ------------------------------------------------------------------------------------------------ devices

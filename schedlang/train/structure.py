@@ -19,7 +19,8 @@ def decoder_layers(model: nn.Module, where: str = "--config") -> Tuple[str, nn.M
     found = _layer_list(model)
     if found is None:
         _fail(f"{where}: {type(model).__name__} holds no list of decoder layers (an nn.ModuleList of same-class "
-              "blocks with Linear projections), so schedlang train cannot split it into layers")
+              "blocks with Linear projections), so schedlang train cannot split it into layers; give the config of a "
+              "decoder-only transformer (e.g. llama, qwen3, mistral, gemma, phi3, opt, gpt2)")
     return found
 
 

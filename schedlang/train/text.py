@@ -36,20 +36,23 @@ def is_text(spec: str) -> bool:
 
 def text_files(spec: str, flag: str) -> List[Path]:
     path = Path(spec)
+    where = f"{flag} {spec}"
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
         if not files:
-            _fail(f"{flag} {spec}: the directory holds no .jsonl or .txt file")
+            _fail(f"{where}: the directory holds no .jsonl or .txt file; give a directory of text files (.jsonl with "
+                  "a 'text' field per line, .txt one document each)")
         return files
     if not path.is_file():
-        _fail(f"{flag} {spec!r}: no such file or directory (give a .jsonl file, a .txt file or a directory of them)")
+        _fail(f"{where}: no such file or directory (give a .jsonl file, a .txt file or a directory of them)")
     return [path]
 
 
 def load_tokenizer(directory: Optional[str], flag: str, vocab: int):
     """``AutoTokenizer.from_pretrained(directory)``, offline, checked against the model's vocabulary."""
     if directory is None:
-        _fail(f"{flag} is text: give the tokenizer to read it with, --tokenizer DIR (a directory "
+        where = flag
+        _fail(f"{where}: the data is text: give the tokenizer to read it with, --tokenizer DIR (a directory "
               "AutoTokenizer.from_pretrained loads: tokenizer.json, tokenizer_config.json ...)")
     if not Path(directory).is_dir():
         _fail(f"--tokenizer {directory!r}: no such directory (expected a tokenizer saved with save_pretrained)")
@@ -90,10 +93,11 @@ def content_key(files: List[Path], tokenizer_dir: str, eos: int) -> str:
 
 def _documents(path: Path, flag: str = "--data") -> Iterator[Tuple[int, str]]:
     """``(line, text)`` of each document of a file; refuses an empty file, invalid JSON, a line without text."""
+    where = f"{flag} {path}"
     if path.suffix == ".txt":
         text = path.read_text(encoding="utf-8", errors="replace")
         if not text.strip():
-            _fail(f"{flag} {path}: empty file (a .txt file is one document: give it text, or remove it)")
+            _fail(f"{where}: empty file (a .txt file is one document: give it text, or remove it)")
         yield 1, text
         return
     found = False
@@ -104,19 +108,24 @@ def _documents(path: Path, flag: str = "--data") -> Iterator[Tuple[int, str]]:
             try:
                 record = json.loads(line.strip())
             except ValueError as e:
-                _fail(f"{flag} {path}:{number}: invalid JSON ({getattr(e, 'msg', e)} at column "
+                at = f"{where}:{number}"
+                _fail(f"{at}: invalid JSON ({getattr(e, 'msg', e)} at column "
                       f"{getattr(e, 'colno', '?')}); each line of a .jsonl file must be an object with a 'text' "
                       "field")
             if not isinstance(record, dict) or "text" not in record:
                 keys = ", ".join(map(str, record)) if isinstance(record, dict) else type(record).__name__
-                _fail(f"{flag} {path}:{number}: no 'text' field (found {keys or 'an empty object'}); each line "
+                at = f"{where}:{number}"
+                _fail(f"{at}: no 'text' field (found {keys or 'an empty object'}); each line "
                       "must be an object with the document in 'text'")
             if not isinstance(record["text"], str):
-                _fail(f"{flag} {path}:{number}: 'text' is a {type(record['text']).__name__}, not a string")
+                at = f"{where}:{number}"
+                _fail(f"{at}: 'text' is a {type(record['text']).__name__}, not a string; the document must be a "
+                      "JSON string")
             found = True
             yield number, record["text"]
     if not found:
-        _fail(f"{flag} {path}: empty file (no JSON line with a 'text' field)")
+        _fail(f"{where}: empty file (no JSON line with a 'text' field); give it one JSON object per line, e.g. "
+              "{\"text\": \"...\"}, or remove it")
 
 
 @dataclass
@@ -208,6 +217,7 @@ def _write_batch(tokenizer, texts: List[str], eos: int, dtype, out) -> int:
     ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
     flat = np.fromiter((t for doc in ids for t in (*doc, eos)), dtype=np.int64)
     if flat.size and int(flat.max()) >= np.iinfo(dtype).max + 1:  # pragma: no cover - checked by the vocabulary
-        _fail(f"--tokenizer produced token id {int(flat.max())}, beyond {dtype.name}")
+        _fail(f"--tokenizer: it produced token id {int(flat.max())}, beyond {dtype.name}; use a tokenizer whose ids "
+              "fit the model's vocabulary")
     out.write(flat.astype(dtype).tobytes())
     return int(flat.size)

@@ -79,3 +79,45 @@ def test_a_family_trains_under_every_parallelism_like_one_process(family, work):
         _assert_same(records, reference)
         assert records[0]["layout"].startswith(f"pp={layout[layout.index('--pp') + 1] if '--pp' in layout else 1}")
     assert tied == (json.loads((config / "config.json").read_text()).get("tie_word_embeddings", True))
+
+
+def test_fine_tuning_a_tied_family_from_its_export_under_tensor_parallelism(work):
+    """--init-from a Qwen3 checkpoint (tied embeddings) written by --export-hf: the config and family come from its
+    config.json, and the first step's loss under --tp 2 is the loss transformers computes with those weights."""
+    from transformers import AutoModelForCausalLM
+
+    config = write_config(work / "qwen3-ft", "qwen3")
+    _run(work, config, "qwen3-pretrain", "--export-hf", str(work / "qwen3-pretrained"))
+    metrics = work / "qwen3-ft.jsonl"
+    assert trainer.main(["--init-from", str(work / "qwen3-pretrained"), "--nproc", "2", "--tp", "2", "--steps", "2",
+                         "--global-batch", "4", "--seq", "16", "--device", "cpu", "--seed", "8", "--metrics",
+                         str(metrics)]) == 0
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    hf = AutoModelForCausalLM.from_pretrained(work / "qwen3-pretrained").eval()
+    assert hf.get_output_embeddings().weight is hf.get_input_embeddings().weight
+    tokens = trainer.TokenBatches("synthetic", 128, 8, 4, 16).batch(1)
+    with torch.no_grad():
+        logits = hf(input_ids=tokens[:, :-1]).logits
+    expected = float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()))
+    assert records[0]["loss"] == pytest.approx(expected, rel=1e-5)
+    assert records[0]["layout"] == "pp=1 dp=1 tp=2"
+
+
+def test_a_family_or_layout_that_cannot_work_is_refused_before_any_weight(work, capsys, monkeypatch):
+    import schedlang.distributed.launch as launch
+
+    monkeypatch.setattr(launch, "run_distributed", lambda *a, **k: pytest.fail("ranks were started"))
+    few_kv = write_config(work / "mistral-kv1", "mistral", num_key_value_heads=1)
+    assert trainer.main(["--config", str(few_kv), "--nproc", "2", "--tp", "2", "--device", "cpu", "--seq", "16"]) == 2
+    assert ("--tp 2: the model has 1 key/value head(s), fewer than the 2 tensor-parallel ranks"
+            in capsys.readouterr().err)
+    bert = work / "bert"
+    bert.mkdir(exist_ok=True)
+    (bert / "config.json").write_text(json.dumps({"model_type": "t5", "d_model": 32}))
+    assert trainer.main(["--config", str(bert), "--device", "cpu"]) == 2
+    assert "'t5' models have no causal-LM class in transformers (AutoModelForCausalLM)" in capsys.readouterr().err
+    unknown = work / "unknown"
+    unknown.mkdir(exist_ok=True)
+    (unknown / "config.json").write_text(json.dumps({"model_type": "no-such-family"}))
+    assert trainer.main(["--config", str(unknown), "--device", "cpu"]) == 2
+    assert "model_type 'no-such-family' is not a model family this transformers" in capsys.readouterr().err

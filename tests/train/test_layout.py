@@ -107,18 +107,25 @@ def test_layout_flags_fail_with_a_clear_message(flags, message, capsys):
     assert err.startswith("schedlang train: error: ") and message in err, err
 
 
-def test_layout_auto_on_two_ranks_trains_and_probes(tmp_path, capfd):
+def test_layout_auto_on_two_ranks_trains_and_probes(tmp_path):
     """With no --dp/--tp/--pp on 2 ranks the trainer chooses a layout from the measured link (on a CPU the
-    estimates are rough: which one is not pinned), says why, times the two best layouts with --probe, and trains the losses of one process."""
+    estimates are rough: which one is not pinned), says why, times the two best layouts with --probe, and trains
+    the losses of one process."""
+    import subprocess
+    import sys
+
     flags = ["--config", "tiny", "--steps", "2", "--global-batch", "4", "--seq", "32", "--device", "cpu", "--seed",
              "5"]
     single = tmp_path / "single.jsonl"
     assert trainer.main(flags + ["--metrics", str(single)]) == 0
     auto = tmp_path / "auto.jsonl"
-    assert trainer.main(flags + ["--nproc", "2", "--probe", "--metrics", str(auto)]) == 0
-    err = capfd.readouterr().err
-    assert "--layout auto chose pp=1 " in err and "interconnect" in err and "(measured)" in err
+    result = subprocess.run([sys.executable, "-m", "schedlang.train", *flags, "--nproc", "2", "--probe", "--metrics",
+                             str(auto)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    err = result.stderr
+    assert "--layout auto chose pp=" in err and "interconnect" in err and "(measured)" in err
     assert err.count("--probe pp=") == 2 and "--probe keeps" in err
+    assert "schedlang train plan: llama tiny" in err and "per rank    params" in err
     records = [json.loads(line) for line in auto.read_text().splitlines()]
     reference = [json.loads(line) for line in single.read_text().splitlines()]
     assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in reference], rel=1e-5)

@@ -129,7 +129,7 @@ def test_a_tokenizer_larger_than_the_model_and_missing_ones_are_refused(work, tm
     err = capsys.readouterr().err
     assert f"--tokenizer {work / 'tok'}: its vocabulary has 16 tokens, more than the model's 8 (vocab_size)" in err
     assert trainer.main(base) == 2
-    assert "--data is text: give the tokenizer to read it with, --tokenizer DIR" in capsys.readouterr().err
+    assert "--data: the data is text: give the tokenizer to read it with, --tokenizer DIR" in capsys.readouterr().err
     assert list(tmp_path.glob("*.tokens-*")) == []
     assert trainer.main(base + ["--tokenizer", str(work / "tok"), "--eval-every", "2"]) == 2
     assert "--eval-every 2 evaluates on held-out data: it needs --eval-data" in capsys.readouterr().err
