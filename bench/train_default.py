@@ -31,6 +31,10 @@ def make_trainer_default(ctx: B.Context, cfg, global_batch: int, seq: int) -> B.
                                         measure_link, model_facts)
     from schedlang.train.run import _Run
 
+    if ctx.cuda and ctx.args.optimizer != "schedlang-fused":
+        # on a GPU the trainer steps with schedlang's FusedAdamW: like for like only when every row does
+        raise B.NotAvailable("the trainer's default optimizer on a GPU is schedlang's FusedAdamW: run with "
+                             "--optimizer schedlang-fused so that every row uses it")
     world = ctx.world
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     with tempfile.TemporaryDirectory() as directory:

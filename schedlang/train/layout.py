@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import time
 from typing import Any, Dict, List, Optional
 
@@ -76,7 +77,9 @@ def hardware(ns: argparse.Namespace, world: int, link_bytes_per_s: Optional[floa
     name = ""
     memory = ns.gpu_memory_gib
     if device == "cuda" and torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        # this rank's GPU by its index, before the rank has set its device (and without using another's)
+        index = int(os.environ.get("LOCAL_RANK", 0)) % max(1, torch.cuda.device_count())
+        props = torch.cuda.get_device_properties(index)
         name = props.name
         memory = memory if memory is not None else props.total_memory / GIB
     hw = Hardware.nominal(device, name=name, memory_gib=memory, link_gbps=ns.link_gbps, world=world)

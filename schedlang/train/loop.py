@@ -101,7 +101,7 @@ def train(ns: argparse.Namespace, rank: int = 0, world: int = 1) -> Optional[Dic
     """
     device = _device(ns, rank, world)
     is_main = rank == 0
-    facts = model_facts(ns)
+    facts = model_facts(ns, check_tensor_parallel=ns.layout == "auto" and world > 1)
     hw = hardware(ns, world)
     if world > 1:
         import torch.distributed as dist
