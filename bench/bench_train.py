@@ -77,6 +77,9 @@ schedlang's, through its schedule API:
   ``-bf16reduce``: with the gradients reduce-scattered in bf16 (half the bytes; the sum of the ranks'
   bf16 gradients is rounded to bf16 once, as ``schedlang-ddp-optimize-mw-bf16reduce``'s all-reduce
   does; compare it with ``fsdp2-titan-noreshard-bf16reduce``, the native step with the same reduction);
+* ``schedlang-train-default``: the trainer's default path (``bench/train_default.py``): what
+  ``torchrun --nproc_per_node=2 -m schedlang.train --config 1b --global-batch 8 --seq 2048`` builds and steps,
+  with no other flag (on 2 GPUs ``--layout auto`` chooses), on the work's model, batch and weights;
 * ``schedlang-optimize-mw-graph``: ``schedlang-optimize-mw`` with the whole step (forward, backward and the
   FusedAdamW step) replayed from one CUDA graph (``schedlang.CapturedStep``) after eager warm-up steps: the
   host issues a step in one replay instead of ~1,300 launches, and the GPU has no gaps waiting on it;
@@ -171,7 +174,8 @@ WORKS: Dict[str, Work] = {
     "llama-1.1b-2gpu": Work("llama", "llama-1.1b", 4, 2048, 2, True, "fsdp2-titan",
                             ("fsdp2-titan", "fsdp2-titan-noreshard", "ddp-titan", "tp-titan", "schedlang-fsdp",
                              "schedlang-fsdp-noreshard",
-                             "schedlang-fsdp-optimize", "schedlang-ddp-optimize-mw", "schedlang-tp")),
+                             "schedlang-fsdp-optimize", "schedlang-fsdp-noreshard-optimize-bf16reduce",
+                             "schedlang-ddp-optimize-mw", "schedlang-tp", "schedlang-train-default")),
     "llama-1.1b-2gpu-fp8": Work("llama", "llama-1.1b", 4, 2048, 2, True, "fsdp2-titan-fp8",
                                 ("fsdp2-titan-fp8", "ddp-titan-fp8", "schedlang-fsdp-fp8", "schedlang-fsdp-fp8-optimize",
                                  "schedlang-ddp-optimize-fp8-mw"),
@@ -199,7 +203,8 @@ SCHEDLANG = ("schedlang-layers", *OPTIMIZE_VARIANTS, *(f"schedlang-optimize-ckpt
              "schedlang-tp",
              "schedlang-tp-optimize", "schedlang-tp-optimize-cg", "schedlang-fsdp", "schedlang-fsdp-noreshard", "schedlang-fsdp-optimize",
              "schedlang-fsdp-noreshard-optimize", "schedlang-fsdp-noreshard-optimize-bf16reduce", "schedlang-fsdp-fp8", "schedlang-fsdp-fp8-optimize", "schedlang-tp-fsdp",
-             "schedlang-ddp-optimize-mw", "schedlang-ddp-optimize-mw-bf16reduce", "schedlang-ddp-optimize-fp8-mw")
+             "schedlang-ddp-optimize-mw", "schedlang-ddp-optimize-mw-bf16reduce", "schedlang-ddp-optimize-fp8-mw",
+             "schedlang-train-default")
 PROFILE_STEPS = 3
 OPTIMIZER_SUFFIX = {"torch-fused": "", "schedlang-fused": "+FusedAdamW"}
 
@@ -525,6 +530,11 @@ def make_variant(ctx: B.Context, name: str, cfg) -> B.Setup:
                                   float8="tensorwise" if "-fp8" in name else None)
     if name == "schedlang-tp-fsdp":
         return make_schedlang_tp(ctx, cfg, dp=ctx.world // ctx.args.tp2d, fsdp=True)
+    if name == "schedlang-train-default":  # the trainer's default path (bench/train_default.py)
+        from train_default import make_trainer_default
+
+        rows = ctx.batch_rows
+        return make_trainer_default(ctx, cfg, global_batch=rows, seq=ctx.seq)
     if name.startswith("schedlang-fsdp"):
         return make_schedlang_fsdp(ctx, cfg, reshard=False if "noreshard" in name else None,
                                    optimize="-optimize" in name, float8="-fp8" in name,
@@ -604,6 +614,7 @@ def run_work(ctx: B.Context, work_name: str, variants: List[str]) -> List[dict]:
     cfg = B.model_config(work.family, work.shape, args.tiny, layers=work.layers or args.layers_8b, seq=seq)
     rows_global = batch * world if work.data_parallel else batch
     ids, labels = harness.global_batch(cfg.vocab_size, rows_global, seq, device)
+    ctx.batch_rows, ctx.seq = rows_global, seq  # the trainer's row takes them as its --global-batch and --seq
     common = {"layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size, "batch": rows_global, "seq": seq,
               "optimizer": ctx.optimizer_name(), "lr": ctx.lr, "baseline": work.baseline + suffix,
               "dtype": "bf16 autocast / fp32 weights" if ctx.bf16 else "fp32", "use_cache": False,

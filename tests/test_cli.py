@@ -143,7 +143,7 @@ def _one_line_error(capsys, prefix):
 @pytest.mark.parametrize("argv,message", [
     (["--nproc", "3", "--tp", "3"], "--tp 3 must divide the model's attention heads (4)"),
     (["--pp", "0"], "--pp must be at least 1, got 0"),
-    (["--model", "bert"], "--model: unknown model 'bert': valid models are llama, gpt2"),
+    (["--model", "bert"], "--model bert: the presets 'tiny' and '1b' exist for llama, gpt2"),
     (["--dtype", "fp16"], "argument --dtype: invalid choice: 'fp16' (choose from 'fp32', 'bf16')"),
     (["--steps", "ten"], "argument --steps: invalid int value: 'ten'"),
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
@@ -176,13 +176,13 @@ def test_train_init_from_checks_name_the_flag(tmp_path, capsys):
     assert cli.main(["train", "--device", "cpu", "--init-from", str(tmp_path)]) == 2
     line = _one_line_error(capsys, "schedlang train: error: ")
     assert line.startswith(f"schedlang train: error: --init-from {tmp_path}: the directory holds no .safetensors file")
-    # weights of a family the trainer does not build
+    # weights of a family that is no causal LM
     (tmp_path / "model.safetensors").write_bytes(b"")
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "t5"}))
     assert cli.main(["train", "--device", "cpu", "--init-from", str(tmp_path)]) == 2
     line = _one_line_error(capsys, "schedlang train: error: ")
-    assert (f"--init-from {tmp_path}: its config.json describes a 'bert' model; valid are checkpoints of the "
-            "families schedlang train trains: llama, gpt2") in line
+    assert (f"--config {tmp_path}: 't5' models have no causal-LM class in transformers (AutoModelForCausalLM), "
+            "and schedlang train trains causal language models") in line
 
 
 def test_train_help_states_each_default_once(capsys):
@@ -191,7 +191,7 @@ def test_train_help_states_each_default_once(capsys):
     assert info.value.code == 0
     out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
     assert "(default: None)" not in out and "(default: False)" not in out
-    assert out.count("(default:") == out.count("(default: ") and "(default: llama, or the family of --init-from)" in out
+    assert out.count("(default:") == out.count("(default: ") and "(default: llama)" in out
     assert "--lr LR peak learning rate (default: 0.001)" in out
     assert "--weight-decay WEIGHT_DECAY the optimizer's weight decay (default: 0.1)" in out
     assert "--seed SEED seed of the initial weights" in out

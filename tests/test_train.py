@@ -203,7 +203,8 @@ def test_init_from_must_be_a_checkpoint(tmp_path, capsys):
     (["--nproc", "2", "--pp", "2", "--microbatches", "3"], "--global-batch 4 must be divisible by --dp x "
                                                            "--microbatches = 1 x 3 = 3"),
     (["--seq", "200"], "--seq 200 exceeds the model's 128 positions"),
-    (["--model", "bert"], "--model: unknown model 'bert': valid models are llama, gpt2"),
+    (["--model", "bert"], "--model bert: the presets 'tiny' and '1b' exist for llama, gpt2; for a 'bert' model give "
+                          "--config the path of its config.json (or its directory)"),
     (["--config", "no/such/config.json"], "--config 'no/such/config.json' is neither 'tiny', '1b' nor"),
     (["--data", "no_such_tokens.bin"], "--data 'no_such_tokens.bin': no such file"),
     (["--resume"], "--resume needs --checkpoint-dir"),
@@ -290,7 +291,8 @@ def test_kv_heads_must_divide_tp(tmp_path, capsys):
     cfg = llama_config(attn=None, num_key_value_heads=1)
     cfg.save_pretrained(tmp_path)
     assert trainer.main(COMMON + ["--config", str(tmp_path), "--nproc", "2", "--tp", "2"]) == 2
-    assert "--tp 2 must divide the model's key/value heads (1); valid --tp values for this model: 1" \
+    assert ("--tp 2: the model has 1 key/value head(s), fewer than the 2 tensor-parallel ranks; each rank needs "
+            "whole key/value heads (they are not replicated); valid --tp values for this model: 1") \
         in capsys.readouterr().err
     assert trainer.main(COMMON + ["--config", str(tmp_path / "config.json"), "--model", "gpt2"]) == 2
     assert "describes a 'llama' model but --model is 'gpt2'" in capsys.readouterr().err
@@ -428,7 +430,7 @@ def test_gradient_clipping_matches_torch(clip, device, dtype):
     twin[1].bias.grad = None
     run = _Run(argparse.Namespace(grad_clip=clip, pp=1), rank=0, world=1, device=torch.device(device))
     run.model, run.grad_weight = model, {}
-    norm = run._clip()
+    norm = float(run._clip())
     reference_norm = torch.linalg.vector_norm(
         torch.stack([torch.linalg.vector_norm(q.grad, dtype=torch.float32) for q in twin.parameters()
                      if q.grad is not None]))

@@ -114,6 +114,29 @@ def _has_sync(module: nn.Module) -> bool:
     return bool(module._forward_hooks or module._forward_pre_hooks) or is_sequence_parallel_norm(module)
 
 
+def _computes_rms_norm(module: nn.Module) -> bool:
+    """Whether ``module`` computes LLaMA's RMSNorm, ``x / rms(x) * weight``, which FusedRMSNorm replaces: tried on
+    a CPU copy with random weights (a meta-device model included); Gemma's ``x / rms(x) * (1 + weight)`` is not."""
+    import copy
+
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 1:
+        return False
+    try:
+        probe = copy.deepcopy(module)
+        probe = probe.to_empty(device="cpu") if weight.is_meta else probe.to("cpu")
+        gen = torch.Generator().manual_seed(0)
+        w = torch.rand(weight.shape, generator=gen) + 0.5
+        x = torch.randn(3, weight.shape[0], generator=gen)
+        with torch.no_grad():
+            probe.weight.copy_(w)
+            got = probe(x)
+        expected = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + _rms_norm_eps(module)) * w
+        return isinstance(got, torch.Tensor) and torch.allclose(got.float(), expected, rtol=1e-3, atol=1e-4)
+    except Exception:  # a norm that cannot be copied or called on its own: kept as it is
+        return False
+
+
 def _fuse_norms(sch, done: List[str], skipped: Dict[str, str], compiled: str = "inductor") -> None:
     fused_cls, why = _kernel("FusedRMSNorm")
     if fused_cls is None:
@@ -125,6 +148,10 @@ def _fuse_norms(sch, done: List[str], skipped: Dict[str, str], compiled: str = "
         skipped["norms"] = "no RMSNorm in the model (LayerNorm is left to torch.compile)"
         return
     for norm_type in sorted(types, key=lambda t: t.__name__):
+        sample = next(m for m in sch.mod.modules() if isinstance(m, norm_type))
+        if not _computes_rms_norm(sample):
+            skipped["norms"] = f"{norm_type.__name__} computes another norm than LLaMA's (e.g. Gemma's 1 + weight); kept"
+            continue
         if any(_has_sync(m) for m in sch.mod.modules() if isinstance(m, norm_type)):
             skipped["norms"] = f"{norm_type.__name__} carries sequence-parallel collectives; kept"
             continue
@@ -251,6 +278,11 @@ def _fuse_loss(sch, done: List[str], skipped: Dict[str, str]) -> None:
         return
     if not hasattr(type(root.mod), "loss_function") or "MaskedLM" in str(getattr(root.mod, "loss_type", "")):
         skipped["loss"] = f"{type(root.mod).__name__} is not a causal LM with an HF loss_function"
+        return
+    config = getattr(root.mod, "config", None)
+    if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None) not in (None, 1, 1.0):
+        skipped["loss"] = (f"{type(root.mod).__name__} transforms its logits after the head (softcapping or scaling), "
+                           "which the fused loss would skip")
         return
     head = root[head_path].mod
     if isinstance(head, FusedLinearCrossEntropyHead):

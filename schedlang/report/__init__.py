@@ -25,17 +25,18 @@ from .page import SECTIONS, render
 __all__ = ["write_report", "collect", "render", "ReportData", "describe_graph", "graph_svg", "SECTIONS"]
 
 
-def write_report(sch, path: str, model=None, verify=None, title: str = "") -> Optional[str]:
+def write_report(sch, path: str, model=None, verify=None, title: str = "", training=None) -> Optional[str]:
     """Write the report of ``sch`` to ``path``; returns the path on the rank that wrote it.
 
     ``verify`` is a :class:`~schedlang.Verify` (or its ``report``) to show; ``model`` the built
-    model, for its per-rank parameters and memory. Under ``torch.distributed`` every rank calls
+    model, for its per-rank parameters and memory; ``training`` the ``global_batch`` and ``seq`` of the
+    training plan shown for a decoder-only transformer. Under ``torch.distributed`` every rank calls
     it and rank 0 writes the file.
     """
     from ..distributed import groups
 
     report = getattr(verify, "report", verify)
-    data = collect(sch, model=model, verify_report=report, title=title)
+    data = collect(sch, model=model, verify_report=report, title=title, training=training)
     if groups.is_distributed() and groups.rank(None) != 0:
         return None
     directory = os.path.dirname(os.path.abspath(path))

@@ -33,6 +33,8 @@ class ReportData:
     ranks: List[Dict[str, Any]]
     verify: Optional[Dict[str, Any]]
     versions: Dict[str, str]
+    #: the training plan of a decoder-only transformer (``schedlang train --dry-run``'s block), else None
+    training: Optional[Dict[str, Any]] = None
 
 
 def _steps_by_path(plan) -> Dict[str, List[int]]:
@@ -177,14 +179,25 @@ def _versions() -> Dict[str, str]:
     return versions
 
 
-def collect(sch, model: Optional[nn.Module] = None, verify_report=None, title: str = "") -> ReportData:
+def _training(sch, training: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+    from .training import training_plan
+
+    try:
+        return training_plan(sch, **(training or {}))
+    except Exception as e:  # an estimate is a note on the page: a model it cannot read gets none, and says why
+        return {"text": f"(no estimate: {type(e).__name__}: {e})", "estimate": None}
+
+
+def collect(sch, model: Optional[nn.Module] = None, verify_report=None, title: str = "",
+            training: Optional[Dict[str, Any]] = None) -> ReportData:
     """Gather the report of ``sch``; ``model`` is the built model (for per-rank memory), if any.
 
-    Under ``torch.distributed`` every rank must call it (the per-rank table is gathered).
+    Under ``torch.distributed`` every rank must call it (the per-rank table is gathered). ``training`` gives the
+    training plan's ``global_batch`` and ``seq`` (default: a sequence per data-parallel rank, the model's positions).
     """
     plan = [{"index": i, "primitive": s.primitive, "path": s.path or "<root>", "args": s.describe()}
             for i, s in enumerate(sch.plan)]
     return ReportData(title=title or f"Schedule of {type(sch._state.original).__name__}",
                       model_class=type(sch._state.original).__name__, world_size=sch.world_size, plan=plan,
                       tree=_tree(sch), graphs=_graphs(sch), kernels=_kernels(sch), ranks=_ranks(sch, model),
-                      verify=_verify(verify_report), versions=_versions())
+                      verify=_verify(verify_report), versions=_versions(), training=_training(sch, training))

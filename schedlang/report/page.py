@@ -23,7 +23,7 @@ pre { background: #f9fafb; border: 1px solid #e5e7eb; padding: .8em; overflow: a
 """
 
 SECTIONS = [("plan", "Plan"), ("tree", "Module tree"), ("graphs", "Traced graphs"), ("kernels", "Fused kernels"),
-            ("ranks", "Parameters and memory per rank"), ("verify", "Verification")]
+            ("ranks", "Parameters and memory per rank"), ("training", "Training plan"), ("verify", "Verification")]
 
 
 def _e(value: Any) -> str:
@@ -101,6 +101,15 @@ def _ranks(data: ReportData) -> str:
     return _table(headers, rows, numeric=tuple(range(len(headers))))
 
 
+def _training(data: ReportData) -> str:
+    if data.training is None:
+        return ('<p class="note">No training estimate: the model is no decoder-only transformer (a HF config and a '
+                "list of decoder layers).</p>")
+    return ('<p class="note">What one training step of this schedule costs per rank, estimated by the autotune cost '
+            "model before anything runs (the block <code>schedlang train --dry-run</code> prints).</p>"
+            f"<pre>{_e(data.training['text'])}</pre>")
+
+
 def _verify(data: ReportData) -> str:
     v = data.verify
     if v is None:
@@ -116,7 +125,8 @@ def _verify(data: ReportData) -> str:
 def render(data: ReportData) -> str:
     """The page as a string."""
     bodies: Dict[str, str] = {"plan": _plan(data), "tree": _tree(data), "graphs": _graphs(data),
-                              "kernels": _kernels(data), "ranks": _ranks(data), "verify": _verify(data)}
+                              "kernels": _kernels(data), "ranks": _ranks(data), "training": _training(data),
+                              "verify": _verify(data)}
     nav = "".join(f'<a href="#{key}">{_e(title)}</a>' for key, title in SECTIONS)
     sections = "".join(f'<section id="{key}"><h2>{_e(title)}</h2>{bodies[key]}</section>' for key, title in SECTIONS)
     versions = ", ".join(f"{k} {v}" for k, v in data.versions.items())

@@ -1,7 +1,8 @@
 """The trainer: ``python -m schedlang.train`` and ``schedlang train``.
 
-Trains a HF causal language model (LLaMA or GPT-2, built from a config with random weights) on a
-``pp x dp x tp`` layout of ranks, entirely through schedules: ``shard_model`` for tensor (and
+Trains a HF causal language model of any family transformers' ``AutoModelForCausalLM`` builds (from a
+config.json, or the ``tiny`` / ``1b`` presets of LLaMA and GPT-2, with random weights or ``--init-from``
+a checkpoint) on a ``pp x dp x tp`` layout of ranks, entirely through schedules: ``shard_model`` for tensor (and
 sequence) parallelism, ``fully_shard`` / ``replicate`` for data parallelism, ``cut_pipeline_stage``
 for pipeline stages, ``schedlang.build`` to materialize it all. It runs
 
@@ -23,9 +24,15 @@ instead (``schedlang.build(..., pretrained=DIR)``: each rank reads only the slic
 its family and config come from ``DIR/config.json`` unless ``--model`` / ``--config`` say otherwise.
 
 Data (``--data``): ``synthetic`` (learnable token sequences generated from the seed), a ``.npy``
-file holding a 1-D array of token ids, or a raw ``.bin`` file of token ids, read as ``uint16``
-when the vocabulary has fewer than 65536 entries and ``uint32`` otherwise (the nanoGPT format).
-Each sequence of a batch starts at an offset drawn from ``(seed, step)``.
+file holding a 1-D array of token ids, a raw ``.bin`` file of token ids, read as ``uint16``
+when the vocabulary has fewer than 65536 entries and ``uint32`` otherwise (the nanoGPT format), or
+text (``.jsonl`` with a ``text`` field, ``.txt``, or a directory of them) with ``--tokenizer``,
+tokenized once into a token cache beside it (:mod:`schedlang.train.text`). Each sequence of a batch
+starts at an offset drawn from ``(seed, step)``; ``--eval-data`` adds a held-out loss.
+
+Speed: on a GPU the defaults are bf16, per-layer compile, ``optimize_model`` and the fused AdamW; on
+several ranks without ``--dp/--tp/--pp`` the layout is chosen by the cost model (``--layout auto``,
+:mod:`schedlang.train.layout`), and ``--dry-run`` prints the plan without building anything.
 
 Example::
 
@@ -33,14 +40,16 @@ Example::
         --steps 20 --global-batch 8 --seq 64 --metrics metrics.jsonl
     torchrun --nproc_per_node=8 -m schedlang.train --config 1b --dp 2 --tp 2 --pp 2 --dtype bf16 \\
         --compile --global-batch 32 --seq 2048 --steps 1000 --checkpoint-dir ckpt --save-every 200
+    torchrun --nproc_per_node=2 -m schedlang.train --config qwen3/config.json --data corpus.jsonl \\
+        --tokenizer qwen3 --global-batch 8 --seq 2048
 """
 
 # ``schedlang.train.<name>`` keeps working for every name below; each lives in the module it is imported from
 from .checkpoints import latest_checkpoint
 from .command import main
 from .configs import Dims, _model_class, model_config, model_dims, validate_model
-from .data import TokenBatches, lr_at
+from .data import EvalBatches, TokenBatches, lr_at, open_data
 from .flags import MODELS, OPTIMIZERS, PP_SCHEDULES, TrainError, build_parser, validate
 from .loop import PEAK_FLOPS_PER_GPU, train
 
-__all__ = ["main", "TrainError", "build_parser", "model_config", "TokenBatches", "PEAK_FLOPS_PER_GPU"]
+__all__ = ["main", "TrainError", "build_parser", "model_config", "TokenBatches", "EvalBatches", "PEAK_FLOPS_PER_GPU"]

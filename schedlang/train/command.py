@@ -17,9 +17,9 @@ import torch
 
 from ..errors import DistributedError, SchedlangError
 from .checkpoints import _CKPT_PREFIX, latest_checkpoint, read_trainer_state
-from .configs import model_config, model_dims, validate_model
-from .data import TokenBatches
+from .data import open_data
 from .flags import _device_type, _fail, _world_from_env, build_parser, validate
+from .layout import apply_layout, check_model_layout, choice_block, choose, hardware, model_facts, plan_block
 from .loop import train
 
 logger = logging.getLogger("schedlang.train")
@@ -110,11 +110,19 @@ def main(argv: Optional[Sequence[str]] = None, prog: Optional[str] = None) -> in
         print("schedlang train: error: --nproc spawns its own ranks; do not combine it with torchrun", file=sys.stderr)
         return 2
     world = ns.nproc if ns.nproc is not None else (env_world or 1)
+    is_main = os.environ.get("RANK", "0") == "0"  # under torchrun every rank checks: one speaks
     try:
         validate(ns, world)
-        cfg = model_config(ns.model, ns.config)
-        validate_model(ns, model_dims(ns.model, cfg))
-        TokenBatches(ns.data, model_dims(ns.model, cfg).vocab, ns.seed, ns.global_batch, ns.seq)
+        facts = model_facts(ns, check_tensor_parallel=world > 1)
+        if ns.layout == "auto":
+            # a first choice from the devices as read here (the ranks measure the link and may choose again)
+            choice = choose(ns, facts, hardware(ns, world), world)
+            apply_layout(ns, choice.best.layout, world)
+            if ns.dry_run and is_main:
+                print(choice_block(choice), file=sys.stderr)
+        check_model_layout(ns, facts)
+        # the data: token files opened, text tokenized into its cache (once, here: the ranks read the cache)
+        open_data(ns, facts.dims.vocab, mode="prepare" if is_main and not ns.dry_run else "check")
         if ns.init_from is not None:
             from ..pretrained import read_index
 
@@ -128,14 +136,18 @@ def main(argv: Optional[Sequence[str]] = None, prog: Optional[str] = None) -> in
             if at >= (ns.stop_after or ns.steps):
                 _fail(f"--resume: the latest checkpoint ({saved}) is at step {at}; nothing is left to run up to step "
                       f"{ns.stop_after or ns.steps} (raise --steps)")
-            _check_saved_model(ns, saved, model_dims(ns.model, cfg))
+            _check_saved_model(ns, saved, facts.dims)
         elif ns.checkpoint_dir and latest_checkpoint(ns.checkpoint_dir) is not None:
             # a fresh run would save among another run's checkpoints, and a later --resume take the newest of either
             _fail(f"--checkpoint-dir {ns.checkpoint_dir} already holds checkpoints of a run (the latest is "
                   f"{latest_checkpoint(ns.checkpoint_dir).name}); pass --resume to continue it, or give another "
                   "--checkpoint-dir to start a new run")
+        if ns.dry_run:
+            if is_main:
+                print(plan_block(ns, facts, hardware(ns, world), world), file=sys.stderr)
+            return 0
     except SchedlangError as e:
-        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank finds it: say it once
+        if is_main:
             print(f"schedlang train: error: {e}", file=sys.stderr)
         return 2
     try:

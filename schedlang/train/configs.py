@@ -1,5 +1,6 @@
-"""The models the trainer builds: HF configs (``tiny``, ``1b`` or a config.json), their dimensions
-and the checks of a layout against them, and the facts the run reads off a model."""
+"""The models the trainer builds: HF configs of any causal-LM family (the presets ``tiny`` and ``1b``
+of LLaMA and GPT-2, or a config.json whose ``model_type`` picks the family through transformers'
+auto classes), their dimensions, and the checks of a layout against them."""
 
 from __future__ import annotations
 
@@ -7,12 +8,15 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
-from .flags import MODELS, _fail
+from .flags import _fail
 
 logger = logging.getLogger("schedlang.train")
 
+#: families with the presets ``tiny`` and ``1b``; any other family comes from a config.json
+PRESET_FAMILIES = ("llama", "gpt2")
+PRESETS = ("tiny", "1b")
 
 _TINY = {
     "llama": dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
@@ -32,43 +36,57 @@ _1B = {
 }
 
 
-def _config_class(model: str):
-    if model == "llama":
-        from transformers import LlamaConfig
+def _config_class(model_type: str, where: str):
+    """The transformers config class of ``model_type`` (AutoConfig's registry)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-        return LlamaConfig
-    from transformers import GPT2Config
+    try:
+        return CONFIG_MAPPING[model_type]
+    except KeyError:
+        import transformers
 
-    return GPT2Config
+        _fail(f"{where}: model_type {model_type!r} is not a model family this transformers ({transformers.__version__}) "
+              "knows; pass the config.json of a HF causal language model (e.g. llama, qwen3, mistral, gemma, phi3, "
+              "opt, gpt2)")
 
 
-def model_config(model: str, config: str):
-    """The HF config of ``--model`` / ``--config`` (``tiny``, ``1b`` or a config.json path or its directory)."""
-    if model not in MODELS:
-        _fail(f"--model: unknown model {model!r}: valid models are {', '.join(MODELS)}")
-    klass = _config_class(model)
-    if config in ("tiny", "1b"):
+def causal_lm_families() -> List[str]:
+    """The model types transformers' ``AutoModelForCausalLM`` builds."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def _check_causal_lm(model_type: str, where: str) -> None:
+    if model_type not in causal_lm_families():
+        _fail(f"{where}: {model_type!r} models have no causal-LM class in transformers (AutoModelForCausalLM), and "
+              "schedlang train trains causal language models; pass the config of a decoder (e.g. llama, qwen3, "
+              "mistral, gemma, phi3, opt, gpt2)")
+
+
+def model_config(model: Optional[str], config: str):
+    """The HF config of ``--model`` / ``--config``: a preset (``tiny`` / ``1b`` of ``llama`` or ``gpt2``) or a
+    config.json path (or its directory), whose ``model_type`` picks the family."""
+    if config in PRESETS:
+        model = model or "llama"
+        if model not in PRESET_FAMILIES:
+            _fail(f"--model {model}: the presets 'tiny' and '1b' exist for {', '.join(PRESET_FAMILIES)}; for a "
+                  f"{model!r} model give --config the path of its config.json (or its directory)")
+        klass = _config_class(model, "--model")
         cfg = klass(**(_TINY if config == "tiny" else _1B)[model], **_NO_DROPOUT[model])
         if config == "1b" and model == "gpt2":
             logger.info("--model gpt2 --config 1b is GPT-2 medium (355M parameters)")
     else:
-        path = Path(config)
-        if path.is_dir():
-            path = path / "config.json"
-        if not path.is_file():
-            _fail(f"--config {config!r} is neither 'tiny', '1b' nor an existing HF config.json (or its directory)")
-        try:
-            raw = json.loads(path.read_text())
-        except (OSError, ValueError) as e:
-            _fail(f"--config {config}: cannot read a JSON config ({e}); pass a transformers "
-                  "config.json")
-        if not isinstance(raw, dict):
-            _fail(f"--config {config}: holds a JSON {type(raw).__name__}, not an object; pass a transformers "
-                  "config.json ({\"hidden_size\": ..., ...})")
-        kind = raw.get("model_type")
-        if kind is not None and kind != klass.model_type:
+        raw = read_config_json(config)
+        kind = raw.get("model_type") or model
+        if kind is None:
+            _fail(f"--config {config}: the config has no 'model_type'; add it (e.g. \"model_type\": \"llama\") or "
+                  "name the family with --model")
+        if model is not None and kind != model:
             _fail(f"--config {config} describes a {kind!r} model but --model is {model!r} (model_type "
-                  f"{klass.model_type!r}); pass a --config of a {model!r} model, or set --model {kind}")
+                  f"{model!r}); pass a --config of a {model!r} model, or set --model {kind}")
+        klass = _config_class(kind, f"--config {config}")
+        _check_causal_lm(kind, f"--config {config}")
         try:
             cfg = klass.from_dict(raw)
         except Exception as e:  # transformers' own validation (e.g. heads that do not divide the hidden size)
@@ -81,6 +99,23 @@ def model_config(model: str, config: str):
     cfg._attn_implementation = "sdpa"
     cfg.use_cache = False
     return cfg
+
+
+def read_config_json(config: str) -> Dict:
+    """The JSON object of ``--config`` (a config.json or its directory)."""
+    path = Path(config)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        _fail(f"--config {config!r} is neither 'tiny', '1b' nor an existing HF config.json (or its directory)")
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        _fail(f"--config {config}: cannot read a JSON config ({e}); pass a transformers config.json")
+    if not isinstance(raw, dict):
+        _fail(f"--config {config}: holds a JSON {type(raw).__name__}, not an object; pass a transformers "
+              "config.json ({\"hidden_size\": ..., ...})")
+    return raw
 
 
 #: keys of published config.json files that transformers no longer reads but still carries (the generic
@@ -122,18 +157,37 @@ class Dims:
     positions: int
 
 
-def model_dims(model: str, cfg) -> Dims:
-    if model == "llama":
-        return Dims(cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads,
-                    cfg.num_key_value_heads or cfg.num_attention_heads, cfg.intermediate_size, cfg.vocab_size,
-                    cfg.max_position_embeddings)
-    return Dims(cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.n_head, cfg.n_inner or 4 * cfg.n_embd, cfg.vocab_size,
-                cfg.n_positions)
+def _first(cfg, *names):
+    for name in names:
+        value = getattr(cfg, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
 
 
-def validate_model(ns, dims: Dims) -> None:
-    # transformers checks a LLaMA config's heads itself; GPT-2's config takes any, and its attention would fail
-    if dims.heads < 1 or dims.hidden % dims.heads:
+def model_dims(model_or_cfg, cfg=None) -> Dims:
+    """The dimensions of a HF causal-LM config, whatever its family calls them (``model_dims(cfg)``; the
+    older ``model_dims(family, cfg)`` still works)."""
+    cfg = model_or_cfg if cfg is None else cfg
+    heads = _first(cfg, "num_attention_heads", "n_head")
+    kv = _first(cfg, "num_key_value_heads", "num_kv_heads", "n_head_kv")
+    if kv is None:
+        kv = 1 if getattr(cfg, "multi_query", False) else heads
+    hidden = _first(cfg, "hidden_size", "n_embd")
+    return Dims(layers=_first(cfg, "num_hidden_layers", "n_layer"), hidden=hidden, heads=heads, kv_heads=kv,
+                intermediate=_first(cfg, "intermediate_size", "ffn_dim", "n_inner", "ffn_hidden_size") or 4 * hidden,
+                vocab=cfg.vocab_size,
+                positions=_first(cfg, "max_position_embeddings", "n_positions", "seq_length") or 2**31 - 1)
+
+
+def head_dim(cfg, dims: Dims) -> int:
+    return _first(cfg, "head_dim") or dims.hidden // max(1, dims.heads)
+
+
+def validate_model(ns, dims: Dims, cfg=None) -> None:
+    """The layout of ``ns`` against the model: raises :class:`TrainError` before any weight is allocated."""
+    explicit_head_dim = cfg is not None and _first(cfg, "head_dim") is not None
+    if dims.heads is None or dims.heads < 1 or (not explicit_head_dim and dims.hidden % dims.heads):
         _fail(f"--config {ns.config}: the hidden size {dims.hidden} must be divisible by the number of attention "
               f"heads ({dims.heads}, at least 1)")
     if ns.seq > dims.positions:
@@ -144,6 +198,10 @@ def validate_model(ns, dims: Dims) -> None:
     for what, n in split:
         if n % tp:
             valid = [d for d in range(1, min(m for _, m in split) + 1) if all(m % d == 0 for _, m in split)]
+            if what == "key/value heads" and n < tp:
+                _fail(f"--tp {tp}: the model has {n} key/value head(s), fewer than the {tp} tensor-parallel ranks; "
+                      f"each rank needs whole key/value heads (they are not replicated); valid --tp values for this "
+                      f"model: {', '.join(map(str, valid))}")
             _fail(f"--tp {tp} must divide the model's {what} ({n}); valid --tp values for this model: "
                   f"{', '.join(map(str, valid))}")
     if ns.sp and ns.seq % tp:
@@ -154,43 +212,30 @@ def validate_model(ns, dims: Dims) -> None:
               f"only {dims.layers} layers")
 
 
-def _model_class(model: str):
-    if model == "llama":
-        from transformers import LlamaForCausalLM
-
-        return LlamaForCausalLM
-    from transformers import GPT2LMHeadModel
-
-    return GPT2LMHeadModel
+def valid_tp_sizes(dims: Dims, limit: int) -> List[int]:
+    """Tensor-parallel sizes up to ``limit`` that split the model's heads, kv heads, MLP and vocabulary."""
+    return [t for t in range(1, limit + 1)
+            if all(n % t == 0 for n in (dims.heads, dims.kv_heads, dims.intermediate, dims.vocab))]
 
 
-def _tied_names(model) -> Dict[str, str]:
-    """``{name: first name}`` for every name of a parameter the model holds under several names (tied weights)."""
-    names: Dict[int, List[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
-    return {n: group[0] for group in names.values() if len(group) > 1 for n in group}
+def _model_class(model_or_cfg):
+    """The causal-LM class of a family name (``"llama"``) or a config."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    kind = model_or_cfg if isinstance(model_or_cfg, str) else model_or_cfg.model_type
+    return getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[kind])
 
 
-def _layers_path(model: str) -> str:
-    return "model.layers" if model == "llama" else "transformer.h"
+def build_meta_model(cfg):
+    """The model of ``cfg`` on the meta device (no memory for weights), through ``AutoModelForCausalLM``."""
+    import schedlang
+    from transformers import AutoModelForCausalLM
 
-
-def _flops_params(model) -> int:
-    """Parameters that cost 6 flops per token in a train step: all but the input (and position) embeddings; a
-    tied embedding counts once, as the output head."""
-    total = sum(p.numel() for p in model.parameters())
-    inp = model.get_input_embeddings().weight
-    out = model.get_output_embeddings()
-    if out is None or out.weight is not inp:
-        total -= inp.numel()
-    for name, p in model.named_parameters():
-        if name.endswith("wpe.weight"):
-            total -= p.numel()
-    return total
-
-
-def _stage_cuts(layers: int, stages: int) -> List[int]:
-    """Indices of the layers after which a stage ends: ``stages`` near-equal runs of layers."""
-    bounds = [round(layers * (i + 1) / stages) for i in range(stages - 1)]
-    return [b - 1 for b in bounds]
+    with schedlang.init_empty_weights():
+        try:
+            return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+        except (ValueError, ImportError) as e:  # a family without SDPA attention: its eager attention
+            logger.info("%s has no SDPA attention (%s): using its eager attention", cfg.model_type, e)
+            cfg._attn_implementation = "eager"
+            return AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")

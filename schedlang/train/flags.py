@@ -17,6 +17,7 @@ from ..utils.paths import nearest_existing, refuses_new_files
 
 logger = logging.getLogger("schedlang.train")
 
+#: families with the presets --config tiny / 1b (any other family comes from a config.json)
 MODELS = ("llama", "gpt2")
 PP_SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B", "ZeroBubble")
 OPTIMIZERS = ("adamw", "fused-adamw", "sgd")
@@ -48,36 +49,50 @@ class _Parser(argparse.ArgumentParser):
 def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     p = _Parser(
         prog=prog or "schedlang train",
-        description="Train a HF causal LM (LLaMA or GPT-2) with tensor, sequence, data and pipeline parallelism "
-                    "written as schedules. Run under torchrun, or spawn local ranks with --nproc N.",
+        description="Train a HF causal LM (any family transformers' AutoModelForCausalLM builds: LLaMA, Qwen, "
+                    "Mistral, Gemma, Phi-3, OPT, GPT-2 ...) with tensor, sequence, data and pipeline parallelism "
+                    "written as schedules. Run under torchrun, or spawn local ranks with --nproc N. On a GPU the "
+                    "defaults are the fastest measured path (bf16, per-layer compile, optimize_model, fused AdamW) "
+                    "and, on several GPUs, a layout chosen from the model, the GPUs' memory and the interconnect.",
         formatter_class=_HelpFormatter)
     m = p.add_argument_group("model")
-    m.add_argument("--model", default=None, help=f"model family: {', '.join(MODELS)} (default: llama, or the "
-                   "family of --init-from)")
+    m.add_argument("--model", default=None, help=f"model family: with --config tiny / 1b one of "
+                   f"{', '.join(MODELS)} (default: llama); with a config.json its model_type (checked)")
     m.add_argument("--config", default=None,
                    help="'tiny' (hidden 64, 4 layers, vocab 256), '1b' (LLaMA-1.1B; GPT-2 medium for gpt2) or the "
-                        "path of a HF config.json (default: tiny, or the config.json of --init-from)")
+                        "path of a HF config.json of any causal-LM family, or its directory (default: tiny, or the "
+                        "config.json of --init-from)")
     m.add_argument("--init-from", default=None, metavar="DIR",
                    help="fine-tune: start from the weights of a HF safetensors checkpoint (a directory written by "
                         "save_pretrained or --export-hf); each rank reads only its shards")
-    m.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"],
-                   help="bf16: mixed precision (fp32 master weights; bf16 compute via FSDP2's policy or autocast)")
-    m.add_argument("--compile", action="store_true", help="torch.compile every transformer layer")
-    m.add_argument("--optimize", action="store_true",
+    m.add_argument("--dtype", default=None, choices=["fp32", "bf16"],
+                   help="bf16: mixed precision (fp32 master weights; bf16 compute via FSDP2's policy or autocast) "
+                        "(default: bf16 on a GPU, fp32 on the CPU)")
+    m.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile every transformer layer (default: on a GPU)")
+    m.add_argument("--optimize", action=argparse.BooleanOptionalAction, default=None,
                    help="schedlang.models.optimize_model: fused norms, the LM head fused with the loss (so the full "
                         "logits never exist; tp=1), the fastest measured attention backend, and with --compile its "
-                        "per-layer compile; pp=1 layouts")
-    m.add_argument("--activation-checkpoint", action="store_true", help="recompute each layer in backward")
+                        "per-layer compile; pp=1 layouts (default: on a GPU, where the layout has pp=1)")
+    m.add_argument("--activation-checkpoint", action="store_true", help="recompute each layer in backward (--layout "
+                   "auto turns it on where memory needs it)")
     lay = p.add_argument_group("layout (world size = pp x dp x tp)")
-    lay.add_argument("--dp", type=int, default=1, help="data-parallel ranks")
-    lay.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
-    lay.add_argument("--pp", type=int, default=1, help="pipeline stages (ranks)")
+    lay.add_argument("--layout", default=None, choices=["auto"],
+                     help="auto: choose pp x dp x tp, FSDP2 or DDP, resharding, the reduce dtype and activation "
+                          "checkpointing from the model's size, the GPUs' memory and the measured interconnect "
+                          "(default when none of --dp/--tp/--pp is given and the run has several ranks)")
+    lay.add_argument("--probe", action="store_true",
+                     help="with --layout auto: time the two best layouts for a few steps and keep the faster")
+    lay.add_argument("--dp", type=int, default=None, help="data-parallel ranks (default 1 unless --layout auto)")
+    lay.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks (default 1 unless --layout auto)")
+    lay.add_argument("--pp", type=int, default=None, help="pipeline stages (ranks) (default 1 unless --layout auto)")
     lay.add_argument("--sp", action="store_true", help="sequence parallelism on the tp ranks")
-    lay.add_argument("--dp-mode", default="fsdp", choices=["fsdp", "ddp"], help="FSDP2 (fully_shard) or DDP "
-                     "(replicate) on the dp ranks")
-    lay.add_argument("--reduce-dtype", default="fp32", choices=["fp32", "bf16"],
+    lay.add_argument("--dp-mode", default=None, choices=["fsdp", "ddp"], help="FSDP2 (fully_shard) or DDP "
+                     "(replicate) on the dp ranks (default: fsdp, or as --layout auto chooses)")
+    lay.add_argument("--reduce-dtype", default=None, choices=["fp32", "bf16"],
                      help="with --dtype bf16 and --dp >= 2: the dtype the gradients are summed in over the dp ranks "
-                          "(bf16: half the bytes of fp32; the sum is rounded to bf16 once)")
+                          "(bf16: half the bytes of fp32; the sum is rounded to bf16 once) (default: fp32, or as "
+                          "--layout auto chooses)")
     lay.add_argument("--no-reshard", action="store_true",
                      help="with --dp-mode fsdp: each layer keeps its gathered weights from its forward to its backward "
                           "(one all-gather per layer and step instead of two, for the memory of the whole model)")
@@ -91,6 +106,11 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     lay.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when available")
     lay.add_argument("--timeout", type=float, default=1800.0,
                      help="seconds a collective may wait before the run fails")
+    lay.add_argument("--gpu-memory-gib", type=float, default=None, metavar="GIB",
+                     help="for --layout auto and --dry-run: the memory of each device (default: read from the GPU)")
+    lay.add_argument("--link-gbps", type=float, default=None, metavar="GB/S",
+                     help="for --layout auto and --dry-run: the interconnect's bus bandwidth in GB/s (default: "
+                          "measured by the ranks; a nominal figure for --dry-run)")
     t = p.add_argument_group("training")
     t.add_argument("--steps", type=int, default=10, help="steps of the run (the learning-rate schedule spans them)")
     t.add_argument("--stop-after", type=int, default=None, help="stop after this step, saved in --checkpoint-dir (continue later with --resume)")
@@ -102,13 +122,23 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     t.add_argument("--warmup", type=int, default=0, help="linear warmup steps")
     t.add_argument("--weight-decay", type=float, default=0.1, help="the optimizer's weight decay")
     t.add_argument("--grad-clip", type=float, default=1.0, help="clip the global gradient norm (0: off)")
-    t.add_argument("--optimizer", default="adamw", help="adamw (torch.optim.AdamW), fused-adamw (schedlang's fused "
-                   "Triton AdamW), sgd (torch.optim.SGD, momentum 0.9)")
+    t.add_argument("--optimizer", default=None, help="adamw (torch.optim.AdamW), fused-adamw (schedlang's fused "
+                   "Triton AdamW), sgd (torch.optim.SGD, momentum 0.9) (default: fused-adamw on a GPU, adamw on "
+                   "the CPU)")
     t.add_argument("--seed", type=int, default=0,
                    help="seed of the initial weights (without --init-from), the batches (synthetic tokens, or where "
                         "sequences start in --data) and dropout")
-    t.add_argument("--data", default="synthetic", help="'synthetic', or a .npy / raw .bin file of token ids "
-                   "(.bin: uint16 if the vocabulary is < 65536, else uint32)")
+    t.add_argument("--data", default="synthetic", help="'synthetic'; a .npy / raw .bin file of token ids "
+                   "(.bin: uint16 if the vocabulary is < 65536, else uint32); or text: a .jsonl file (a 'text' "
+                   "field per line), a .txt file (one document) or a directory of them, with --tokenizer")
+    t.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="for text --data / --eval-data: a tokenizer directory AutoTokenizer.from_pretrained loads "
+                        "offline; the text is tokenized once into a token cache beside the data")
+    t.add_argument("--eval-data", default=None, help="held-out data (the formats of --data): its loss is logged as "
+                   "eval_loss every --eval-every steps")
+    t.add_argument("--eval-every", type=int, default=0, help="steps between evaluations on --eval-data (0: only at "
+                   "the end)")
+    t.add_argument("--eval-batches", type=int, default=4, help="global batches of --eval-data per evaluation")
     io = p.add_argument_group("checkpoints and output")
     io.add_argument("--checkpoint-dir", default=None, help="directory of distributed checkpoints (step-NNNNNNNN/); a new run needs one "
                     "that holds none (--resume continues the run whose checkpoints it holds)")
@@ -117,6 +147,14 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     io.add_argument("--export-hf", default=None, metavar="DIR", help="write the trained model as a HF model here")
     io.add_argument("--metrics", default=None, metavar="FILE", help="append one JSON line per step to FILE")
     io.add_argument("--log-every", type=int, default=1, help="print progress every K steps")
+    io.add_argument("--tensorboard", default=None, metavar="DIR",
+                    help="write loss, eval loss, tokens/s, MFU, memory and learning rate as TensorBoard scalars "
+                         "here (needs the tensorboard package: pip install 'schedlang[tensorboard]')")
+    io.add_argument("--plot", default=None, metavar="FILE.png",
+                    help="at the end, draw the loss and throughput curves into this PNG (needs matplotlib)")
+    io.add_argument("--dry-run", action="store_true",
+                    help="print the layout, the memory per rank, the collectives per step and the estimated step "
+                         "time, building the model on the meta device only; then exit")
     return p
 
 
@@ -131,7 +169,7 @@ def _world_from_env() -> Optional[int]:
 
 
 def _resolve_init_from(ns: argparse.Namespace) -> None:
-    """``--model`` and ``--config`` from ``--init-from``'s config.json where they are not given."""
+    """``--config`` from ``--init-from``'s config.json where it is not given (its model_type names the family)."""
     if ns.init_from is not None:
         directory = Path(ns.init_from)
         if not directory.is_dir():
@@ -145,30 +183,28 @@ def _resolve_init_from(ns: argparse.Namespace) -> None:
             if not (directory / "config.json").is_file():
                 _fail(f"--init-from {ns.init_from}: it has no config.json; give the model's config with --config")
             ns.config = str(directory)
-        if ns.model is None:
-            try:
-                raw = json.loads((directory / "config.json").read_text())
-                kind = raw.get("model_type") if isinstance(raw, dict) else None
-            except (OSError, ValueError):
-                kind = None  # no readable config.json there: --config names the model's, and --model its family
-            if kind is not None and kind not in MODELS:
-                _fail(f"--init-from {ns.init_from}: its config.json describes a {kind!r} model; valid are "
-                      f"checkpoints of the families schedlang train trains: {', '.join(MODELS)}")
-            ns.model = kind
-    ns.model = ns.model or "llama"
     ns.config = ns.config or "tiny"
 
 
+def layout_given(ns: argparse.Namespace) -> bool:
+    return any(getattr(ns, k) is not None for k in ("dp", "tp", "pp"))
+
+
 def validate(ns: argparse.Namespace, world: int) -> None:
-    """Every check that needs no process group; raises :class:`TrainError` naming the flag and what would work."""
+    """Every check that needs no process group; raises :class:`TrainError` naming the flag and what would work.
+
+    A manual layout (``--dp/--tp/--pp``) is checked here; under ``--layout auto`` the layout is chosen later
+    (:func:`schedlang.train.layout.choose`) and checked by :func:`validate_layout` then."""
     _resolve_init_from(ns)
-    if ns.model not in MODELS:
-        _fail(f"--model: unknown model {ns.model!r}: valid models are {', '.join(MODELS)}")
     if ns.pp_schedule not in PP_SCHEDULES:
         _fail(f"--pp-schedule: unknown schedule {ns.pp_schedule!r}: valid schedules are {', '.join(PP_SCHEDULES)}")
-    if ns.optimizer not in OPTIMIZERS:
+    if ns.optimizer is not None and ns.optimizer not in OPTIMIZERS:
         _fail(f"--optimizer: unknown optimizer {ns.optimizer!r}: valid optimizers are {', '.join(OPTIMIZERS)}")
-    for flag in ("dp", "tp", "pp", "steps", "global_batch", "seq"):
+    for flag in ("dp", "tp", "pp"):
+        value = getattr(ns, flag)
+        if value is not None and value < 1:
+            _fail(f"--{flag} must be at least 1, got {value}")
+    for flag in ("steps", "global_batch", "seq", "eval_batches"):
         value = getattr(ns, flag)
         if value < 1:
             _fail(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
@@ -176,7 +212,7 @@ def validate(ns: argparse.Namespace, world: int) -> None:
         _fail(f"--nproc must be at least 1, got {ns.nproc}")
     if ns.lr <= 0 or not math.isfinite(ns.lr):
         _fail(f"--lr must be a positive number, got {ns.lr}")
-    for flag in ("warmup", "save_every"):
+    for flag in ("warmup", "save_every", "eval_every"):
         if getattr(ns, flag) < 0:
             _fail(f"--{flag.replace('_', '-')} must be at least 0, got {getattr(ns, flag)}")
     if ns.log_every < 1:
@@ -187,17 +223,86 @@ def validate(ns: argparse.Namespace, world: int) -> None:
         _fail(f"--weight-decay must be a number >= 0, got {ns.weight_decay}")
     if not ns.timeout > 0 or not math.isfinite(ns.timeout):
         _fail(f"--timeout must be a positive number of seconds, got {ns.timeout}")
+    for flag in ("gpu_memory_gib", "link_gbps"):
+        value = getattr(ns, flag)
+        if value is not None and (not value > 0 or not math.isfinite(value)):
+            _fail(f"--{flag.replace('_', '-')} must be a positive number, got {value}")
     if ns.stop_after is not None and not 1 <= ns.stop_after <= ns.steps:
         _fail(f"--stop-after must be a step of the run, 1..{ns.steps} (--steps), got {ns.stop_after}")
+    if ns.layout == "auto" and layout_given(ns):
+        given = " ".join(f"--{k} {getattr(ns, k)}" for k in ("dp", "tp", "pp") if getattr(ns, k) is not None)
+        _fail(f"--layout auto chooses --dp, --tp and --pp itself, but {given} was given; drop {given} or "
+              "--layout auto")
+    ns.layout = "auto" if ns.layout == "auto" or (not layout_given(ns) and world > 1) else "manual"
+    if ns.probe and ns.layout != "auto":
+        _fail("--probe times the best layouts --layout auto finds: it needs --layout auto (or no --dp/--tp/--pp "
+              "on several ranks)")
+    if ns.resume and not ns.checkpoint_dir:
+        _fail("--resume needs --checkpoint-dir (the directory the checkpoints were saved to)")
+    if ns.save_every and not ns.checkpoint_dir:
+        _fail("--save-every needs --checkpoint-dir")
+    if ns.stop_after is not None and ns.stop_after < ns.steps and not ns.checkpoint_dir:
+        # the run would end with nothing saved, and could not be continued
+        _fail(f"--stop-after {ns.stop_after} stops the run to continue it later with --resume, which needs "
+              "--checkpoint-dir (the checkpoint of the last step is saved there)")
+    if ns.eval_every and not ns.eval_data:
+        _fail(f"--eval-every {ns.eval_every} evaluates on held-out data: it needs --eval-data")
+    if ns.device == "cuda" and not torch.cuda.is_available() and not ns.dry_run:
+        _fail("--device cuda but no CUDA device is available; use --device cpu")
+    resolve_speed_defaults(ns)
+    if os.environ.get("RANK", "0") == "0":  # rank 0 writes these, on its own host's file system
+        if ns.metrics:
+            _check_writable_file("--metrics", ns.metrics)
+        if ns.export_hf:
+            _check_writable_directory("--export-hf", ns.export_hf)
+        if ns.plot:
+            _check_writable_file("--plot", ns.plot)
+            _check_plotting()
+        if ns.tensorboard:
+            _check_tensorboard()
+            _check_writable_directory("--tensorboard", ns.tensorboard)
+    if ns.checkpoint_dir:  # every rank writes its shards there
+        _check_writable_directory("--checkpoint-dir", ns.checkpoint_dir)
+    if ns.layout == "manual":
+        for flag in ("dp", "tp", "pp"):
+            if getattr(ns, flag) is None:
+                setattr(ns, flag, 1)
+        validate_layout(ns, world)
+
+
+def resolve_speed_defaults(ns: argparse.Namespace) -> None:
+    """The defaults that depend on the device: on a GPU the fastest path the benchmarks measured (bf16, per-layer
+    compile, fused AdamW; optimize_model once the layout is known), on the CPU what runs well there (fp32, eager,
+    torch's AdamW)."""
+    cuda = _device_type(ns) == "cuda"
+    if ns.dtype is None:
+        ns.dtype = "bf16" if cuda else "fp32"
+    if ns.compile is None:
+        ns.compile = cuda
+    if ns.optimizer is None:
+        ns.optimizer = "fused-adamw" if cuda else "adamw"
+    if ns.optimizer == "fused-adamw" and not cuda:
+        logger.warning("--optimizer fused-adamw on the CPU runs its Triton kernel under the interpreter (slow); "
+                       "--optimizer adamw is torch's")
+
+
+def validate_layout(ns: argparse.Namespace, world: int) -> None:
+    """The checks of a layout (given, or chosen by --layout auto) against the run and the other flags."""
     layout = ns.dp * ns.tp * ns.pp
     if layout != world:
         how = f"--nproc {ns.nproc}" if ns.nproc is not None else (
             f"WORLD_SIZE={world} (torchrun)" if _world_from_env() is not None else "a single process")
         _fail(f"--dp {ns.dp} x --tp {ns.tp} x --pp {ns.pp} = {layout} ranks, but the run has {world} ({how}); "
               f"launch {layout} ranks (--nproc {layout} or torchrun --nproc_per_node={layout}) or change the layout")
+    if ns.dp_mode is None:
+        ns.dp_mode = "fsdp"
+    if ns.reduce_dtype is None:
+        ns.reduce_dtype = "fp32"
     if ns.optimize and ns.pp > 1:
         _fail(f"--optimize rewrites the whole model's norms, head and loss, which pipeline stages split: it works on "
               f"pp=1 layouts, got --pp {ns.pp}; drop --optimize or --pp")
+    if ns.optimize is None:  # the default: on a GPU, where the layout lets it
+        ns.optimize = _device_type(ns) == "cuda" and ns.pp == 1
     if ns.reduce_dtype == "bf16" and (ns.dtype != "bf16" or ns.dp < 2):
         _fail(f"--reduce-dtype bf16 sums bf16 gradients over the dp ranks: it needs --dtype bf16 and --dp >= 2, got "
               f"--dtype {ns.dtype} --dp {ns.dp}")
@@ -206,6 +311,9 @@ def validate(ns: argparse.Namespace, world: int) -> None:
               f"{ns.dp_mode} --dp {ns.dp}")
     if ns.sp and ns.tp < 2:
         _fail("--sp (sequence parallelism) splits the sequence over the tp ranks: it needs --tp >= 2")
+    given_stages = getattr(ns, "_stages_given", ns.stages_per_rank)
+    ns._stages_given = given_stages
+    ns.stages_per_rank = given_stages
     if ns.stages_per_rank is None:  # not `or`: an explicit 0 is refused below, not replaced by the default
         ns.stages_per_rank = 2 if ns.pp > 1 and ns.pp_schedule in ("Interleaved1F1B", "ZeroBubble") else 1
     if ns.stages_per_rank < 1:
@@ -215,6 +323,9 @@ def validate(ns: argparse.Namespace, world: int) -> None:
     if ns.pp > 1 and ns.pp_schedule in ("1F1B", "GPipe") and ns.stages_per_rank != 1:
         _fail(f"--pp-schedule {ns.pp_schedule} holds one stage per rank; use Interleaved1F1B or ZeroBubble for "
               f"--stages-per-rank {ns.stages_per_rank}")
+    given_mb = getattr(ns, "_microbatches_given", ns.microbatches)
+    ns._microbatches_given = given_mb
+    ns.microbatches = given_mb
     if ns.microbatches is None:
         ns.microbatches = ns.pp * ns.stages_per_rank if ns.pp > 1 else 1
     if ns.microbatches < 1:
@@ -224,26 +335,22 @@ def validate(ns: argparse.Namespace, world: int) -> None:
               f"{ns.microbatches} = {ns.dp * ns.microbatches} (each dp rank splits its rows into microbatches)")
     if ns.pp > 1 and ns.pp_schedule in ("Interleaved1F1B", "ZeroBubble") and ns.microbatches % ns.pp:
         _fail(f"--pp-schedule {ns.pp_schedule} needs --microbatches divisible by --pp {ns.pp}, got {ns.microbatches}")
-    if ns.resume and not ns.checkpoint_dir:
-        _fail("--resume needs --checkpoint-dir (the directory the checkpoints were saved to)")
-    if ns.save_every and not ns.checkpoint_dir:
-        _fail("--save-every needs --checkpoint-dir")
-    if ns.stop_after is not None and ns.stop_after < ns.steps and not ns.checkpoint_dir:
-        # the run would end with nothing saved, and could not be continued
-        _fail(f"--stop-after {ns.stop_after} stops the run to continue it later with --resume, which needs "
-              "--checkpoint-dir (the checkpoint of the last step is saved there)")
-    if ns.device == "cuda" and not torch.cuda.is_available():
-        _fail("--device cuda but no CUDA device is available; use --device cpu")
-    if os.environ.get("RANK", "0") == "0":  # rank 0 writes both, on its own host's file system
-        if ns.metrics:
-            _check_writable_file("--metrics", ns.metrics)
-        if ns.export_hf:
-            _check_writable_directory("--export-hf", ns.export_hf)
-    if ns.checkpoint_dir:  # every rank writes its shards there
-        _check_writable_directory("--checkpoint-dir", ns.checkpoint_dir)
-    if ns.optimizer == "fused-adamw" and _device_type(ns) == "cpu":
-        logger.warning("--optimizer fused-adamw on the CPU runs its Triton kernel under the interpreter (slow); "
-                       "--optimizer adamw is torch's")
+
+
+def _check_tensorboard() -> None:
+    try:
+        from torch.utils.tensorboard import SummaryWriter  # noqa: F401
+    except ImportError as e:
+        _fail(f"--tensorboard needs the tensorboard package, which is not installed ({e}); install it with "
+              "pip install 'schedlang[tensorboard]' (or pip install tensorboard), or drop --tensorboard")
+
+
+def _check_plotting() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as e:
+        _fail(f"--plot draws with matplotlib, which is not installed ({e}); install it with pip install matplotlib "
+              "(it comes with schedlang[docs]), or drop --plot")
 
 
 # The outputs are written after training (the export) or from its first step on (the metrics): a path that

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -13,8 +12,8 @@ import torch
 
 from .checkpoints import (_CKPT_PREFIX, _TRAINER_STATE, _checkpoint_path, latest_checkpoint, read_trainer_state,
                           write_trainer_state)
-from .configs import (_flops_params, _layers_path, _model_class, _stage_cuts, _tied_names, model_config, model_dims,
-                      validate_model)
+from .configs import _model_class, build_meta_model, model_config, model_dims, validate_model
+from .structure import decoder_layers, flops_params, stage_cuts, tied_names
 from .data import _mix, lr_at
 from .flags import TrainError, _fail
 
@@ -63,17 +62,17 @@ class _Run:
 
         ns = self.ns
         self.cfg = model_config(ns.model, ns.config)
-        self.dims = model_dims(ns.model, self.cfg)
-        validate_model(ns, self.dims)
-        with schedlang.init_empty_weights():
-            model = _model_class(ns.model)(self.cfg)
-        self.flops_params = _flops_params(model)
-        tied = _tied_names(model)
+        self.dims = model_dims(self.cfg)
+        validate_model(ns, self.dims, self.cfg)
+        model = build_meta_model(self.cfg)
+        layers, layer_list = decoder_layers(model)
+        self.dims.layers = len(layer_list)
+        self.flops_params = flops_params(model)
+        tied = tied_names(model)
         self.n_params = sum(p.numel() for p in model.parameters())
         sch = schedlang.create_schedule(model, mesh=self.mesh) if self.mesh is not None else \
             schedlang.create_schedule(model)
         del model
-        layers = _layers_path(ns.model)
         if ns.tp > 1:
             shard_model(sch, sequence_parallel=ns.sp, gather_logits=False)
         if ns.activation_checkpoint and not ns.optimize:  # optimize_model checkpoints the layers itself
@@ -82,7 +81,7 @@ class _Run:
         pipeline = None
         if self.pipelined:
             stages = ns.pp * ns.stages_per_rank
-            for cut in _stage_cuts(self.dims.layers, stages):
+            for cut in stage_cuts(self.dims.layers, stages):
                 sch[f"{layers}.{cut}"].cut_pipeline_stage()
             pipeline = {"schedule": ns.pp_schedule, "n_microbatches": ns.microbatches, "loss_fn": self._pipeline_loss}
         bf16 = ns.dtype == "bf16"
@@ -165,15 +164,32 @@ class _Run:
         return self._loss(logits, target)
 
     # -- one step
-    def step(self, step: int, tokens: torch.Tensor) -> Dict[str, float]:
+    def step(self, step: int, tokens: torch.Tensor) -> Dict[str, Any]:
+        """One step on this rank's rows of the global batch ``tokens``; see :meth:`train_step`."""
+        rows = self.ns.global_batch // self.ns.dp
+        local = tokens[self.dp_rank * rows:(self.dp_rank + 1) * rows]
+        if self.device.type == "cuda":
+            local = local.pin_memory()
+        local = local.to(self.device, non_blocking=True)
+        return self.train_step(step, local[:, :-1], local[:, 1:])
+
+    def forward_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The mean token loss of ``inputs`` against ``labels`` (aligned), through the run's model (pp=1)."""
+        autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast)
+        with autocast:  # with the fused loss the labels go in aligned with the inputs: no shift inside
+            out = (self.model(input_ids=inputs, labels=labels, shift_labels=labels, use_cache=False)
+                   if self.fused_loss else self.model(input_ids=inputs, use_cache=False))
+        return out.loss if self.fused_loss else self._loss(out.logits, labels)
+
+    def train_step(self, step: int, inputs: torch.Tensor, labels: torch.Tensor) -> Dict[str, Any]:
+        """Forward, backward, clipping and the optimizer's step on this rank's rows. Nothing waits for the device:
+        the loss and the gradient norm come back as device tensors (``float()`` them when needed), so the host
+        queues the next step while this one runs."""
         ns = self.ns
         lr = lr_at(ns, step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         torch.manual_seed(_mix(ns.seed, step, 2))  # dropout and any other draws: a function of the step
-        rows = ns.global_batch // ns.dp
-        local = tokens[self.dp_rank * rows:(self.dp_rank + 1) * rows].to(self.device, non_blocking=True)
-        inputs, labels = local[:, :-1], local[:, 1:]
         autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast)
         if self.pipelined:
             losses: List[torch.Tensor] = []
@@ -185,10 +201,7 @@ class _Run:
             local_loss = torch.zeros((), device=self.device)
             m = ns.microbatches
             for x, y in zip(inputs.chunk(m), labels.chunk(m)):
-                with autocast:  # with the fused loss the labels go in aligned with the inputs: no shift inside
-                    out = (self.model(input_ids=x, labels=y, shift_labels=y, use_cache=False) if self.fused_loss
-                           else self.model(input_ids=x, use_cache=False))
-                loss = (out.loss if self.fused_loss else self._loss(out.logits, y)) / m
+                loss = self.forward_loss(x, y) / m
                 loss.backward()
                 local_loss += loss.detach().float()
         grad_norm = self._clip()
@@ -196,20 +209,49 @@ class _Run:
         self.optimizer.zero_grad(set_to_none=True)
         return {"loss": self._global_loss(local_loss), "lr": lr, "grad_norm": grad_norm}
 
+    def eval_loss(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The mean token loss of a global batch of held-out ``tokens`` (no gradients, nothing updated)."""
+        rows = self.ns.global_batch // self.ns.dp
+        local = tokens[self.dp_rank * rows:(self.dp_rank + 1) * rows].to(self.device)
+        inputs, labels = local[:, :-1], local[:, 1:]
+        if self.pipelined:
+            # a pipeline schedule runs forward and backward together: the gradients it leaves are dropped, and the
+            # optimizer never sees them (the weights stay as they are)
+            losses: List[torch.Tensor] = []
+            autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast)
+            with autocast:
+                self.model.step(inputs, target=labels, losses=losses)
+            self.optimizer.zero_grad(set_to_none=True)
+            local_loss = torch.stack([l.detach().float() for l in losses]).mean() if losses else None
+        else:
+            modules = self._modules()
+            for m in modules:  # dropout off while evaluating
+                m.eval()
+            try:
+                with torch.no_grad():
+                    local_loss = torch.stack([self.forward_loss(x, y).float()
+                                              for x, y in zip(inputs.chunk(self.ns.microbatches),
+                                                              labels.chunk(self.ns.microbatches))]).mean()
+            finally:
+                for m in modules:
+                    m.train()
+        return self._global_loss(local_loss)
+
     def _holds_loss(self) -> bool:
         return not self.pipelined or self.pp_rank == self.ns.pp - 1
 
-    def _global_loss(self, local_loss: Optional[torch.Tensor]) -> float:
-        """Mean over the global batch: every rank that holds a loss adds loss / (ranks holding one); a sum over all."""
+    def _global_loss(self, local_loss: Optional[torch.Tensor]) -> torch.Tensor:
+        """Mean over the global batch: every rank that holds a loss adds loss / (ranks holding one); a sum over all.
+        A device tensor (the all-reduce is queued, not waited for)."""
         if self.world == 1:
-            return float(local_loss)
+            return local_loss
         import torch.distributed as dist
 
         holders = self.ns.dp * self.ns.tp  # tp ranks hold the same value: each counted 1 / tp
         value = local_loss / holders if (local_loss is not None and self._holds_loss()) else None
         buf = value.reshape(1).to(self.device) if value is not None else torch.zeros(1, device=self.device)
         dist.all_reduce(buf)
-        return float(buf)
+        return buf[0]
 
     def _params(self) -> List[torch.nn.Parameter]:
         seen, out = set(), []
@@ -220,7 +262,7 @@ class _Run:
                     out.append(p)
         return out
 
-    def _clip(self) -> float:
+    def _clip(self) -> torch.Tensor:
         """Global gradient norm over every rank's shards (each distinct element counted once); clips to --grad-clip."""
         params = [p for p in self._params() if p.grad is not None]
         try:
@@ -251,10 +293,13 @@ class _Run:
             import torch.distributed as dist
 
             dist.all_reduce(total)
-        norm = float(total.sqrt())
+        norm = total.sqrt()
         clip = self.ns.grad_clip
-        if clip and norm > clip and math.isfinite(norm):
-            torch._foreach_mul_(local_grads, clip / (norm + 1e-6))
+        if clip and local_grads:
+            # on the device, as torch's clip_grad_norm_ does: no wait for the norm; a non-finite norm clips nothing
+            scale = torch.clamp(clip / (norm + 1e-6), max=1.0)
+            scale = torch.where(torch.isfinite(norm), scale, torch.ones_like(scale))
+            torch._foreach_mul_(local_grads, scale.to(local_grads[0].device))
         return norm
 
     def _clip_weights(self, weights: List[float], device) -> torch.Tensor:
@@ -313,7 +358,7 @@ class _Run:
         config = copy.deepcopy(self.cfg)
         config.use_cache = True
         if not getattr(config, "architectures", None):
-            config.architectures = [_model_class(self.ns.model).__name__]
+            config.architectures = [_model_class(config).__name__]
         schedlang.export_hf(self.model, directory, config=config)
         self._barrier()
 

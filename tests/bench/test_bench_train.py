@@ -338,3 +338,27 @@ def test_the_8b_four_gpu_work_is_the_whole_llama_3_8b(bench):
         n_params = sum(p.numel() for p in LlamaForCausalLM(cfg).parameters())
     assert cfg.num_hidden_layers == 32 and cfg.num_key_value_heads == 8
     assert 8.02e9 < n_params < 8.04e9, n_params
+
+
+def test_the_trainers_default_row_on_two_ranks(tmp_path):
+    """schedlang-train-default: the trainer's own flags, layout choice, build and step, on the work's model, batch
+    and weights, passes the loss and gradient checks beside the baseline (2 CPU ranks, gloo)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "bench" / "bench_train.py"
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script), "--tiny",
+         "--work", "llama-1.1b-2gpu", "--variants", "fsdp2-titan,schedlang-train-default", "--results-dir",
+         str(tmp_path), "--repeats", "1", "--iters", "1", "--warmup", "2", "--lr", "1e-2"],
+        capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    (path,) = tmp_path.glob("*-train-tiny.json")
+    rows = {r["variant"]: r for r in json.loads(path.read_text())["rows"]}
+    row = rows["schedlang-train-default"]
+    assert row["check"] == "ok" and row["role"] == "schedlang", row
+    assert row["trainer"].startswith("schedlang.train --global-batch 4 --seq 32 (defaults) -> pp=1 ")
+    assert row["trainer_flags"]["dtype"] == "fp32" and row["trainer_flags"]["optimizer"] == "adamw"  # CPU defaults
+    assert row["layout_choice"].startswith("schedlang train: --layout auto chose ")

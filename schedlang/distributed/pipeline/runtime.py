@@ -333,6 +333,11 @@ def build_pipeline(model: nn.Module, cut_paths: Sequence[str], pp_group_or_mesh,
             _check_prepared_stage(module, s, enclosing, opts["schedule"])
         modules.append(module)
         stages.append(PipelineStage(module, s, n_stages, device, group=group))
+    # data parallelism (prepare_stage) puts new Parameters in place of the stage's (FSDP2's sharded DTensors): each
+    # tied record follows its names to the parameter the stage holds now, whose gradient the step must sum
+    held = {name: p for module in modules for name, p in module.named_parameters(remove_duplicate=False)}
+    my_tied = [_Tied(t.names, next((held[n] for n in t.names if n in held), t.param), t.holders)
+               if t.param is not None else t for t in my_tied]
     schedule = _schedule(opts["schedule"], stages, opts["n_microbatches"], opts["loss_fn"])
     logger.info("pp rank %d/%d: stages %s of %d (cuts after %s), %s with %d microbatches", pp_rank, pp_size, local,
                 n_stages, ", ".join(order), opts["schedule"], opts["n_microbatches"])

@@ -1,0 +1,82 @@
+"""The ``schedlang-train-default`` row of ``bench/bench_train.py``: the trainer's default path, as
+``torchrun --nproc_per_node=2 -m schedlang.train --config 1b --global-batch 8 --seq 2048`` runs it.
+
+The flags are parsed and resolved by the trainer itself (on a GPU: bf16, per-layer compile,
+optimize_model, FusedAdamW; on several ranks ``--layout auto`` with the link measured), the model is
+built by the trainer's ``_Run`` and every step after the first is the trainer's own step (clipping,
+learning rate, the loss averaged over the ranks), so the row times what users run. Only two things
+are the harness's: the model's config is the work's (written to a config.json the trainer reads),
+and the weights are the work's HF initialization from seed 0, loaded into the built model, so that
+the row passes the same loss and gradient-direction checks as the others (the trainer's own
+initialization draws the same distribution in another order). The learning rate is the run's
+(``--lr``) and constant, as the other rows'.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+
+import baselines as B  # noqa: E402  (bench/baselines.py)
+
+
+def make_trainer_default(ctx: B.Context, cfg, global_batch: int, seq: int) -> B.Setup:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    from schedlang.train.flags import build_parser, validate
+    from schedlang.train.layout import (apply_layout, check_model_layout, choice_block, choose, hardware,
+                                        measure_link, model_facts)
+    from schedlang.train.run import _Run
+
+    if ctx.cuda and ctx.args.optimizer != "schedlang-fused":
+        # on a GPU the trainer steps with schedlang's FusedAdamW: like for like only when every row does
+        raise B.NotAvailable("the trainer's default optimizer on a GPU is schedlang's FusedAdamW: run with "
+                             "--optimizer schedlang-fused so that every row uses it")
+    world = ctx.world
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    with tempfile.TemporaryDirectory() as directory:
+        config = Path(directory) / "config.json"
+        config.write_text(json.dumps(cfg.to_diff_dict() | {"model_type": cfg.model_type}))
+        argv = ["--config", str(config), "--global-batch", str(global_batch), "--seq", str(seq), "--lr", str(ctx.lr),
+                "--lr-schedule", "constant", "--steps", "1000000", "--device", ctx.device.type]
+        ns = build_parser().parse_args(argv)
+        validate(ns, world)
+        facts = model_facts(ns, check_tensor_parallel=world > 1)
+        reason = None
+        if ns.layout == "auto":
+            link = measure_link(ctx.device, world) if world > 1 and ns.link_gbps is None else None
+            choice = choose(ns, facts, hardware(ns, world, link), world)
+            apply_layout(ns, choice.best.layout, world)
+            reason = choice_block(choice)
+            if rank == 0:
+                print(reason, flush=True)
+        check_model_layout(ns, facts)
+        if ns.pp > 1:
+            raise B.NotAvailable(f"the trainer chose pp={ns.pp}: a pipeline step cannot run the harness's first, "
+                                 "checked step")
+        run = _Run(ns, rank, world, ctx.device)
+        run.make_mesh()
+        run.build()
+    reference = B.full_model(cfg, ctx.device).state_dict()
+    result = set_model_state_dict(run.model, reference, options=StateDictOptions(full_state_dict=True, strict=False))
+    missing = [k for k in getattr(result, "missing_keys", []) if not k.endswith("rotary_emb.inv_freq")]
+    if missing:
+        raise RuntimeError(f"the work's weights do not cover the trainer's model: {missing[:5]}")
+    del reference
+    steps = {"n": 1}
+
+    def trainer_step(ids, labels):
+        steps["n"] += 1
+        return run.train_step(steps["n"], ids, labels)["loss"]
+
+    notes = {"loss": "the trainer's (fused linear + cross entropy with optimize_model)" if run.fused_loss
+             else "the trainer's", "trainer": f"schedlang.train --global-batch {global_batch} --seq {seq} (defaults) -> {run.layout()}",
+             "trainer_flags": {k: getattr(ns, k) for k in ("dtype", "compile", "optimize", "optimizer", "dp_mode",
+                                                           "no_reshard", "reduce_dtype", "activation_checkpoint")},
+             "layout_choice": reason, "compile": "layers" if ns.compile else None,
+             "weights": "the work's HF initialization, loaded into the trainer's model"}
+    return B.Setup(run.model, run.optimizer, run.forward_loss, dp=ns.dp, tp=ns.tp, dp_rank=run.dp_rank,
+                   notes=notes, step=trainer_step)

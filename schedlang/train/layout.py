@@ -1,0 +1,209 @@
+"""The layout of a run, explained before it starts: the model's facts read on the meta device, the
+devices and their link, ``--layout auto``'s choice (the autotune cost model,
+:mod:`schedlang.autotune.training_cost`) and the plan block that ``--dry-run`` prints and every run
+opens with."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import time
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from ..autotune.training_cost import (GIB, Choice, Hardware, Layout, ModelShape, StepEstimate, choose_layout,
+                                      estimate_step, format_estimate)
+from .configs import Dims, build_meta_model, head_dim, model_config, model_dims, valid_tp_sizes, validate_model
+from .flags import _device_type, _fail, validate_layout
+from .structure import decoder_layers, embedding_params, flops_params, is_tied, tensor_parallel_problem
+
+logger = logging.getLogger("schedlang.train")
+
+
+@dataclasses.dataclass
+class ModelFacts:
+    """What the run needs to know of its model before building it, read off the meta-device model."""
+
+    cfg: Any
+    dims: Dims
+    shape: ModelShape
+    layers_path: str
+    n_params: int
+    tp_problem: Optional[str] = None
+
+
+def model_facts(ns: argparse.Namespace, check_tensor_parallel: bool = False) -> ModelFacts:
+    """The config of ``--model`` / ``--config`` and the facts of its model (built on the meta device: no memory
+    for weights); sets ``ns.model`` to the config's family."""
+    cfg = model_config(ns.model, ns.config)
+    ns.model = cfg.model_type
+    dims = model_dims(cfg)
+    if dims.heads is None or dims.heads < 1 or (getattr(cfg, "head_dim", None) is None and dims.hidden % dims.heads):
+        _fail(f"--config {ns.config}: the hidden size {dims.hidden} must be divisible by the number of attention "
+              f"heads ({dims.heads}, at least 1)")
+    meta = build_meta_model(cfg)
+    path, layers = decoder_layers(meta, f"--config {ns.config}")
+    if len(layers) != dims.layers:
+        logger.info("%s: the config says %d layers, the model holds %d", ns.config, dims.layers, len(layers))
+        dims.layers = len(layers)
+    first = layers[0]
+    gated = sum(1 for m in first.modules() if isinstance(m, torch.nn.Linear)) >= 7 or any(
+        "gate" in n for n, _ in first.named_modules())
+    n_params = sum(p.numel() for p in meta.parameters())
+    shape = ModelShape(layers=dims.layers, hidden=dims.hidden, heads=dims.heads, kv_heads=dims.kv_heads,
+                       head_dim=head_dim(cfg, dims), intermediate=dims.intermediate, vocab=dims.vocab,
+                       params=n_params, flops_params=flops_params(meta), embedding_params=embedding_params(meta),
+                       gated_mlp=gated, tied=is_tied(meta))
+    problem = tensor_parallel_problem(meta) if check_tensor_parallel else None
+    return ModelFacts(cfg, dims, shape, path, n_params, problem)
+
+
+def check_model_layout(ns: argparse.Namespace, facts: ModelFacts) -> None:
+    """The layout of ``ns`` against the model: every refusal before a weight is allocated."""
+    validate_model(ns, facts.dims, facts.cfg)
+    if ns.tp > 1 and facts.tp_problem:
+        _fail(f"--tp {ns.tp}: {facts.cfg.model_type} models cannot be split by tensor parallelism here: "
+              f"{facts.tp_problem}; use --tp 1 (data or pipeline parallelism)")
+
+
+# ------------------------------------------------------------------------------------------------ devices
+def hardware(ns: argparse.Namespace, world: int, link_bytes_per_s: Optional[float] = None) -> Hardware:
+    """The devices of the run: each GPU's name and memory (``--gpu-memory-gib`` overrides), and the link between
+    ranks: ``--link-gbps`` if given, else measured (``link_bytes_per_s``), else a nominal figure."""
+    device = _device_type(ns)
+    name = ""
+    memory = ns.gpu_memory_gib
+    if device == "cuda" and torch.cuda.is_available():
+        # this rank's GPU by its index, before the rank has set its device (and without using another's)
+        index = int(os.environ.get("LOCAL_RANK", 0)) % max(1, torch.cuda.device_count())
+        props = torch.cuda.get_device_properties(index)
+        name = props.name
+        memory = memory if memory is not None else props.total_memory / GIB
+    hw = Hardware.nominal(device, name=name, memory_gib=memory, link_gbps=ns.link_gbps, world=world)
+    if link_bytes_per_s is not None and ns.link_gbps is None:
+        hw = hw.with_link(link_bytes_per_s, "measured")
+    return hw
+
+
+def measure_link(device: torch.device, world: int, megabytes: Optional[int] = None, iters: int = 5) -> float:
+    """The bus bandwidth (bytes/s) of an all-reduce over every rank, the same figure on all of them (the slowest
+    rank's time). Called by every rank once the process group is up."""
+    import torch.distributed as dist
+
+    size = (megabytes or (64 if device.type == "cuda" else 4)) * 2**20
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    buf = torch.ones(size // torch.tensor([], dtype=dtype).element_size(), dtype=dtype, device=device)
+    for _ in range(2):  # the first calls set up the communicator
+        dist.all_reduce(buf)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(iters):
+        dist.all_reduce(buf)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elapsed = torch.tensor([(time.perf_counter() - start) / iters], dtype=torch.float64 if device.type == "cpu"
+                           else torch.float32, device=device)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return 2 * (world - 1) / world * size / max(float(elapsed), 1e-9)
+
+
+# ------------------------------------------------------------------------------------------------ layouts
+def base_layout(ns: argparse.Namespace) -> Layout:
+    """Precision, speed-ups and pipeline schedule of the run (the parts a layout choice keeps)."""
+    cuda = _device_type(ns) == "cuda"
+    return Layout(dtype=ns.dtype, optimize=bool(ns.optimize) if ns.optimize is not None else cuda,
+                  compiled=bool(ns.compile), optimizer=ns.optimizer, pp_schedule=ns.pp_schedule)
+
+
+def fixed_choices(ns: argparse.Namespace) -> Dict[str, Any]:
+    """What the user decided among the things ``--layout auto`` chooses: kept by every candidate."""
+    fixed: Dict[str, Any] = {}
+    if ns.dp_mode is not None:
+        fixed["dp_mode"] = ns.dp_mode
+    if ns.no_reshard:
+        fixed["reshard"] = False
+    if ns.reduce_dtype is not None:
+        fixed["reduce_dtype"] = ns.reduce_dtype
+    if ns.activation_checkpoint:
+        fixed["activation_checkpoint"] = True
+    if ns.sp:
+        fixed["sp"] = True
+    if ns.optimize:
+        fixed["optimize"] = True
+    if ns.microbatches is not None:
+        fixed["microbatches"] = ns.microbatches
+    return fixed
+
+
+def layout_of(ns: argparse.Namespace) -> Layout:
+    """The layout ``ns`` runs (after validation)."""
+    return dataclasses.replace(base_layout(ns), pp=ns.pp, dp=ns.dp, tp=ns.tp, dp_mode=ns.dp_mode,
+                               reshard=not ns.no_reshard, reduce_dtype=ns.reduce_dtype,
+                               activation_checkpoint=ns.activation_checkpoint, sp=ns.sp, microbatches=ns.microbatches,
+                               stages_per_rank=ns.stages_per_rank, optimize=bool(ns.optimize))
+
+
+def choose(ns: argparse.Namespace, facts: ModelFacts, hw: Hardware, world: int) -> Choice:
+    """``--layout auto``: the fastest layout that fits, by the cost model."""
+    if not hasattr(ns, "_auto_fixed"):  # the user's own choices, before any choice of ours is written into ns
+        ns._auto_fixed = fixed_choices(ns)
+    limit = min(world, 8)
+    tp_sizes = [t for t in valid_tp_sizes(facts.dims, limit) if world % t == 0 and (t == 1 or not facts.tp_problem)]
+    try:
+        return choose_layout(facts.shape, hw, world, ns.global_batch, ns.seq, base=base_layout(ns),
+                             tp_sizes=tp_sizes, fixed=ns._auto_fixed)
+    except ValueError as e:
+        _fail(f"--layout auto: {e}; give --global-batch a multiple of the world size {world}, or a layout with "
+              "--dp/--tp/--pp")
+
+
+def apply_layout(ns: argparse.Namespace, layout: Layout, world: int) -> None:
+    """Write a chosen layout into the flags and check it as a given one would be."""
+    ns.pp, ns.dp, ns.tp = layout.pp, layout.dp, layout.tp
+    ns.dp_mode = layout.dp_mode
+    ns.no_reshard = layout.dp > 1 and layout.dp_mode == "fsdp" and not layout.reshard
+    ns.reduce_dtype = layout.reduce_dtype
+    ns.activation_checkpoint = layout.activation_checkpoint
+    ns.sp = layout.sp
+    fixed = getattr(ns, "_auto_fixed", {})
+    ns.microbatches = fixed.get("microbatches")
+    ns._microbatches_given = ns.microbatches
+    if not fixed.get("optimize"):
+        ns.optimize = None  # the default again: on a GPU where the layout lets it
+    validate_layout(ns, world)
+
+
+def choice_block(choice: Choice) -> str:
+    """``--layout auto``'s choice and its reasons, in one short block."""
+    return (f"schedlang train: --layout auto chose {choice.best.layout.describe()}\n"
+            f"  why: {choice.reason}")
+
+
+def estimate(ns: argparse.Namespace, facts: ModelFacts, hw: Hardware) -> StepEstimate:
+    return estimate_step(facts.shape, layout_of(ns), hw, ns.global_batch, ns.seq)
+
+
+def plan_block(ns: argparse.Namespace, facts: ModelFacts, hw: Hardware, world: int) -> str:
+    """The block ``--dry-run`` prints and every run opens with."""
+    e = estimate(ns, facts, hw)
+    speed = [ns.dtype, "compile" if ns.compile else "eager", "optimize_model" if ns.optimize else "",
+             ns.optimizer]
+    header = (f"schedlang train plan: {ns.model} {ns.config} ({facts.n_params / 1e6:,.1f}M parameters, "
+              f"{facts.dims.layers} layers, hidden {facts.dims.hidden}), global batch {ns.global_batch} x {ns.seq} "
+              f"tokens, {world} rank(s) on {_device_type(ns)}")
+    return format_estimate(e, hw, header=header, extras=", ".join(s for s in speed if s))
+
+
+def probe_candidates(choice: Choice, count: int = 2) -> List[Layout]:
+    """The ``count`` best distinct layouts that fit (for ``--probe``)."""
+    out: List[Layout] = []
+    for e in choice.ranked:
+        if e.fits and e.layout not in out:
+            out.append(e.layout)
+        if len(out) == count:
+            break
+    return out or [choice.best.layout]
