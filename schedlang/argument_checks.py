@@ -30,7 +30,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
-from .errors import ArgumentTypeError, ScheduleValueError
+from .errors import ArgumentTypeError, ScheduleTypeError, ScheduleValueError
 
 __all__ = ["FLOATING_DTYPES", "check_int", "check_number", "check_tensor", "check_integer_tensor", "check_arity",
            "shown"]
@@ -111,3 +111,28 @@ def check_arity(where: str, label: str, fn: Callable, calling: str, args: Sequen
     except TypeError as e:
         raise ScheduleValueError(f"{where}: {label}{signature} cannot be called with {calling}: {e}; "
                                  f"give a function that takes {calling}") from None
+
+
+def check_device(where: str, device: Any, also_valid: str = "") -> Optional[torch.device]:
+    """``device`` as a ``torch.device`` (None stays None): a device string, a ``torch.device`` or a GPU index
+    that names a device this process has, for CUDA. ``also_valid`` adds to the list of valid spellings a
+    message gives (``", 'meta'"``). Other device types are the caller's to accept or refuse."""
+    if device is None:
+        return None
+    if isinstance(device, bool) or not isinstance(device, (str, torch.device, int)):
+        raise ScheduleTypeError(f"{where}: device must be a string such as 'cpu' or 'cuda:0', a torch.device or a "
+                                f"GPU index, got {device!r}")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError, TypeError):
+        raise ScheduleValueError(f"{where}: device {device!r} is not a device: valid are 'cpu', 'cuda', "
+                                 f"'cuda:N'{also_valid} or a torch.device") from None
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ScheduleValueError(f"{where}: device {device!r} asks for CUDA, but no CUDA device is available; "
+                                     "use device='cpu'")
+        if dev.index is not None and dev.index >= count:
+            raise ScheduleValueError(f"{where}: device {device!r} does not exist: valid CUDA indices are "
+                                     f"0..{count - 1}")
+    return dev

@@ -15,6 +15,7 @@ from typing import Any, Callable, Dict, Optional, Tuple, Union
 import torch
 from torch import nn
 
+from .argument_checks import check_device
 from .distributed.agreement import agreement, check_same_plan
 from .distributed.groups import default_device
 from .errors import ArgumentTypeError, SchedlangError, ScheduleTypeError, ScheduleValueError
@@ -95,24 +96,8 @@ def _agreement_group(root):
 
 
 def _check_device(device) -> Optional[torch.device]:
-    if device is None:
-        return None
-    if not isinstance(device, (str, torch.device, int)) or isinstance(device, bool):
-        raise ScheduleTypeError(f"build: device must be a string such as 'cpu' or 'cuda:0', a torch.device or a "
-                                f"GPU index, got {device!r}")
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, ValueError, TypeError):
-        raise ScheduleValueError(f"build: device {device!r} is not a device: valid are 'cpu', 'cuda', 'cuda:N', "
-                                 "'meta' or a torch.device") from None
-    if dev.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count == 0:
-            raise ScheduleValueError(f"build: device {device!r} asks for CUDA, but no CUDA device is available; "
-                                     "use device='cpu'")
-        if dev.index is not None and dev.index >= count:
-            raise ScheduleValueError(f"build: device {device!r} does not exist: valid CUDA indices are 0..{count - 1}")
-    elif dev.type not in ("cpu", "meta"):
+    dev = check_device("build", device, also_valid=", 'meta'")
+    if dev is not None and dev.type not in ("cpu", "meta", "cuda"):
         backend = getattr(torch, dev.type, None)
         if backend is None or not callable(getattr(backend, "is_available", None)) or not backend.is_available():
             raise ScheduleValueError(f"build: device {device!r} is not available here: use 'cpu'"

@@ -19,6 +19,7 @@ from typing import Any, List, Optional
 import torch
 from torch import nn
 
+from ..argument_checks import check_device
 from ..errors import ScheduleTypeError, ScheduleValueError
 
 __all__ = ["example_input_list", "verify_device", "training_check", "has_meta_tensors", "materialized_copy",
@@ -37,25 +38,8 @@ def example_input_list(example_inputs: Any) -> List[Any]:
 
 def verify_device(device: Any) -> Optional[torch.device]:
     """``device=`` checked: None, a device string, a ``torch.device`` or a GPU index; it must exist here."""
-    if device is None:
-        return None
-    if isinstance(device, bool) or not isinstance(device, (str, torch.device, int)):
-        raise ScheduleTypeError(f"Verify: device must be a string such as 'cpu' or 'cuda:0', a torch.device or a GPU "
-                                f"index, got {device!r}")
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, ValueError, TypeError):
-        raise ScheduleValueError(f"Verify: device {device!r} is not a device: valid are 'cpu', 'cuda', 'cuda:N' or a "
-                                 "torch.device") from None
-    if dev.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count == 0:
-            raise ScheduleValueError(f"Verify: device {device!r} asks for CUDA, but no CUDA device is available; "
-                                     "use device='cpu'")
-        if dev.index is not None and dev.index >= count:
-            raise ScheduleValueError(f"Verify: device {device!r} does not exist: valid CUDA indices are "
-                                     f"0..{count - 1}")
-    elif dev.type != "cpu":
+    dev = check_device("Verify", device)
+    if dev is not None and dev.type not in ("cpu", "cuda"):
         raise ScheduleValueError(f"Verify: device {device!r} cannot run the models: use 'cpu' or 'cuda'")
     return dev
 
