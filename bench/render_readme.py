@@ -30,7 +30,7 @@ START, END = "<!-- perf-table:start -->", "<!-- perf-table:end -->"
 #: the training works of bench_train.py, in the order the table lists them (kept here so that rendering
 #: needs neither torch nor transformers; a test checks it against bench_train.WORKS)
 TRAIN_WORKS = ("llama-1.1b-1gpu", "gpt2-medium-1gpu", "llama-1.1b-1gpu-fp8", "llama-1.1b-1gpu-ckpt", "llama-1.1b-tp2",
-               "llama-1.1b-2gpu", "llama-1.1b-2gpu-fp8", "llama-8b-layers-2gpu")
+               "llama-1.1b-2gpu", "llama-1.1b-2gpu-fp8", "llama-8b-layers-2gpu", "llama-8b-4gpu")
 NO_RESULT = "no GPU results recorded for the current code yet"
 
 
