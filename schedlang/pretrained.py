@@ -407,10 +407,20 @@ def _read(targets: Sequence[_Target], source: Dict[str, str], entries: Dict[str,
                     lazy = handle.get_slice(entry.name)
                     for local_index, global_index in regions:
                         piece = lazy[global_index]
-                        local[local_index].copy_(piece)  # converts to the model's dtype
+                        local[local_index].copy_(_on_device_of(piece, local))  # converts to the model's dtype
                         nbytes += piece.numel() * piece.element_size()
             count += 1
     return count, nbytes
+
+
+def _on_device_of(piece: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """``piece`` (read from a file, on the CPU) moved to ``target``'s device in its own dtype. A host-to-device
+    ``copy_`` that also changes the dtype converts on the CPU, element by element, before the transfer (a bf16
+    checkpoint into fp32 parameters: about 0.4 GB/s in a profile of a TP=2 LLaMA-1.1B load on an H200 host); moved first, the conversion runs
+    on the device, and the transfer carries the file's narrower dtype."""
+    if target.device.type == "cpu" or piece.dtype == target.dtype:
+        return piece
+    return piece.to(target.device)
 
 
 # ------------------------------------------------------------------------------------------------ public

@@ -60,6 +60,17 @@ class _RootState:
         self.metadata: Dict[str, Dict[str, Any]] = {}
         #: set by ``build``: the model is now the one being trained, and its optimizer holds its parameters
         self.built = False
+        self._group_shape: Optional[Tuple[int, int]] = None
+
+    def group_shape(self) -> Tuple[int, int]:
+        """``(world_size, rank)`` of the schedule's group, asked of torch.distributed once: the group is fixed
+        when the schedule is made, and asking costs a call into the process group (every ``shard`` asks)."""
+        if self._group_shape is not None:
+            return self._group_shape
+        shape = (groups.world_size(self.group), groups.rank(self.group))
+        if groups.is_distributed():  # before init_process_group the world is this process alone, for now
+            self._group_shape = shape
+        return shape
 
 
 def _copy_container(value: Any) -> Any:
@@ -316,11 +327,11 @@ class Schedule(ScheduleQueries):
 
     @property
     def world_size(self) -> int:
-        return groups.world_size(self._state.group)
+        return self._state.group_shape()[0]
 
     @property
     def rank(self) -> int:
-        return groups.rank(self._state.group)
+        return self._state.group_shape()[1]
 
     @property
     def metadata(self) -> "ScheduleMetadata":
