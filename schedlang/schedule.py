@@ -17,6 +17,7 @@ the plan, then this module, then :mod:`schedlang.replaying`, build and verify.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import functools
@@ -79,6 +80,20 @@ def _copy_container(value: Any) -> Any:
     if isinstance(value, list):
         return list(value)
     return value
+
+
+def _copy_attributes(attributes: Dict[str, Any]) -> Dict[str, Any]:
+    """A module's ``__dict__`` with its dicts and lists copied one level deep. Taken for every module at every
+    primitive call (``shard_model`` on a 22-layer LLaMA makes about 250 calls over 300 modules), so the common
+    case, a dict or list of the exact type, is one type test and one ``copy()``."""
+    copied = attributes.copy()
+    for key, value in attributes.items():
+        kind = type(value)
+        if kind is dict or kind is list or kind is collections.OrderedDict:
+            copied[key] = value.copy()
+        elif isinstance(value, (dict, list)):
+            copied[key] = _copy_container(value)
+    return copied
 
 
 class ScheduleMetadata(MutableMapping):
@@ -156,7 +171,7 @@ class _Undo:
         self.objects = []
         seen = set()
         for m in self.root.modules():
-            d = {key: _copy_container(value) for key, value in m.__dict__.items()}
+            d = _copy_attributes(m.__dict__)
             forward = vars(type(m)).get("forward") if isinstance(m, fx.GraphModule) else None
             self.modules.append((m, d, forward))
             extra = list(m._parameters.values())
