@@ -27,9 +27,10 @@ Example::
 
 from .dcp import FORMAT_VERSION, load_checkpoint, save_checkpoint
 from .hf_export import export_hf
+from .ranks import CheckpointDamagedError
 from .state import full_tensor
 
-__all__ = ["save_checkpoint", "load_checkpoint", "export_hf", "full_tensor"]
+__all__ = ["save_checkpoint", "load_checkpoint", "export_hf", "full_tensor", "CheckpointDamagedError"]
 
 
 # Slapo's activation checkpointing names (``slapo.checkpoint.checkpoint``), which keep the
