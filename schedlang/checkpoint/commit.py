@@ -38,8 +38,28 @@ def staging_path(path: str) -> str:
     return os.fspath(path).rstrip(os.sep) + STAGING_SUFFIX
 
 
+def replaced_path(path: str) -> str:
+    """Where a checkpoint being saved over waits while its replacement is renamed into place."""
+    return os.fspath(path).rstrip(os.sep) + _REPLACED_SUFFIX
+
+
+def recover_replaced(path: str) -> None:
+    """Undo what a save over ``path`` cut off between its two renames left: the old checkpoint renamed aside and
+    the new one not yet in place. The old one comes back; once the new one is in place, the old one goes."""
+    replaced = replaced_path(path)
+    if not os.path.isdir(replaced):
+        return
+    if os.path.lexists(path):
+        _remove(replaced)
+    else:
+        logger.warning("restoring %s from %s: a save over it was cut off before the new one was in place", path,
+                       replaced)
+        os.replace(replaced, path)
+
+
 def clear_staging(path: str) -> str:
     """Remove what an interrupted save of ``path`` left behind and make an empty staging directory (rank 0)."""
+    recover_replaced(path)
     staging = staging_path(path)
     if os.path.lexists(staging):
         logger.info("removing %s, left by a save of %s that did not finish", staging, path)
@@ -107,7 +127,9 @@ def commit(path: str, step: Optional[int] = None, files: Optional[Mapping[str, U
     _sync_directory(staging)
     replaced = None
     if os.path.lexists(path):
-        replaced = path + _REPLACED_SUFFIX
+        # a kill between this rename and the next leaves no checkpoint at ``path``: recover_replaced (the next
+        # save of this path, or the trainer's resume) puts the old one back
+        replaced = replaced_path(path)
         if os.path.lexists(replaced):
             _remove(replaced)
         os.replace(path, replaced)

@@ -15,7 +15,7 @@ from torch import nn
 
 from ..distributed.dtensor_params import rank_major_specs
 from ..distributed.float8_fsdp import clear_precomputed_scales
-from .commit import MANIFEST, clear_staging, commit, manifest_problem, staging_path
+from .commit import MANIFEST, clear_staging, commit, manifest_problem, replaced_path, staging_path
 from .ranks import _agree, _all_gather, _capped, _dist, _names, _rank, _world
 from .state import (_STATE, _dcp_ready, _is_dtensor, _model_state, _OptimView, _optimizer_is_empty, _options,
                     _reset_optimizer, _restore_strided, _stages, _zero_step)
@@ -85,8 +85,6 @@ def _read_meta(blob) -> dict:
 
 # ------------------------------------------------------------------------------------------------ DCP calls
 def _dcp_call(fn, state, path: str) -> None:
-    import torch.distributed.checkpoint as dcp
-
     no_dist = _dist() is None
     with warnings.catch_warnings():
         # DCP warns about single-process use; that is intended here
@@ -291,6 +289,10 @@ def _read_metadata(path: str):
     import torch.distributed.checkpoint as dcp
 
     if not os.path.isdir(path):
+        if os.path.isdir(replaced_path(path)):
+            return None, (f"load_checkpoint: {path!r} is not a complete checkpoint: a save over it was cut off "
+                          f"between its renames; the checkpoint it replaced is whole in {replaced_path(path)!r} "
+                          "(the next save_checkpoint of this path, or the trainer's --resume, moves it back)"), True
         if os.path.isdir(staging_path(path)):
             return None, (f"load_checkpoint: {path!r} is not a complete checkpoint: only {staging_path(path)!r} "
                           "exists, the directory of a save that did not finish"), True
@@ -310,6 +312,14 @@ def _read_metadata(path: str):
                        "of the checkpoint was written and copied whole, or load an earlier checkpoint; nothing was "
                        "loaded")
     return md, problem, problem is not None
+
+
+def checkpoint_problem(path) -> Optional[str]:
+    """Why the directory ``path`` is not a complete checkpoint (no ``.metadata``, a data file missing or cut
+    short, files that differ from its manifest), or None when it is; reads nothing but ``.metadata`` and
+    the manifest (one process, no collective). Whether it fits a model is checked by :func:`load_checkpoint`.
+    """
+    return _read_metadata(os.fspath(path))[1]
 
 
 def _data_file_problem(path: str, md) -> Optional[str]:

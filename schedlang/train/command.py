@@ -120,15 +120,15 @@ def main(argv: Optional[Sequence[str]] = None, prog: Optional[str] = None) -> in
 
             read_index(ns.init_from)  # readable safetensors, before any rank starts
         if ns.resume:
+            # none yet (a first start, or a restart before the first save finished): the run starts fresh, so
+            # the same command line serves the first start and every restart
             saved = latest_checkpoint(ns.checkpoint_dir)
-            if saved is None:
-                _fail(f"--resume: no complete checkpoint in {ns.checkpoint_dir}; set --checkpoint-dir to a "
-                      "folder that holds one, or drop --resume to start fresh")
-            at = int(saved.name[len(_CKPT_PREFIX):])
-            if at >= (ns.stop_after or ns.steps):
+            at = int(saved.name[len(_CKPT_PREFIX):]) if saved is not None else 0
+            if saved is not None and at >= (ns.stop_after or ns.steps):
                 _fail(f"--resume: the latest checkpoint ({saved}) is at step {at}; nothing is left to run up to step "
                       f"{ns.stop_after or ns.steps} (raise --steps)")
-            _check_saved_model(ns, saved, model_dims(ns.model, cfg))
+            if saved is not None:
+                _check_saved_model(ns, saved, model_dims(ns.model, cfg))
         elif ns.checkpoint_dir and latest_checkpoint(ns.checkpoint_dir) is not None:
             # a fresh run would save among another run's checkpoints, and a later --resume take the newest of either
             _fail(f"--checkpoint-dir {ns.checkpoint_dir} already holds checkpoints of a run (the latest is "

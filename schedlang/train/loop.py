@@ -14,6 +14,7 @@ import torch
 
 from .data import TokenBatches
 from .flags import TrainError, _device_type, _fail
+from .resume import finish_saves, open_metrics
 from .run import _Run
 
 #: dense bf16 peak of one H100 / H200 (SXM), the denominator of the reported MFU
@@ -67,7 +68,7 @@ def train(ns: argparse.Namespace, rank: int = 0, world: int = 1) -> Optional[Dic
     if start >= last:
         _fail(f"--resume: the checkpoint is at step {start}, nothing left to run up to step {last}")
     is_main = rank == 0
-    metrics = open(ns.metrics, "a" if ns.resume else "w") if (ns.metrics and is_main) else None
+    metrics = open_metrics(ns.metrics, start if ns.resume else None) if (ns.metrics and is_main) else None
     layout = run.layout()
     tokens_per_step = ns.global_batch * ns.seq
     flops_per_token = 6 * run.flops_params + 12 * run.dims.layers * run.dims.hidden * ns.seq
@@ -104,6 +105,7 @@ def train(ns: argparse.Namespace, rank: int = 0, world: int = 1) -> Optional[Dic
                 raise TrainError(f"train: the loss is {out['loss']} at step {step}; lower --lr or use --dtype fp32")
             if ns.checkpoint_dir and ((ns.save_every and step % ns.save_every == 0) or step == last):
                 run.save(step)
+        finish_saves(run)  # a background save still running: the run ends once it is visible
     finally:
         if metrics is not None:
             metrics.close()
