@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The oldest releases schedlang declares (pyproject.toml: torch, transformers), in a fresh virtualenv of their
+# own, pinned by ci/constraints-oldest.txt: the tests of what touches them, HF models (tensor parallelism,
+# tracing), distributed (FSDP2, DDP, pipelines, agreement), checkpoints and the trainer (resume, a killed
+# rank under torchrun). .ci/run calls it after the main suite; a failure fails CI.
+#
+# Older torch releases come from PyPI as CUDA builds (about 3 GB with their CUDA libraries; they run on
+# the CPU). The wheels pip downloads are kept in $SCHEDLANG_CI_PIP_CACHE, so a machine that ran this lane
+# before installs without downloading them again. Prints how long the install and the tests took.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv=${SCHEDLANG_CI_OLDEST_VENV:-.ci-venv-oldest}
+cache=${SCHEDLANG_CI_PIP_CACHE:-$HOME/.cache/schedlang-ci-pip}
+started=$(date +%s)
+rm -rf "$venv"
+python3 -m venv "$venv"
+py="$venv/bin/python"
+"$py" -m pip install --quiet --cache-dir "$cache" --upgrade pip >/dev/null 2>&1 || true
+torch_pin=$(grep -E '^torch==' ci/constraints-oldest.txt)
+# torch first and alone: with the project's pins it would resolve to the local CPU build of a newer release
+"$py" -m pip install --quiet --cache-dir "$cache" "$torch_pin"
+"$py" -m pip install --quiet --cache-dir "$cache" -e ".[hf]" pytest pytest-timeout hypothesis \
+  -c ci/constraints-oldest.txt
+installed=$(date +%s)
+echo "ci (oldest): $("$py" --version), in $venv; installed in $((installed - started)) s"
+"$py" -m pip list --format=freeze 2>/dev/null \
+  | grep -iE '^(torch|triton|transformers|tokenizers|huggingface.hub|safetensors|pytest|numpy)==' \
+  | sed "s/^/ci (oldest): installed /"
+export SCHEDLANG_REQUIRE_OLDEST=1  # tests/test_compat.py checks the installed versions against the declared minimums
+log=$(mktemp)
+set +e
+"$py" -m pytest -q -p no:cacheprovider --durations=15 \
+  tests/test_compat.py \
+  tests/models/test_tp_llama.py tests/models/test_tp_gpt2.py tests/models/test_trace_hf.py \
+  tests/distributed/test_data_parallel.py tests/distributed/test_pipeline.py tests/distributed/test_agreement.py \
+  tests/test_checkpoint.py tests/checkpoint \
+  tests/train/test_resume.py "tests/test_train.py::test_resume_is_exact" \
+  "tests/test_train.py::test_resume_under_another_layout_is_exact" \
+  2>&1 | tee "$log"
+status=${PIPESTATUS[0]}
+set -e
+echo "ci (oldest): tests ran in $(($(date +%s) - installed)) s; install and tests $(($(date +%s) - started)) s"
+if [ "$status" -eq 5 ] || ! grep -Eq '[0-9]+ passed' "$log"; then
+  echo "ci (oldest): no tests ran" >&2
+  exit 1
+fi
+exit "$status"
