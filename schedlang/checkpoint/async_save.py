@@ -26,7 +26,7 @@ from torch import nn
 from .. import compat
 from ..errors import CheckpointError
 from .commit import staging_path
-from .dcp import _begin_save, _commit_problem
+from .dcp import _begin_save, _commit_problem, _exception_text
 from .ranks import _agree, _dist, _rank
 
 logger = logging.getLogger("schedlang.checkpoint")
@@ -110,8 +110,8 @@ class AsyncCheckpointer:
             error = f.exception()
             if error is not None:
                 finished.set_exception(CheckpointError(
-                    f"save_checkpoint: the asynchronous save of {save.path!r} failed ({type(error).__name__}: "
-                    f"{error}); {staging_path(save.path)!r} stays incomplete and is never loaded"))
+                    f"save_checkpoint: the asynchronous save of {save.path!r} failed ({_exception_text(error)}); "
+                    f"{staging_path(save.path)!r} stays incomplete and is never loaded"))
                 return
             problem = _commit_problem(save.path, step, extra_files) if rank0 else None
             if problem is not None:

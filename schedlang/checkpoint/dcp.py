@@ -104,14 +104,19 @@ def _dcp_load(state: Dict[str, Any], path: str) -> None:
     try:
         _dcp_call(dcp.load, state, path)
     except (Exception, dcp.CheckpointException) as e:
-        failures = getattr(e, "failures", None)
-        if isinstance(failures, dict) and failures:  # {rank: (exception, traceback)}
-            why = "; ".join(f"rank {rank}: {_failure_text(failure)}" for rank, failure in sorted(failures.items()))
-        else:
-            why = f"{type(e).__name__}: {_first_line(e)}"
+        why = _exception_text(e)
         problem = (f"load_checkpoint: cannot read {path!r}: {why}; check that every file of the checkpoint was "
                    "written and copied whole, or load an earlier checkpoint; the model and optimizer are unchanged")
     _agree(problem, damaged=True)
+
+
+def _exception_text(error: BaseException) -> str:
+    """What failed, in one line per rank: DCP's ``CheckpointException`` carries each rank's own exception
+    (``{rank: (exception, traceback)}``), and its message is the tracebacks."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        return "; ".join(f"rank {rank}: {_failure_text(failure)}" for rank, failure in sorted(failures.items()))
+    return f"{type(error).__name__}: {_first_line(error)}"
 
 
 def _failure_text(failure) -> str:
