@@ -16,8 +16,8 @@ import re
 from typing import Optional, Tuple
 
 #: the oldest releases schedlang is tested with (and declares in pyproject.toml)
-MIN_TORCH = (2, 8)
-MIN_TRANSFORMERS = (5, 0)
+MIN_TORCH = (2, 11)
+MIN_TRANSFORMERS = (5, 17)
 
 
 def release(version: str) -> Tuple[int, int]:
@@ -46,24 +46,14 @@ def torch_at_least(major: int, minor: int) -> bool:
 
 
 # ------------------------------------------------------------------------------------------------ torch
-#: torch 2.9: ``torch.distributed.checkpoint.async_save`` takes ``no_dist`` (one process without a process
-#: group); before, it is left out and DCP finds out by itself that torch.distributed is not initialized
-ASYNC_SAVE_TAKES_NO_DIST = torch_at_least(2, 9)
-
-#: torch 2.9: ``torch.distributed._composable.replicate_with_fsdp``, the FSDP-based ``replicate`` that takes
-#: a mixed-precision policy and a 2-D mesh; before, the DDP-based composable ``replicate`` (1-D meshes, no
-#: policy) stands in
-REPLICATE_WITH_FSDP = torch_at_least(2, 9)
+# Below the minimum, and no longer checked anywhere: ``dcp.async_save(no_dist=)`` and the FSDP-based composable
+# ``replicate`` (both torch 2.9; its ``mesh=`` keyword and 1-D meshes: 2.11), ``scale_grads`` of the pipelining
+# schedules and ``dcp.save(no_dist=)`` (2.7), public FSDP2 and DTensor (2.6).
 
 #: torch 2.13: compiled regions that trace a collective keep its backward all-reduce; older compilers lose it
 #: and the gradients are wrong, so ``compile_layers(trace_collectives=True)`` is refused there
 TRACED_COLLECTIVES_KEEP_BACKWARD = torch_at_least(2, 13)
 
 
-def async_save_kwargs(no_dist: bool) -> dict:
-    """The keyword arguments of ``dcp.async_save`` that say whether there is a process group."""
-    return {"no_dist": no_dist} if ASYNC_SAVE_TAKES_NO_DIST else {}
-
-
 __all__ = ["MIN_TORCH", "MIN_TRANSFORMERS", "TORCH", "TRANSFORMERS", "release", "torch_at_least",
-           "ASYNC_SAVE_TAKES_NO_DIST", "REPLICATE_WITH_FSDP", "TRACED_COLLECTIVES_KEEP_BACKWARD", "async_save_kwargs"]
+           "TRACED_COLLECTIVES_KEEP_BACKWARD"]

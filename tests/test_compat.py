@@ -1,6 +1,6 @@
-"""The declared minimum versions, the oldest-versions CI lane and ``schedlang.compat`` agree, and each of
-compat's feature names matches what the installed torch really has (checked on every lane: the main one
-with the newest torch, the oldest-versions one with the declared minimum)."""
+"""The declared minimum versions, the oldest-versions CI lane and ``schedlang.compat`` agree, and the installed
+torch has what schedlang calls without a version check (checked on every lane: the main one with the newest
+torch, the oldest-versions one with the declared minimum)."""
 
 from __future__ import annotations
 
@@ -79,18 +79,8 @@ def test_release_refuses_what_is_no_version():
 
 
 # ------------------------------------------------------------------------------------------------ feature names
-def test_async_save_takes_no_dist_exactly_where_compat_says():
-    import torch.distributed.checkpoint as dcp
-
-    assert ("no_dist" in inspect.signature(dcp.async_save).parameters) == compat.ASYNC_SAVE_TAKES_NO_DIST
-    assert compat.async_save_kwargs(True) == ({"no_dist": True} if compat.ASYNC_SAVE_TAKES_NO_DIST else {})
-
-
-def test_fsdp_based_replicate_exists_exactly_where_compat_says():
-    import importlib.util
-
-    found = importlib.util.find_spec("torch.distributed._composable.replicate_with_fsdp") is not None
-    assert found == compat.REPLICATE_WITH_FSDP
+def test_traced_collectives_flag_follows_the_release():
+    assert compat.TRACED_COLLECTIVES_KEEP_BACKWARD == (compat.TORCH >= (2, 13))
 
 
 def test_what_every_supported_torch_has():
@@ -103,7 +93,10 @@ def test_what_every_supported_torch_has():
     from torch.distributed.tensor.placement_types import _StridedShard  # noqa: F401  (FSDP2 over TP shards)
 
     assert "no_dist" in inspect.signature(dcp.save).parameters and "no_dist" in inspect.signature(dcp.load).parameters
-    assert "process_group" in inspect.signature(dcp.async_save).parameters
+    assert {"process_group", "no_dist"} <= set(inspect.signature(dcp.async_save).parameters)
+    from torch.distributed._composable.replicate_with_fsdp import replicate  # data parallel's, FSDP-based
+
+    assert "mesh" in inspect.signature(replicate).parameters
     for schedule in ("ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble"):
         assert "scale_grads" in inspect.signature(getattr(pipelining, schedule).__init__).parameters, schedule
     assert "src_data_rank" in inspect.signature(distribute_tensor).parameters

@@ -23,7 +23,6 @@ from typing import Any, Dict, Optional, Union
 import torch
 from torch import nn
 
-from .. import compat
 from ..errors import CheckpointError
 from .commit import staging_path
 from .dcp import _begin_save, _commit_problem, _exception_text
@@ -94,7 +93,7 @@ class AsyncCheckpointer:
             with warnings.catch_warnings():  # DCP's note that it runs in one process: intended here
                 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
                 future = dcp.async_save(save.state, checkpoint_id=save.staging, storage_writer=writer,
-                                        process_group=self.group, **compat.async_save_kwargs(dist is None))
+                                        process_group=self.group, no_dist=dist is None)
         except BaseException as e:
             problem = f"save_checkpoint: cannot start the asynchronous save of {save.path!r}: {type(e).__name__}: {e}"
         else:

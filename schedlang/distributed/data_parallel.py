@@ -32,7 +32,6 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import torch
 from torch import nn
 
-from .. import compat
 from ..errors import ScheduleTypeError, ScheduleValueError
 
 __all__ = ["normalize_mp_policy", "make_mp_policy", "apply_data_parallel", "DATA_PARALLEL_PRIMITIVES",
@@ -173,13 +172,6 @@ def apply_data_parallel(model: nn.Module, steps: Iterable[Tuple[str, str, Dict[s
 
 def _replicate(module: nn.Module, dp_mesh, policy) -> None:
     """torch's FSDP-based composable ``replicate`` (parameter names unchanged, so checkpoints still match)."""
-    if not compat.REPLICATE_WITH_FSDP:  # older torch: the DDP-based composable API (no mixed-precision policy)
-        from torch.distributed._composable import replicate as _ddp_replicate
-
-        if dp_mesh.ndim != 1:
-            raise ScheduleValueError("replicate: a 2-D data mesh needs torch >= 2.9")
-        _ddp_replicate(module, process_group=dp_mesh.get_group())
-        return
     from torch.distributed._composable.replicate_with_fsdp import replicate
 
     replicate(module, mesh=dp_mesh, mp_policy=policy)
