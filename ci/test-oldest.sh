@@ -4,23 +4,26 @@
 # tracing), distributed (FSDP2, DDP, pipelines, agreement), checkpoints and the trainer (resume, a killed
 # rank under torchrun). .ci/run calls it after the main suite; a failure fails CI.
 #
-# Older torch releases come from PyPI as CUDA builds (about 3 GB with their CUDA libraries; they run on
-# the CPU). The wheels pip downloads are kept in $SCHEDLANG_CI_PIP_CACHE, so a machine that ran this lane
-# before installs without downloading them again. Prints how long the install and the tests took.
+# Older torch releases come from PyPI as CUDA builds (about 3 GB of wheels with their CUDA libraries; they
+# run on the CPU). Those wheels are downloaded once per machine into $SCHEDLANG_CI_WHEELS and installed from
+# there (pip keeps no cache of its own here), so a machine that ran this lane before downloads nothing again.
+# Prints how long the install and the tests took.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=${SCHEDLANG_CI_OLDEST_VENV:-.ci-venv-oldest}
-cache=${SCHEDLANG_CI_PIP_CACHE:-$HOME/.cache/schedlang-ci-pip}
+wheels=${SCHEDLANG_CI_WHEELS:-$HOME/.cache/schedlang-ci-wheels}
+mkdir -p "$wheels"
 started=$(date +%s)
 rm -rf "$venv"
 python3 -m venv "$venv"
 py="$venv/bin/python"
-"$py" -m pip install --quiet --cache-dir "$cache" --upgrade pip >/dev/null 2>&1 || true
+"$py" -m pip install --quiet --upgrade pip >/dev/null 2>&1 || true
 torch_pin=$(grep -E '^torch==' ci/constraints-oldest.txt)
-# torch first and alone: with the project's pins it would resolve to the local CPU build of a newer release
-"$py" -m pip install --quiet --cache-dir "$cache" "$torch_pin"
-"$py" -m pip install --quiet --cache-dir "$cache" -e ".[hf]" pytest pytest-timeout hypothesis \
-  -c ci/constraints-oldest.txt
+# torch first and alone, with everything it needs, from the wheels kept on this machine ("File was already
+# downloaded" for those already there)
+"$py" -m pip download --quiet -d "$wheels" "$torch_pin"
+"$py" -m pip install --quiet --no-index --find-links "$wheels" "$torch_pin"
+"$py" -m pip install --quiet -e ".[hf]" pytest pytest-timeout hypothesis -c ci/constraints-oldest.txt
 installed=$(date +%s)
 echo "ci (oldest): $("$py" --version), in $venv; installed in $((installed - started)) s"
 "$py" -m pip list --format=freeze 2>/dev/null \
