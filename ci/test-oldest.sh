@@ -2,8 +2,8 @@
 # The oldest releases schedlang declares (pyproject.toml: torch, transformers), in a fresh virtualenv of their
 # own, pinned by ci/constraints-oldest.txt: the tests of what touches them, HF models (tensor parallelism,
 # tracing), distributed (FSDP2, DDP, pipelines), checkpoints (resharding, async saves) and the trainer
-# (resuming, a damaged checkpoint). .ci/run calls it after the main suite; a failure fails CI. The killed-rank
-# test under torchrun runs in the main suite only: it costs minutes, and what it adds here is torchrun's own.
+# (resuming, a damaged checkpoint, a rank killed under torchrun). .ci/run calls it after the main suite; a
+# failure fails CI.
 #
 # Older torch releases come from PyPI as CUDA builds (about 3 GB of wheels with their CUDA libraries; they
 # run on the CPU). Those wheels are downloaded once per machine into $SCHEDLANG_CI_WHEELS and installed from
@@ -44,6 +44,7 @@ set +e
   "tests/test_checkpoint.py::test_checkpoint_of_one_layout_resumes_under_another" \
   tests/checkpoint/test_async_save.py \
   "tests/train/test_resume.py::test_async_saves_resume_exactly" \
+  "tests/train/test_resume.py::test_a_rank_killed_mid_run_restarts_and_continues_exactly" \
   "tests/train/test_resume.py::test_a_damaged_newest_checkpoint_is_skipped_for_the_one_before[corrupt-bytes]" \
   2>&1 | tee "$log"
 status=${PIPESTATUS[0]}

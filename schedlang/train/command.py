@@ -38,7 +38,14 @@ def _torchrun_main(ns: argparse.Namespace, world: int) -> int:
     backend = "nccl" if _device_type(ns) == "cuda" else "gloo"
     if _device_type(ns) == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=ns.timeout))
+    timeout = datetime.timedelta(seconds=ns.timeout)
+    # torchrun keeps one store for every attempt of a run: after a restart (--max-restarts), keys of the attempt
+    # before (where the killed ranks listened) would still be read, and gloo would connect to dead addresses
+    # (seen with torch 2.11). Each attempt's process group keys live under a prefix of their own.
+    store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(backend, store=dist.PrefixStore(f"schedlang-attempt-{attempt}", store), rank=rank,
+                            world_size=world, timeout=timeout)
     try:
         train(ns, rank, world)
         return 0
