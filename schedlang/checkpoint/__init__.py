@@ -15,6 +15,12 @@ Layout of a checkpoint (keys in ``.metadata``)::
     optim.param_groups.<parameter name>.<hyperparameter>
     schedlang                                    step, extra and a format version (pickled)
 
+A checkpoint appears at its path only once it is complete: the ranks write into ``<path>.partial``
+and rank 0 renames it after all of them finished, with a ``manifest.json`` (every file's size, a
+digest of ``.metadata``) that loading checks (:mod:`.commit`). ``AsyncCheckpointer`` does the same
+in the background (``torch.distributed.checkpoint.async_save``) while training goes on. A
+checkpoint found damaged (a file missing, cut short, unreadable) raises ``CheckpointDamagedError``.
+
 Example::
 
     model, opt = schedlang.build(sch, optimizer="adamw")          # any layout
@@ -28,11 +34,14 @@ Example::
 import sys
 import types
 
+from .async_save import AsyncCheckpointer, PendingCheckpoint
 from .dcp import FORMAT_VERSION, load_checkpoint, save_checkpoint
 from .hf_export import export_hf
+from .ranks import CheckpointDamagedError
 from .state import full_tensor
 
-__all__ = ["save_checkpoint", "load_checkpoint", "export_hf", "full_tensor"]
+__all__ = ["save_checkpoint", "load_checkpoint", "export_hf", "full_tensor", "CheckpointDamagedError",
+           "AsyncCheckpointer", "PendingCheckpoint"]
 
 
 # Slapo's activation checkpointing names (``slapo.checkpoint.checkpoint``), which keep the

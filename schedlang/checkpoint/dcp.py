@@ -8,13 +8,14 @@ import logging
 import os
 import time
 import warnings
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
 
 from ..distributed.dtensor_params import rank_major_specs
 from ..distributed.float8_fsdp import clear_precomputed_scales
+from .commit import MANIFEST, clear_staging, commit, manifest_problem, replaced_path, staging_path
 from .ranks import _agree, _all_gather, _capped, _dist, _names, _rank, _world
 from .state import (_STATE, _dcp_ready, _is_dtensor, _model_state, _OptimView, _optimizer_is_empty, _options,
                     _reset_optimizer, _restore_strided, _stages, _zero_step)
@@ -102,16 +103,11 @@ def _read_meta(blob) -> dict:
 
 # ------------------------------------------------------------------------------------------------ DCP calls
 def _dcp_call(fn, state, path: str) -> None:
-    import torch.distributed.checkpoint as dcp
-
     no_dist = _dist() is None
     with warnings.catch_warnings():
         # DCP warns about single-process use; that is intended here
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        if fn is dcp.save:  # saving over an older checkpoint replaces it, as torch.save does a file
-            fn(state, storage_writer=dcp.FileSystemWriter(path, overwrite=True), no_dist=no_dist)
-        else:
-            fn(state, checkpoint_id=path, no_dist=no_dist)
+        fn(state, checkpoint_id=path, no_dist=no_dist)
 
 
 def _dcp_load(state: Dict[str, Any], path: str) -> None:
@@ -126,14 +122,19 @@ def _dcp_load(state: Dict[str, Any], path: str) -> None:
     try:
         _dcp_call(dcp.load, state, path)
     except (Exception, dcp.CheckpointException) as e:
-        failures = getattr(e, "failures", None)
-        if isinstance(failures, dict) and failures:  # {rank: (exception, traceback)}
-            why = "; ".join(f"rank {rank}: {_failure_text(failure)}" for rank, failure in sorted(failures.items()))
-        else:
-            why = f"{type(e).__name__}: {_first_line(e)}"
+        why = _exception_text(e)
         problem = (f"load_checkpoint: cannot read {path!r}: {why}; check that every file of the checkpoint was "
                    "written and copied whole, or load an earlier checkpoint; the model and optimizer are unchanged")
-    _agree(problem)
+    _agree(problem, damaged=True)
+
+
+def _exception_text(error: BaseException) -> str:
+    """What failed, in one line per rank: DCP's ``CheckpointException`` carries each rank's own exception
+    (``{rank: (exception, traceback)}``), and its message is the tracebacks."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        return "; ".join(f"rank {rank}: {_failure_text(failure)}" for rank, failure in sorted(failures.items()))
+    return f"{type(error).__name__}: {_first_line(error)}"
 
 
 def _failure_text(failure) -> str:
@@ -177,43 +178,75 @@ def _commit(staged: Dict[str, Any], targets: Dict[str, Any]) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ save
-def save_checkpoint(path, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
-                    step: Optional[int] = None, extra: Any = None) -> None:
-    """Write ``model``'s (and ``optimizer``'s) state to the directory ``path`` as a DCP checkpoint.
+#: names a checkpoint's own files take; ``extra_files`` may not use them
+_RESERVED = (".metadata", MANIFEST)
 
-    Every rank must call it (it is collective); each writes the shards it holds. Works under any
-    layout schedlang builds (DTensor tensor parallelism, FSDP2, pipeline stages, one process,
-    with or without torch.distributed initialized) and with ``torch.optim`` and schedlang's fused
-    optimizers. ``step`` and ``extra`` (plain Python values and tensors, e.g. a data position or an
-    LR scheduler's state dict) come back from :func:`load_checkpoint`.
 
-    Example::
+def _extra_files_problem(extra_files) -> Optional[str]:
+    if extra_files is None:
+        return None
+    if not isinstance(extra_files, dict):
+        return (f"save_checkpoint: extra_files must be a dict of file name -> str or bytes, got "
+                f"{type(extra_files).__name__}")
+    for name, contents in extra_files.items():
+        if (not isinstance(name, str) or not name or name != os.path.basename(name) or name in (".", "..")
+                or name in _RESERVED or name.endswith(".distcp")):
+            return (f"save_checkpoint: extra_files: {name!r} is not a valid name: give a plain file name (no "
+                    f"directory), other than {', '.join(_RESERVED)} and *.distcp, which the checkpoint uses")
+        if not isinstance(contents, (str, bytes)):
+            return (f"save_checkpoint: extra_files[{name!r}] must be str or bytes, got {type(contents).__name__}")
+    return None
 
-        schedlang.save_checkpoint("ckpt/step-100", model, optimizer, step=100, extra={"seed": 0})
-    """
-    import torch.distributed.checkpoint as dcp
 
+class _SaveState:
+    """What one save writes: the DCP state of the model (and optimizer), where it is staged, and how to put
+    an optimizer that had no state back as it was once the state has been written (or copied, for an
+    asynchronous save)."""
+
+    def __init__(self, path: str, state: Dict[str, Any], optimizer, was_empty: bool, started: float, step):
+        self.path, self.state, self.optimizer, self.was_empty = path, state, optimizer, was_empty
+        self.started, self.step = started, step
+        self.staging = staging_path(path)
+
+    def release(self) -> None:
+        if self.was_empty:
+            _reset_optimizer(self.optimizer)
+            self.was_empty = False
+
+    def describe(self) -> str:
+        n_optim = len(self.state[_OPTIM]) if _OPTIM in self.state else 0
+        return (f"{len(self.state[_MODEL])} model tensors" + (f", {n_optim} optimizer entries" if n_optim else "")
+                + f", step {self.step}")
+
+
+def _begin_save(path, model, optimizer, step, extra, extra_files) -> _SaveState:
+    """Check the arguments (agreed between the ranks before anything is written), empty the staging directory
+    and gather the state to write."""
     started = time.perf_counter()
-    # every argument is checked, and the result agreed between the ranks, before a directory is made or an
-    # older checkpoint's .metadata removed
     problem = _argument_problem("save_checkpoint", path, model, optimizer)
     blob = None
+    if problem is None:
+        problem = _extra_files_problem(extra_files)
     if problem is None:
         blob, problem = _meta_blob(step, extra, optimizer)
     if problem is None and os.path.exists(path) and not os.path.isdir(path):
         problem = f"save_checkpoint: {os.fspath(path)!r} exists and is not a directory; pass a directory path"
     _agree(problem)
-    path = os.fspath(path)
-    os.makedirs(path, exist_ok=True)
-    if _rank() == 0 and os.path.exists(os.path.join(path, ".metadata")):
-        # an older checkpoint here: without its .metadata it cannot pass for complete if this save stops midway
-        os.remove(os.path.join(path, ".metadata"))
-    _agree(None)  # keeps every rank from writing before the old .metadata is gone
+    path = os.fspath(path).rstrip(os.sep) or os.sep
+    problem = None
+    if _rank() == 0:
+        try:  # what an interrupted save of this path left is never loaded; it is replaced now
+            clear_staging(path)
+        except OSError as e:
+            problem = (f"save_checkpoint: cannot create {staging_path(path)!r} ({e.strerror or e}); give a "
+                       "checkpoint path in a writable directory")
+    _agree(problem)  # also keeps every rank from writing before the staging directory is ready
 
     rank_major = rank_major_specs(_stages(model))
     model_state, _ = _dcp_ready(_model_state(model), rank_major)
     state: Dict[str, Any] = {_MODEL: model_state, _META: blob}
     was_empty = _optimizer_is_empty(optimizer)
+    save = _SaveState(path, state, optimizer, was_empty, started, step)
     try:
         if optimizer is not None:
             optim_state = _OptimView(model).fetch(optimizer)
@@ -222,29 +255,94 @@ def save_checkpoint(path, model: nn.Module, optimizer: Optional[torch.optim.Opti
                 optim_state = {k: _zero_step(v) if k.startswith(_STATE) and k.endswith(".step") else v
                                for k, v in optim_state.items()}
             state[_OPTIM], _ = _dcp_ready(optim_state, rank_major)
-        _dcp_call(dcp.save, state, path)
+    except BaseException:
+        save.release()
+        raise
+    return save
+
+
+def _commit_problem(path: str, step, extra_files) -> Optional[str]:
+    """Rank 0, once every rank's shards are written: make the checkpoint visible (:func:`commit.commit`)."""
+    try:
+        commit(path, step=step, files=extra_files)
+    except OSError as e:
+        return (f"save_checkpoint: the checkpoint was written to {staging_path(path)!r} but could not be made "
+                f"visible as {path!r} ({type(e).__name__}: {e}); it stays incomplete and is never loaded")
+    return None
+
+
+def save_checkpoint(path, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
+                    step: Optional[int] = None, extra: Any = None,
+                    extra_files: Optional[Dict[str, Union[str, bytes]]] = None) -> None:
+    """Write ``model``'s (and ``optimizer``'s) state to the directory ``path`` as a DCP checkpoint.
+
+    Every rank must call it (it is collective); each writes the shards it holds. Works under any
+    layout schedlang builds (DTensor tensor parallelism, FSDP2, pipeline stages, one process,
+    with or without torch.distributed initialized) and with ``torch.optim`` and schedlang's fused
+    optimizers. ``step`` and ``extra`` (plain Python values and tensors, e.g. a data position or an
+    LR scheduler's state dict) come back from :func:`load_checkpoint`. ``extra_files`` (file name ->
+    str or bytes) are written by rank 0 into the checkpoint directory, e.g. a JSON state that tools
+    read without torch.
+
+    The checkpoint appears at ``path`` only once it is complete: the ranks write into
+    ``<path>.partial``, and rank 0 renames it after every rank finished, with a ``manifest.json``
+    that :func:`load_checkpoint` checks (see :mod:`schedlang.checkpoint.commit`). A save that is cut
+    off leaves only the ``.partial`` directory; a checkpoint already at ``path`` stays whole until
+    the new one replaces it.
+
+    Example::
+
+        schedlang.save_checkpoint("ckpt/step-100", model, optimizer, step=100, extra={"seed": 0})
+    """
+    import torch.distributed.checkpoint as dcp
+
+    save = _begin_save(path, model, optimizer, step, extra, extra_files)
+    try:
+        _dcp_call(dcp.save, save.state, save.staging)
     finally:
-        if was_empty:
-            _reset_optimizer(optimizer)
-    logger.info("saved checkpoint %s (%d model tensors%s, step %s) in %.2f s", path, len(model_state),
-                f", {len(state[_OPTIM])} optimizer entries" if _OPTIM in state else "", step,
-                time.perf_counter() - started)
+        save.release()
+    _agree(_commit_problem(save.path, step, extra_files) if _rank() == 0 else None)
+    logger.info("saved checkpoint %s (%s) in %.2f s", save.path, save.describe(), time.perf_counter() - save.started)
 
 
 # ------------------------------------------------------------------------------------------------ load
 def _read_metadata(path: str):
+    """The checkpoint's DCP metadata, or None and why it cannot be loaded; a third value says whether that is
+    damage (a file missing, cut short, unreadable: an earlier checkpoint may still load)."""
     import torch.distributed.checkpoint as dcp
 
     if not os.path.isdir(path):
-        return None, f"load_checkpoint: no checkpoint directory at {path!r}"
+        if os.path.isdir(replaced_path(path)):
+            return None, (f"load_checkpoint: {path!r} is not a complete checkpoint: a save over it was cut off "
+                          f"between its renames; the checkpoint it replaced is whole in {replaced_path(path)!r} "
+                          "(the next save_checkpoint of this path, or the trainer's --resume, moves it back)"), True
+        if os.path.isdir(staging_path(path)):
+            return None, (f"load_checkpoint: {path!r} is not a complete checkpoint: only {staging_path(path)!r} "
+                          "exists, the directory of a save that did not finish"), True
+        return None, f"load_checkpoint: no checkpoint directory at {path!r}", False
     if not os.path.isfile(os.path.join(path, ".metadata")):
         return None, (f"load_checkpoint: {path!r} is not a complete checkpoint: its .metadata file is missing "
-                      f"(written last by save_checkpoint; the save may have been interrupted)")
+                      f"(written last by save_checkpoint; the save may have been interrupted)"), True
     try:
         md = dcp.FileSystemReader(path).read_metadata()
     except Exception as e:  # a truncated or foreign file
-        return None, f"load_checkpoint: cannot read {os.path.join(path, '.metadata')}: {e}"
-    return md, _data_file_problem(path, md)
+        return None, f"load_checkpoint: cannot read {os.path.join(path, '.metadata')}: {e}", True
+    problem = _data_file_problem(path, md)
+    if problem is None:
+        mismatch = manifest_problem(path)
+        if mismatch is not None:
+            problem = (f"load_checkpoint: {path!r} is not a complete checkpoint: {mismatch}; check that every file "
+                       "of the checkpoint was written and copied whole, or load an earlier checkpoint; nothing was "
+                       "loaded")
+    return md, problem, problem is not None
+
+
+def checkpoint_problem(path) -> Optional[str]:
+    """Why the directory ``path`` is not a complete checkpoint (no ``.metadata``, a data file missing or cut
+    short, files that differ from its manifest), or None when it is; reads nothing but ``.metadata`` and
+    the manifest (one process, no collective). Whether it fits a model is checked by :func:`load_checkpoint`.
+    """
+    return _read_metadata(os.fspath(path))[1]
 
 
 def _data_file_problem(path: str, md) -> Optional[str]:
@@ -373,12 +471,10 @@ def load_checkpoint(path, model: nn.Module, optimizer: Optional[torch.optim.Opti
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
     started = time.perf_counter()
-    problem = _argument_problem("load_checkpoint", path, model, optimizer)
-    md = None
-    if problem is None:
-        path = os.fspath(path)
-        md, problem = _read_metadata(path)
-    _agree(problem)
+    _agree(_argument_problem("load_checkpoint", path, model, optimizer))
+    path = os.fspath(path)
+    md, problem, damaged = _read_metadata(path)
+    _agree(problem, damaged)
     ckpt_keys = set(md.state_dict_metadata)
     ckpt_model = {k[len(_MODEL) + 1:] for k in ckpt_keys if k.startswith(_MODEL + ".")}
     has_optim = any(k.startswith(_OPTIM + ".") for k in ckpt_keys)
@@ -464,16 +560,16 @@ def _load_meta(path: str, ckpt_keys, optimizer) -> dict:
         _agree(f"load_checkpoint: {path!r} was not written by save_checkpoint (it has no {_META!r} record)")
     state = {_META: b""}
     _dcp_load(state, path)
-    problem, meta = None, {}
+    problem, meta, damaged = None, {}, False
     try:
         meta = _read_meta(state[_META])
     except Exception as e:  # bytes that are not the pickled record save_checkpoint wrote
-        problem = (f"load_checkpoint: cannot read the {_META!r} record of {path!r} ({type(e).__name__}: "
-                   f"{_first_line(e)}); check that the checkpoint was copied whole; nothing was loaded")
+        problem, damaged = (f"load_checkpoint: cannot read the {_META!r} record of {path!r} ({type(e).__name__}: "
+                            f"{_first_line(e)}); check that the checkpoint was copied whole; nothing was loaded"), True
     if problem is None and meta.get("format", 0) > FORMAT_VERSION:
         problem = (f"load_checkpoint: {path!r} has format {meta.get('format')}, newer than this schedlang reads "
                    f"({FORMAT_VERSION}); upgrade schedlang")
-    _agree(problem)
+    _agree(problem, damaged)
     saved, now = meta.get("optimizer"), type(optimizer).__name__ if optimizer is not None else None
     if saved and now and saved.removeprefix("Fused") != now.removeprefix("Fused"):
         logger.warning("load_checkpoint: the optimizer state was saved from %s and is loaded into %s", saved, now)

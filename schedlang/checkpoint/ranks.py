@@ -7,6 +7,11 @@ from typing import Optional
 
 from ..errors import CheckpointError
 
+
+class CheckpointDamagedError(CheckpointError):
+    """A checkpoint whose files are missing, cut short or cannot be read: a save that was interrupted, or a
+    damaged copy. An earlier checkpoint may still load (the trainer falls back to it)."""
+
 #: keys named in an error before "... and N more"
 _NAMES_SHOWN = 8
 
@@ -37,18 +42,22 @@ def _all_gather(obj) -> list:
     return out
 
 
-def _agree(problem: Optional[str]) -> None:
+def _agree(problem: Optional[str], damaged: bool = False) -> None:
     """Raise the same :class:`CheckpointError` on every rank if any rank found a problem.
 
-    A rank that raised alone would leave the others waiting in the next collective.
+    A rank that raised alone would leave the others waiting in the next collective. ``damaged`` says
+    that this rank's problem is damage to the checkpoint (a file missing, cut short or unreadable):
+    the error is a :class:`CheckpointDamagedError` when every problem found is, the same on every rank,
+    so that all ranks take the same turn (the trainer tries an earlier checkpoint on that error only).
     """
-    found = [(r, p) for r, p in enumerate(_all_gather(problem)) if p]
+    found = [(r, p, d) for r, (p, d) in enumerate(_all_gather((problem, bool(damaged)))) if p]
     if not found:
         return
-    messages = list(dict.fromkeys(p for _, p in found))
+    error = CheckpointDamagedError if all(d for _, _, d in found) else CheckpointError
+    messages = list(dict.fromkeys(p for _, p, _ in found))
     if len(messages) == 1:
-        raise CheckpointError(messages[0])
-    raise CheckpointError("\n".join(f"rank {r}: {p}" for r, p in found))
+        raise error(messages[0])
+    raise error("\n".join(f"rank {r}: {p}" for r, p, _ in found))
 
 
 def _names(keys) -> str:

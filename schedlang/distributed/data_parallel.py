@@ -172,15 +172,8 @@ def apply_data_parallel(model: nn.Module, steps: Iterable[Tuple[str, str, Dict[s
 
 def _replicate(module: nn.Module, dp_mesh, policy) -> None:
     """torch's FSDP-based composable ``replicate`` (parameter names unchanged, so checkpoints still match)."""
-    try:
-        from torch.distributed._composable.replicate_with_fsdp import replicate
-    except ImportError:  # older torch: the DDP-based composable API (no mixed-precision policy)
-        from torch.distributed._composable import replicate as _ddp_replicate
+    from torch.distributed._composable.replicate_with_fsdp import replicate
 
-        if dp_mesh.ndim != 1:
-            raise ScheduleValueError("replicate: a 2-D data mesh needs torch >= 2.9")
-        _ddp_replicate(module, process_group=dp_mesh.get_group())
-        return
     replicate(module, mesh=dp_mesh, mp_policy=policy)
 
 

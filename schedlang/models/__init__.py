@@ -28,7 +28,7 @@ from ..errors import ArgumentTypeError, ScheduleTypeError, ScheduleValueError
 from .auto import TensorParallelPlan, shard_auto
 from .auto import plan_tensor_parallel as _automatic_plan
 from .bert import shard_bert
-from .compiling import LAYER_LISTS, _check_compile_options, _torch_version, _with_passes, compile_layers  # noqa: F401
+from .compiling import LAYER_LISTS, _check_compile_options, _with_passes, compile_layers  # noqa: F401
 from .gpt2 import shard_gpt2
 from .llama import shard_llama
 from .optimize import optimize_model

@@ -10,6 +10,7 @@ from typing import Dict, List
 import torch
 from torch import nn
 
+from .. import compat
 from ..errors import ArgumentTypeError, ScheduleTypeError, ScheduleValueError
 
 __all__ = ["compile_layers", "LAYER_LISTS"]
@@ -61,7 +62,7 @@ def compile_layers(model: nn.Module, trace_collectives: bool = False, fuse_proje
         raise ArgumentTypeError(f"compile_layers: model must be the nn.Module that schedlang.build returns, got "
                                 f"{type(model).__name__}; pass the model of model, opt = schedlang.build(sch)")
     _check_compile_options("compile_layers", compile_options, what="**compile_options")
-    if trace_collectives and _torch_version() < (2, 13):
+    if trace_collectives and not compat.TRACED_COLLECTIVES_KEEP_BACKWARD:
         raise ScheduleValueError(
             f"compile_layers: trace_collectives=True needs torch >= 2.13 (this is {torch.__version__}): older "
             "compilers lose the backward all-reduce of traced collectives and the gradients are wrong; keep the "
@@ -201,7 +202,3 @@ def _run_sync_hooks_eagerly(module: nn.Module) -> None:
             if isinstance(sync, SyncOp) and _opaque(sync):
                 continue
             hooks[key] = torch.compiler.disable(hook)
-
-
-def _torch_version():
-    return tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])

@@ -38,7 +38,14 @@ def _torchrun_main(ns: argparse.Namespace, world: int) -> int:
     backend = "nccl" if _device_type(ns) == "cuda" else "gloo"
     if _device_type(ns) == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=ns.timeout))
+    timeout = datetime.timedelta(seconds=ns.timeout)
+    # torchrun keeps one store for every attempt of a run: after a restart (--max-restarts), keys of the attempt
+    # before (where the killed ranks listened) would still be read, and gloo would connect to dead addresses
+    # (seen with torch 2.11). Each attempt's process group keys live under a prefix of their own.
+    store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(backend, store=dist.PrefixStore(f"schedlang-attempt-{attempt}", store), rank=rank,
+                            world_size=world, timeout=timeout)
     try:
         train(ns, rank, world)
         return 0
@@ -128,15 +135,15 @@ def main(argv: Optional[Sequence[str]] = None, prog: Optional[str] = None) -> in
 
             read_index(ns.init_from)  # readable safetensors, before any rank starts
         if ns.resume:
+            # none yet (a first start, or a restart before the first save finished): the run starts fresh, so
+            # the same command line serves the first start and every restart
             saved = latest_checkpoint(ns.checkpoint_dir)
-            if saved is None:
-                _fail(f"--resume: no complete checkpoint in {ns.checkpoint_dir}; set --checkpoint-dir to a "
-                      "folder that holds one, or drop --resume to start fresh")
-            at = int(saved.name[len(_CKPT_PREFIX):])
-            if at >= (ns.stop_after or ns.steps):
+            at = int(saved.name[len(_CKPT_PREFIX):]) if saved is not None else 0
+            if saved is not None and at >= (ns.stop_after or ns.steps):
                 _fail(f"--resume: the latest checkpoint ({saved}) is at step {at}; nothing is left to run up to step "
                       f"{ns.stop_after or ns.steps} (raise --steps)")
-            _check_saved_model(ns, saved, facts.dims)
+            if saved is not None:
+                _check_saved_model(ns, saved, facts.dims)
         elif ns.checkpoint_dir and latest_checkpoint(ns.checkpoint_dir) is not None:
             # a fresh run would save among another run's checkpoints, and a later --resume take the newest of either
             _fail(f"--checkpoint-dir {ns.checkpoint_dir} already holds checkpoints of a run (the latest is "

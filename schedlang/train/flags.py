@@ -143,7 +143,12 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     io.add_argument("--checkpoint-dir", default=None, help="directory of distributed checkpoints (step-NNNNNNNN/); a new run needs one "
                     "that holds none (--resume continues the run whose checkpoints it holds)")
     io.add_argument("--save-every", type=int, default=0, help="save a checkpoint every K steps (0: only at the end)")
-    io.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
+    io.add_argument("--resume", action="store_true",
+                    help="continue from the newest complete checkpoint in --checkpoint-dir (skipping damaged ones), or "
+                         "start fresh if it holds none: the same command line serves a first start and every restart")
+    io.add_argument("--async-save", action="store_true",
+                    help="write checkpoints in the background (torch.distributed.checkpoint.async_save) while training "
+                         "goes on; each becomes visible once written, and the run waits for the last one")
     io.add_argument("--export-hf", default=None, metavar="DIR", help="write the trained model as a HF model here")
     io.add_argument("--metrics", default=None, metavar="FILE", help="append one JSON line per step to FILE")
     io.add_argument("--log-every", type=int, default=1, help="print progress every K steps")
@@ -241,6 +246,8 @@ def validate(ns: argparse.Namespace, world: int) -> None:
         _fail("--resume needs --checkpoint-dir (the directory the checkpoints were saved to)")
     if ns.save_every and not ns.checkpoint_dir:
         _fail("--save-every needs --checkpoint-dir")
+    if ns.async_save and not ns.checkpoint_dir:
+        _fail("--async-save writes the checkpoints in the background: it needs --checkpoint-dir")
     if ns.stop_after is not None and ns.stop_after < ns.steps and not ns.checkpoint_dir:
         # the run would end with nothing saved, and could not be continued
         _fail(f"--stop-after {ns.stop_after} stops the run to continue it later with --resume, which needs "

@@ -23,6 +23,7 @@ from .data import open_data
 from .flags import TrainError, _device_type, _fail
 from .layout import (apply_layout, choice_block, choose, estimate, hardware, measure_link, model_facts, plan_block,
                      probe_candidates)
+from .resume import finish_saves
 from .run import _Run
 from .sinks import Sinks
 
@@ -131,7 +132,7 @@ def train(ns: argparse.Namespace, rank: int = 0, world: int = 1) -> Optional[Dic
     tokens_per_step = ns.global_batch * ns.seq
     flops_per_token = 6 * run.flops_params + 12 * run.dims.layers * run.dims.hidden * ns.seq
     peak = PEAK_FLOPS_PER_GPU * world
-    sinks = Sinks(ns, is_main)
+    sinks = Sinks(ns, is_main, resumed_at=start if ns.resume else None)
     if is_main:
         _progress(f"schedlang train: {ns.model} {ns.config} ({run.n_params / 1e6:.1f}M parameters), {layout}, "
                   f"{world} rank(s) on {device.type}, global batch {ns.global_batch} x {ns.seq} tokens, "
@@ -185,6 +186,7 @@ def train(ns: argparse.Namespace, rank: int = 0, world: int = 1) -> Optional[Dic
         if pending is not None:
             resolve(pending)
             pending = None
+        finish_saves(run)  # a background save still running: the run ends once it is visible
     finally:
         sinks.close(history if is_main else None)
     if ns.export_hf:

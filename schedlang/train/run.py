@@ -10,12 +10,10 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from .checkpoints import (_CKPT_PREFIX, _TRAINER_STATE, _checkpoint_path, latest_checkpoint, read_trainer_state,
-                          write_trainer_state)
 from .configs import _model_class, build_meta_model, model_config, model_dims, validate_model
 from .structure import decoder_layers, flops_params, stage_cuts, tied_names
 from .data import _mix, lr_at
-from .flags import TrainError, _fail
+from .flags import TrainError
 
 logger = logging.getLogger("schedlang.train")
 
@@ -312,41 +310,18 @@ class _Run:
 
     # -- checkpoints
     def save(self, step: int) -> Path:
-        import schedlang
+        from .resume import save_step
 
         ns = self.ns
-        path = _checkpoint_path(ns.checkpoint_dir, step)
         extra = {"seed": ns.seed, "data": ns.data, "global_batch": ns.global_batch, "seq": ns.seq,
                  "steps": ns.steps, "model": ns.model, "config": ns.config, "dims": dataclasses.asdict(self.dims),
                  "layout": self.layout()}
-        if self.rank == 0:
-            # saving over an older checkpoint of this step: it is incomplete from now until this one is written
-            (path / _TRAINER_STATE).unlink(missing_ok=True)
-        schedlang.save_checkpoint(str(path), self.model, self.optimizer, step=step, extra=extra)
-        self._barrier()
-        if self.rank == 0:  # written last: its presence marks the checkpoint complete
-            write_trainer_state(path, {"step": step, **extra})
-        self._barrier()
-        logger.info("saved checkpoint %s", path)
-        return path
+        return save_step(self, step, extra)
 
     def load(self) -> int:
-        import schedlang
+        from .resume import load_newest
 
-        ns = self.ns
-        path = latest_checkpoint(ns.checkpoint_dir)
-        if path is None:
-            _fail(f"--resume: no complete checkpoint in {ns.checkpoint_dir} (expected {_CKPT_PREFIX}NNNNNNNN/ "
-                  f"directories holding {_TRAINER_STATE})")
-        state = read_trainer_state(path)
-        for key in ("seed", "data", "global_batch", "seq", "model"):
-            if state.get(key) != getattr(ns, key) and self.rank == 0:
-                logger.warning("resuming a run saved with --%s %s under --%s %s: the continuation is not the same run",
-                               key.replace("_", "-"), state.get(key), key.replace("_", "-"), getattr(ns, key))
-        info = schedlang.load_checkpoint(str(path), self.model, self.optimizer)
-        step = int(info.get("step", state["step"])) if isinstance(info, dict) else int(state["step"])
-        logger.info("resumed from %s (step %d, saved as %s)", path, step, state.get("layout"))
-        return step
+        return load_newest(self)
 
     def export(self, directory: str) -> None:
         import copy

@@ -17,9 +17,12 @@ TENSORBOARD_TAGS = {"loss": "train/loss", "eval_loss": "eval/loss", "tokens_per_
 class Sinks:
     """The outputs of rank 0: ``write(record)`` per step (or evaluation), ``close(history)`` at the end."""
 
-    def __init__(self, ns, is_main: bool):
+    def __init__(self, ns, is_main: bool, resumed_at: Optional[int] = None):
+        from .resume import open_metrics
+
         self.ns = ns
-        self.metrics = open(ns.metrics, "a" if ns.resume else "w") if (ns.metrics and is_main) else None
+        # a resumed run keeps the records up to its checkpoint's step (see open_metrics)
+        self.metrics = open_metrics(ns.metrics, resumed_at) if (ns.metrics and is_main) else None
         self.board = None
         if ns.tensorboard and is_main:
             from torch.utils.tensorboard import SummaryWriter

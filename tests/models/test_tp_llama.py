@@ -13,7 +13,7 @@ import torch
 from torch.distributed.tensor import Shard
 
 import schedlang
-from schedlang.models import _torch_version
+from schedlang import compat
 from schedlang.distributed.sharding import shard_specs
 from schedlang.distributed.sync_ops import SyncOp
 from schedlang.models.llama import shard_llama
@@ -124,7 +124,7 @@ def _grad_sync_at_norm_and_compiled_layers():
             sch = schedlang.create_schedule(model)
         shard_llama(sch, grad_sync=grad_sync, sequence_parallel=name == "compiled_sp")
         built, _ = schedlang.build(sch)
-        if trace and _torch_version() < (2, 13):
+        if trace and not compat.TRACED_COLLECTIVES_KEEP_BACKWARD:
             try:
                 compile_layers(built, trace_collectives=True)
             except schedlang.ScheduleValueError as e:
@@ -352,9 +352,8 @@ def test_traced_collectives_are_refused_before_torch_2_13():
     from unittest import mock
 
     import schedlang.models as models
-    from schedlang.models import compiling
 
-    with mock.patch.object(compiling, "_torch_version", lambda: (2, 11)):  # where compile_layers reads it
+    with mock.patch.object(compat, "TRACED_COLLECTIVES_KEEP_BACKWARD", False):
         with pytest.raises(schedlang.ScheduleValueError,
                            match=r"compile_layers: trace_collectives=True needs torch >= 2.13 \(this is .*\): older "
                                  r"compilers lose the backward all-reduce of traced collectives"):
