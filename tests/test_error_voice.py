@@ -46,7 +46,6 @@ ALLOWLIST: dict[tuple[str, str], str] = {
     ("optim/adam.py", "_check_group"): "torch.optim's wording, as above",
     ("optim/sgd.py", "_check_group"): "torch.optim's wording, as above",
     ("train/flags.py", "_fail"): "raises the message its callers build; RAISE_HELPERS checks each call",
-    ("checkpoint/ranks.py", "_agree"): "re-raises the messages the ranks collected, each already in this form",
     ("distributed/agreement.py", "exchange"): "re-raises the failures the ranks collected, one 'rank N: ...' line each",
     ("distributed/agreement.py", "check_same_plan"): "joins one 'rank N: ...' line per rank that disagrees",
     ("verify/core.py", "_finish"): "the report of every mismatch, one line each, each naming the tensor and the bound",

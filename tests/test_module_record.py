@@ -422,6 +422,10 @@ def test_no_parallel_bookkeeping_is_left_in_the_package(pattern):
 def test_no_module_class_is_assigned_in_the_package():
     """A module that needs another class is replaced by a new instance (``copy_module_as``), never changed in place."""
     pattern = re.compile(r"\.__class__\s*=[^=]|setattr\([^)]*[\"']__class__[\"']")
+    # a Python module made callable (``sys.modules[__name__].__class__ = ...``, as the language documents)
+    # is not an nn.Module
+    python_module = re.compile(r"sys\.modules\[[^]]+\]\.__class__\s*=")
     found = [f"{p.relative_to(PACKAGE.parent)}:{i}" for p in sorted(PACKAGE.rglob("*.py"))
-             for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+             for i, line in enumerate(p.read_text().splitlines(), 1)
+             if pattern.search(line) and not python_module.search(line)]
     assert not found, f"__class__ is assigned at {', '.join(found)}"

@@ -48,7 +48,8 @@ class PendingCheckpoint:
             self._finished.result(timeout)
         except concurrent.futures.TimeoutError:
             raise CheckpointError(f"save_checkpoint: the asynchronous save of {self.path!r} (step {self.step}) did "
-                                  f"not finish within {timeout} s; it stays incomplete until it does") from None
+                                  f"not finish within {timeout} s; it stays incomplete until it does: wait again, or call wait() "
+                                  f"without a timeout to block until it is written") from None
 
 
 class AsyncCheckpointer:

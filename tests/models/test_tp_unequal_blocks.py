@@ -145,7 +145,7 @@ QKV = "model.layers.0.self_attn.qkv_proj"
 
 
 def _build_tp(model, **kw):
-    sch = schedlang.create_schedule(model)
+    sch = schedlang.create_schedule(model, mesh=T.tp_mesh())  # DTensor parameters: placements are checked
     shard_model(sch)
     return schedlang.build(sch, **kw)
 
