@@ -458,13 +458,14 @@ def shard_auto(sch, sequence_parallel: bool = False, gather_logits: bool = False
         sequence_parallel: also split the activations between the blocks along the sequence (norms,
             residuals, dropouts; see the module docstring). The sequence length must then be divisible
             by the number of ranks.
-        gather_logits: all-gather the logits (full logits, HF's loss, what ``Verify`` compares); by
-            default they stay split along the vocabulary and the loss is the vocabulary-parallel one.
+        gather_logits: all-gather the logits (full logits, HF's loss); by default they stay split along
+            the vocabulary and the loss is the vocabulary-parallel one (``Verify`` compares each rank's
+            slice of the logits with the original's).
 
     Example::
 
         with schedlang.Verify(sch, example_inputs=[ids]):
-            print(shard_auto(sch, sequence_parallel=True, gather_logits=True))
+            print(shard_auto(sch, sequence_parallel=True))
     """
     return apply_tensor_parallel(sch, plan_tensor_parallel(sch, gather_logits=gather_logits,
                                                            sequence_parallel=sequence_parallel))

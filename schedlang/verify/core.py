@@ -40,7 +40,9 @@ from ..plan import Plan, apply_steps
 from . import ranks
 from .compare import compare_tensors, nonfinite_summary, reduction_size_of, tolerance_for
 from .counterparts import CounterpartFinder
+from .input_agreement import check_inputs_agree
 from .locate import ModuleRecorder, attention_hint, first_divergence, flatten_outputs, split_input_hint
+from .split_outputs import SplitOutputs, split_heads
 
 __all__ = ["Verify", "VerifyReport", "ExampleInputError", "VerifyWarning"]
 
@@ -178,6 +180,13 @@ class Verify:
             half-precision norm bound (default: estimated from the weights and inputs).
         enable: set False to skip the check (e.g. in production runs).
 
+    Outputs the schedule leaves split on purpose (the logits of a vocabulary-parallel LM head, the
+    default of ``shard_model``) are compared as this rank's slice of the original's, as the head's
+    record says (the report notes it). Every rank must pass example inputs of the same shapes and
+    dtypes (rank 0's values are used on all); when they differ, every rank raises
+    :class:`~schedlang.verify.ExampleInputMismatchError` naming the ranks and shapes before any
+    collective runs.
+
     Raises :class:`~schedlang.VerificationError` (an ``AssertionError``) on every rank if any rank
     found a difference, and :class:`ExampleInputError` if the original model itself fails on the
     example inputs. Either way no step of the block stays in the plan.
@@ -263,7 +272,8 @@ class Verify:
 
         return [prep(x) for x in args], {k: prep(v) for k, v in kwargs.items()}
 
-    def _run_model(self, model: nn.Module, args, kwargs, device, recorder: Optional[ModuleRecorder] = None) -> _Run:
+    def _run_model(self, model: nn.Module, args, kwargs, device, recorder: Optional[ModuleRecorder] = None,
+                   split: Optional[SplitOutputs] = None) -> _Run:
         args, kwargs = self._prepare(args, kwargs, device)
         out: List[Tuple[str, torch.Tensor]] = []
         flatten_outputs(model(*args, **kwargs), "output", out)
@@ -271,9 +281,13 @@ class Verify:
         if self.check_backward:
             gen = torch.Generator().manual_seed(self.seed)
             total = None
-            for _, t in out:
+            for name, t in out:
                 if t.is_floating_point() and t.requires_grad:
-                    cot = torch.randn(t.shape, generator=gen, dtype=torch.float32, device="cpu").to(t.device, t.dtype)
+                    # a split output (vocabulary-parallel logits) gets its slice of the original's output gradient
+                    head = split.head_for(name, t.shape) if split is not None else None
+                    shape = split.full_shape(name, t.shape) if head is not None else t.shape
+                    cot = torch.randn(shape, generator=gen, dtype=torch.float32, device="cpu")
+                    cot = (head.take(cot) if head is not None else cot).to(t.device, t.dtype)
                     term = (t * cot).sum()
                     total = term if total is None else total + term
             if total is not None:
@@ -323,6 +337,8 @@ class Verify:
         # ranks agree before and after each phase with collectives inside it: a rank that fails makes
         # every rank raise within seconds, naming it, instead of leaving the others blocked
         check_same_plan(self.sch.plan, group, phase="verify: plan comparison")
+        # before the broadcasts: tensors of different sizes on different ranks would abort the process in gloo
+        check_inputs_agree(self.example_inputs, self.example_kwargs, original, group)
         with _rng_preserved(device):
             reference = copy.deepcopy(original).to(device)
             args, kwargs = list(self.example_inputs), dict(self.example_kwargs)
@@ -448,6 +464,8 @@ class _Pass:
         self.tol_for = tol_for
         self.group, self.device = group, device
         self.args, self.kwargs = args, kwargs
+        self.heads = split_heads(scheduled)  # outputs the schedule leaves split: the vocabulary-parallel logits
+        self.split: Optional[SplitOutputs] = None
 
     # -------------------------------------------------------------- helpers
     def _compare(self, what: str, actual, expected) -> None:
@@ -459,7 +477,8 @@ class _Pass:
     def _run_scheduled(self, mode: str) -> Tuple[Optional[_Run], ModuleRecorder]:
         with ModuleRecorder(self.scheduled) as recorder:
             try:
-                return self.v._run_model(self.scheduled, self.args, self.kwargs, self.device, recorder), recorder
+                return self.v._run_model(self.scheduled, self.args, self.kwargs, self.device, recorder,
+                                         self.split), recorder
             except Exception as e:  # report it on every rank instead of leaving the others waiting
                 self.report.mismatches.append(f"running the scheduled model ({mode} mode) raised "
                                               f"{type(e).__name__}: {e}")
@@ -475,6 +494,13 @@ class _Pass:
             report.mismatches.append(f"{prefix}the scheduled model returns {len(actual.outputs)} tensors, the "
                                      f"original {len(expected.outputs)}")
         for (name, exp), (_, act) in zip(expected.outputs, actual.outputs):
+            head = self.split.head_for(name, act.shape) if self.split is not None else None
+            if head is not None:
+                note = (f"{name}: split over the vocabulary ({head.path} is vocabulary-parallel), compared as this "
+                        f"rank's slice {head.describe()} of the original's; its output gradient likewise")
+                if note not in report.notes:
+                    report.notes.append(note)
+                exp = head.take(exp)
             self._compare(prefix + name, act, exp)
         if len(expected.input_grads) != len(actual.input_grads):
             report.mismatches.append(f"{prefix}{len(actual.input_grads)} input gradients, the original has "
@@ -569,6 +595,7 @@ class _Pass:
         self.reference.eval()
         self.scheduled.eval()
         expected, ref_rec = self.v._run_reference(self.reference, self.args, self.kwargs, self.device, "eval")
+        self.split = SplitOutputs(self.heads, {n: tuple(t.shape) for n, t in expected.outputs})
         actual, rec = self._run_scheduled("eval")
         if actual is None:
             return None
@@ -587,6 +614,7 @@ class _Pass:
         forked = _fresh_forked_streams(self.scheduled, self.reference)
         torch.manual_seed(self.v.seed)
         expected, ref_rec = self.v._run_reference(self.reference, self.args, self.kwargs, self.device, "training")
+        self.split = SplitOutputs(self.heads, {n: tuple(t.shape) for n, t in expected.outputs})
         torch.manual_seed(self.v.seed)
         actual, rec = self._run_scheduled("training")
         same_draws = actual is not None and len(actual.rng_after_forward) == len(expected.rng_after_forward) and all(
