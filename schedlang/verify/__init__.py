@@ -14,6 +14,7 @@ The pieces:
 * :mod:`.locate`: module outputs by path, the first divergence, recomputation, attention hints;
 * :mod:`.ranks`: the cross-rank steps (broadcasts, agreement, replicated tensors);
 * :mod:`.input_agreement`: every rank passes inputs and a model of the same shapes, checked before any broadcast;
+* :mod:`.rng`: the caller's random streams kept, the models' streams mirrored and compared;
 * :mod:`.split_outputs`: outputs the schedule leaves split on purpose (vocabulary-parallel logits), compared slice
   by slice.
 """

@@ -21,7 +21,6 @@ leaves no step in the plan (see :meth:`~schedlang.Schedule.atomic`).
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import functools
@@ -42,14 +41,12 @@ from .compare import compare_tensors, nonfinite_summary, reduction_size_of, tole
 from .counterparts import CounterpartFinder
 from .input_agreement import check_inputs_agree
 from .locate import ModuleRecorder, attention_hint, first_divergence, flatten_outputs, split_input_hint
+from .rng import fresh_forked_streams, rng_preserved, rng_state
 from .split_outputs import SplitOutputs, split_heads
 
 __all__ = ["Verify", "VerifyReport", "ExampleInputError", "VerifyWarning"]
 
 logger = logging.getLogger("schedlang.verify")
-
-_FORK_ATTRIBUTE = "_schedlang_forked_rng"
-
 
 class ExampleInputError(ScheduleValueError):
     """The example inputs cannot check a schedule: the original model fails on them, or gives
@@ -96,55 +93,6 @@ class _Run:
     outputs: List[Tuple[str, torch.Tensor]]
     input_grads: List[Tuple[str, torch.Tensor]]
     rng_after_forward: List[Tuple[str, torch.Tensor]]
-
-
-@contextlib.contextmanager
-def _rng_preserved(device: torch.device):
-    """Leave the caller's random streams as they were (Verify seeds them for the training pass)."""
-    cpu = torch.get_rng_state()
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    try:
-        yield
-    finally:
-        torch.set_rng_state(cpu)
-        if cuda is not None:
-            torch.cuda.set_rng_state(cuda, device)
-
-
-def _rng_state(device: torch.device, model: nn.Module) -> List[Tuple[str, torch.Tensor]]:
-    """Where every random stream the model draws from stands: the default ones and each forked one."""
-    states = [("default cpu", torch.get_rng_state())]
-    if device.type == "cuda":
-        states.append(("default cuda", torch.cuda.get_rng_state(device)))
-    for path, module in model.named_modules():
-        forked = getattr(module, _FORK_ATTRIBUTE, None)
-        if forked is not None:
-            states += [(f"forked {path} {key}", state.clone()) for key, state in sorted(forked._states.items())]
-    return states
-
-
-def _fresh_forked_streams(scheduled: nn.Module, reference: nn.Module) -> List[str]:
-    """Restart every forked stream of ``scheduled`` from its seed, and give the module at the same path
-    of ``reference`` the same stream, so that both draw the same masks where the shapes agree.
-    Returns the forked paths."""
-    from ..distributed.rng import ForkedRNG, ForkRngPostHook, ForkRngPreHook
-
-    ref_modules = dict(reference.named_modules())
-    paths = []
-    for path, module in scheduled.named_modules():
-        forked = getattr(module, _FORK_ATTRIBUTE, None)
-        if forked is None:
-            continue
-        paths.append(path or "<root>")
-        setattr(module, _FORK_ATTRIBUTE, ForkedRNG(forked.seed))
-        twin = ref_modules.get(path)
-        if twin is None:
-            continue
-        if not hasattr(twin, _FORK_ATTRIBUTE):
-            twin.register_forward_pre_hook(ForkRngPreHook(_FORK_ATTRIBUTE))
-            twin.register_forward_hook(ForkRngPostHook(_FORK_ATTRIBUTE), always_call=True)
-        setattr(twin, _FORK_ATTRIBUTE, ForkedRNG(forked.seed))
-    return paths
 
 
 def _keyword_inputs(example_kwargs) -> Dict[str, Any]:
@@ -277,7 +225,7 @@ class Verify:
         args, kwargs = self._prepare(args, kwargs, device)
         out: List[Tuple[str, torch.Tensor]] = []
         flatten_outputs(model(*args, **kwargs), "output", out)
-        rng = _rng_state(device, model)
+        rng = rng_state(device, model)
         if self.check_backward:
             gen = torch.Generator().manual_seed(self.seed)
             total = None
@@ -339,7 +287,7 @@ class Verify:
         check_same_plan(self.sch.plan, group, phase="verify: plan comparison")
         # before the broadcasts: tensors of different sizes on different ranks would abort the process in gloo
         check_inputs_agree(self.example_inputs, self.example_kwargs, original, group)
-        with _rng_preserved(device):
+        with rng_preserved(device):
             reference = copy.deepcopy(original).to(device)
             args, kwargs = list(self.example_inputs), dict(self.example_kwargs)
             if groups.world_size(group) > 1:
@@ -577,11 +525,14 @@ class _Pass:
             self.report.localization.append(f"hint: {hint}")
 
     def _replicated_module_outputs(self, scheduled_rec: ModuleRecorder, reference_rec: ModuleRecorder) -> List[str]:
-        """Paths whose (first) output has the original's shape and value: replicated activations."""
+        """Paths of modules called once whose output has the original's shape and value: replicated activations.
+        A module called several times is left out: its calls may come in another order on another rank (a model
+        that computes one rotary embedding per kind of layer iterates over a set, whose order follows each
+        process's string hashing)."""
         paths = []
         for path, calls in scheduled_rec.forward.items():
             ref_calls = reference_rec.forward.get(path)
-            if not ref_calls or len(calls[0]) != len(ref_calls[0]):
+            if len(calls) != 1 or not ref_calls or len(calls[0]) != len(ref_calls[0]):
                 continue
             if all(a.shape == b.shape and compare_tensors("", a, b, self.tol_for(b.dtype)) is None
                    for a, b in zip(calls[0], ref_calls[0])):
@@ -611,7 +562,7 @@ class _Pass:
         self._zero_grads()
         self.reference.train()
         self.scheduled.train()
-        forked = _fresh_forked_streams(self.scheduled, self.reference)
+        forked = fresh_forked_streams(self.scheduled, self.reference)
         torch.manual_seed(self.v.seed)
         expected, ref_rec = self.v._run_reference(self.reference, self.args, self.kwargs, self.device, "training")
         self.split = SplitOutputs(self.heads, {n: tuple(t.shape) for n, t in expected.outputs})
