@@ -36,7 +36,7 @@ options (LLaMA's gradient sums at the norms) adjusts the plan before applying it
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from torch import nn
 
@@ -45,6 +45,8 @@ from ..distributed.shard_rules.forward_code import first_parameter, is_projectio
 from ..distributed.shard_rules.forward_code import child_inputs, projection_arguments
 from ..distributed.shard_rules.generic_block import is_attention
 from ..errors import ScheduleTypeError
+from .plan_checks import UnsupportedModelError, block_findings, probe_refusal, refusal_message
+from .shape_probe import probe_forward
 from ._common import (base_and_prefix, finish_lm_head, gradient_summed, model_schedule, shard_column, shard_row,
                       shard_vocab_embedding)
 
@@ -76,6 +78,10 @@ class BlockPlan:
     summed: List[str] = dataclasses.field(default_factory=list)
     entry: str = ""
     producer: Optional[str] = None
+    #: the attention module's own parameters with one entry per head, ``(name, axis)``: split with the heads
+    head_params: List[Tuple[str, int]] = dataclasses.field(default_factory=list)
+    #: why the block cannot be split correctly (None: it can); apply_tensor_parallel refuses such a block
+    unsupported: Optional[str] = None
 
     def describe(self, sequence_parallel: bool = False) -> str:
         where = self.path or "<root>"
@@ -88,8 +94,11 @@ class BlockPlan:
             sync = f"each column's {what}"
         out = "reduce-scattered along the sequence" if sequence_parallel else "all-reduced"
         summed = f"; weight gradients of {', '.join(self.summed)} summed" if self.summed else ""
+        heads = f"; per-head {', '.join(n for n, _ in self.head_params)} split" if self.head_params else ""
+        if self.unsupported:
+            return f"{where} ({self.kind}): cannot be split: {self.unsupported}"
         return (f"{where} ({self.kind}): {', '.join(self.columns)} column-parallel -> {self.row} row-parallel "
-                f"(output {out}), {sync}{summed}")
+                f"(output {out}), {sync}{summed}{heads}")
 
 
 @dataclasses.dataclass
@@ -112,6 +121,8 @@ class TensorParallelPlan:
     #: under sequence parallelism: the modules with weights in the first layer that run on sequence slices
     #: (their weight gradients summed over the group); the other layers alike
     sequence_sharded: List[str] = dataclasses.field(default_factory=list)
+    #: modules of the first layer whose projections feed no other projection (routers, gates): kept whole
+    kept_whole: List[str] = dataclasses.field(default_factory=list)
 
     def __str__(self) -> str:
         sp = self.sequence_parallel
@@ -122,6 +133,9 @@ class TensorParallelPlan:
             first = f"{self.layers}.0."
             lines += [f"    {b.describe(sp).replace(first, '', 1)}" if b.path.startswith(first) else
                       f"    the layer itself{b.describe(sp)[len(b.path):]}" for b in self.blocks]
+            if self.kept_whole:
+                lines.append(f"    kept whole (their projections feed no other one): "
+                             f"{', '.join(p.replace(first, '', 1) for p in self.kept_whole)}")
             if sp:
                 shown = ", ".join(p.replace(first, "", 1) for p in self.sequence_sharded) or "none"
                 lines.append(f"    on sequence slices, weight gradients summed: {shown}")
@@ -165,7 +179,8 @@ def _cannot(model: nn.Module, why: str) -> ScheduleTypeError:
         f"schedlang.models.register_family({name.split('For')[0]!r}, fn)")
 
 
-def _blocks_of(model: nn.Module, layer_path: str, layer: nn.Module) -> List[BlockPlan]:
+def _blocks_of(model: nn.Module, layer_path: str, layer: nn.Module, kept_whole: Optional[List[str]] = None
+               ) -> List[BlockPlan]:
     blocks = []
     for sub_path, module in layer.named_modules():
         names = [n for n, c in module.named_children() if is_projection(c)]
@@ -180,6 +195,11 @@ def _blocks_of(model: nn.Module, layer_path: str, layer: nn.Module) -> List[Bloc
             raise _cannot(model, f"{path}: {type(module).__name__}.forward never calls {', '.join(missing)}")
         columns = [n for n in names if not flows[n]]
         rows = [n for n in names if flows[n]]
+        if not rows:
+            # a router or a gate: its projections feed no other one, so nothing pairs them; whole on every rank
+            if kept_whole is not None:
+                kept_whole.append(path)
+            continue
         for row in rows:
             if not flows[row] <= set(columns):
                 raise _cannot(model, f"{path}.{row} is computed from {', '.join(sorted(flows[row]))}, not only from "
@@ -198,10 +218,10 @@ def _blocks_of(model: nn.Module, layer_path: str, layer: nn.Module) -> List[Bloc
         region = child_inputs(type(module), names, weighted) or {}
         for row in rows:
             cols = [c for c in columns if c in flows[row]]
-            summed = [f"{n}.{p}" if p else n for n in weighted if region.get(n, frozenset()) & set(cols) and row not in region.get(n, ())
-                      for p, m in getattr(module, n).named_modules() if any(True for _ in m.parameters(False))]
+            found = block_findings(module, path, kind, cols, row, weighted, region)
             blocks.append(BlockPlan(path=path, kind=kind, columns=cols, row=row,
-                                    grad_sync=_grad_sync(model, layer, sub_path, module, cols), summed=summed))
+                                    grad_sync=_grad_sync(model, layer, sub_path, module, cols), summed=found.summed,
+                                    head_params=found.head_params, unsupported=found.unsupported))
     if not blocks:
         raise _cannot(model, f"no column/row projection pair found in {layer_path}")
     return blocks
@@ -240,8 +260,12 @@ def plan_tensor_parallel(sch, gather_logits: bool = False, sequence_parallel: bo
     if found is None:
         raise _cannot(model, "no ModuleList of same-class layers holding projections")
     layers_path, layers = found
-    per_layer = [_blocks_of(model, f"{layers_path}.{i}", layer) for i, layer in enumerate(layers)]
+    kept_whole: List[str] = []
+    per_layer = [_blocks_of(model, f"{layers_path}.{i}", layer, kept_whole) for i, layer in enumerate(layers)]
     plan = layer_plan(sch, layers_path, [b for bs in per_layer for b in bs], gather_logits, sequence_parallel)
+    first = f"{layers_path}.0"
+    prefix = f"{sch.path}." if sch.path else ""
+    plan.kept_whole = [prefix + p for p in kept_whole if p == first or p.startswith(first + ".")]
     return plan
 
 
@@ -379,8 +403,13 @@ def apply_tensor_parallel(sch, plan: TensorParallelPlan) -> TensorParallelPlan:
         plan.embedding = None           # keep the embedding whole
         apply_tensor_parallel(sch, plan)
     """
+    unsupported = [(b.path, b.unsupported) for b in plan.all_blocks if b.unsupported]
+    if unsupported:  # before any step: nothing of the plan is written
+        raise UnsupportedModelError(refusal_message(sch.root.mod, unsupported))
     before = len(sch.root.plan)
     root = sch.root
+    # a forward on fake tensors before and after: a model that ran whole and breaks split is refused
+    runs_whole = probe_forward(root.mod) is None
     sp = plan.sequence_parallel
     if sp:
         _sequence_parallel_modules(root, plan)
@@ -389,6 +418,8 @@ def apply_tensor_parallel(sch, plan: TensorParallelPlan) -> TensorParallelPlan:
         for c in block.columns:
             shard_column(b[c])
         shard_row(b[block.row])
+        for name, axis in block.head_params:
+            b.shard(name, axis=axis)
         for name in block.summed:
             b[name].replace(gradient_summed(b[name].mod, b.group))
         axis = SEQUENCE_AXIS if block.kind == "attention" else TOKEN_AXIS
@@ -418,6 +449,9 @@ def apply_tensor_parallel(sch, plan: TensorParallelPlan) -> TensorParallelPlan:
     if plan.lm_head:
         finish_lm_head(root, root, "", False, plan.logits == "gathered", head_path=plan.lm_head,
                        install_loss=plan.vocab_parallel_loss)
+    failure = probe_forward(root.mod) if runs_whole else None
+    if failure is not None:  # the decorator undoes every step written above
+        raise UnsupportedModelError(probe_refusal(root.mod, plan, failure, root.world_size))
     plan.steps = len(sch.root.plan) - before
     return plan
 
