@@ -26,6 +26,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from ...errors import ShardError
+
 __all__ = ["HEAD_BIAS_ARGUMENTS", "head_bias_arguments", "HeadBiasSlice", "install_head_bias_slices"]
 
 #: names of forward arguments that hold a bias with one entry per attention head
@@ -42,7 +44,7 @@ def head_bias_arguments(klass: type) -> List[Tuple[str, int]]:
             if p.name in HEAD_BIAS_ARGUMENTS and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 
 
-def _slice_heads(bias: torch.Tensor, heads: int, rank: int, world: int) -> torch.Tensor:
+def _slice_heads(bias: torch.Tensor, heads: int, rank: int, world: int, where: str) -> torch.Tensor:
     local = heads // world
     if bias.dim() >= 1 and bias.shape[0] == heads:
         return bias.narrow(0, rank * local, local)
@@ -52,8 +54,8 @@ def _slice_heads(bias: torch.Tensor, heads: int, rank: int, world: int) -> torch
         batch = bias.shape[0] // heads
         split = bias.reshape(batch, heads, *bias.shape[1:]).narrow(1, rank * local, local)
         return split.reshape(batch * local, *bias.shape[1:])
-    raise ValueError(f"a per-head bias of shape {tuple(bias.shape)} has no axis of {heads} heads (nor batch x "
-                     f"{heads}); register a shard rule for the attention that slices it")
+    raise ShardError(f"{where}: a per-head bias of shape {tuple(bias.shape)} has no axis of {heads} heads (nor "
+                     f"batch x {heads}); register a shard rule for the attention that slices it")
 
 
 class HeadBiasSlice:
@@ -68,12 +70,16 @@ class HeadBiasSlice:
         if self.name in kwargs:
             bias = kwargs[self.name]
             if isinstance(bias, torch.Tensor):
-                kwargs = {**kwargs, self.name: _slice_heads(bias, self.heads, self.rank, self.world)}
+                kwargs = {**kwargs, self.name: _slice_heads(bias, self.heads, self.rank, self.world,
+                                                            self._where(module))}
             return args, kwargs
         if self.position < len(args) and isinstance(args[self.position], torch.Tensor):
-            sliced = _slice_heads(args[self.position], self.heads, self.rank, self.world)
+            sliced = _slice_heads(args[self.position], self.heads, self.rank, self.world, self._where(module))
             args = args[:self.position] + (sliced,) + args[self.position + 1:]
         return args, kwargs
+
+    def _where(self, module: nn.Module) -> str:
+        return f"{type(module).__name__}.forward argument '{self.name}'"
 
     def __repr__(self) -> str:
         return f"HeadBiasSlice({self.name!r}, heads {self.rank * self.heads // self.world}.." \

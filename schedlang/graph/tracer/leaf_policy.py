@@ -64,7 +64,7 @@ def _sync_op_class():
     mod = sys.modules.get("schedlang.distributed.sync_ops")
     if mod is None:
         try:
-            from ..distributed import sync_ops as mod
+            from ...distributed import sync_ops as mod
         except ImportError:  # pragma: no cover
             return None, None
     return getattr(mod, "SyncOp", None), getattr(mod, "SyncHook", None)
