@@ -45,6 +45,7 @@ from ..distributed.shard_rules.forward_code import first_parameter, is_projectio
 from ..distributed.shard_rules.forward_code import child_inputs, projection_arguments
 from ..distributed.shard_rules.generic_block import is_attention
 from ..errors import ScheduleTypeError
+from .moe import ExpertsPlan, apply_experts, find_experts
 from .plan_checks import UnsupportedModelError, block_findings, probe_refusal, refusal_message
 from .shape_probe import probe_forward
 from ._common import (base_and_prefix, finish_lm_head, gradient_summed, model_schedule, shard_column, shard_row,
@@ -123,6 +124,8 @@ class TensorParallelPlan:
     sequence_sharded: List[str] = dataclasses.field(default_factory=list)
     #: modules of the first layer whose projections feed no other projection (routers, gates): kept whole
     kept_whole: List[str] = dataclasses.field(default_factory=list)
+    #: the experts of mixture-of-experts blocks, of every layer: split like dense MLPs, or kept whole (and why)
+    experts: List[ExpertsPlan] = dataclasses.field(default_factory=list, repr=False)
 
     def __str__(self) -> str:
         sp = self.sequence_parallel
@@ -133,6 +136,7 @@ class TensorParallelPlan:
             first = f"{self.layers}.0."
             lines += [f"    {b.describe(sp).replace(first, '', 1)}" if b.path.startswith(first) else
                       f"    the layer itself{b.describe(sp)[len(b.path):]}" for b in self.blocks]
+            lines += [f"    {e.describe(first)}" for e in self.experts if e.path.startswith(first)]
             if self.kept_whole:
                 lines.append(f"    kept whole (their projections feed no other one): "
                              f"{', '.join(p.replace(first, '', 1) for p in self.kept_whole)}")
@@ -266,6 +270,9 @@ def plan_tensor_parallel(sch, gather_logits: bool = False, sequence_parallel: bo
     first = f"{layers_path}.0"
     prefix = f"{sch.path}." if sch.path else ""
     plan.kept_whole = [prefix + p for p in kept_whole if p == first or p.startswith(first + ".")]
+    if not sequence_parallel:  # under sequence parallelism experts run on sequence slices, whole
+        plan.experts = [dataclasses.replace(e, path=prefix + e.path) for i, layer in enumerate(layers)
+                        for e in find_experts(f"{layers_path}.{i}", layer)]
     return plan
 
 
@@ -436,6 +443,8 @@ def apply_tensor_parallel(sch, plan: TensorParallelPlan) -> TensorParallelPlan:
                 from ..distributed.sequence_parallel import AllReduceGradient
 
                 target.sync(mode="fwd_post", sync_op_or_fn=AllReduceGradient(target.group))
+    for experts in plan.experts:
+        apply_experts(root, experts)
     if sp:
         from ..distributed.sequence_parallel import split_sequence
 

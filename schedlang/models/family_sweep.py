@@ -79,6 +79,11 @@ def describe_plan(plan) -> str:
         where = block.path.replace(first, "", 1) if block.path.startswith(first) else (block.path or "layer")
         extra = f" + per-head {', '.join(n for n, _ in block.head_params)}" if block.head_params else ""
         parts.append(f"{where} ({block.kind}: {'|'.join(block.columns)} -> {block.row}{extra})")
+    for experts in getattr(plan, "experts", []):
+        if experts.path.startswith(first):
+            where = experts.path[len(first):]
+            parts.append(f"{where} (experts kept whole: {experts.whole})" if experts.whole else
+                         f"{where} (experts split like MLPs)")
     text = "; ".join(parts) if parts else f"schedule {plan.schedule}"
     kept = [p.replace(first, "", 1) for p in getattr(plan, "kept_whole", [])]
     if kept:

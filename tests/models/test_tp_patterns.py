@@ -6,6 +6,8 @@ At world 2 on gloo, inside Verify (outputs and every gradient against the unspli
   each rank's heads;
 * the attention's own per-head parameters (gpt-oss's attention sinks) are split with the heads;
 * routers and gates (projections feeding no other one) stay whole, beside a split shared expert (Qwen2-MoE);
+* the experts of a mixture-of-experts block (3-D tensors) are split like dense MLPs (Mixtral, Qwen2-MoE), or
+  kept whole where their layout cannot be split (gpt-oss: gate and up interleaved, a bias per expert);
 * attention and MLP reading the same input in parallel (Phi) pass as they are;
 * a norm over the whole q projection before the heads are split (OLMo-2) is refused up front, and the
   message's own recipe (keep that block whole, split the rest) passes;
@@ -71,6 +73,18 @@ def _router_kept_whole():
             "shared": tuple(sch["model.layers.0.mlp.shared_expert.gate_proj"].mod.weight.shape)}
 
 
+def _experts():
+    out = {}
+    for name in ("mixtral", "qwen2_moe", "gpt_oss"):
+        sch, plan, report = _verified(name)
+        experts = sch["model.layers.0.mlp.experts"].mod
+        out[name] = {"plan": str(plan), "specs": {n: (s.axis, s.groups, s.full_shape)
+                                                  for n, s in shard_specs(experts).items()},
+                     "hooks": [repr(h) for h in experts._forward_pre_hooks.values()],
+                     "router_grads": [n for n in report.compared if "mlp.gate" in n and "gradient" in n]}
+    return out
+
+
 def _parallel_blocks():
     _, plan, _ = _verified("phi")
     return str(plan)
@@ -107,6 +121,7 @@ def _rotary_called_per_layer_kind():
 def _world2(rank, world):
     return T.run_scenarios({
         "alibi": _alibi, "sinks": _sinks, "router": _router_kept_whole, "parallel": _parallel_blocks,
+        "experts": _experts,
         "olmo2": lambda: _refused_then_recipe("olmo2"), "diffllama": lambda: _refused_then_recipe("diffllama"),
         "gemma3": _rotary_called_per_layer_kind,
     })
@@ -137,6 +152,22 @@ def test_routers_stay_whole_beside_a_split_shared_expert(world2):
         assert "kept whole (their projections feed no other one): mlp" in r["plan"], r["plan"]
         assert r["gate"] == (1, T.HIDDEN)  # whole
         assert r["shared"] == (16, T.HIDDEN)  # 32 / 2 ranks
+
+
+def test_experts_are_split_like_dense_mlps_and_their_routing_gradients_summed(world2):
+    for r in T.value(world2, "experts"):
+        mixtral = r["mixtral"]
+        # (experts, 2 x 96, 64): gate and up each split, rank r keeps [gate_r, up_r]; down along its 96 inputs
+        assert mixtral["specs"] == {"gate_up_proj": (1, 2, (4, 192, T.HIDDEN)), "down_proj": (2, 1, (4, T.HIDDEN, 96))}
+        assert "InputGradientSync()" in mixtral["hooks"]
+        assert "mlp.experts (experts): gate_up_proj, down_proj split along the intermediate width" in mixtral["plan"]
+        assert mixtral["router_grads"], "the router's gradient was compared with the original's"
+        qwen = r["qwen2_moe"]
+        assert qwen["specs"]["gate_up_proj"] == (1, 2, (4, 64, T.HIDDEN)), qwen["specs"]
+        assert "mlp.shared_expert (mlp)" in qwen["plan"], qwen["plan"]
+        oss = r["gpt_oss"]
+        assert oss["specs"] == {}
+        assert "mlp.experts (experts): kept whole: gate and up are interleaved in gate_up_proj" in oss["plan"]
 
 
 def test_parallel_attention_and_mlp_blocks_pass(world2):
@@ -214,3 +245,32 @@ def test_every_family_of_the_patterns_is_in_transformers_causal_lm_mapping():
     types = {f.model_type for f in causal_lm_families()}
     assert {"bloom", "falcon", "gpt_oss", "qwen2_moe", "phi", "olmo2", "diffllama", "gemma3_text"} <= types
     assert Family("llama", "LlamaForCausalLM").model_class().__name__ == "LlamaForCausalLM"
+
+
+def test_experts_split_along_another_axis_or_interleaved_are_refused_naming_the_tensor():
+    import contextlib
+    from unittest import mock
+
+    import schedlang.distributed.groups as groups
+
+    @contextlib.contextmanager
+    def two_ranks():
+        with mock.patch.object(groups, "world_size", lambda group=None: 2), \
+                mock.patch.object(groups, "rank", lambda group=None: 0):
+            yield
+
+    model, _ = _model("mixtral")
+    with two_ranks():
+        sch = schedlang.create_schedule(model)
+        experts = sch["model.layers.0.mlp.experts"]
+        with pytest.raises(schedlang.ShardError, match=(
+                r"^model\.layers\.0\.mlp\.experts: cannot shard 'gate_up_proj' of MixtralExperts along axis 2: the "
+                r"intermediate width of its experts is axis 1; shard it along axis 1$")):
+            experts.shard("gate_up_proj", axis=2)
+        assert len(sch.plan) == 0
+        experts.mod.is_concatenated = False  # as if gate and up alternated
+        with pytest.raises(schedlang.ShardError, match=(
+                r"^model\.layers\.0\.mlp\.experts: cannot shard 'gate_up_proj' of MixtralExperts: gate and up are "
+                r"interleaved in gate_up_proj; valid are gate_up_proj along axis 1, down_proj along axis 2 of experts "
+                r"laid out as gate then up$")):
+            experts.shard("gate_up_proj", axis=1)
