@@ -46,7 +46,7 @@ from ..distributed.shard_rules.forward_code import child_inputs, projection_argu
 from ..distributed.shard_rules.generic_block import is_attention
 from ..errors import ScheduleTypeError
 from .moe import ExpertsPlan, apply_experts, find_experts
-from .plan_checks import UnsupportedModelError, block_findings, probe_refusal, refusal_message
+from .plan_checks import KEEP_WHOLE_RECIPE, UnsupportedModelError, block_findings, probe_parts, refusal_parts
 from .shape_probe import probe_forward
 from ._common import (base_and_prefix, finish_lm_head, gradient_summed, model_schedule, shard_column, shard_row,
                       shard_vocab_embedding)
@@ -412,7 +412,11 @@ def apply_tensor_parallel(sch, plan: TensorParallelPlan) -> TensorParallelPlan:
     """
     unsupported = [(b.path, b.unsupported) for b in plan.all_blocks if b.unsupported]
     if unsupported:  # before any step: nothing of the plan is written
-        raise UnsupportedModelError(refusal_message(sch.root.mod, unsupported))
+        where, what = refusal_parts(unsupported)
+        raise UnsupportedModelError(
+            f"{where}: shard_model cannot split this block of {type(sch.root.mod).__name__}: {what}. To keep it whole "
+            f"and split the rest, write: {KEEP_WHOLE_RECIPE} (both from schedlang.models.auto); or register a "
+            f"schedule of your own with schedlang.models.register_family")
     before = len(sch.root.plan)
     root = sch.root
     # a forward on fake tensors before and after: a model that ran whole and breaks split is refused
@@ -460,7 +464,14 @@ def apply_tensor_parallel(sch, plan: TensorParallelPlan) -> TensorParallelPlan:
                        install_loss=plan.vocab_parallel_loss)
     failure = probe_forward(root.mod) if runs_whole else None
     if failure is not None:  # the decorator undoes every step written above
-        raise UnsupportedModelError(probe_refusal(root.mod, plan, failure, root.world_size))
+        where, kind = probe_parts(plan, failure)
+        raise UnsupportedModelError(
+            f"{where}: shard_model cannot split {type(root.mod).__name__}: split over {root.world_size} ranks, its "
+            f"{failure.module_type} raises {failure.error} (found by running the split model on fake tensors; no "
+            f"step stays in the plan). To keep every {kind} block whole and split the rest, write: plan = "
+            f"plan_tensor_parallel(sch); plan.all_blocks = [b for b in plan.all_blocks if b.kind != {kind!r}]; "
+            f"apply_tensor_parallel(sch, plan) (both from schedlang.models.auto); or register a schedule of your own "
+            f"with schedlang.models.register_family")
     plan.steps = len(sch.root.plan) - before
     return plan
 

@@ -28,13 +28,12 @@ from torch import nn
 from ..distributed.shard_rules.forward_code import is_conv1d
 from ..errors import ScheduleTypeError
 
-__all__ = ["UnsupportedModelError", "BlockFindings", "block_findings", "refusal_message", "probe_refusal",
-           "KEEP_WHOLE_HINT"]
+__all__ = ["UnsupportedModelError", "BlockFindings", "block_findings", "refusal_parts", "probe_parts",
+           "KEEP_WHOLE_RECIPE"]
 
-KEEP_WHOLE_HINT = ("to keep it whole and split the rest, write: plan = plan_tensor_parallel(sch); "
-                   "plan.all_blocks = [b for b in plan.all_blocks if not b.unsupported]; "
-                   "apply_tensor_parallel(sch, plan) (both from schedlang.models.auto); or register a schedule "
-                   "of your own with schedlang.models.register_family")
+#: the recipe a refusal gives to keep the refused blocks whole and split the rest
+KEEP_WHOLE_RECIPE = ("plan = plan_tensor_parallel(sch); plan.all_blocks = [b for b in plan.all_blocks if not "
+                     "b.unsupported]; apply_tensor_parallel(sch, plan)")
 
 
 class UnsupportedModelError(ScheduleTypeError):
@@ -107,24 +106,17 @@ def block_findings(module: nn.Module, path: str, kind: str, columns: Sequence[st
     return BlockFindings(summed=summed, head_params=head_params, unsupported=unsupported)
 
 
-def refusal_message(model: nn.Module, reasons: List[Tuple[str, str]]) -> str:
-    """The message of an :class:`UnsupportedModelError` for blocks ``[(path, reason)]`` (the first few named)."""
-    name = type(model).__name__
+def refusal_parts(reasons: List[Tuple[str, str]]) -> Tuple[str, str]:
+    """``(where, what)`` of an :class:`UnsupportedModelError` for blocks ``[(path, reason)]`` (the first few named)."""
     shown = "; ".join(reason for _, reason in reasons[:2])
     more = f" (and {len(reasons) - 2} more blocks alike)" if len(reasons) > 2 else ""
-    return (f"{reasons[0][0]}: shard_model cannot split this block of {name}: {shown}{more}. {KEEP_WHOLE_HINT}")
+    return reasons[0][0], shown + more
 
 
-def probe_refusal(model: nn.Module, plan, failure, world: int) -> str:
-    """The message of an :class:`UnsupportedModelError` for a plan whose model fails the shape probe
-    (:mod:`schedlang.models.shape_probe`): the module, its error, and the blocks to keep whole."""
+def probe_parts(plan, failure) -> Tuple[str, str]:
+    """``(where, kind)`` of an :class:`UnsupportedModelError` for a plan whose model fails the shape probe
+    (:mod:`schedlang.models.shape_probe`): the module, and the kind of the block around it (to keep whole)."""
     where = failure.path or "<root>"
     block = max((b for b in plan.all_blocks if where == b.path or where.startswith(b.path + ".")),
                 key=lambda b: len(b.path), default=None)
-    kind = block.kind if block is not None else "attention"
-    return (f"{where}: shard_model cannot split {type(model).__name__}: split over {world} ranks, its "
-            f"{failure.module_type} raises {failure.error} (found by running the split model on fake tensors; no "
-            f"step stays in the plan). To keep every {kind} block whole and split the rest, write: "
-            f"plan = plan_tensor_parallel(sch); plan.all_blocks = [b for b in plan.all_blocks if b.kind != {kind!r}]; "
-            f"apply_tensor_parallel(sch, plan) (both from schedlang.models.auto); or register a schedule of your own "
-            f"with schedlang.models.register_family")
+    return where, block.kind if block is not None else "attention"

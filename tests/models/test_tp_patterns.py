@@ -37,8 +37,11 @@ def _model(model_type: str, **changes):
     config = tiny_config(model_type)
     for key, value in changes.items():
         setattr(config, key, value)
+    klass = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
+    if not getattr(klass, "_supports_sdpa", True):
+        config._attn_implementation = "eager"
     torch.manual_seed(0)
-    return getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])(config), config
+    return klass(config), config
 
 
 def _verified(model_type: str, **changes):
@@ -136,7 +139,8 @@ def test_alibi_biases_are_cut_to_each_ranks_heads(world2):
     for rank, r in enumerate(T.value(world2, "alibi")):
         for name in ("bloom", "falcon"):
             first, last = 2 * rank, 2 * rank + 2
-            assert r[name]["hooks"] == [f"HeadBiasSlice('alibi', heads {first}..{last} of 4)"], r[name]
+            assert r[name]["hooks"] == [f"HeadBiasSlice('alibi', heads {first}..{last} of 4)",
+                                        f"HeadBiasSlice('attention_mask', heads {first}..{last} of 4)"], r[name]
             assert r[name]["compared"] > 0
 
 
@@ -223,6 +227,14 @@ def test_a_per_head_bias_is_cut_along_its_head_axis(shape, expected):
     torch.testing.assert_close(args[1], expected(bias))
 
 
+def test_a_mask_is_cut_only_where_it_holds_the_heads():
+    hook = HeadBiasSlice("attention_mask", 1, heads=4, rank=1, world=2)
+    per_head, broadcast = torch.randn(2, 4, 3, 3), torch.randn(2, 1, 3, 3)
+    torch.testing.assert_close(hook(torch.nn.Identity(), (), {"attention_mask": per_head})[1]["attention_mask"],
+                               per_head[:, 2:])
+    assert hook(torch.nn.Identity(), (), {"attention_mask": broadcast})[1]["attention_mask"] is broadcast
+
+
 def test_a_per_head_bias_without_a_head_axis_says_so():
     hook = HeadBiasSlice("alibi", 0, heads=4, rank=0, world=2)
     with pytest.raises(schedlang.ShardError, match=r"^Identity.forward argument 'alibi': a per-head bias of shape "
@@ -235,7 +247,7 @@ def test_per_head_bias_arguments_are_read_from_the_signature():
     import transformers.models.bloom.modeling_bloom as bloom
     import transformers.models.llama.modeling_llama as llama
 
-    assert head_bias_arguments(bloom.BloomAttention) == [("alibi", 2)]
+    assert head_bias_arguments(bloom.BloomAttention) == [("alibi", 2), ("attention_mask", 3)]
     assert head_bias_arguments(llama.LlamaAttention) == []
 
 
@@ -253,6 +265,15 @@ def test_experts_split_along_another_axis_or_interleaved_are_refused_naming_the_
 
     import schedlang.distributed.groups as groups
 
+    import importlib
+    import pkgutil
+
+    import schedlang.distributed
+
+    # modules bind groups.world_size when first imported: one imported under the patch would keep two ranks
+    for info in pkgutil.walk_packages(schedlang.distributed.__path__, "schedlang.distributed."):
+        importlib.import_module(info.name)
+
     @contextlib.contextmanager
     def two_ranks():
         with mock.patch.object(groups, "world_size", lambda group=None: 2), \
@@ -264,8 +285,8 @@ def test_experts_split_along_another_axis_or_interleaved_are_refused_naming_the_
         sch = schedlang.create_schedule(model)
         experts = sch["model.layers.0.mlp.experts"]
         with pytest.raises(schedlang.ShardError, match=(
-                r"^model\.layers\.0\.mlp\.experts: cannot shard 'gate_up_proj' of MixtralExperts along axis 2: the "
-                r"intermediate width of its experts is axis 1; shard it along axis 1$")):
+                r"^model\.layers\.0\.mlp\.experts: cannot shard 'gate_up_proj' of MixtralExperts along axis 2: valid "
+                r"is axis 1, the intermediate width of its experts$")):
             experts.shard("gate_up_proj", axis=2)
         assert len(sch.plan) == 0
         experts.mod.is_concatenated = False  # as if gate and up alternated

@@ -125,8 +125,7 @@ class MoEBlockShardRule(ShardRule):
         want, blocks = layout.axes[tensor_name]
         if axis != want:
             raise ShardError(f"{path or '<root>'}: cannot shard '{tensor_name}' of {type(child).__name__} "
-                             f"along axis {axis}: the intermediate width of its experts is axis {want}; shard it "
-                             f"along axis {want}")
+                             f"along axis {axis}: valid is axis {want}, the intermediate width of its experts")
         return blocks
 
     @classmethod

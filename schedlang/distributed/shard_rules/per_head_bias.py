@@ -9,9 +9,10 @@ adds the wrong heads' slopes).
 
 The slopes of ALiBi depend on the total number of heads, so the bias cannot be rebuilt for the
 local heads; it is cut instead. :func:`head_bias_arguments` finds such arguments from the
-forward's signature, and :class:`HeadBiasSlice` is the forward pre-hook the generic attention
-rule installs when it splits the heads: it takes this rank's heads out of the argument, along the
-head axis, whatever layout the model uses:
+forward's signature (and, beside one, the attention mask, which a model may have folded such a
+bias into: Falcon's is then ``(batch, heads, queries, keys)``), and :class:`HeadBiasSlice` is the
+forward pre-hook the generic attention rule installs when it splits the heads: it takes this
+rank's heads out of the argument, along the head axis, whatever layout the model uses:
 
 * ``(heads, ...)``: the heads lead;
 * ``(batch * heads, ...)``: batch-major, heads within;
@@ -32,6 +33,9 @@ __all__ = ["HEAD_BIAS_ARGUMENTS", "head_bias_arguments", "HeadBiasSlice", "insta
 
 #: names of forward arguments that hold a bias with one entry per attention head
 HEAD_BIAS_ARGUMENTS = ("alibi", "position_bias", "alibi_bias", "attn_bias")
+#: arguments that hold one entry per head only sometimes: a 4-D mask ``(batch, heads, queries, keys)`` into
+#: which the model folded a per-head bias (Falcon with ALiBi); a mask broadcast over the heads passes as it is
+HEAD_MASK_ARGUMENTS = ("attention_mask",)
 
 
 def head_bias_arguments(klass: type) -> List[Tuple[str, int]]:
@@ -40,12 +44,16 @@ def head_bias_arguments(klass: type) -> List[Tuple[str, int]]:
         parameters = list(inspect.signature(klass.forward).parameters.values())[1:]
     except (TypeError, ValueError):  # a forward without a signature takes no such argument by name
         return []
+    names = HEAD_BIAS_ARGUMENTS + (HEAD_MASK_ARGUMENTS if any(p.name in HEAD_BIAS_ARGUMENTS for p in parameters)
+                                   else ())
     return [(p.name, i) for i, p in enumerate(parameters)
-            if p.name in HEAD_BIAS_ARGUMENTS and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+            if p.name in names and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 
 
-def _slice_heads(bias: torch.Tensor, heads: int, rank: int, world: int, where: str) -> torch.Tensor:
+def _slice_heads(bias: torch.Tensor, heads: int, rank: int, world: int, where: str, mask: bool = False) -> torch.Tensor:
     local = heads // world
+    if mask:  # a mask holds heads only as the second of four axes; otherwise it is broadcast over them
+        return bias.narrow(1, rank * local, local) if bias.dim() == 4 and bias.shape[1] == heads else bias
     if bias.dim() >= 1 and bias.shape[0] == heads:
         return bias.narrow(0, rank * local, local)
     if bias.dim() >= 2 and bias.shape[1] == heads:
@@ -65,16 +73,18 @@ class HeadBiasSlice:
     def __init__(self, name: str, position: int, heads: int, rank: int, world: int):
         self.name, self.position = name, position
         self.heads, self.rank, self.world = heads, rank, world
+        self.mask = name in HEAD_MASK_ARGUMENTS
 
     def __call__(self, module: nn.Module, args, kwargs):
         if self.name in kwargs:
             bias = kwargs[self.name]
             if isinstance(bias, torch.Tensor):
                 kwargs = {**kwargs, self.name: _slice_heads(bias, self.heads, self.rank, self.world,
-                                                            self._where(module))}
+                                                            self._where(module), self.mask)}
             return args, kwargs
         if self.position < len(args) and isinstance(args[self.position], torch.Tensor):
-            sliced = _slice_heads(args[self.position], self.heads, self.rank, self.world, self._where(module))
+            sliced = _slice_heads(args[self.position], self.heads, self.rank, self.world, self._where(module),
+                                  self.mask)
             args = args[:self.position] + (sliced,) + args[self.position + 1:]
         return args, kwargs
 
