@@ -20,6 +20,9 @@ result as a reStructuredText table with the date and the versions. From the comm
     python -m schedlang.models.family_sweep --check docs/families.rst   # the structural pass against the table
     python -m schedlang.models.family_sweep --families llama,bloom      # a few, verified, printed
 
+``--results r.json`` keeps the results, and ``--write docs/families.rst --from-results r.json`` writes the
+table from them again without sweeping.
+
 The CI test re-runs the structural pass for every family (seconds each) and checks that the table
 says the same; the full verification runs on a representative subset in the test suite.
 """
@@ -29,6 +32,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import json
 import logging
 import re
 import sys
@@ -242,8 +246,8 @@ def _counts(results: Sequence[FamilyResult]) -> str:
 
 
 def _cell(text: str) -> str:
-    text = text.replace("\\", "\\\\").replace("*", "\\*").replace("`", "'").replace("|", "\\|")
-    return text or "-"
+    """``text`` as reStructuredText that reads as written: every character that could start markup escaped."""
+    return re.sub(r"([\\*_`|])", r"\\\1", text) or "-"
 
 
 def write_table(path, results: Sequence[FamilyResult], date: Optional[str] = None) -> str:
@@ -300,6 +304,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--check", metavar="PATH", help="run the structural pass and compare it with the table")
     parser.add_argument("--families", metavar="A,B", help="only these model types (comma-separated)")
     parser.add_argument("--structural", action="store_true", help="decide only, without Verify")
+    parser.add_argument("--results", metavar="PATH", help="also save the results as JSON (with --write or alone)")
+    parser.add_argument("--from-results", metavar="PATH", help="write the table from saved results, without sweeping")
     args = parser.parse_args(argv)
     families = args.families.split(",") if args.families else None
 
@@ -314,7 +320,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(line)
         print(f"{len(decided)} families decided; {len(problems)} differ from {args.check}")
         return 1 if problems else 0
-    results = run_sweep(families, verify=not args.structural, progress=progress)
+    if args.from_results:
+        results = [FamilyResult(**r) for r in json.loads(Path(args.from_results).read_text())]
+    else:
+        results = run_sweep(families, verify=not args.structural, progress=progress)
+    if args.results and not args.from_results:
+        Path(args.results).write_text(json.dumps([dataclasses.asdict(r) for r in results], indent=1))
     if args.write:
         write_table(args.write, results)
         print(f"wrote {args.write}: {_counts(results)}")
