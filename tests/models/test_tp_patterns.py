@@ -88,6 +88,34 @@ def _experts():
     return out
 
 
+def _experts_built_on_the_meta_device():
+    """The README's flow for a mixture of experts: a meta model, shard_model, build; against an unsharded build."""
+    import transformers
+
+    from schedlang.checkpoint import full_tensor
+    from schedlang.distributed.collectives import all_gather_tensor
+    from schedlang.models import shard_model
+
+    config = tiny_config("mixtral")
+    built = []
+    for split in (True, False):
+        with schedlang.init_empty_weights():
+            meta = transformers.MixtralForCausalLM(config)
+        sch = schedlang.create_schedule(meta)
+        if split:
+            shard_model(sch)
+        torch.manual_seed(0)
+        built.append(schedlang.build(sch)[0])
+    split, whole = built
+    experts, whole_experts = split.model.layers[0].mlp.experts, whole.model.layers[0].mlp.experts
+    ids = example_ids(config)
+    logits = all_gather_tensor(split(input_ids=ids).logits.contiguous(), -1)
+    return {"placements": str(experts.gate_up_proj.placements), "local": tuple(experts.gate_up_proj.to_local().shape),
+            "same_init": all(torch.equal(full_tensor(getattr(experts, n)), getattr(whole_experts, n).detach())
+                             for n in ("gate_up_proj", "down_proj")),
+            "logits": float((logits - whole(input_ids=ids).logits).abs().max())}
+
+
 def _parallel_blocks():
     _, plan, _ = _verified("phi")
     return str(plan)
@@ -124,7 +152,7 @@ def _rotary_called_per_layer_kind():
 def _world2(rank, world):
     return T.run_scenarios({
         "alibi": _alibi, "sinks": _sinks, "router": _router_kept_whole, "parallel": _parallel_blocks,
-        "experts": _experts,
+        "experts": _experts, "experts_built": _experts_built_on_the_meta_device,
         "olmo2": lambda: _refused_then_recipe("olmo2"), "diffllama": lambda: _refused_then_recipe("diffllama"),
         "gemma3": _rotary_called_per_layer_kind,
     })
@@ -172,6 +200,13 @@ def test_experts_are_split_like_dense_mlps_and_their_routing_gradients_summed(wo
         oss = r["gpt_oss"]
         assert oss["specs"] == {}
         assert "mlp.experts (experts): kept whole: gate and up are interleaved in gate_up_proj" in oss["plan"]
+
+
+def test_experts_built_from_a_meta_model_hold_their_slices_of_the_unsharded_build(world2):
+    for r in T.value(world2, "experts_built"):
+        assert r["placements"] == "(_StridedShard(dim=1, sf=2),)" and r["local"] == (4, 96, T.HIDDEN)
+        assert r["same_init"]
+        assert r["logits"] < 1e-5, r
 
 
 def test_parallel_attention_and_mlp_blocks_pass(world2):
