@@ -199,8 +199,10 @@ def _blocks_of(model: nn.Module, layer_path: str, layer: nn.Module, kept_whole: 
             raise _cannot(model, f"{path}: {type(module).__name__}.forward never calls {', '.join(missing)}")
         columns = [n for n in names if not flows[n]]
         rows = [n for n in names if flows[n]]
-        if not rows:
-            # a router or a gate: its projections feed no other one, so nothing pairs them; whole on every rank
+        if not rows and not (is_attention(module) or _has_rule(module)):
+            # a router or a gate: its projections feed no other one, so nothing pairs them; whole on every rank.
+            # (An attention whose output projection sits in another module, as in BERT, is no such thing: the
+            # check below refuses it, and a family override names its blocks.)
             if kept_whole is not None:
                 kept_whole.append(path)
             continue
