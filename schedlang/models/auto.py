@@ -421,8 +421,10 @@ def apply_tensor_parallel(sch, plan: TensorParallelPlan) -> TensorParallelPlan:
             f"schedule of your own with schedlang.models.register_family")
     before = len(sch.root.plan)
     root = sch.root
-    # a forward on fake tensors before and after: a model that ran whole and breaks split is refused
-    runs_whole = probe_forward(root.mod) is None
+    # a forward on fake tensors before and after: a model that ran whole and breaks split is refused. Not under
+    # sequence parallelism: the split of the sequence is a function the shape-only run leaves out, and its plan
+    # splits the same blocks as the tensor-parallel one
+    runs_whole = not plan.sequence_parallel and probe_forward(root.mod) is None
     sp = plan.sequence_parallel
     if sp:
         _sequence_parallel_modules(root, plan)

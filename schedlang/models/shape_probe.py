@@ -11,7 +11,8 @@ reduce-scatter narrows), and reports the innermost module that raised.
 :func:`~schedlang.models.auto.apply_tensor_parallel` probes the model before writing its steps
 and again after: a model that ran before and fails after is refused, and its steps are undone.
 A model the probe cannot run in the first place (data-dependent shapes in a mixture-of-experts
-router, say) is not refused: only ``Verify`` can tell then.
+router, say) is not refused: only ``Verify`` can tell then. Nor is a sequence-parallel plan probed:
+the split of the sequence in front of the first layer is a function the shape-only run leaves out.
 """
 
 from __future__ import annotations
