@@ -36,7 +36,7 @@ options (LLaMA's gradient sums at the norms) adjusts the plan before applying it
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from torch import nn
 
@@ -45,6 +45,9 @@ from ..distributed.shard_rules.forward_code import first_parameter, is_projectio
 from ..distributed.shard_rules.forward_code import child_inputs, projection_arguments
 from ..distributed.shard_rules.generic_block import is_attention
 from ..errors import ScheduleTypeError
+from .moe import ExpertsPlan, apply_experts, find_experts
+from .plan_checks import KEEP_WHOLE_RECIPE, UnsupportedModelError, block_findings, probe_parts, refusal_parts
+from .shape_probe import probe_forward
 from ._common import (base_and_prefix, finish_lm_head, gradient_summed, model_schedule, shard_column, shard_row,
                       shard_vocab_embedding)
 
@@ -76,6 +79,10 @@ class BlockPlan:
     summed: List[str] = dataclasses.field(default_factory=list)
     entry: str = ""
     producer: Optional[str] = None
+    #: the attention module's own parameters with one entry per head, ``(name, axis)``: split with the heads
+    head_params: List[Tuple[str, int]] = dataclasses.field(default_factory=list)
+    #: why the block cannot be split correctly (None: it can); apply_tensor_parallel refuses such a block
+    unsupported: Optional[str] = None
 
     def describe(self, sequence_parallel: bool = False) -> str:
         where = self.path or "<root>"
@@ -88,8 +95,11 @@ class BlockPlan:
             sync = f"each column's {what}"
         out = "reduce-scattered along the sequence" if sequence_parallel else "all-reduced"
         summed = f"; weight gradients of {', '.join(self.summed)} summed" if self.summed else ""
+        heads = f"; per-head {', '.join(n for n, _ in self.head_params)} split" if self.head_params else ""
+        if self.unsupported:
+            return f"{where} ({self.kind}): cannot be split: {self.unsupported}"
         return (f"{where} ({self.kind}): {', '.join(self.columns)} column-parallel -> {self.row} row-parallel "
-                f"(output {out}), {sync}{summed}")
+                f"(output {out}), {sync}{summed}{heads}")
 
 
 @dataclasses.dataclass
@@ -112,6 +122,10 @@ class TensorParallelPlan:
     #: under sequence parallelism: the modules with weights in the first layer that run on sequence slices
     #: (their weight gradients summed over the group); the other layers alike
     sequence_sharded: List[str] = dataclasses.field(default_factory=list)
+    #: modules of the first layer whose projections feed no other projection (routers, gates): kept whole
+    kept_whole: List[str] = dataclasses.field(default_factory=list)
+    #: the experts of mixture-of-experts blocks, of every layer: split like dense MLPs, or kept whole (and why)
+    experts: List[ExpertsPlan] = dataclasses.field(default_factory=list, repr=False)
 
     def __str__(self) -> str:
         sp = self.sequence_parallel
@@ -122,6 +136,10 @@ class TensorParallelPlan:
             first = f"{self.layers}.0."
             lines += [f"    {b.describe(sp).replace(first, '', 1)}" if b.path.startswith(first) else
                       f"    the layer itself{b.describe(sp)[len(b.path):]}" for b in self.blocks]
+            lines += [f"    {e.describe(first)}" for e in self.experts if e.path.startswith(first)]
+            if self.kept_whole:
+                lines.append(f"    kept whole (their projections feed no other one): "
+                             f"{', '.join(p.replace(first, '', 1) for p in self.kept_whole)}")
             if sp:
                 shown = ", ".join(p.replace(first, "", 1) for p in self.sequence_sharded) or "none"
                 lines.append(f"    on sequence slices, weight gradients summed: {shown}")
@@ -165,7 +183,8 @@ def _cannot(model: nn.Module, why: str) -> ScheduleTypeError:
         f"schedlang.models.register_family({name.split('For')[0]!r}, fn)")
 
 
-def _blocks_of(model: nn.Module, layer_path: str, layer: nn.Module) -> List[BlockPlan]:
+def _blocks_of(model: nn.Module, layer_path: str, layer: nn.Module, kept_whole: Optional[List[str]] = None
+               ) -> List[BlockPlan]:
     blocks = []
     for sub_path, module in layer.named_modules():
         names = [n for n, c in module.named_children() if is_projection(c)]
@@ -180,6 +199,13 @@ def _blocks_of(model: nn.Module, layer_path: str, layer: nn.Module) -> List[Bloc
             raise _cannot(model, f"{path}: {type(module).__name__}.forward never calls {', '.join(missing)}")
         columns = [n for n in names if not flows[n]]
         rows = [n for n in names if flows[n]]
+        if not rows and not (is_attention(module) or _has_rule(module)):
+            # a router or a gate: its projections feed no other one, so nothing pairs them; whole on every rank.
+            # (An attention whose output projection sits in another module, as in BERT, is no such thing: the
+            # check below refuses it, and a family override names its blocks.)
+            if kept_whole is not None:
+                kept_whole.append(path)
+            continue
         for row in rows:
             if not flows[row] <= set(columns):
                 raise _cannot(model, f"{path}.{row} is computed from {', '.join(sorted(flows[row]))}, not only from "
@@ -198,10 +224,10 @@ def _blocks_of(model: nn.Module, layer_path: str, layer: nn.Module) -> List[Bloc
         region = child_inputs(type(module), names, weighted) or {}
         for row in rows:
             cols = [c for c in columns if c in flows[row]]
-            summed = [f"{n}.{p}" if p else n for n in weighted if region.get(n, frozenset()) & set(cols) and row not in region.get(n, ())
-                      for p, m in getattr(module, n).named_modules() if any(True for _ in m.parameters(False))]
+            found = block_findings(module, path, kind, cols, row, weighted, region)
             blocks.append(BlockPlan(path=path, kind=kind, columns=cols, row=row,
-                                    grad_sync=_grad_sync(model, layer, sub_path, module, cols), summed=summed))
+                                    grad_sync=_grad_sync(model, layer, sub_path, module, cols), summed=found.summed,
+                                    head_params=found.head_params, unsupported=found.unsupported))
     if not blocks:
         raise _cannot(model, f"no column/row projection pair found in {layer_path}")
     return blocks
@@ -240,8 +266,15 @@ def plan_tensor_parallel(sch, gather_logits: bool = False, sequence_parallel: bo
     if found is None:
         raise _cannot(model, "no ModuleList of same-class layers holding projections")
     layers_path, layers = found
-    per_layer = [_blocks_of(model, f"{layers_path}.{i}", layer) for i, layer in enumerate(layers)]
+    kept_whole: List[str] = []
+    per_layer = [_blocks_of(model, f"{layers_path}.{i}", layer, kept_whole) for i, layer in enumerate(layers)]
     plan = layer_plan(sch, layers_path, [b for bs in per_layer for b in bs], gather_logits, sequence_parallel)
+    first = f"{layers_path}.0"
+    prefix = f"{sch.path}." if sch.path else ""
+    plan.kept_whole = [prefix + p for p in kept_whole if p == first or p.startswith(first + ".")]
+    if not sequence_parallel:  # under sequence parallelism experts run on sequence slices, whole
+        plan.experts = [dataclasses.replace(e, path=prefix + e.path) for i, layer in enumerate(layers)
+                        for e in find_experts(f"{layers_path}.{i}", layer)]
     return plan
 
 
@@ -379,8 +412,19 @@ def apply_tensor_parallel(sch, plan: TensorParallelPlan) -> TensorParallelPlan:
         plan.embedding = None           # keep the embedding whole
         apply_tensor_parallel(sch, plan)
     """
+    unsupported = [(b.path, b.unsupported) for b in plan.all_blocks if b.unsupported]
+    if unsupported:  # before any step: nothing of the plan is written
+        where, what = refusal_parts(unsupported)
+        raise UnsupportedModelError(
+            f"{where}: shard_model cannot split this block of {type(sch.root.mod).__name__}: {what}. To keep it whole "
+            f"and split the rest, write: {KEEP_WHOLE_RECIPE} (both from schedlang.models.auto); or register a "
+            f"schedule of your own with schedlang.models.register_family")
     before = len(sch.root.plan)
     root = sch.root
+    # a forward on fake tensors before and after: a model that ran whole and breaks split is refused. Not under
+    # sequence parallelism: the split of the sequence is a function the shape-only run leaves out, and its plan
+    # splits the same blocks as the tensor-parallel one
+    runs_whole = not plan.sequence_parallel and probe_forward(root.mod) is None
     sp = plan.sequence_parallel
     if sp:
         _sequence_parallel_modules(root, plan)
@@ -389,6 +433,8 @@ def apply_tensor_parallel(sch, plan: TensorParallelPlan) -> TensorParallelPlan:
         for c in block.columns:
             shard_column(b[c])
         shard_row(b[block.row])
+        for name, axis in block.head_params:
+            b.shard(name, axis=axis)
         for name in block.summed:
             b[name].replace(gradient_summed(b[name].mod, b.group))
         axis = SEQUENCE_AXIS if block.kind == "attention" else TOKEN_AXIS
@@ -405,6 +451,8 @@ def apply_tensor_parallel(sch, plan: TensorParallelPlan) -> TensorParallelPlan:
                 from ..distributed.sequence_parallel import AllReduceGradient
 
                 target.sync(mode="fwd_post", sync_op_or_fn=AllReduceGradient(target.group))
+    for experts in plan.experts:
+        apply_experts(root, experts)
     if sp:
         from ..distributed.sequence_parallel import split_sequence
 
@@ -418,6 +466,16 @@ def apply_tensor_parallel(sch, plan: TensorParallelPlan) -> TensorParallelPlan:
     if plan.lm_head:
         finish_lm_head(root, root, "", False, plan.logits == "gathered", head_path=plan.lm_head,
                        install_loss=plan.vocab_parallel_loss)
+    failure = probe_forward(root.mod) if runs_whole else None
+    if failure is not None:  # the decorator undoes every step written above
+        where, kind = probe_parts(plan, failure)
+        raise UnsupportedModelError(
+            f"{where}: shard_model cannot split {type(root.mod).__name__}: split over {root.world_size} ranks, its "
+            f"{failure.module_type} raises {failure.error} (found by running the split model on fake tensors; no "
+            f"step stays in the plan). To keep every {kind} block whole and split the rest, write: plan = "
+            f"plan_tensor_parallel(sch); plan.all_blocks = [b for b in plan.all_blocks if b.kind != {kind!r}]; "
+            f"apply_tensor_parallel(sch, plan) (both from schedlang.models.auto); or register a schedule of your own "
+            f"with schedlang.models.register_family")
     plan.steps = len(sch.root.plan) - before
     return plan
 
@@ -458,13 +516,14 @@ def shard_auto(sch, sequence_parallel: bool = False, gather_logits: bool = False
         sequence_parallel: also split the activations between the blocks along the sequence (norms,
             residuals, dropouts; see the module docstring). The sequence length must then be divisible
             by the number of ranks.
-        gather_logits: all-gather the logits (full logits, HF's loss, what ``Verify`` compares); by
-            default they stay split along the vocabulary and the loss is the vocabulary-parallel one.
+        gather_logits: all-gather the logits (full logits, HF's loss); by default they stay split along
+            the vocabulary and the loss is the vocabulary-parallel one (``Verify`` compares each rank's
+            slice of the logits with the original's).
 
     Example::
 
         with schedlang.Verify(sch, example_inputs=[ids]):
-            print(shard_auto(sch, sequence_parallel=True, gather_logits=True))
+            print(shard_auto(sch, sequence_parallel=True))
     """
     return apply_tensor_parallel(sch, plan_tensor_parallel(sch, gather_logits=gather_logits,
                                                            sequence_parallel=sequence_parallel))

@@ -21,7 +21,6 @@ leaves no step in the plan (see :meth:`~schedlang.Schedule.atomic`).
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import functools
@@ -40,14 +39,14 @@ from ..plan import Plan, apply_steps
 from . import ranks, slapo_arguments
 from .compare import compare_tensors, nonfinite_summary, reduction_size_of, tolerance_for
 from .counterparts import CounterpartFinder
+from .input_agreement import check_inputs_agree
 from .locate import ModuleRecorder, attention_hint, first_divergence, flatten_outputs, split_input_hint
+from .rng import fresh_forked_streams, rng_preserved, rng_state
+from .split_outputs import SplitOutputs, split_heads
 
 __all__ = ["Verify", "VerifyReport", "ExampleInputError", "VerifyWarning"]
 
 logger = logging.getLogger("schedlang.verify")
-
-_FORK_ATTRIBUTE = "_schedlang_forked_rng"
-
 
 class ExampleInputError(ScheduleValueError):
     """The example inputs cannot check a schedule: the original model fails on them, or gives
@@ -96,55 +95,6 @@ class _Run:
     rng_after_forward: List[Tuple[str, torch.Tensor]]
 
 
-@contextlib.contextmanager
-def _rng_preserved(device: torch.device):
-    """Leave the caller's random streams as they were (Verify seeds them for the training pass)."""
-    cpu = torch.get_rng_state()
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    try:
-        yield
-    finally:
-        torch.set_rng_state(cpu)
-        if cuda is not None:
-            torch.cuda.set_rng_state(cuda, device)
-
-
-def _rng_state(device: torch.device, model: nn.Module) -> List[Tuple[str, torch.Tensor]]:
-    """Where every random stream the model draws from stands: the default ones and each forked one."""
-    states = [("default cpu", torch.get_rng_state())]
-    if device.type == "cuda":
-        states.append(("default cuda", torch.cuda.get_rng_state(device)))
-    for path, module in model.named_modules():
-        forked = getattr(module, _FORK_ATTRIBUTE, None)
-        if forked is not None:
-            states += [(f"forked {path} {key}", state.clone()) for key, state in sorted(forked._states.items())]
-    return states
-
-
-def _fresh_forked_streams(scheduled: nn.Module, reference: nn.Module) -> List[str]:
-    """Restart every forked stream of ``scheduled`` from its seed, and give the module at the same path
-    of ``reference`` the same stream, so that both draw the same masks where the shapes agree.
-    Returns the forked paths."""
-    from ..distributed.rng import ForkedRNG, ForkRngPostHook, ForkRngPreHook
-
-    ref_modules = dict(reference.named_modules())
-    paths = []
-    for path, module in scheduled.named_modules():
-        forked = getattr(module, _FORK_ATTRIBUTE, None)
-        if forked is None:
-            continue
-        paths.append(path or "<root>")
-        setattr(module, _FORK_ATTRIBUTE, ForkedRNG(forked.seed))
-        twin = ref_modules.get(path)
-        if twin is None:
-            continue
-        if not hasattr(twin, _FORK_ATTRIBUTE):
-            twin.register_forward_pre_hook(ForkRngPreHook(_FORK_ATTRIBUTE))
-            twin.register_forward_hook(ForkRngPostHook(_FORK_ATTRIBUTE), always_call=True)
-        setattr(twin, _FORK_ATTRIBUTE, ForkedRNG(forked.seed))
-    return paths
-
-
 def _keyword_inputs(example_kwargs) -> Dict[str, Any]:
     """``example_kwargs`` as a dict of keyword inputs (None: none), or a ScheduleValueError saying what it must be."""
     try:
@@ -177,6 +127,13 @@ class Verify:
         reduction_size: the longest reduction behind outputs and gradients, which widens the
             half-precision norm bound (default: estimated from the weights and inputs).
         enable: set False to skip the check (e.g. in production runs).
+
+    Outputs the schedule leaves split on purpose (the logits of a vocabulary-parallel LM head, the
+    default of ``shard_model``) are compared as this rank's slice of the original's, as the head's
+    record says (the report notes it). Every rank must pass example inputs of the same shapes and
+    dtypes (rank 0's values are used on all); when they differ, every rank raises
+    :class:`~schedlang.verify.ExampleInputMismatchError` naming the ranks and shapes before any
+    collective runs.
 
     Raises :class:`~schedlang.VerificationError` (an ``AssertionError``) on every rank if any rank
     found a difference, and :class:`ExampleInputError` if the original model itself fails on the
@@ -269,17 +226,22 @@ class Verify:
 
         return [prep(x) for x in args], {k: prep(v) for k, v in kwargs.items()}
 
-    def _run_model(self, model: nn.Module, args, kwargs, device, recorder: Optional[ModuleRecorder] = None) -> _Run:
+    def _run_model(self, model: nn.Module, args, kwargs, device, recorder: Optional[ModuleRecorder] = None,
+                   split: Optional[SplitOutputs] = None) -> _Run:
         args, kwargs = self._prepare(args, kwargs, device)
         out: List[Tuple[str, torch.Tensor]] = []
         flatten_outputs(model(*args, **kwargs), "output", out)
-        rng = _rng_state(device, model)
+        rng = rng_state(device, model)
         if self.check_backward:
             gen = torch.Generator().manual_seed(self.seed)
             total = None
-            for _, t in out:
+            for name, t in out:
                 if t.is_floating_point() and t.requires_grad:
-                    cot = torch.randn(t.shape, generator=gen, dtype=torch.float32, device="cpu").to(t.device, t.dtype)
+                    # a split output (vocabulary-parallel logits) gets its slice of the original's output gradient
+                    head = split.head_for(name, t.shape) if split is not None else None
+                    shape = split.full_shape(name, t.shape) if head is not None else t.shape
+                    cot = torch.randn(shape, generator=gen, dtype=torch.float32, device="cpu")
+                    cot = (head.take(cot) if head is not None else cot).to(t.device, t.dtype)
                     term = (t * cot).sum()
                     total = term if total is None else total + term
             if total is not None:
@@ -326,7 +288,9 @@ class Verify:
         # ranks agree before and after each phase with collectives inside it: a rank that fails makes
         # every rank raise within seconds, naming it, instead of leaving the others blocked
         check_same_plan(self.sch.plan, group, phase="verify: plan comparison")
-        with _rng_preserved(device):
+        # before the broadcasts: tensors of different sizes on different ranks would abort the process in gloo
+        check_inputs_agree(self.example_inputs, self.example_kwargs, original, group)
+        with rng_preserved(device):
             if slapo_arguments.has_meta_tensors(original):  # Slapo's way: verify on real weights made for it
                 reference = slapo_arguments.materialized_copy(original, device, self.seed)
             else:
@@ -454,6 +418,8 @@ class _Pass:
         self.tol_for = tol_for
         self.group, self.device = group, device
         self.args, self.kwargs = args, kwargs
+        self.heads = split_heads(scheduled)  # outputs the schedule leaves split: the vocabulary-parallel logits
+        self.split: Optional[SplitOutputs] = None
 
     # -------------------------------------------------------------- helpers
     def _compare(self, what: str, actual, expected) -> None:
@@ -465,7 +431,8 @@ class _Pass:
     def _run_scheduled(self, mode: str) -> Tuple[Optional[_Run], ModuleRecorder]:
         with ModuleRecorder(self.scheduled) as recorder:
             try:
-                return self.v._run_model(self.scheduled, self.args, self.kwargs, self.device, recorder), recorder
+                return self.v._run_model(self.scheduled, self.args, self.kwargs, self.device, recorder,
+                                         self.split), recorder
             except Exception as e:  # report it on every rank instead of leaving the others waiting
                 self.report.mismatches.append(f"running the scheduled model ({mode} mode) raised "
                                               f"{type(e).__name__}: {e}")
@@ -481,6 +448,13 @@ class _Pass:
             report.mismatches.append(f"{prefix}the scheduled model returns {len(actual.outputs)} tensors, the "
                                      f"original {len(expected.outputs)}")
         for (name, exp), (_, act) in zip(expected.outputs, actual.outputs):
+            head = self.split.head_for(name, act.shape) if self.split is not None else None
+            if head is not None:
+                note = (f"{name}: split over the vocabulary ({head.path} is vocabulary-parallel), compared as this "
+                        f"rank's slice {head.describe()} of the original's; its output gradient likewise")
+                if note not in report.notes:
+                    report.notes.append(note)
+                exp = head.take(exp)
             self._compare(prefix + name, act, exp)
         if len(expected.input_grads) != len(actual.input_grads):
             report.mismatches.append(f"{prefix}{len(actual.input_grads)} input gradients, the original has "
@@ -557,11 +531,14 @@ class _Pass:
             self.report.localization.append(f"hint: {hint}")
 
     def _replicated_module_outputs(self, scheduled_rec: ModuleRecorder, reference_rec: ModuleRecorder) -> List[str]:
-        """Paths whose (first) output has the original's shape and value: replicated activations."""
+        """Paths of modules called once whose output has the original's shape and value: replicated activations.
+        A module called several times is left out: its calls may come in another order on another rank (a model
+        that computes one rotary embedding per kind of layer iterates over a set, whose order follows each
+        process's string hashing)."""
         paths = []
         for path, calls in scheduled_rec.forward.items():
             ref_calls = reference_rec.forward.get(path)
-            if not ref_calls or len(calls[0]) != len(ref_calls[0]):
+            if len(calls) != 1 or not ref_calls or len(calls[0]) != len(ref_calls[0]):
                 continue
             if all(a.shape == b.shape and compare_tensors("", a, b, self.tol_for(b.dtype)) is None
                    for a, b in zip(calls[0], ref_calls[0])):
@@ -575,6 +552,7 @@ class _Pass:
         self.reference.eval()
         self.scheduled.eval()
         expected, ref_rec = self.v._run_reference(self.reference, self.args, self.kwargs, self.device, "eval")
+        self.split = SplitOutputs(self.heads, {n: tuple(t.shape) for n, t in expected.outputs})
         actual, rec = self._run_scheduled("eval")
         if actual is None:
             return None
@@ -590,9 +568,10 @@ class _Pass:
         self._zero_grads()
         self.reference.train()
         self.scheduled.train()
-        forked = _fresh_forked_streams(self.scheduled, self.reference)
+        forked = fresh_forked_streams(self.scheduled, self.reference)
         torch.manual_seed(self.v.seed)
         expected, ref_rec = self.v._run_reference(self.reference, self.args, self.kwargs, self.device, "training")
+        self.split = SplitOutputs(self.heads, {n: tuple(t.shape) for n, t in expected.outputs})
         torch.manual_seed(self.v.seed)
         actual, rec = self._run_scheduled("training")
         same_draws = actual is not None and len(actual.rng_after_forward) == len(expected.rng_after_forward) and all(

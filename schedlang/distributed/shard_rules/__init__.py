@@ -117,11 +117,13 @@ def register_shard_rule(rule: Type[ShardRule]) -> Type[ShardRule]:
     return rule
 
 
-def register_fallback_rule(rule: Type[ShardRule]) -> Type[ShardRule]:
+def register_fallback_rule(rule: Type[ShardRule], before: Optional[Type[ShardRule]] = None) -> Type[ShardRule]:
     """Register a rule for modules of classes no rule names; it answers ``rule.applies_to(module)``
-    (the generic attention / MLP rule, which reads the module's ``forward``)."""
+    (the generic attention / MLP rule, which reads the module's ``forward``). Fallback rules are asked in
+    the order they were registered; ``before`` puts this one ahead of another (a narrower rule ahead of the
+    generic one, whatever order the files were imported in)."""
     if rule not in _FALLBACKS:
-        _FALLBACKS.append(rule)
+        _FALLBACKS.insert(_FALLBACKS.index(before) if before in _FALLBACKS else len(_FALLBACKS), rule)
     return rule
 
 

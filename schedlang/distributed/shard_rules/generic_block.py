@@ -16,6 +16,9 @@ no rule of its own, keeps such modules consistent:
 * **shapes**: the projections' widths against the head geometry say which projection is q, k, v,
   a fused q|k|v or k|v, and every rank must get whole heads (key/value heads included: fewer
   key/value heads than ranks is refused, they are not replicated).
+* **per-head biases from the caller**: an argument of the forward holding one bias per head (ALiBi's
+  ``alibi``, MPT's ``position_bias``) is cut to this rank's heads by a forward pre-hook
+  (:mod:`.per_head_bias`).
 * **fused layouts**: what forward does first with a fused projection's output says how its parts
   are stored. Reshaped into heads first (GPT-NeoX, Falcon: ``view(..., heads, 3 * head_dim)``):
   head by head, so a contiguous split gives every rank its heads. Split or sliced first (Phi-3's
@@ -43,6 +46,7 @@ from ...errors import ShardError
 from ..sharding import remember_unsharded, shard_specs, unsharded_view
 from . import ShardRule, register_fallback_rule
 from .forward_code import attribute_reads, first_consumer, is_conv1d, is_projection, projection_dataflow
+from .per_head_bias import install_head_bias_slices
 
 __all__ = ["GenericBlockShardRule", "HEAD_COUNTS", "KV_HEAD_COUNTS", "HEAD_DIMS", "attention_reads",
            "is_attention"]
@@ -97,6 +101,15 @@ def is_attention(module: nn.Module) -> bool:
     return bool((reads[0] | reads[1]) & names)
 
 
+def _config_value(config, name: str):
+    """``config.<name>``, or None where the config has none or refuses to give one globally (a value that
+    differs between layers, which transformers reads per layer)."""
+    try:
+        return getattr(config, name, None)
+    except Exception:  # transformers raises its own error for per-layer values read globally
+        return None
+
+
 def _original_config(module: nn.Module):
     return unsharded_view(module)[1].get("config", getattr(module, "config", None))
 
@@ -117,7 +130,7 @@ def heads_of(module: nn.Module) -> Optional[Heads]:
     """The module's head geometry from its own attributes, else its config's; None if it cannot be told."""
     own = {k: _original(module, k) for k in module.__dict__}
     config = _original_config(module)
-    conf = {k: getattr(config, k, None) for k in HEAD_COUNTS + KV_HEAD_COUNTS + HEAD_DIMS + ("hidden_size",)} \
+    conf = {k: _config_value(config, k) for k in HEAD_COUNTS + KV_HEAD_COUNTS + HEAD_DIMS + ("hidden_size",)} \
         if config is not None else {}
     q = _first(own, HEAD_COUNTS) or _first(conf, HEAD_COUNTS)
     dim = _first(own, HEAD_DIMS) or _first(conf, HEAD_DIMS)
@@ -138,7 +151,7 @@ def _head_size_only(module: nn.Module) -> Optional[int]:
     (its own or its config's); None otherwise."""
     own = {k: _original(module, k) for k in module.__dict__}
     config = _original_config(module)
-    conf = {k: getattr(config, k, None) for k in HEAD_COUNTS + HEAD_DIMS} if config is not None else {}
+    conf = {k: _config_value(config, k) for k in HEAD_COUNTS + HEAD_DIMS} if config is not None else {}
     if _first(own, HEAD_COUNTS) or _first(conf, HEAD_COUNTS) or _first(own, ATTENTION_WIDTHS):
         return None
     dim = _first(own, HEAD_DIMS) or _first(conf, HEAD_DIMS)
@@ -177,7 +190,7 @@ def _found(module: nn.Module) -> Dict[str, object]:
     reads = attention_reads(module) or (frozenset(), frozenset())
     config = _original_config(module)
     found = {k: _original(module, k) for k in reads[0] if _int(_original(module, k))}
-    found.update({f"config.{k}": getattr(config, k, None) for k in reads[1] if _int(getattr(config, k, None))})
+    found.update({f"config.{k}": _config_value(config, k) for k in reads[1] if _int(_config_value(config, k))})
     return found
 
 
@@ -230,7 +243,7 @@ def _local_attention_values(path, module, tensor_name, heads: Heads, world: int)
     config = _original_config(module)
     conf = {}
     for name in sorted(reads[1]):
-        new = local(name, getattr(config, name, None))
+        new = local(name, _config_value(config, name))
         if new is not None:
             conf[name] = new
     return own, conf
@@ -397,6 +410,8 @@ class GenericBlockShardRule(ShardRule):
             if heads is None:  # only a head size is read: nothing in the module depends on the head count
                 return
             own, conf = _local_attention_values("", module, tensor_name, heads, world_size)
+            # a per-head bias the caller passes in (ALiBi) must follow the heads this rank keeps
+            install_head_bias_slices(module, heads.q, rank, world_size)
         else:
             own, conf = cls._mlp_groups("", module, child_name, child, tensor_name, "column", world_size)[1], {}
         _apply(module, own, conf)
