@@ -3,12 +3,13 @@
 
 The flags are parsed and resolved by the trainer itself (on a GPU: bf16, per-layer compile,
 optimize_model, FusedAdamW; on several ranks ``--layout auto`` with the link measured), the model is
-built by the trainer's ``_Run`` and every step after the first is the trainer's own step (clipping,
-learning rate, the loss averaged over the ranks), so the row times what users run. Only two things
-are the harness's: the model's config is the work's (written to a config.json the trainer reads),
-and the weights are the work's HF initialization from seed 0, loaded into the built model, so that
-the row passes the same loss and gradient-direction checks as the others (the trainer's own
-initialization draws the same distribution in another order). The learning rate is the run's
+built by the trainer's ``_Run`` and every step after the first is the trainer's own step (the global
+gradient norm, learning rate, the loss averaged over the ranks), so the row times what users run. Three
+things are the harness's: the model's config is the work's (written to a config.json the trainer reads),
+the weights are the work's HF initialization from seed 0, loaded into the built model, and the
+optimizer's numbers are the harness's (weight decay, betas, no clipping), so that the row passes the
+same loss and gradient-direction checks as the others (the trainer's own initialization draws the
+same distribution in another order). The learning rate is the run's
 (``--lr``) and constant, as the other rows'.
 """
 
@@ -40,8 +41,11 @@ def make_trainer_default(ctx: B.Context, cfg, global_batch: int, seq: int) -> B.
     with tempfile.TemporaryDirectory() as directory:
         config = Path(directory) / "config.json"
         config.write_text(json.dumps(cfg.to_diff_dict() | {"model_type": cfg.model_type}))
+        # the optimizer's numbers are the harness's (weight decay 0.01, no clipping; betas below), so that the
+        # loss check compares like for like; the trainer still computes the global gradient norm every step
         argv = ["--config", str(config), "--global-batch", str(global_batch), "--seq", str(seq), "--lr", str(ctx.lr),
-                "--lr-schedule", "constant", "--steps", "1000000", "--device", ctx.device.type]
+                "--lr-schedule", "constant", "--steps", "1000000", "--device", ctx.device.type,
+                "--weight-decay", "0.01", "--grad-clip", "0"]
         ns = build_parser().parse_args(argv)
         validate(ns, world)
         facts = model_facts(ns, check_tensor_parallel=world > 1)
@@ -60,6 +64,8 @@ def make_trainer_default(ctx: B.Context, cfg, global_batch: int, seq: int) -> B.
         run = _Run(ns, rank, world, ctx.device)
         run.make_mesh()
         run.build()
+    for group in run.optimizer.param_groups:  # the harness's AdamW betas (the trainer's default is (0.9, 0.95))
+        group["betas"] = (0.9, 0.999)
     reference = B.full_model(cfg, ctx.device).state_dict()
     result = set_model_state_dict(run.model, reference, options=StateDictOptions(full_state_dict=True, strict=False))
     missing = [k for k in getattr(result, "missing_keys", []) if not k.endswith("rotary_emb.inv_freq")]
@@ -77,6 +83,8 @@ def make_trainer_default(ctx: B.Context, cfg, global_batch: int, seq: int) -> B.
              "trainer_flags": {k: getattr(ns, k) for k in ("dtype", "compile", "optimize", "optimizer", "dp_mode",
                                                            "no_reshard", "reduce_dtype", "activation_checkpoint")},
              "layout_choice": reason, "compile": "layers" if ns.compile else None,
-             "weights": "the work's HF initialization, loaded into the trainer's model"}
+             "weights": "the work's HF initialization, loaded into the trainer's model",
+             "optimizer_numbers": "the harness's: weight decay 0.01, betas (0.9, 0.999), no clipping (the gradient "
+                                  "norm is still computed and all-reduced each step)"}
     return B.Setup(run.model, run.optimizer, run.forward_loss, dp=ns.dp, tp=ns.tp, dp_rank=run.dp_rank,
                    notes=notes, step=trainer_step)

@@ -15,6 +15,11 @@ from .structure import decoder_layers, flops_params, stage_cuts, tied_names
 from .data import _mix, lr_at
 from .flags import TrainError
 
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover - torch without distributed
+    DTensor = None
+
 logger = logging.getLogger("schedlang.train")
 
 
@@ -252,41 +257,36 @@ class _Run:
         return buf[0]
 
     def _params(self) -> List[torch.nn.Parameter]:
-        seen, out = set(), []
-        for m in self._modules():  # two stages of one rank may share a tied weight: once
-            for p in m.parameters():
-                if p.requires_grad and id(p) not in seen:
-                    seen.add(id(p))
-                    out.append(p)
-        return out
+        """Every trainable parameter of this rank once (two stages of one rank may share a tied weight); the
+        modules do not change after build, so the list is made once."""
+        cached = getattr(self, "_param_list", None)
+        if cached is None:
+            seen, cached = set(), []
+            for m in self._modules():
+                for p in m.parameters():
+                    if p.requires_grad and id(p) not in seen:
+                        seen.add(id(p))
+                        cached.append(p)
+            self._param_list = cached
+        return cached
 
     def _clip(self) -> torch.Tensor:
-        """Global gradient norm over every rank's shards (each distinct element counted once); clips to --grad-clip."""
+        """Global gradient norm over every rank's shards (each distinct element counted once); clips to --grad-clip.
+
+        The host work per step is one pass over the gradients: each gradient's share of the norm (how many
+        ranks hold a piece of it) depends only on its placements, which do not change between steps, so the
+        shares are worked out on the first step (and again only if the set of gradients changes)."""
         params = [p for p in self._params() if p.grad is not None]
-        try:
-            from torch.distributed.tensor import DTensor
-        except ImportError:  # pragma: no cover
-            DTensor = ()
-        per_stage = self.world // self.ns.pp  # ranks of one pipeline stage each hold a piece or a copy
-        local_grads, weights = [], []
-        for p in params:
-            g = p.grad
-            pieces = self.grad_weight.get(id(p), 1.0)
-            if DTensor and isinstance(g, DTensor):
-                for dim, placement in enumerate(g.placements):
-                    if placement.is_partial():  # pragma: no cover - gradients are reduced by now
-                        raise TrainError(f"train: gradient of shape {tuple(g.shape)} is still a partial sum; "
-                                         "gradients must be reduced before clipping")
-                    if not placement.is_replicate():  # Shard, and FSDP2's strided shards of TP shards
-                        pieces *= g.device_mesh.size(dim)
-                g = g.to_local()  # shares the DTensor's storage: scaling it below scales the gradient
-            local_grads.append(g.detach())
-            weights.append(pieces / per_stage)
+        key = tuple(map(id, params))
+        cached = getattr(self, "_clip_cache", None)
+        if cached is None or cached[0] != key:
+            cached = self._clip_cache = (key, self._clip_shares(params))
+        local_grads = [_local(p.grad).detach() for p in params]
         # one multi-tensor pass for every gradient's norm (in fp32) rather than a few kernels per gradient
         total = torch.zeros((), device=self.device, dtype=torch.float32)
         if local_grads:
             norms = torch.stack(torch._foreach_norm(local_grads, 2, dtype=torch.float32))
-            total = (norms.square() * self._clip_weights(weights, norms.device)).sum()
+            total = (norms.square() * cached[1]).sum()
         if self.world > 1:
             import torch.distributed as dist
 
@@ -300,13 +300,23 @@ class _Run:
             torch._foreach_mul_(local_grads, scale.to(local_grads[0].device))
         return norm
 
-    def _clip_weights(self, weights: List[float], device) -> torch.Tensor:
-        """The per-gradient shares of :meth:`_clip` as a device tensor, copied once per distinct list."""
-        key = tuple(weights)
-        cached = getattr(self, "_clip_weight_cache", None)
-        if cached is None or cached[0] != key:
-            self._clip_weight_cache = cached = (key, torch.tensor(weights, dtype=torch.float32, device=device))
-        return cached[1]
+    def _clip_shares(self, params: List[torch.nn.Parameter]) -> torch.Tensor:
+        """Each gradient's weight in the squared global norm, as a device tensor: a gradient sharded over n ranks
+        is a piece (weight n / ranks of a stage, summed back to 1 over its pieces), a replicated one a copy."""
+        per_stage = self.world // self.ns.pp  # ranks of one pipeline stage each hold a piece or a copy
+        shares = []
+        for p in params:
+            g = p.grad
+            pieces = self.grad_weight.get(id(p), 1.0)
+            if DTensor is not None and isinstance(g, DTensor):
+                for dim, placement in enumerate(g.placements):
+                    if placement.is_partial():  # pragma: no cover - gradients are reduced by now
+                        raise TrainError(f"train: gradient of shape {tuple(g.shape)} is still a partial sum; "
+                                         "gradients must be reduced before clipping")
+                    if not placement.is_replicate():  # Shard, and FSDP2's strided shards of TP shards
+                        pieces *= g.device_mesh.size(dim)
+            shares.append(pieces / per_stage)
+        return torch.tensor(shares, dtype=torch.float32, device=self.device)
 
     # -- checkpoints
     def save(self, step: int) -> Path:
@@ -342,3 +352,12 @@ class _Run:
             import torch.distributed as dist
 
             dist.barrier()
+
+
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of a gradient, sharing its storage (scaling it scales the gradient). A DTensor's local
+    tensor is read directly: ``to_local()`` is an autograd function call, a few tens of microseconds for each of
+    a model's hundreds of gradients every step, and gradients need no autograd."""
+    if DTensor is not None and isinstance(grad, DTensor):
+        return grad._local_tensor
+    return grad
