@@ -10,8 +10,12 @@ and :func:`choose_layout` picks the fastest that fits, with its reasons.
 
 The figures are estimates: activations are counted tensor by tensor for a pre-norm decoder
 (attention and a gated or plain MLP), which is what HF's causal LMs are; allocator slack and
-library workspaces are a fixed allowance. ``bench/bench_train.py`` and the trainer's metrics
-(``mem_gib`` against ``mem_estimated_gib``) are where they meet measurements.
+library workspaces are a fixed allowance. The memory is the step's peak, the larger of two moments:
+the turn from forward to backward (every layer's activations, one layer's working set, and the
+gradients only where they outlive a step: accumulation over microbatches) and the end of the backward
+(every gradient, one layer's working set). ``bench/train_memory.py`` measures the peak layout by layout
+against this estimate (``bench/results/*-train-memory.json``), as the trainer's metrics do
+(``mem_gib`` against ``mem_estimated_gib``).
 
 Example::
 
@@ -157,6 +161,10 @@ class StepEstimate:
     gathered_bytes: float
     activation_bytes: float
     other_bytes: float
+    #: the activations of one layer: what is in flight on top of the saved ones when the backward starts
+    working_bytes: float
+    #: the gradients are allocated while the activations are (accumulated over microbatches, or a pipeline's)
+    grads_in_forward: bool
     collectives: List[Collective]
     compute_s: float
     comm_s: float
@@ -167,9 +175,22 @@ class StepEstimate:
     memory_limit: float
 
     @property
+    def forward_peak_bytes(self) -> float:
+        """At the turn from forward to backward: saved activations, one layer's working set, the gradients only
+        where they outlive the step (zeroed to None after each step otherwise)."""
+        return (self.gathered_bytes + self.activation_bytes + self.working_bytes
+                + (self.grads_bytes if self.grads_in_forward else 0.0))
+
+    @property
+    def backward_peak_bytes(self) -> float:
+        """At the end of the backward: every gradient, the gathered weights, one layer's working set."""
+        return self.grads_bytes + self.gathered_bytes + self.working_bytes
+
+    @property
     def total_bytes(self) -> float:
-        return (self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.gathered_bytes
-                + self.activation_bytes + self.other_bytes)
+        """The step's peak per rank: what stays (weights, optimizer state, workspace) plus the larger moment."""
+        return (self.params_bytes + self.optimizer_bytes + self.other_bytes
+                + max(self.forward_peak_bytes, self.backward_peak_bytes))
 
     @property
     def step_s(self) -> float:
@@ -185,7 +206,9 @@ class StepEstimate:
 
     def as_dict(self) -> Dict:
         out = {k: getattr(self, k) for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "gathered_bytes",
-                                             "activation_bytes", "other_bytes", "compute_s", "comm_s",
+                                             "activation_bytes", "working_bytes", "grads_in_forward",
+                                             "forward_peak_bytes", "backward_peak_bytes", "other_bytes",
+                                             "compute_s", "comm_s",
                                              "comm_exposed_s", "bubble_s", "optimizer_s")}
         out.update(total_bytes=self.total_bytes, step_s=self.step_s, tokens_per_s=self.tokens_per_s,
                    layout=self.layout.describe(), fits=self.fits,
@@ -231,9 +254,14 @@ def _activation_bytes_per_token(shape: ModelShape, layout: Layout) -> float:
     h, tp = shape.hidden, layout.tp
     q = shape.heads * shape.head_dim
     kv = shape.kv_heads * shape.head_dim
-    norm = h * r + (0 if layout.optimize else 4 * h)  # input (+ the fp32 copy an unfused RMSNorm saves)
-    attention = norm + h * c + (q + 2 * kv) * c / tp + (q + kv) * c / tp + q * c / tp
-    mlp_tensors = 4 if shape.gated_mlp else 2
+    # a norm keeps its input (+ the fp32 copy an unfused, uncompiled RMSNorm saves)
+    norm = h * r + (0 if layout.optimize or layout.compiled else 4 * h)
+    # the normed input (for the q/k/v weights' gradients), q, k and v as attention reads them (rotary embeddings
+    # need no saved input), and attention's output (o_proj's input)
+    attention = norm + h * c + (q + 2 * kv) * c / tp + q * c / tp
+    # gated: gate and up (the activation's and the product's inputs), act(gate) and the product (down's input);
+    # a compiled layer recomputes the activation in the backward. Plain: fc1's output and the activation's.
+    mlp_tensors = (3 if layout.compiled else 4) if shape.gated_mlp else 2
     mlp = norm + h * c + mlp_tensors * shape.intermediate * c / tp
     per_token = attention + mlp
     if layout.sp:  # the norms' and residuals' activations split along the sequence as well
@@ -275,6 +303,9 @@ def estimate_step(shape: ModelShape, layout: Layout, hw: Hardware, global_batch:
         acts = microbatch_tokens * in_flight * layers * per_token
     if not layout.optimize or tp > 1:  # the logits, their fp32 copy and their gradient
         acts += microbatch_tokens * shape.vocab / tp * (compute_bytes + 8)
+    working = microbatch_tokens * per_token
+    # gradients outlive the forward when microbatches accumulate into them (and in a pipeline's schedule)
+    grads_in_forward = layout.microbatches > 1 or pp > 1
     other = _CUDA_ALLOWANCE if hw.device == "cuda" else 0.0
 
     # -- time
@@ -324,7 +355,8 @@ def estimate_step(shape: ModelShape, layout: Layout, hw: Hardware, global_batch:
     comm = dp_comm + tp_comm + pp_comm
     return StepEstimate(layout=layout, params_bytes=params_bytes, grads_bytes=grads_bytes,
                         optimizer_bytes=optimizer_bytes, gathered_bytes=gathered, activation_bytes=acts,
-                        other_bytes=other, collectives=collectives, compute_s=compute, comm_s=comm,
+                        other_bytes=other, working_bytes=working, grads_in_forward=grads_in_forward,
+                        collectives=collectives, compute_s=compute, comm_s=comm,
                         comm_exposed_s=dp_exposed + tp_comm + pp_comm, bubble_s=bubble, optimizer_s=optimizer,
                         tokens=tokens, memory_limit=USABLE_MEMORY * hw.memory_bytes)
 
@@ -474,11 +506,18 @@ def format_estimate(e: StepEstimate, hw: Hardware, header: str = "", extras: str
     lay = e.layout
     lines = [header] if header else []
     lines.append(f"  layout      {lay.describe()}{'; ' + extras if extras else ''}")
-    mem = (f"params {_size(e.params_bytes)} + grads {_size(e.grads_bytes)} + optimizer {_size(e.optimizer_bytes)}"
+    forward = e.forward_peak_bytes >= e.backward_peak_bytes
+    held = (f" + grads {_size(e.grads_bytes)}" if not forward or e.grads_in_forward else "")
+    mem = (f"params {_size(e.params_bytes)} + optimizer {_size(e.optimizer_bytes)}"
            + (f" + gathered/cast weights {_size(e.gathered_bytes)}" if e.gathered_bytes else "")
-           + f" + activations {_size(e.activation_bytes)}"
+           + held
+           + (f" + activations {_size(e.activation_bytes)}" if forward else "")
+           + f" + one layer's working set {_size(e.working_bytes)}"
            + (f" + workspace {_size(e.other_bytes)}" if e.other_bytes else ""))
-    lines.append(f"  per rank    {mem} = {_size(e.total_bytes)} of {_size(hw.memory_bytes)}"
+    when = ("at the turn to the backward" + ("" if e.grads_in_forward else
+                                             f"; grads {_size(e.grads_bytes)} come after the activations go")
+            if forward else f"at the end of the backward; activations {_size(e.activation_bytes)} before it")
+    lines.append(f"  per rank    {mem} = peak {_size(e.total_bytes)} of {_size(hw.memory_bytes)} ({when})"
                  + ("" if e.fits else "  (DOES NOT FIT)"))
     if e.collectives:
         for i, c in enumerate(e.collectives):
