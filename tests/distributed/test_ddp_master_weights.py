@@ -259,7 +259,8 @@ def _errors_worker(rank, world):
     def tensor_parallel(model):
         from schedlang.models import shard_model
 
-        sch = schedlang.create_schedule(model)
+        # with a mesh the shards become DTensors (without one they stay plain local shards, which the masters keep)
+        sch = schedlang.create_schedule(model, mesh=make_mesh(tp=2, device_type="cpu"))
         shard_model(sch)
         schedlang.build(sch, optimizer="adamw", master_weights=True)
 

@@ -591,3 +591,23 @@ def test_a_shape_unpacked_adds_no_check():
     traced = trace_module(Stack().eval())
     assert not any(n.target.__name__.startswith("check_traced") for m in traced.modules()
                    if isinstance(m, fx.GraphModule) for n in m.graph.nodes if n.op == "call_function")
+
+
+class _OnesOfTracedSizes(nn.Module):
+    """Builds a mask as OPT's decoder does: torch.ones(batch, seq) with the sizes read off the input."""
+
+    def forward(self, x):
+        mask = torch.ones(x.shape[0], x.shape[1], device=x.device, dtype=x.dtype)
+        noise = torch.zeros(x.shape[0], x.shape[1], x.shape[2]) + torch.empty(0).new_zeros(())
+        return x * mask.cumsum(-1).unsqueeze(-1) + noise
+
+
+def test_factories_given_traced_sizes_one_by_one_trace_and_rerun_on_other_shapes():
+    model = _OnesOfTracedSizes()
+    gm = trace_module(model, concrete_args={"x": torch.randn(2, 3, 4)})
+    targets = {n.target for n in gm.graph.nodes if n.op == "call_function"}
+    assert torch.ones in targets and torch.zeros in targets
+    assert torch.ones(2, 3).shape == (2, 3)  # torch itself is left as it was
+    for shape in [(2, 3, 4), (5, 7, 4)]:
+        x = torch.randn(shape)
+        torch.testing.assert_close(gm(x), model(x), rtol=0, atol=0)

@@ -101,7 +101,7 @@ def _experts_built_on_the_meta_device():
     for split in (True, False):
         with schedlang.init_empty_weights():
             meta = transformers.MixtralForCausalLM(config)
-        sch = schedlang.create_schedule(meta)
+        sch = schedlang.create_schedule(meta, mesh=T.tp_mesh())  # DTensor parameters: placements are checked
         if split:
             shard_model(sch)
         torch.manual_seed(0)

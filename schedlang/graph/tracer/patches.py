@@ -105,6 +105,22 @@ def _iinfo(*args):
     return _ORIGINAL_IINFO(*(_example_dtype(a) for a in args))
 
 
+#: torch's factories that take the size as varargs (``torch.ones(batch, seq)``)
+_SIZE_FACTORIES = ("ones", "zeros", "empty", "rand", "randn")
+
+
+def _sized_factory(original):
+    def factory(*size, **kwargs):
+        # torch's argument parser matches varargs sizes only when they are ints, so torch.ones(b, s) with traced
+        # sizes is a TypeError before any proxy is asked; one tuple of them reaches the tracer (as torch.ones((b, s)))
+        if len(size) > 1 and any(isinstance(s, fx.Proxy) for s in size):
+            return original(tuple(size), **kwargs)
+        return original(*size, **kwargs)
+
+    factory.__name__ = factory.__qualname__ = original.__name__
+    return factory
+
+
 @contextlib.contextmanager
 def _tracing_patches(root: nn.Module):
     with _PATCH_LOCK:
@@ -116,6 +132,8 @@ def _tracing_patches(root: nn.Module):
             patches.patch_attr(fx.Proxy, "__getattr__", _proxy_getattr)
             patches.patch_attr(torch, "finfo", _finfo)
             patches.patch_attr(torch, "iinfo", _iinfo)
+            for name in _SIZE_FACTORIES:
+                patches.patch_attr(torch, name, _sized_factory(getattr(torch, name)))
             modeling_utils = sys.modules.get("transformers.modeling_utils")
             interface = getattr(modeling_utils, "AttentionInterface", None)
             if interface is not None:
