@@ -105,7 +105,7 @@ Correctness, in the same run (column ``check``: "ok" or "FAIL <why>"): each rank
 plain model eagerly on its share of the batch, forward and backward; every variant's first-step loss
 must match it (1e-2 relative in bf16, 1e-4 in fp32), and so must the direction of its first gradient
 (``grad_cosine``: the cosine of random projections of both gradients, per parameter, at least 0.98 in
-bf16, 0.9999 in fp32, 0.8 for the float8 works; at a random initialization the loss and the gradient norm hardly depend on the
+bf16, 0.97 for the 32-layer ``llama-8b-4gpu``, 0.9999 in fp32, 0.8 for the float8 works; at a random initialization the loss and the gradient norm hardly depend on the
 labels, the gradient's direction does); its gradient norm after the first backward and its loss at each
 warm-up step after the first must match the work's first variant that passed (5% / 2%). A variant that fails
 records "FAIL <error>" and the others still run.
@@ -156,6 +156,7 @@ class Work:
     needs: Optional[str] = None  # a module it cannot run without
     float8: bool = False  # its variants train in float8: their gradients are further from the eager bf16 ones
     layers: Optional[int] = None  # decoder layers of a llama-8b shape (default: --layers-8b)
+    grad_cosine: Optional[float] = None  # the first gradient's least cosine with eager's, where not the dtype's
 
 
 ONE_GPU = ("eager", "compile", "titan-style", "schedlang-layers", "schedlang-optimize", "schedlang-optimize-cg")
@@ -186,7 +187,11 @@ WORKS: Dict[str, Work] = {
     # the size people train: the whole LLaMA-3-8B (32 layers) on 4 GPUs, 4 sequences of 2048 per GPU
     "llama-8b-4gpu": Work("llama", "llama-8b", 4, 2048, 4, True, "fsdp2-titan-noreshard-bf16reduce",
                           ("fsdp2-titan", "fsdp2-titan-noreshard-bf16reduce", "tp-fsdp-titan",
-                           "schedlang-fsdp-noreshard-optimize-bf16reduce", "schedlang-tp-fsdp"), layers=32),
+                           "schedlang-fsdp-noreshard-optimize-bf16reduce", "schedlang-tp-fsdp"), layers=32,
+                          # 32 bf16 layers move the first gradient further from the eager bf16 one than 22 do: every
+                          # native baseline of this work measured a cosine of about 0.977 on 4 x H200 (wrong labels:
+                          # 0.14 to 0.37, bench/results/2026-11-27-grad-direction.json)
+                          grad_cosine=0.97),
 }
 CHECKPOINT_STRIDES = (4, 2, 1)
 # Inductor options of the -cdt and -autotune variants: block sizes tuned by coordinate descent; or every GEMM
@@ -635,6 +640,8 @@ def run_work(ctx: B.Context, work_name: str, variants: List[str]) -> List[dict]:
     tol = harness.TOL_BF16 if ctx.bf16 else harness.TOL_FP32
     if work.float8:
         tol = dict(tol, grad_cosine=harness.GRAD_COSINE_FLOAT8)
+    if work.grad_cosine is not None and ctx.bf16:
+        tol = dict(tol, grad_cosine=work.grad_cosine)
     common["params"] = ref["n_params"]
     if rank == 0:
         print(f"\n== {work_name}: {cfg.num_hidden_layers} layers, {ref['n_params'] / 1e9:.2f}B parameters, batch "
