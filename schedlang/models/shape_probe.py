@@ -22,7 +22,6 @@ import dataclasses
 import logging
 from typing import List, Optional
 
-import torch
 from torch import nn
 
 __all__ = ["ProbeFailure", "probe_forward"]
@@ -67,25 +66,14 @@ def probe_forward(model: nn.Module) -> Optional[ProbeFailure]:
         if stack:
             stack.pop()
 
-    # everything but the forward itself stays outside the try: a mistake here is a bug, not the model's answer
-    device = T.module_device(model)
-    kwargs = {}
-    params = T.forward_parameters(model)
-    if any(p.name == "use_cache" or p.kind is p.VAR_KEYWORD for p in params):
-        kwargs["use_cache"] = False
-    # a meta model may keep buffers on the CPU: for this call they are meta too, one device for the fakes
-    moved = ({n: b.to("meta") for n, b in model.named_buffers() if b.device.type != "meta"}
-             if device.type == "meta" else {})
+    # everything but the forward itself is prepared outside the try: a mistake there is a bug, not the model's answer
+    forward = T.fake_ids_forward(model)
     for path, module in model.named_modules():
         handles.append(module.register_forward_pre_hook(lambda m, a, path=path: stack.append(path) and None))
         handles.append(module.register_forward_hook(leave))
     try:
-        with _quiet_fake_tensors(), T._shape_only_syncs(), T._new_fake_mode(), torch.no_grad():
-            ids = torch.zeros(T.EXAMPLE_BATCH, T.EXAMPLE_SEQUENCE, dtype=torch.long, device=device)
-            if moved:
-                torch.func.functional_call(model, moved, (), {"input_ids": ids, **kwargs}, strict=False)
-            else:
-                model(input_ids=ids, **kwargs)
+        with _quiet_fake_tensors():
+            forward()
         return None
     except Exception as e:  # the point of the probe: where the forward breaks
         path = stack[-1] if stack else ""

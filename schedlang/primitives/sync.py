@@ -233,22 +233,7 @@ def _record_ranks(model) -> Dict[str, Tuple[Optional[int], Optional[int]]]:
         handles.append(m.register_forward_pre_hook(before, with_kwargs=True))
         handles.append(m.register_forward_hook(after))
     try:
-        device = T.module_device(model)
-        kwargs = {}
-        params = T.forward_parameters(model)
-        if any(p.name == "use_cache" or p.kind is p.VAR_KEYWORD for p in params):
-            kwargs["use_cache"] = False
-        # a model on the meta device may keep buffers on the CPU (init_empty_weights without
-        # include_buffers); for this one call they are meta too, so that fake tensors meet one device
-        # whatever the torch version (2.11 refuses to mix them)
-        moved = ({n: b.to("meta") for n, b in model.named_buffers() if b.device.type != "meta"}
-                 if device.type == "meta" else {})
-        with T._shape_only_syncs(), T._new_fake_mode(), torch.no_grad():
-            ids = torch.zeros(T.EXAMPLE_BATCH, T.EXAMPLE_SEQUENCE, dtype=torch.long, device=device)
-            if moved:
-                torch.func.functional_call(model, moved, (), {"input_ids": ids, **kwargs}, strict=False)
-            else:
-                model(input_ids=ids, **kwargs)
+        T.fake_ids_forward(model)()
     finally:
         for h in handles:
             h.remove()

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 import schedlang
-from schedlang.distributed.sharding import shard_specs
 from schedlang.models import plan_tensor_parallel, shard_model
 from schedlang.module_record import shard_specs
 from tests.helpers.distributed import run_distributed

@@ -14,7 +14,6 @@ from torch.distributed.tensor import Shard
 
 import schedlang
 from schedlang import compat
-from schedlang.distributed.sharding import shard_specs
 from schedlang.distributed.sync_ops import SyncOp
 from schedlang.models.llama import shard_llama
 from schedlang.module_record import shard_specs

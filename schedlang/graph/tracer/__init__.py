@@ -86,7 +86,7 @@ from .core import SchedlangTracer, _Options
 
 # also read by schedlang.primitives.trace and schedlang.distributed.pipeline, which trace whole models
 from .examples import _shape_only_syncs  # noqa: F401
-from .hf_bridge import EXAMPLE_BATCH, EXAMPLE_SEQUENCE, capture_call, example_config, is_hf_model  # noqa: F401
+from .hf_bridge import EXAMPLE_BATCH, EXAMPLE_SEQUENCE, capture_call, example_config, fake_ids_forward, is_hf_model  # noqa: F401
 from .leaf_policy import register_leaf_function
 from .patches import _tracing_patches
 from .specialization import check_specialized_arguments

@@ -52,6 +52,30 @@ _RUNTIME_FLAG_DEFAULTS = {"use_cache": False, "output_attentions": False, "outpu
 EXAMPLE_BATCH, EXAMPLE_SEQUENCE = 2, 8
 
 
+def fake_ids_forward(model: nn.Module) -> Callable[[], Any]:
+    """``model(input_ids=...)`` on fake ids of the example's shape, as a call to make: shapes and dtypes only, with
+    the schedule's collectives reduced to their effect on shapes. Everything but the forward is prepared here, so
+    the caller can tell a mistake of its own from the model's failure (which only the returned call raises)."""
+    device = module_device(model)
+    kwargs: Dict[str, Any] = {}
+    if any(p.name == "use_cache" or p.kind is p.VAR_KEYWORD for p in forward_parameters(model)):
+        kwargs["use_cache"] = False
+    # a model on the meta device may keep buffers on the CPU (init_empty_weights without include_buffers); for
+    # this one call they are meta too, so that fake tensors meet one device whatever the torch version (2.11
+    # refuses to mix them)
+    moved = ({n: b.to("meta") for n, b in model.named_buffers() if b.device.type != "meta"}
+             if device.type == "meta" else {})
+
+    def run():
+        with _shape_only_syncs(), _new_fake_mode(), torch.no_grad():
+            ids = torch.zeros(EXAMPLE_BATCH, EXAMPLE_SEQUENCE, dtype=torch.long, device=device)
+            if moved:
+                return torch.func.functional_call(model, moved, (), {"input_ids": ids, **kwargs}, strict=False)
+            return model(input_ids=ids, **kwargs)
+
+    return run
+
+
 #: the config given to ``trace(config=...)`` (Slapo's HF tracer option), for modules that hold none
 _EXAMPLE_CONFIG: contextvars.ContextVar = contextvars.ContextVar("schedlang_example_config", default=None)
 
