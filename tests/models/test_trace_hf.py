@@ -4,6 +4,8 @@ Their old ``transformers.utils.fx`` tracer is gone; schedlang's tracer handles k
 arguments, the KV cache, masks and rotary embeddings itself.
 """
 
+import inspect
+
 import pytest
 import torch
 import torch.fx as fx
@@ -271,3 +273,24 @@ def test_llama_traces_to_the_same_graph_in_both_modes_without_checks():
     model.eval()
     sch.mod.eval()
     _assert_same(model, sch.mod, _ids())
+
+
+def test_a_submodule_of_a_meta_model_traces_with_examples_on_one_device():
+    """GPT-Neo's attention built under init_empty_weights (meta weights, its causal-mask buffer on the CPU), traced
+    alone with Slapo's config= for the example of hidden_states: every example is a CPU fake, so the mask value
+    taken from ``torch.finfo(attn_weights.dtype)`` is known (torch before 2.13 refuses meta beside CPU fakes)."""
+    from transformers import GPTNeoConfig, GPTNeoModel
+
+    config = GPTNeoConfig(hidden_size=64, num_layers=2, num_heads=4, attention_types=[[["global", "local"], 1]],
+                          vocab_size=128, max_position_embeddings=64, bos_token_id=1, eos_token_id=2, use_cache=False)
+    with schedlang.init_empty_weights():
+        model = GPTNeoModel(config)
+    sch = schedlang.create_schedule(model)
+    attention = sch["h.0.attn.attention"]
+    parameters = inspect.signature(attention.mod.forward).parameters.values()
+    attention.trace(recursive=False, flatten=True, tracer="huggingface", config=config,
+                    concrete_args={p.name: p.default for p in parameters if p.name != "hidden_states"})
+    graph = attention.mod.graph
+    assert {"q_proj", "k_proj", "v_proj", "out_proj"} <= {n.target for n in graph.nodes if n.op == "call_module"}
+    assert any(n.target is torch.where for n in graph.nodes)
+    assert all(p.is_meta for p in attention.mod.parameters())  # the weights stay as they were

@@ -188,7 +188,8 @@ class SchedlangTracer(ExampleValues, TracerBase):
 
     def _placeholder(self, name: str, example: Any, default: Optional[tuple]) -> fx.Proxy:
         proxy = super().create_proxy("placeholder", name, default or (), {})
-        self.metas[proxy.node] = example
+        # an input's example may be a meta fake (a captured call of a meta model): on the CPU as every other one
+        self.metas[proxy.node] = self._map_examples_safe(example)
         return proxy
 
     def create_proxy(self, kind, target, args, kwargs, name=None, type_expr=None, proxy_factory_fn=None):

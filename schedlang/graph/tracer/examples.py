@@ -65,6 +65,12 @@ class ExampleValues:
         return self.options.fake_mode
 
     def _fake(self, value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.device.type == "meta":
+            # the examples of a meta model live on the CPU, as its synthesized inputs do (only shape, dtype and
+            # strides count), also those a captured call computed from its meta weights: torch before 2.13 refuses
+            # an operator that meets a meta and a CPU fake tensor
+            with self.fake_mode:
+                return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="cpu")
         if isinstance(value, torch.Tensor) and not _is_fake(value):
             try:
                 return self.fake_mode.from_tensor(value)
@@ -128,7 +134,8 @@ class ExampleValues:
         if sync_op is not None and isinstance(m, sync_op):
             return self._run_example(lambda x: _shape_only_sync_forward(m, x), args[:1], {})
         forward = type(m).forward
-        example = self._run_example(lambda *a, **k: forward(m, *a, **k), args, kwargs)
+        with self._cpu_fakes_for_meta_tensors(m):
+            example = self._run_example(lambda *a, **k: forward(m, *a, **k), args, kwargs)
         if sync_hook is not None and example is not UNKNOWN:
             for hook in m._forward_hooks.values():
                 if isinstance(hook, sync_hook):
@@ -140,6 +147,24 @@ class ExampleValues:
                         example = (first,) + example[1:]
         return example
 
+
+    @contextlib.contextmanager
+    def _cpu_fakes_for_meta_tensors(self, m: nn.Module):
+        """While a leaf module computes its example, its meta parameters and buffers are CPU fakes like every other
+        example of a meta model (see :meth:`_fake`); they are put back afterwards."""
+        swapped = []
+        for module in m.modules():
+            for store in (module._parameters, module._buffers):
+                for name, t in store.items():
+                    if isinstance(t, torch.Tensor) and t.device.type == "meta":
+                        swapped.append((store, name, t))
+        try:
+            for store, name, t in swapped:
+                store[name] = self._fake(t)
+            yield
+        finally:
+            for store, name, t in swapped:
+                store[name] = t
 
     def _map_examples_safe(self, value):
         def conv(v):
