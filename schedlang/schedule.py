@@ -62,6 +62,9 @@ class _RootState:
         #: set by ``build``: the model is now the one being trained, and its optimizer holds its parameters
         self.built = False
         self._group_shape: Optional[Tuple[int, int]] = None
+        #: inside ``atomic(nested_undo=False)``: that block's undo covers everything and nothing inside catches a
+        #: primitive's error, so the primitives take no snapshot of their own
+        self.undo_taken_outside = False
 
     def group_shape(self) -> Tuple[int, int]:
         """``(world_size, rank)`` of the schedule's group, asked of torch.distributed once: the group is fixed
@@ -371,9 +374,15 @@ class Schedule(ScheduleQueries):
         setattr(parent, name, new_module) if name in parent._modules else parent.add_module(name, new_module)
 
     @contextlib.contextmanager
-    def atomic(self) -> Iterator["Schedule"]:
+    def atomic(self, nested_undo: bool = True) -> Iterator["Schedule"]:
         """Apply several primitives all-or-nothing: if the block raises, every step recorded in it is
         undone (modules, plan and metadata as they were) and the exception propagates.
+
+        Each primitive is all-or-nothing too, so that code which catches a primitive's error finds the
+        schedule as it was before that call; that costs a snapshot of the model per call. A block that
+        catches no error of the primitives inside it can say so with ``nested_undo=False``: its own undo is
+        then the only snapshot taken (``shard_model`` writes some 250 steps this way). An error caught
+        inside such a block leaves the failed primitive's changes in place until the block ends.
 
         Example::
 
@@ -381,12 +390,19 @@ class Schedule(ScheduleQueries):
                 for i in range(n_layers):
                     shard_layer(sch[f"layers.{i}"])   # a failure at layer 7 leaves layers 0-6 unsharded too
         """
-        undo = _Undo(self._state)
+        state = self._state
+        if state.undo_taken_outside:  # the enclosing block's undo covers this one, and it catches nothing
+            yield self
+            return
+        undo = _Undo(state)
+        state.undo_taken_outside = not nested_undo
         try:
             yield self
         except BaseException:
             undo.restore()
             raise
+        finally:
+            state.undo_taken_outside = False
 
     # ------------------------------------------------------------------ running primitives
     def _run(self, _primitive: str, /, **kwargs: Any) -> Any:

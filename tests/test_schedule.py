@@ -182,6 +182,55 @@ def test_atomic_block_undoes_every_step_on_failure():
     assert len(sch.plan) == 2
 
 
+def _count_snapshots(monkeypatch):
+    import schedlang.schedule as schedule_module
+
+    taken = []
+    original = schedule_module._Undo.__init__
+
+    def counting(self, state):
+        taken.append(1)
+        original(self, state)
+
+    monkeypatch.setattr(schedule_module._Undo, "__init__", counting)
+    return taken
+
+
+def test_a_block_without_nested_undo_takes_one_snapshot_and_still_undoes_every_step(monkeypatch):
+    sch = schedlang.create_schedule(Stack())
+    sch["head"].decompose()
+    taken = _count_snapshots(monkeypatch)
+    with pytest.raises(schedlang.ShardError, match="valid axes are 0, 1"):
+        with sch.atomic(nested_undo=False):
+            sch["layers.0.mlp.fc1"].shard("weight", axis=0)
+            sch["layers.0.mlp.fc1"].sync("bwd_post", "all_reduce")
+            with sch.atomic():  # covered by the block's undo as well
+                sch["layers.1"].checkpoint()
+            sch["layers.1.mlp.fc1"].shard("weight", axis=4)
+    assert len(taken) == 1
+    assert len(sch.plan) == 1 and sch.plan[0].primitive == "decompose"
+    fc1 = sch["layers.0.mlp.fc1"].mod
+    assert fc1.weight.shape == (20, 12) and module_record(fc1) == ModuleRecord()
+    assert not fc1._forward_pre_hooks and not module_record(sch["layers.1"].mod).checkpointed
+    # after the block, every primitive is all-or-nothing on its own again
+    taken.clear()
+    sch["layers.0.mlp.fc1"].shard("weight", axis=0)
+    with sch.atomic(nested_undo=False):
+        sch["layers.0.mlp.fc2"].shard("weight", axis=1)
+    sch["layers.1.mlp.fc1"].shard("weight", axis=0)
+    assert len(taken) == 3 and len(sch.plan) == 4
+
+
+def test_a_primitive_error_caught_in_an_ordinary_block_leaves_nothing_of_that_primitive():
+    sch = schedlang.create_schedule(Stack())
+    with sch.atomic():
+        with pytest.raises(schedlang.ShardError):
+            sch["layers.0.mlp.fc1"].shard("weight", axis=4)
+        sch["layers.0.mlp.fc1"].shard("weight", axis=0)
+    assert [s.primitive for s in sch.plan] == ["shard"]
+    assert shard_specs(sch["layers.0.mlp.fc1"].mod)["weight"].axis == 0
+
+
 @pytest.mark.parametrize("call, message", [
     (lambda s: s["layers.0.mlp.fc1"].shard("weight"),
      r"^layers.0.mlp.fc1: shard got the wrong arguments \(missing a required argument: 'axis'\); call it as "

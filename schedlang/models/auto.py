@@ -421,10 +421,37 @@ def apply_tensor_parallel(sch, plan: TensorParallelPlan) -> TensorParallelPlan:
             f"schedule of your own with schedlang.models.register_family")
     before = len(sch.root.plan)
     root = sch.root
-    # a forward on fake tensors before and after: a model that ran whole and breaks split is refused. Not under
+    # the split model runs once on fake tensors: a model that breaks split but ran whole is refused. Not under
     # sequence parallelism: the split of the sequence is a function the shape-only run leaves out, and its plan
     # splits the same blocks as the tensor-parallel one
-    runs_whole = not plan.sequence_parallel and probe_forward(root.mod) is None
+    try:
+        with root.atomic(nested_undo=False):  # nothing below catches a primitive's error: one undo for every step
+            return _write_tensor_parallel(sch, root, plan, before, probe=not plan.sequence_parallel)
+    except _SplitBreaks as broken:  # every step is undone: the model is whole again
+        failure = broken.failure
+    if probe_forward(root.mod) is not None:
+        # the probe cannot run this model whole either (data-dependent shapes, say): only Verify can tell
+        with root.atomic(nested_undo=False):
+            return _write_tensor_parallel(sch, root, plan, before, probe=False)
+    where, kind = probe_parts(plan, failure)
+    raise UnsupportedModelError(
+        f"{where}: shard_model cannot split {type(root.mod).__name__}: split over {root.world_size} ranks, its "
+        f"{failure.module_type} raises {failure.error} (found by running the split model on fake tensors; no "
+        f"step stays in the plan). To keep every {kind} block whole and split the rest, write: plan = "
+        f"plan_tensor_parallel(sch); plan.all_blocks = [b for b in plan.all_blocks if b.kind != {kind!r}]; "
+        f"apply_tensor_parallel(sch, plan) (both from schedlang.models.auto); or register a schedule of your own "
+        f"with schedlang.models.register_family")
+
+
+class _SplitBreaks(Exception):
+    """The split model failed the shape probe (undoes the steps on its way out; see apply_tensor_parallel)."""
+
+    def __init__(self, failure):
+        super().__init__(failure.error)
+        self.failure = failure
+
+
+def _write_tensor_parallel(sch, root, plan: TensorParallelPlan, before: int, probe: bool) -> TensorParallelPlan:
     sp = plan.sequence_parallel
     if sp:
         _sequence_parallel_modules(root, plan)
@@ -466,16 +493,9 @@ def apply_tensor_parallel(sch, plan: TensorParallelPlan) -> TensorParallelPlan:
     if plan.lm_head:
         finish_lm_head(root, root, "", False, plan.logits == "gathered", head_path=plan.lm_head,
                        install_loss=plan.vocab_parallel_loss)
-    failure = probe_forward(root.mod) if runs_whole else None
-    if failure is not None:  # the decorator undoes every step written above
-        where, kind = probe_parts(plan, failure)
-        raise UnsupportedModelError(
-            f"{where}: shard_model cannot split {type(root.mod).__name__}: split over {root.world_size} ranks, its "
-            f"{failure.module_type} raises {failure.error} (found by running the split model on fake tensors; no "
-            f"step stays in the plan). To keep every {kind} block whole and split the rest, write: plan = "
-            f"plan_tensor_parallel(sch); plan.all_blocks = [b for b in plan.all_blocks if b.kind != {kind!r}]; "
-            f"apply_tensor_parallel(sch, plan) (both from schedlang.models.auto); or register a schedule of your own "
-            f"with schedlang.models.register_family")
+    failure = probe_forward(root.mod) if probe else None
+    if failure is not None:
+        raise _SplitBreaks(failure)
     plan.steps = len(sch.root.plan) - before
     return plan
 
