@@ -193,10 +193,7 @@ def main(argv: Optional[List[str]] = None) -> List[dict]:
         if v not in VARIANTS:
             parser.error(f"unknown variant {v!r}: valid are {', '.join(VARIANTS)}")
     if use_cuda:
-        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        device = torch.device("cuda", torch.cuda.current_device())
+        device = harness.local_gpu()
     else:
         device = torch.device("cpu")
     if "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", 1)) > 1 and not dist.is_initialized():

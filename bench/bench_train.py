@@ -728,11 +728,7 @@ def main(argv=None) -> List[dict]:
     parser, args = parse_args(argv)
     use_cuda = torch.cuda.is_available() and not args.tiny
     if use_cuda:
-        # NVLink multicast (NVLS) off for NCCL and symmetric memory, as on the machines the figures come from
-        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        device = torch.device("cuda", torch.cuda.current_device())
+        device = harness.local_gpu()
     else:
         if not torch.cuda.is_available():
             # schedlang's Triton kernels on the CPU (--tiny); a GPU machine runs their references instead

@@ -81,6 +81,15 @@ def _dist():
     return dist if dist.is_available() and dist.is_initialized() else None
 
 
+def local_gpu() -> torch.device:
+    """This rank's GPU (``LOCAL_RANK`` under torchrun, else 0), made current; NVLink multicast (NVLS) is off for
+    NCCL and symmetric memory, as on the machines the figures come from."""
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 from packaging.version import Version
+from tests.helpers.dependencies import declared_requirements
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -40,22 +41,10 @@ def test_the_readme_and_ci_install_the_same_extras_with_the_same_constraints():
     assert "python -m pytest -q" in _readme_test_command()
 
 
-def _declared():
-    try:
-        import tomllib
-    except ImportError:  # Python 3.10
-        tomllib = pytest.importorskip("tomli")
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    lines = list(project["dependencies"])
-    for extra in project["optional-dependencies"].values():
-        lines.extend(extra)
-    return [Requirement(line) for line in lines]
-
-
 def test_every_pin_is_allowed_by_the_declared_dependencies():
     pins = _pins()
     checked = 0
-    for declared in _declared():
+    for declared in declared_requirements():
         pin = pins.get(declared.name.lower().replace("_", "-"))
         if pin is None:
             continue

@@ -14,20 +14,9 @@ from packaging.requirements import Requirement
 from packaging.version import Version
 
 from schedlang import compat
+from tests.helpers.dependencies import declared_requirements
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _declared():
-    try:
-        import tomllib
-    except ImportError:  # Python 3.10
-        tomllib = pytest.importorskip("tomli")
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    lines = list(project["dependencies"])
-    for extra in project["optional-dependencies"].values():
-        lines.extend(extra)
-    return [Requirement(line) for line in lines]
 
 
 def _oldest_pins():
@@ -43,7 +32,7 @@ def _oldest_pins():
 @pytest.mark.parametrize("package, minimum", [("torch", compat.MIN_TORCH), ("transformers", compat.MIN_TRANSFORMERS)])
 def test_pyproject_declares_the_minimums_the_oldest_lane_installs(package, minimum):
     floor = f"{minimum[0]}.{minimum[1]}"
-    declared = [r for r in _declared() if r.name == package]
+    declared = [r for r in declared_requirements() if r.name == package]
     assert declared, f"pyproject.toml does not declare {package}"
     for requirement in declared:  # the dependency and every extra naming it: the same floor
         assert str(requirement.specifier) == f">={floor}", (str(requirement), floor)
