@@ -8,8 +8,10 @@ Synthetic weights with the shapes of the chosen model are written once to a loca
 ships checkpoints) and read by every variant. Each variant runs in **fresh rank processes**
 (``schedlang.distributed.launch.run_distributed``), so each rank's peak resident set
 (``resource.getrusage(RUSAGE_SELF).ru_maxrss``: anonymous memory plus the file pages it mapped)
-belongs to that variant alone. Before the variants run, the files are read once, so every variant
-finds them in the page cache alike.
+belongs to that variant alone. Before the variants run, the files are read once and a warm-up run
+touches cuBLAS, cuDNN, NCCL and the fused AdamW, so every variant finds the checkpoint and those libraries
+in the page cache alike. Every variant runs ``--rounds`` times (2 by default), the order reversed every
+other round, and a row's figures are the medians over its rounds (each round's own in ``*_rounds``).
 
 Variants (fp32 master weights, bf16 autocast on GPUs, AdamW; the first step is forward, backward
 and optimizer step on the same batch on every rank):
@@ -26,7 +28,7 @@ and optimizer step on the same batch on every rank):
 
 Reported per variant (rows in ``bench/results/<date>-pretrained[-tiny].json``, the shape
 ``bench/harness.py`` describes): ``time_to_first_step_s`` (from before loading to the end of the
-first optimizer step, the slowest rank), ``load_s`` (to the model and optimizer being ready),
+first optimizer step, the slowest rank; the median over rounds), ``load_s`` (to the model and optimizer being ready),
 ``peak_host_rss_gib`` (the largest rank's peak) with ``peak_host_rss_gib_per_rank`` and
 ``host_rss_before_load_gib`` (the process before loading: Python, torch, CUDA context), the
 steady step time (``ms``, median of a few steps after the first) and ``first_loss``. Check: the
@@ -203,8 +205,9 @@ def _build(variant: str, directory: str, cfg, device: torch.device, world: int):
 
 
 def _profiled(profile_dir: Optional[str], name: str, fn, *args):
-    """``fn(*args)``, under cProfile when ``profile_dir`` is given: the 40 costliest calls by cumulative time
-    go to ``<profile_dir>/<name>.txt`` (the timings of a profiled run include the profiler's overhead)."""
+    """``fn(*args)``, under cProfile when ``profile_dir`` is given: the 50 costliest calls by cumulative time and
+    the 30 by own time go to ``<profile_dir>/<name>.txt``, with any character of ``name`` other than letters,
+    digits, ``-``, ``_`` and ``.`` made ``_`` (the timings of a profiled run include the profiler's overhead)."""
     if not profile_dir:
         return fn(*args)
     import cProfile
@@ -214,9 +217,11 @@ def _profiled(profile_dir: Optional[str], name: str, fn, *args):
     profiler = cProfile.Profile()
     result = profiler.runcall(fn, *args)
     text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(40)
+    pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(50)
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
     Path(profile_dir).mkdir(parents=True, exist_ok=True)
-    (Path(profile_dir) / f"{name}.txt").write_text(text.getvalue())
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)  # '+' in a variant's name
+    (Path(profile_dir) / f"{safe}.txt").write_text(text.getvalue())
     return result
 
 
@@ -274,6 +279,31 @@ def run_rank(rank: int, world: int, variant: str, directory: str, tiny: bool, ba
             if times else None, "peak_gpu_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None}
 
 
+def warm_up_rank(rank: int, world: int, tiny: bool) -> None:
+    """Touch what a first step uses (a bf16 GEMM forward and backward, attention, a collective, a fused AdamW
+    step), so the libraries behind them are in the page cache before any variant is timed."""
+    import torch.distributed as dist
+
+    cuda = torch.cuda.is_available() and not tiny
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    w = torch.nn.Parameter(torch.randn(256, 256, device=device))
+    x = torch.randn(2, 4, 64, 64, device=device, dtype=dtype)
+    with torch.autocast(device.type, dtype=dtype, enabled=cuda):
+        y = F.scaled_dot_product_attention(x, x, x, is_causal=True).reshape(-1, 256) @ w
+    y.float().sum().backward()
+    torch.optim.AdamW([w], fused=True if cuda else None).step()
+    total = torch.ones(1, device=device)
+    dist.all_reduce(total)
+    assert total.item() == world
+
+
+def _median(values: List[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
 # ------------------------------------------------------------------------------------------- the launcher
 def main(argv=None) -> List[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -286,6 +316,9 @@ def main(argv=None) -> List[dict]:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=5, help="steps timed after the first")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="times every variant runs (fresh processes each time, the order reversed every other "
+                             "round); a row's figures are the medians over rounds")
     parser.add_argument("--timeout", type=float, default=1200.0, help="seconds one variant may take")
     parser.add_argument("--name", default=None, help="result file name (default: pretrained[-tiny])")
     parser.add_argument("--results-dir", default=None, help="where the JSON goes (default: bench/results)")
@@ -295,6 +328,8 @@ def main(argv=None) -> List[dict]:
     args = parser.parse_args(argv)
     if args.tiny:
         args.batch, args.seq, args.steps = min(args.batch, 2), min(args.seq, 32), min(args.steps, 2)
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     for v in variants:
         if v not in VARIANTS:
@@ -314,39 +349,62 @@ def main(argv=None) -> List[dict]:
 
     from schedlang.distributed.launch import run_distributed
 
+    backend = "nccl" if cuda else "gloo"
+    # the first process to touch cuBLAS, cuDNN and NCCL on a fresh machine reads their libraries from disk: a
+    # warm-up run puts them in the page cache, so the first variant measured does not pay for the others
+    run_distributed(warm_up_rank, world_size=args.nproc, args=(args.tiny,), backend=backend, timeout=args.timeout)
+    per_variant: Dict[str, List[List[Dict[str, Any]]]] = {v: [] for v in variants}
+    failures: Dict[str, BaseException] = {}
+    for round_index in range(args.rounds):
+        # every other round runs the variants in reverse, so no variant always runs first or last
+        order = variants if round_index % 2 == 0 else variants[::-1]
+        for variant in order:
+            if variant in failures:
+                continue
+            print(f"round {round_index + 1}/{args.rounds}: {variant} ...", flush=True)
+            try:
+                per_variant[variant].append(run_distributed(
+                    run_rank, world_size=args.nproc,
+                    args=(variant, str(directory), args.tiny, args.batch, args.seq, args.steps,
+                          args.profile if round_index == 0 else None),
+                    backend=backend, timeout=args.timeout))
+            except Exception as e:  # one variant failing does not lose the others
+                failures[variant] = e
+
     rows, anchor = [], None
     tokens_per_step = args.batch * args.seq
     flops = harness.transformer_train_flops(n_params, cfg.num_hidden_layers, cfg.hidden_size, args.seq,
                                             tokens_per_step)
     for variant in variants:
-        print(f"{variant} ...", flush=True)
-        try:
-            per_rank = run_distributed(run_rank, world_size=args.nproc,
-                                       args=(variant, str(directory), args.tiny, args.batch, args.seq, args.steps,
-                                             args.profile),
-                                       backend="nccl" if cuda else "gloo", timeout=args.timeout)
-        except Exception as e:  # one variant failing does not lose the others
-            rows.append(harness.failed_row(WORK, variant, ROLES[variant], e, layout=f"tp={args.nproc}"))
+        if variant in failures:
+            rows.append(harness.failed_row(WORK, variant, ROLES[variant], failures[variant], layout=f"tp={args.nproc}"))
             continue
-        first_loss = per_rank[0]["first_loss"]
+        rounds = per_variant[variant]
+        first_loss = rounds[0][0]["first_loss"]
         tol = 1e-2 if cuda else 1e-4
         if anchor is None:
             anchor, check = first_loss, "ok (anchor)"
         else:
             rel = abs(first_loss - anchor) / max(abs(anchor), 1e-12)
             check = "ok" if rel <= tol else f"FAIL first loss {first_loss:.5f} vs {anchor:.5f} (rel {rel:.2e})"
-        steps = [r["step_ms"] for r in per_rank if r["step_ms"] is not None]
-        gpu = [r["peak_gpu_gib"] for r in per_rank if r["peak_gpu_gib"] is not None]
+        # each round's figure is its slowest rank's; the row's is the median over rounds
+        first_step = [max(r["time_to_first_step_s"] for r in per_rank) for per_rank in rounds]
+        load = [max(r["load_s"] for r in per_rank) for per_rank in rounds]
+        steps = [max(r["step_ms"] for r in per_rank) for per_rank in rounds if per_rank[0]["step_ms"] is not None]
+        gpu = [r["peak_gpu_gib"] for per_rank in rounds for r in per_rank if r["peak_gpu_gib"] is not None]
+        last = rounds[-1]
         rows.append(harness.make_row(
-            WORK, variant, ROLES[variant], max(steps) if steps else None, tokens_per_step, flops,
+            WORK, variant, ROLES[variant], _median(steps) if steps else None, tokens_per_step, flops,
             args.nproc if cuda else 0, round(max(gpu), 2) if gpu else None, check, layout=f"tp={args.nproc}",
-            time_to_first_step_s=round(max(r["time_to_first_step_s"] for r in per_rank), 3),
-            load_s=round(max(r["load_s"] for r in per_rank), 3),
-            peak_host_rss_load_gib=round(max(r["peak_rss_load_gib"] for r in per_rank), 3),
-            peak_host_rss_load_gib_per_rank=[round(r["peak_rss_load_gib"], 3) for r in per_rank],
-            peak_host_rss_gib=round(max(r["peak_rss_gib"] for r in per_rank), 3),
-            host_rss_before_load_gib=round(max(r["rss_before_gib"] for r in per_rank), 3),
-            first_loss=round(first_loss, 6), params=n_params, checkpoint_gib=round(file_gib, 3)))
+            time_to_first_step_s=round(_median(first_step), 3),
+            time_to_first_step_s_rounds=[round(x, 3) for x in first_step],
+            load_s=round(_median(load), 3), load_s_rounds=[round(x, 3) for x in load],
+            peak_host_rss_load_gib=round(max(r["peak_rss_load_gib"] for p in rounds for r in p), 3),
+            peak_host_rss_load_gib_per_rank=[round(r["peak_rss_load_gib"], 3) for r in last],
+            peak_host_rss_gib=round(max(r["peak_rss_gib"] for p in rounds for r in p), 3),
+            host_rss_before_load_gib=round(max(r["rss_before_gib"] for p in rounds for r in p), 3),
+            first_loss=round(first_loss, 6), params=n_params, checkpoint_gib=round(file_gib, 3),
+            rounds=len(rounds)))
     path = harness.write_results(args.name or ("pretrained-tiny" if args.tiny else "pretrained"), rows,
                                  gpus=args.nproc if cuda else 0,
                                  directory=Path(args.results_dir) if args.results_dir else None, ranks=args.nproc,

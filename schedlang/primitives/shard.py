@@ -94,7 +94,7 @@ class Shard(Primitive):
         world, rank = sch.world_size, sch.rank
         old = getattr(module, tensor_name)
         holders = _holders(sch, old)
-        layout = _check_holders(sch, old, axis, world)
+        layout = _check_holders(sch, old, axis, world, holders)
         groups, blocks = (len(layout), layout) if isinstance(layout, tuple) else (layout, None)
         spec = ShardSpec(axis=axis, world_size=world, rank=rank, full_shape=tuple(old.shape), groups=groups,
                          blocks=blocks)
@@ -146,15 +146,31 @@ def _sharded_through_tie(sch, tensor_name, axis) -> bool:
 
 def _holders(sch, tensor):
     """(path, module, name) of every module of the model that holds ``tensor`` (tied weights), this one first."""
-    found = [(sch.path, sch.mod, n) for n, t in list(sch.mod._parameters.items()) + list(sch.mod._buffers.items())
+    own = sch.mod
+    found = [(sch.path, own, n) for n, t in list(own._parameters.items()) + list(own._buffers.items())
              if t is tensor]
-    for path, m in sch.root.mod.named_modules(remove_duplicate=False):
-        if m is sch.mod:
+    seen = {(p, n) for p, _, n in found}
+    for path, m in _every_module(sch.root.mod):
+        if m is own:
             continue
         for n, t in list(m._parameters.items()) + list(m._buffers.items()):
-            if t is tensor and (path, n) not in [(p, k) for p, _, k in found]:
+            if t is tensor and (path, n) not in seen:
                 found.append((path, m, n))
+                seen.add((path, n))
     return found
+
+
+def _every_module(root):
+    """(path, module) of every module under ``root`` in ``named_modules(remove_duplicate=False)``'s order
+    (pre-order, a shared module once under each of its paths), without its nested generators: sharding a
+    large model walks it once for every tensor it splits."""
+    stack = [("", root)]
+    while stack:
+        path, module = stack.pop()
+        yield path, module
+        prefix = path + "." if path else ""
+        stack.extend(reversed([(prefix + name, child) for name, child in module._modules.items()
+                               if child is not None]))
 
 
 def _parent(sch, path):
@@ -164,12 +180,12 @@ def _parent(sch, path):
     return sch.root[parent_path].mod, child_name
 
 
-def _check_holders(sch, tensor, axis, world):
+def _check_holders(sch, tensor, axis, world, holders=None):
     """Run every holder's rule and its parent's rule; return the layout they agree on: a number of equal
     blocks (``groups``), or a tuple of the sizes of unequal blocks (``blocks``)."""
     groups_by = {}
     shape = tuple(tensor.shape)
-    for path, holder, name in _holders(sch, tensor):
+    for path, holder, name in (holders if holders is not None else _holders(sch, tensor)):
         where = path or "<root>"
         prior = shard_specs(holder).get(name)
         if prior is not None:

@@ -80,3 +80,22 @@ def test_row_parallel_linear_with_bias_adds_bias_once_single_rank():
     record = module_record(sch["fc2"].mod)
     assert record.syncs_before_bias and [s.child for s in record.syncs] == ["_schedlang_sync_fwd_post_0"]
     assert not sch["fc2"].mod._forward_hooks
+
+
+def test_module_walk_matches_named_modules_with_shared_modules():
+    from schedlang.primitives.shard import _every_module
+
+    shared = nn.Linear(3, 3)
+    model = nn.Sequential(nn.Sequential(shared, nn.ReLU()), MLP(), shared, nn.ModuleDict({"a": shared, "b": None}))
+    assert [(p, id(m)) for p, m in _every_module(model)] == \
+        [(p, id(m)) for p, m in model.named_modules(remove_duplicate=False)]
+
+
+def test_tied_tensor_holders_are_found_under_every_path():
+    from schedlang.primitives.shard import _holders
+
+    model = nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 8, bias=False))
+    model[1].weight = model[0].weight
+    sch = schedlang.create_schedule(model)
+    found = [(p, n) for p, _, n in _holders(sch["1"], sch["1"].mod.weight)]
+    assert found == [("1", "weight"), ("0", "weight")]  # this module first, then the model's order
