@@ -8,10 +8,12 @@ Synthetic weights with the shapes of the chosen model are written once to a loca
 ships checkpoints) and read by every variant. Each variant runs in **fresh rank processes**
 (``schedlang.distributed.launch.run_distributed``), so each rank's peak resident set
 (``resource.getrusage(RUSAGE_SELF).ru_maxrss``: anonymous memory plus the file pages it mapped)
-belongs to that variant alone. Before the variants run, the files are read once and a warm-up run
-touches cuBLAS, cuDNN, NCCL and the fused AdamW, so every variant finds the checkpoint and those libraries
-in the page cache alike. Every variant runs ``--rounds`` times (2 by default), the order reversed every
-other round, and a row's figures are the medians over its rounds (each round's own in ``*_rounds``).
+belongs to that variant alone. Before the variants run, the files are read once, so every variant finds
+them in the page cache alike, and every variant runs once untimed (``--warmup-rounds``): on a fresh machine
+the first process to run a variant's kernels also fills the disk caches of the libraries, the driver and
+the compilers; that run's time to the first step is kept as ``first_run_time_to_first_step_s``. Then every
+variant runs ``--rounds`` times (2 by default), the order reversed every other round, and a row's figures
+are the medians over its rounds (each round's own in ``*_rounds``).
 
 Variants (fp32 master weights, bf16 autocast on GPUs, AdamW; the first step is forward, backward
 and optimizer step on the same batch on every rank):
@@ -279,25 +281,6 @@ def run_rank(rank: int, world: int, variant: str, directory: str, tiny: bool, ba
             if times else None, "peak_gpu_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None}
 
 
-def warm_up_rank(rank: int, world: int, tiny: bool) -> None:
-    """Touch what a first step uses (a bf16 GEMM forward and backward, attention, a collective, a fused AdamW
-    step), so the libraries behind them are in the page cache before any variant is timed."""
-    import torch.distributed as dist
-
-    cuda = torch.cuda.is_available() and not tiny
-    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    dtype = torch.bfloat16 if cuda else torch.float32
-    w = torch.nn.Parameter(torch.randn(256, 256, device=device))
-    x = torch.randn(2, 4, 64, 64, device=device, dtype=dtype)
-    with torch.autocast(device.type, dtype=dtype, enabled=cuda):
-        y = F.scaled_dot_product_attention(x, x, x, is_causal=True).reshape(-1, 256) @ w
-    y.float().sum().backward()
-    torch.optim.AdamW([w], fused=True if cuda else None).step()
-    total = torch.ones(1, device=device)
-    dist.all_reduce(total)
-    assert total.item() == world
-
-
 def _median(values: List[float]) -> float:
     ordered = sorted(values)
     mid = len(ordered) // 2
@@ -319,6 +302,8 @@ def main(argv=None) -> List[dict]:
     parser.add_argument("--rounds", type=int, default=2,
                         help="times every variant runs (fresh processes each time, the order reversed every other "
                              "round); a row's figures are the medians over rounds")
+    parser.add_argument("--warmup-rounds", type=int, default=1,
+                        help="untimed rounds before them (the first run on a fresh machine fills the disk caches)")
     parser.add_argument("--timeout", type=float, default=1200.0, help="seconds one variant may take")
     parser.add_argument("--name", default=None, help="result file name (default: pretrained[-tiny])")
     parser.add_argument("--results-dir", default=None, help="where the JSON goes (default: bench/results)")
@@ -328,8 +313,9 @@ def main(argv=None) -> List[dict]:
     args = parser.parse_args(argv)
     if args.tiny:
         args.batch, args.seq, args.steps = min(args.batch, 2), min(args.seq, 32), min(args.steps, 2)
-    if args.rounds < 1:
-        parser.error(f"--rounds must be at least 1, got {args.rounds}")
+    if args.rounds < 1 or args.warmup_rounds < 0:
+        parser.error(f"--rounds must be at least 1 and --warmup-rounds at least 0, got {args.rounds} and "
+                     f"{args.warmup_rounds}")
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     for v in variants:
         if v not in VARIANTS:
@@ -350,26 +336,34 @@ def main(argv=None) -> List[dict]:
     from schedlang.distributed.launch import run_distributed
 
     backend = "nccl" if cuda else "gloo"
-    # the first process to touch cuBLAS, cuDNN and NCCL on a fresh machine reads their libraries from disk: a
-    # warm-up run puts them in the page cache, so the first variant measured does not pay for the others
-    run_distributed(warm_up_rank, world_size=args.nproc, args=(args.tiny,), backend=backend, timeout=args.timeout)
     per_variant: Dict[str, List[List[Dict[str, Any]]]] = {v: [] for v in variants}
+    first_runs: Dict[str, float] = {}
     failures: Dict[str, BaseException] = {}
-    for round_index in range(args.rounds):
-        # every other round runs the variants in reverse, so no variant always runs first or last
-        order = variants if round_index % 2 == 0 else variants[::-1]
+    # A first, untimed round: on a fresh machine the first process to run a variant's kernels pays for reading
+    # their libraries from disk and for the driver's and compilers' caches (seconds, measured on H200 hosts);
+    # its time to the first step is kept in the row as ``first_run_time_to_first_step_s``. Then the timed
+    # rounds, every other one in reverse, so no variant always runs first or last.
+    orders = [variants] * args.warmup_rounds + [variants if i % 2 == 0 else variants[::-1] for i in range(args.rounds)]
+    for round_index, order in enumerate(orders):
+        warm_up = round_index < args.warmup_rounds
         for variant in order:
             if variant in failures:
                 continue
-            print(f"round {round_index + 1}/{args.rounds}: {variant} ...", flush=True)
+            label = "warm-up" if warm_up else f"round {round_index - args.warmup_rounds + 1}/{args.rounds}"
+            print(f"{label}: {variant} ...", flush=True)
             try:
-                per_variant[variant].append(run_distributed(
+                per_rank = run_distributed(
                     run_rank, world_size=args.nproc,
                     args=(variant, str(directory), args.tiny, args.batch, args.seq, args.steps,
-                          args.profile if round_index == 0 else None),
-                    backend=backend, timeout=args.timeout))
+                          args.profile if round_index == args.warmup_rounds else None),
+                    backend=backend, timeout=args.timeout)
             except Exception as e:  # one variant failing does not lose the others
                 failures[variant] = e
+                continue
+            if warm_up:
+                first_runs.setdefault(variant, max(r["time_to_first_step_s"] for r in per_rank))
+            else:
+                per_variant[variant].append(per_rank)
 
     rows, anchor = [], None
     tokens_per_step = args.batch * args.seq
@@ -404,7 +398,8 @@ def main(argv=None) -> List[dict]:
             peak_host_rss_gib=round(max(r["peak_rss_gib"] for p in rounds for r in p), 3),
             host_rss_before_load_gib=round(max(r["rss_before_gib"] for p in rounds for r in p), 3),
             first_loss=round(first_loss, 6), params=n_params, checkpoint_gib=round(file_gib, 3),
-            rounds=len(rounds)))
+            rounds=len(rounds), first_run_time_to_first_step_s=(round(first_runs[variant], 3)
+                                                                 if variant in first_runs else None)))
     path = harness.write_results(args.name or ("pretrained-tiny" if args.tiny else "pretrained"), rows,
                                  gpus=args.nproc if cuda else 0,
                                  directory=Path(args.results_dir) if args.results_dir else None, ranks=args.nproc,

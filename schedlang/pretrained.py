@@ -249,18 +249,37 @@ def _meta_targets(model: nn.Module) -> List[_Target]:
 
 def _built_targets(model: nn.Module) -> Tuple[List[_Target], List[Tuple[nn.Module, Dict[str, Any]]]]:
     """The persistent tensors this rank holds in a built model (every stage it holds) with their global
-    shapes, and each stage module's state dict (written back after the read, as ``load_checkpoint`` does)."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
+    shapes, and the state dict of each stage module whose state dict holds other tensors than its own
+    (written back after the read, as ``load_checkpoint`` does)."""
     out, seen, states = [], set(), []
     for stage in _stages(model):
-        state = get_model_state_dict(stage)
-        states.append((stage, state))
+        state, copies = _state_dict_of(stage)
+        if copies:
+            states.append((stage, state))
         for name, value in state.items():
             if isinstance(value, torch.Tensor) and name not in seen:
                 seen.add(name)
                 out.append(_Target(name, value, tuple(value.shape)))
     return out, states
+
+
+#: module names a wrapper adds to its inner module's tensor names (torch.compile's module, activation checkpointing's
+#: and FSDP1's wrappers); torch's distributed state dict takes them off
+_WRAPPER_NAMES = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
+
+
+def _state_dict_of(stage: nn.Module) -> Tuple[Dict[str, Any], bool]:
+    """``(state dict, whether its tensors may be copies)`` of a built stage module.
+
+    A model with no wrapper module gives its own tensors under their model names (``keep_vars``: the parameters and
+    buffers themselves, DTensors and FSDP2's shards included), which the read writes into directly. A wrapped one
+    goes through torch's distributed state dict, which unwraps the names but may hand out copies."""
+    wrapped = any(part in _WRAPPER_NAMES for name, _ in stage.named_modules() for part in name.split("."))
+    if not wrapped:
+        return stage.state_dict(keep_vars=True), False
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(stage), True
 
 
 def _hf_class_attr(model: nn.Module, attr: str):
@@ -391,11 +410,13 @@ def _read(targets: Sequence[_Target], source: Dict[str, str], entries: Dict[str,
         for t in todo:
             if shown is not None:
                 shown.update(note=t.name)
-            if id(t.tensor) in done:
-                continue
-            done.add(id(t.tensor))
-            entry = entries[source[t.name]]
             local = t.tensor.to_local() if is_dtensor(t.tensor) else t.tensor
+            # known by its memory: a state dict that detaches its values gives a tied tensor under two objects
+            memory = (local.data_ptr(), tuple(local.shape), local.stride())
+            if memory in done:
+                continue
+            done.add(memory)
+            entry = entries[source[t.name]]
             regions = local_regions(t.tensor, rank_major.get(t.name))
             # one open per tensor: safetensors maps the file, and closing it releases the pages this read touched
             with _safe_open(entry.file) as handle:
@@ -502,12 +523,11 @@ class PretrainedWeights:
         except Exception as e:  # a file changed or broke since its header was read
             problem = f"pretrained: reading {self.where} failed: {type(e).__name__}: {e}"
         _agree(problem)
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+        if states:  # the slices went into state dicts that may hold copies: write them into the modules
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        # the slices were written into the state dicts' tensors, which are the parameters themselves for every
-        # layout schedlang builds; this covers modules whose state dicts hold copies
-        for stage, state in states:
-            set_model_state_dict(stage, state, options=StateDictOptions(strict=False))
+            for stage, state in states:
+                set_model_state_dict(stage, state, options=StateDictOptions(strict=False))
         seconds = time.perf_counter() - started
         logger.info("loaded %d tensors (%.1f MiB of slices) from %s in %.2f s", count, nbytes / 2**20, self.where,
                     seconds)

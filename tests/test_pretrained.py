@@ -121,7 +121,8 @@ class _RecordingHandle:
 
 
 def _local_tensors(model):
-    """This rank's distinct tensors of the built model (the pieces it should read), by id."""
+    """This rank's distinct tensors of the built model (the pieces it should read), a tied tensor once: torch's
+    state dict detaches every value, so tensors are told apart by their memory."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     from schedlang.distributed.dtensor_params import local_tensor
@@ -129,7 +130,8 @@ def _local_tensors(model):
     out = {}
     for stage in getattr(model, "stage_modules", [model]):
         for value in get_model_state_dict(stage).values():
-            out.setdefault(id(value), local_tensor(value))
+            local = local_tensor(value)
+            out.setdefault((local.data_ptr(), tuple(local.shape)), local)
     return list(out.values())
 
 
@@ -426,11 +428,32 @@ def test_load_pretrained_into_a_built_model(tmp_path):
 
     model = GPT2LMHeadModel(_gpt2_config())
     info = schedlang.load_pretrained(model, tmp_path)
-    assert info["tensors"] == len({id(t) for t in model.state_dict().values()})
+    assert info["tensors"] == len({id(t) for t in model.state_dict(keep_vars=True).values()})  # the tie once
     tokens = _tokens(64)
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids=tokens).logits, reference(input_ids=tokens).logits, rtol=0,
                                    atol=0)
+
+
+def test_load_pretrained_into_wrapped_modules(tmp_path):
+    """A module wrapped by torch.compile (its tensors named ``..._orig_mod...``) loads through torch's distributed
+    state dict, which takes the wrapper's name off; a plain model's own tensors are written directly."""
+    reference = _save("gpt2", tmp_path)
+    from transformers import GPT2LMHeadModel
+
+    from schedlang.pretrained import _state_dict_of
+
+    model = GPT2LMHeadModel(_gpt2_config())
+    model.transformer.h[0] = torch.compile(model.transformer.h[0])  # never called: nothing compiles
+    assert _state_dict_of(model)[1] is True
+    info = schedlang.load_pretrained(model, tmp_path)
+    assert info["tensors"] == len({id(t) for t in model.state_dict(keep_vars=True).values()})
+    expected = reference.state_dict()
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, expected[name.replace("._orig_mod", "")], rtol=0, atol=0)
+    plain = GPT2LMHeadModel(_gpt2_config())
+    state, copies = _state_dict_of(plain)
+    assert copies is False and state["transformer.wte.weight"] is plain.transformer.wte.weight
 
 
 def _rewrite(path, change):
