@@ -25,7 +25,7 @@ import inspect
 import logging
 import os
 from collections.abc import MutableMapping
-from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple, Type, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Type, Union
 
 import torch
 import torch.fx as fx
@@ -65,6 +65,10 @@ class _RootState:
         #: inside ``atomic(nested_undo=False)``: that block's undo covers everything and nothing inside catches a
         #: primitive's error, so the primitives take no snapshot of their own
         self.undo_taken_outside = False
+        #: ``[(path, module)]`` of the whole model, walked once for the primitive now running (its checks and its
+        #: apply, which run before it changes anything) and dropped when it returns; None outside a primitive
+        self.walk_of_running: Optional[List[Tuple[str, nn.Module]]] = None
+        self.primitives_running = 0  # how deep primitives run inside one another now
 
     def group_shape(self) -> Tuple[int, int]:
         """``(world_size, rank)`` of the schedule's group, asked of torch.distributed once: the group is fixed
@@ -404,6 +408,25 @@ class Schedule(ScheduleQueries):
         finally:
             state.undo_taken_outside = False
 
+    def _walk(self) -> List[Tuple[str, nn.Module]]:
+        """``(path, module)`` of every module of the whole model, in ``named_modules(remove_duplicate=False)``'s
+        order (a shared module under each of its paths). Inside a primitive the walk is taken once and kept until
+        it returns: its checks and its apply read the model before changing it (``shard`` looks for the holders
+        of a tied tensor in both, for every tensor a plan splits)."""
+        state = self._state
+        if state.walk_of_running is not None:
+            return state.walk_of_running
+        walk, stack = [], [("", state.module)]
+        while stack:  # without named_modules' nested generators, a cost on deep models
+            path, module = stack.pop()
+            walk.append((path, module))
+            prefix = path + "." if path else ""
+            stack.extend(reversed([(prefix + name, child) for name, child in module._modules.items()
+                                   if child is not None]))
+        if state.primitives_running:
+            state.walk_of_running = walk
+        return walk
+
     # ------------------------------------------------------------------ running primitives
     def _run(self, _primitive: str, /, **kwargs: Any) -> Any:
         """Check the arguments (declared types, then the primitive's own checks), apply, record."""
@@ -415,9 +438,17 @@ class Schedule(ScheduleQueries):
                 f"{self._display()}: {primitive.name} after build: this schedule's model was built "
                 f"(schedlang.build) and is the model you train; apply every primitive before build, or start "
                 f"a new schedule (schedlang.create_schedule) to change it")
-        args = primitive.validate(self, **primitive.bind(self, kwargs))
-        with self.atomic():
-            result = primitive.apply(self, **args)
+        state = self._state
+        state.walk_of_running = None
+        state.primitives_running += 1
+        try:
+            args = primitive.validate(self, **primitive.bind(self, kwargs))
+            with self.atomic():
+                result = primitive.apply(self, **args)
+        finally:
+            # whatever ran inside may have changed the model: an enclosing primitive walks it again
+            state.primitives_running -= 1
+            state.walk_of_running = None
         if primitive.records_step:
             self._state.plan.append(Step(primitive=primitive.name, path=self._path, args=args))
             logger.debug("step %d: %s at %s", len(self._state.plan) - 1, primitive.name, self._display())

@@ -150,27 +150,15 @@ def _holders(sch, tensor):
     found = [(sch.path, own, n) for n, t in list(own._parameters.items()) + list(own._buffers.items())
              if t is tensor]
     seen = {(p, n) for p, _, n in found}
-    for path, m in _every_module(sch.root.mod):
+    for path, m in sch._walk():
         if m is own:
             continue
-        for n, t in list(m._parameters.items()) + list(m._buffers.items()):
-            if t is tensor and (path, n) not in seen:
-                found.append((path, m, n))
-                seen.add((path, n))
+        for store in (m._parameters, m._buffers):
+            for n, t in store.items():
+                if t is tensor and (path, n) not in seen:
+                    found.append((path, m, n))
+                    seen.add((path, n))
     return found
-
-
-def _every_module(root):
-    """(path, module) of every module under ``root`` in ``named_modules(remove_duplicate=False)``'s order
-    (pre-order, a shared module once under each of its paths), without its nested generators: sharding a
-    large model walks it once for every tensor it splits."""
-    stack = [("", root)]
-    while stack:
-        path, module = stack.pop()
-        yield path, module
-        prefix = path + "." if path else ""
-        stack.extend(reversed([(prefix + name, child) for name, child in module._modules.items()
-                               if child is not None]))
 
 
 def _parent(sch, path):

@@ -83,12 +83,31 @@ def test_row_parallel_linear_with_bias_adds_bias_once_single_rank():
 
 
 def test_module_walk_matches_named_modules_with_shared_modules():
-    from schedlang.primitives.shard import _every_module
-
     shared = nn.Linear(3, 3)
     model = nn.Sequential(nn.Sequential(shared, nn.ReLU()), MLP(), shared, nn.ModuleDict({"a": shared, "b": None}))
-    assert [(p, id(m)) for p, m in _every_module(model)] == \
-        [(p, id(m)) for p, m in model.named_modules(remove_duplicate=False)]
+    sch = schedlang.create_schedule(model)
+    assert [(p, type(m)) for p, m in sch["1"]._walk()] == \
+        [(p, type(m)) for p, m in sch.mod.named_modules(remove_duplicate=False)]
+    assert sch._state.walk_of_running is None  # outside a primitive nothing is kept
+
+
+def test_a_primitive_walks_the_model_once_and_forgets_the_walk():
+    sch = schedlang.create_schedule(MLP())
+    walks = []
+    original = type(sch)._walk
+
+    def counted(self):
+        walk = original(self)
+        walks.append(id(walk))
+        return walk
+
+    type(sch)._walk = counted
+    try:
+        sch["fc1"].shard("weight", axis=0)  # its checks and its apply look for the weight's holders
+    finally:
+        type(sch)._walk = original
+    assert len(walks) >= 2 and len(set(walks)) == 1
+    assert sch._state.walk_of_running is None and sch._state.primitives_running == 0
 
 
 def test_tied_tensor_holders_are_found_under_every_path():
