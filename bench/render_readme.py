@@ -152,6 +152,40 @@ def render_memory(files: Sequence[dict]) -> str:
     return "\n".join(["| " + " | ".join(head) + " |", "|" + "|".join(" --- " for _ in head) + "|", *lines])
 
 
+def _two(value) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def render_startup(files: Sequence[dict]) -> str:
+    """Per start-up work (``bench/bench_pretrained.py``): each variant's time to its first step and load, the
+    medians over the run's rounds, with the ratio to the baseline row of the same run, and its peak host memory."""
+    works = latest_rows(files)
+    head = ["work", "variant", "role", "time to first step s", "vs baseline", "load s", "peak host GiB / rank",
+            "vs baseline", "rounds", "first run on the machine s", "check", "device", "date", "sha"]
+    lines = []
+    for work in sorted(works):
+        header, rows = works[work]
+        timed = [r for r in rows if r.get("time_to_first_step_s") is not None]
+        base = next((r for r in timed if r.get("role") == "baseline"), None)
+        for r in timed:
+            def ratio(key):
+                if base is None or not base.get(key) or r.get(key) is None:
+                    return "-"
+                return f"{r[key] / base[key]:.2f}x"
+
+            sha = str(r.get("git_sha") or header.get("git_sha", "unknown"))[:10]
+            cells = [work, r.get("variant"), r.get("role"), _two(r["time_to_first_step_s"]),
+                     ratio("time_to_first_step_s"), _two(r.get("load_s")), _two(r.get("peak_host_rss_gib")),
+                     ratio("peak_host_rss_gib"), r.get("rounds") or 1, _two(r.get("first_run_time_to_first_step_s")),
+                     str(r.get("check"))[:80],
+                     f"{r.get('device') or header.get('device')} x{r.get('gpus') or header.get('gpus')}",
+                     r.get("date") or header.get("date"), sha]
+            lines.append("| " + " | ".join(str(c).replace("|", "/") for c in cells) + " |")
+    if not lines:
+        return ""
+    return "\n".join(["| " + " | ".join(head) + " |", "|" + "|".join(" --- " for _ in head) + "|", *lines])
+
+
 PROFILE_ROWS = (("step ms (timed)", None), ("trace span", "span_ms"), ("GPU busy", "gpu_busy_ms"),
                 ("GPU idle share", "idle_share"), ("kernel launches", "launches_per_step"))
 
@@ -240,6 +274,13 @@ def section(files: Sequence[dict], chart: Optional[Path], readme_dir: Path) -> s
         parts += ["The trainer's memory estimate (`--dry-run`'s per-rank peak) against the peak measured on rank 0 "
                   "(`bench/train_memory.py`; the estimate as the code of that run computed it, the error is "
                   "measured / estimated - 1):", "", memory, ""]
+    startup = render_startup(files)
+    if startup:
+        parts += ["Start-up from HF safetensors (`bench/bench_pretrained.py`: from before the model is made to the "
+                  "end of the first optimizer step, the slowest rank, the median of the rounds. Before the rounds each "
+                  "variant runs once untimed, in the order listed, and that run's time is the 'first run' column: "
+                  "the first variant to run on a fresh machine also reads from disk the libraries every variant "
+                  "uses):", "", startup, ""]
     profiles = render_profiles(files)
     if profiles:
         parts += ["Where the GPU time of a step goes (`bench_train.py --profile`: 3 profiled steps, kernels grouped "

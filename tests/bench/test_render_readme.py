@@ -184,3 +184,24 @@ def test_merged_rows_keep_their_own_run_and_the_newest_run_of_a_day_wins(bench, 
     table = render.render_table(render.load_results(results))
     line = next(x for x in table.splitlines() if x.startswith("| gpt2-medium-1gpu | compile |"))
     assert "| 59.0 |" in line and "6666666666" in line
+
+
+def test_startup_rows_get_a_table_of_their_own_with_ratios_to_the_baseline(bench, tmp_path):
+    render = bench("render_readme")
+    d = tmp_path / "startup"
+    d.mkdir()
+    schedlang_row = dict(_row("llama-1.1b-from-safetensors", "schedlang-build-pretrained", "schedlang", 167.0, 49000.0),
+                         time_to_first_step_s=2.319, load_s=1.295, peak_host_rss_gib=3.517, rounds=2,
+                         first_run_time_to_first_step_s=4.358)
+    baseline_row = dict(_row("llama-1.1b-from-safetensors", "from_pretrained+parallelize_module", "baseline", 333.0,
+                             24000.0), time_to_first_step_s=3.126, load_s=1.888, peak_host_rss_gib=8.306, rounds=2)
+    _write(d / "2026-11-28-pretrained.json", [schedlang_row, baseline_row], "2026-11-28", "f" * 40, gpus=2)
+    table = render.render_startup(render.load_results(d))
+    lines = table.splitlines()
+    assert lines[0].startswith("| work | variant | role | time to first step s | vs baseline")
+    mine = next(line for line in lines if "schedlang-build-pretrained" in line)
+    assert "| 2.32 | 0.74x | 1.29 | 3.52 | 0.42x | 2 | 4.36 |" in mine
+    assert "| 3.13 | 1.00x |" in next(line for line in lines if "parallelize_module" in line)
+    assert "time to first step" in render.section(render.load_results(d), None, tmp_path)
+    # results without start-up rows render no such table
+    assert render.render_startup([]) == ""
