@@ -20,7 +20,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402  (bench/harness.py)
@@ -124,6 +124,21 @@ def render_table(files: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
+def _run_cells(r: dict, header: dict) -> List[str]:
+    """The check, device, date and revision cells that end a row of the memory and start-up tables."""
+    sha = str(r.get("git_sha") or header.get("git_sha", "unknown"))[:10]
+    return [str(r.get("check"))[:80], f"{r.get('device') or header.get('device')} x{r.get('gpus') or header.get('gpus')}",
+            r.get("date") or header.get("date"), sha]
+
+
+def _markdown(head: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A markdown table (empty without rows); a ``|`` inside a cell becomes ``/``."""
+    if not rows:
+        return ""
+    lines = ["| " + " | ".join(str(c).replace("|", "/") for c in cells) + " |" for cells in rows]
+    return "\n".join(["| " + " | ".join(head) + " |", "|" + "|".join(" --- " for _ in head) + "|", *lines])
+
+
 def _is_memory_row(row: dict) -> bool:
     """A row of ``bench/train_memory.py``: the trainer's memory estimate against the measured peak, no timing."""
     return "measured_gib" in row or "estimated_gib" in row
@@ -134,22 +149,17 @@ def render_memory(files: Sequence[dict]) -> str:
     works = latest_rows(files)
     head = ["work", "layout flags", "measured peak GiB", "estimated GiB (then)", "error", "check", "device", "date",
             "sha"]
-    lines = []
+    table = []
     for work in sorted(works):
         header, rows = works[work]
         for r in rows:
             if not _is_memory_row(r):
                 continue
             error = r.get("error")
-            sha = str(r.get("git_sha") or header.get("git_sha", "unknown"))[:10]
-            cells = [work, r.get("layout_flags"), _fmt(r.get("measured_gib"), "gib"), _fmt(r.get("estimated_gib"), "gib"),
-                     "-" if error is None else f"{100 * error:+.1f}%", str(r.get("check"))[:80],
-                     f"{r.get('device') or header.get('device')} x{r.get('gpus') or header.get('gpus')}",
-                     r.get("date") or header.get("date"), sha]
-            lines.append("| " + " | ".join(str(c).replace("|", "/") for c in cells) + " |")
-    if not lines:
-        return ""
-    return "\n".join(["| " + " | ".join(head) + " |", "|" + "|".join(" --- " for _ in head) + "|", *lines])
+            table.append([work, r.get("layout_flags"), _fmt(r.get("measured_gib"), "gib"),
+                          _fmt(r.get("estimated_gib"), "gib"), "-" if error is None else f"{100 * error:+.1f}%",
+                          *_run_cells(r, header)])
+    return _markdown(head, table)
 
 
 def _two(value) -> str:
@@ -162,7 +172,7 @@ def render_startup(files: Sequence[dict]) -> str:
     works = latest_rows(files)
     head = ["work", "variant", "role", "time to first step s", "vs baseline", "load s", "peak host GiB / rank",
             "vs baseline", "rounds", "first run on the machine s", "check", "device", "date", "sha"]
-    lines = []
+    table = []
     for work in sorted(works):
         header, rows = works[work]
         timed = [r for r in rows if r.get("time_to_first_step_s") is not None]
@@ -173,17 +183,11 @@ def render_startup(files: Sequence[dict]) -> str:
                     return "-"
                 return f"{r[key] / base[key]:.2f}x"
 
-            sha = str(r.get("git_sha") or header.get("git_sha", "unknown"))[:10]
-            cells = [work, r.get("variant"), r.get("role"), _two(r["time_to_first_step_s"]),
-                     ratio("time_to_first_step_s"), _two(r.get("load_s")), _two(r.get("peak_host_rss_gib")),
-                     ratio("peak_host_rss_gib"), r.get("rounds") or 1, _two(r.get("first_run_time_to_first_step_s")),
-                     str(r.get("check"))[:80],
-                     f"{r.get('device') or header.get('device')} x{r.get('gpus') or header.get('gpus')}",
-                     r.get("date") or header.get("date"), sha]
-            lines.append("| " + " | ".join(str(c).replace("|", "/") for c in cells) + " |")
-    if not lines:
-        return ""
-    return "\n".join(["| " + " | ".join(head) + " |", "|" + "|".join(" --- " for _ in head) + "|", *lines])
+            table.append([work, r.get("variant"), r.get("role"), _two(r["time_to_first_step_s"]),
+                          ratio("time_to_first_step_s"), _two(r.get("load_s")), _two(r.get("peak_host_rss_gib")),
+                          ratio("peak_host_rss_gib"), r.get("rounds") or 1,
+                          _two(r.get("first_run_time_to_first_step_s")), *_run_cells(r, header)])
+    return _markdown(head, table)
 
 
 PROFILE_ROWS = (("step ms (timed)", None), ("trace span", "span_ms"), ("GPU busy", "gpu_busy_ms"),
