@@ -412,7 +412,8 @@ class Schedule(ScheduleQueries):
         """``(path, module)`` of every module of the whole model, in ``named_modules(remove_duplicate=False)``'s
         order (a shared module under each of its paths). Inside a primitive the walk is taken once and kept until
         it returns: its checks and its apply read the model before changing it (``shard`` looks for the holders
-        of a tied tensor in both, for every tensor a plan splits)."""
+        of a tied tensor in both, for every tensor a plan splits). An apply that has changed the module tree
+        and must see the new one walks it itself (``named_modules``)."""
         state = self._state
         if state.walk_of_running is not None:
             return state.walk_of_running
