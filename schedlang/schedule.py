@@ -35,6 +35,7 @@ from . import primitives  # noqa: F401  (registers every primitive before the me
 from .distributed import groups
 from .errors import ArgumentTypeError, ScheduleKeyError, ScheduleTypeError, ScheduleValueError
 from .fingerprint import ModelFingerprint
+from .graph.inlined import inlined_by_trace
 from .plan import Plan, Step
 from .primitives.base import get_primitive, signature_mismatch
 from .schedule_queries import INTERNAL_CHILD as _INTERNAL_CHILD
@@ -44,6 +45,10 @@ from .schedule_queries import join_path as _join
 __all__ = ["Schedule", "create_schedule"]
 
 logger = logging.getLogger("schedlang.schedule")
+
+#: primitives that act on a module's tensors or record, not through its forward: they apply also to a module a traced
+#: ancestor inlined (its leaves' tensors are still its tensors)
+_WITHOUT_FORWARD = ("shard", "annotate")
 
 
 
@@ -439,6 +444,8 @@ class Schedule(ScheduleQueries):
                 f"{self._display()}: {primitive.name} after build: this schedule's model was built "
                 f"(schedlang.build) and is the model you train; apply every primitive before build, or start "
                 f"a new schedule (schedlang.create_schedule) to change it")
+        if primitive.name not in _WITHOUT_FORWARD:
+            self._refuse_if_inlined(primitive.name)
         state = self._state
         state.walk_of_running = None
         state.primitives_running += 1
@@ -454,6 +461,23 @@ class Schedule(ScheduleQueries):
             self._state.plan.append(Step(primitive=primitive.name, path=self._path, args=args))
             logger.debug("step %d: %s at %s", len(self._state.plan) - 1, primitive.name, self._display())
         return result
+
+    def _refuse_if_inlined(self, name: str) -> None:
+        """A primitive acting through a module's forward on one whose forward never runs (see
+        :mod:`schedlang.graph.inlined`) would do nothing or break the traced graph: refuse it up front."""
+        found = inlined_by_trace(self._state.module, self._path)
+        if found is None:
+            return
+        traced = found.traced or "<root>"
+        if found.calls:
+            calls = [_join(found.traced, t) for t in found.calls]
+            instead = (f"calls {list_names(calls)} inside it directly; schedule those modules, or the traced graph "
+                       f"through sch[{found.traced!r}].find / replace")
+        else:
+            instead = "uses nothing inside it"
+        raise ScheduleValueError(
+            f"{self._display()}: {name} needs this module's forward to run, and it never does: the graph traced "
+            f"at {traced} (trace(flatten=True), or a replace that left it behind) does not call it and {instead}")
 
     def report(self, path: str, model: Optional[nn.Module] = None, verify=None, title: str = "") -> Optional[str]:
         """Write a self-contained HTML report of what this schedule did (see :mod:`schedlang.report`).
