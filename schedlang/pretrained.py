@@ -263,18 +263,15 @@ def _built_targets(model: nn.Module) -> Tuple[List[_Target], List[Tuple[nn.Modul
     return out, states
 
 
-#: module names a wrapper adds to its inner module's tensor names (torch.compile's module, activation checkpointing's
-#: and FSDP1's wrappers); torch's distributed state dict takes them off
-_WRAPPER_NAMES = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
-
-
 def _state_dict_of(stage: nn.Module) -> Tuple[Dict[str, Any], bool]:
     """``(state dict, whether its tensors may be copies)`` of a built stage module.
 
     A model with no wrapper module gives its own tensors under their model names (``keep_vars``: the parameters and
     buffers themselves, DTensors and FSDP2's shards included), which the read writes into directly. A wrapped one
     goes through torch's distributed state dict, which unwraps the names but may hand out copies."""
-    wrapped = any(part in _WRAPPER_NAMES for name, _ in stage.named_modules() for part in name.split("."))
+    from .distributed.dtensor_params import WRAPPER_NAMES
+
+    wrapped = any(part in WRAPPER_NAMES for name, _ in stage.named_modules() for part in name.split("."))
     if not wrapped:
         return stage.state_dict(keep_vars=True), False
     from torch.distributed.checkpoint.state_dict import get_model_state_dict

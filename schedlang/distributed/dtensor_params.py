@@ -31,7 +31,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = ["distribute_parameters", "placement_of", "is_dtensor", "local_tensor", "LOCAL_VIEW_ATTR",
            "rank_major_spec", "rank_major_specs", "register_rank_major", "to_unsharded", "to_rank_major",
-           "placement_indices", "local_part", "hoist_local_views", "HOIST_ATTR"]
+           "placement_indices", "local_part", "hoist_local_views", "HOIST_ATTR", "WRAPPER_NAMES"]
 
 logger = logging.getLogger("schedlang.distributed.dtensor_params")
 
@@ -119,8 +119,9 @@ def rank_major_spec(t: torch.Tensor):
     return None
 
 
-#: module names that torch's wrappers insert and state dicts leave out
-_WRAPPER_NAMES = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
+#: module names that torch's wrappers insert (torch.compile's module, activation checkpointing's and FSDP1's) and
+#: torch's distributed state dict leaves out
+WRAPPER_NAMES = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
 
 
 def rank_major_specs(modules) -> Dict[str, "object"]:
@@ -134,7 +135,7 @@ def rank_major_specs(modules) -> Dict[str, "object"]:
             for name, spec in shard_specs(sub).items():
                 if spec.rank_major:
                     # state dicts leave out the wrappers' own names (torch.compile, activation checkpointing)
-                    parts = [p for p in f"{path}.{name}".split(".") if p and p not in _WRAPPER_NAMES]
+                    parts = [p for p in f"{path}.{name}".split(".") if p and p not in WRAPPER_NAMES]
                     out[".".join(parts)] = spec
     return out
 

@@ -32,3 +32,12 @@ def test_median(bench):
     assert pretrained._median([3.0]) == 3.0
     assert pretrained._median([4.0, 1.0]) == 2.5
     assert pretrained._median([5.0, 1.0, 2.0]) == 2.0
+
+
+def test_rounds_must_be_positive(bench, capsys):
+    import pytest
+
+    pretrained = bench("bench_pretrained")
+    with pytest.raises(SystemExit):
+        pretrained.main(["--tiny", "--rounds", "0"])
+    assert "--rounds must be at least 1 and --warmup-rounds at least 0, got 0 and 1" in capsys.readouterr().err
