@@ -132,7 +132,7 @@ import traceback
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -198,12 +198,14 @@ CHECKPOINT_STRIDES = (4, 2, 1)
 # benchmarked against Triton templates (persistent TMA ones on Hopper) that can take the following pointwise
 # ops into their epilogue, cuBLAS kept where it is faster
 TUNING = {"cdt": {"coordinate_descent_tuning": True},
-          "autotune": {"max_autotune": True, "triton.enable_persistent_tma_matmul": True}}
+          "autotune": {"max_autotune": True, "triton.enable_persistent_tma_matmul": True},
+          "pw": {"max_autotune_pointwise": True}}
 # schedlang-optimize[-fp8][-mw][-cg]: float8 Linears, fp32 master weights, per-layer CUDA graphs
 OPTIMIZE_VARIANTS = tuple("schedlang-optimize" + fp8 + mw + cg for fp8 in ("", "-fp8") for mw in ("", "-mw")
                           for cg in ("", "-cg")) + tuple(
     "schedlang-optimize-mw" + extra
-    for extra in ("-graph", "-proj", "-cdt", "-proj-cdt", "-knorm", "-autotune", "-overlap"))
+    for extra in ("-graph", "-proj", "-cdt", "-proj-cdt", "-knorm", "-autotune", "-overlap")) + tuple(
+    "schedlang-optimize-fp8-mw-cg" + extra for extra in ("-cdt", "-pw", "-pw-cdt"))
 SCHEDLANG = ("schedlang-layers", *OPTIMIZE_VARIANTS, *(f"schedlang-optimize-ckpt{n}" for n in CHECKPOINT_STRIDES),
              "schedlang-tp",
              "schedlang-tp-optimize", "schedlang-tp-optimize-cg", "schedlang-fsdp", "schedlang-fsdp-noreshard", "schedlang-fsdp-optimize",
@@ -244,12 +246,13 @@ def _compile(ctx: B.Context, model) -> None:
 
 
 def _optimize(ctx: B.Context, sch, float8=None, cudagraphs: bool = False, checkpoint_every: int = 0,
-              fuse_projections: bool = False, tune_kernels: Optional[str] = None, kernel_norms: bool = False
+              fuse_projections: bool = False, tune_kernels: Sequence[str] = (), kernel_norms: bool = False
               ) -> Dict[str, Any]:
     from schedlang.models import optimize_model
 
     compile = ("layers-cudagraphs" if cudagraphs and ctx.cuda else "layers") if ctx.args.compile else None
-    tuned = {"options": TUNING[tune_kernels]} if tune_kernels and compile is not None else None
+    tuned = ({"options": {k: v for name in tune_kernels for k, v in TUNING[name].items()}}
+             if tune_kernels and compile is not None else None)
     optimize_model(sch, compile=compile, float8=float8, selective_checkpoint=checkpoint_every or None,
                    fuse_projections=fuse_projections and compile is not None, compile_options=tuned,
                    compiled_norms="kernel" if kernel_norms else "inductor")
@@ -275,7 +278,7 @@ def _null():
 
 def make_schedlang_single(ctx: B.Context, cfg, optimize: bool, float8=None, cudagraph_layers: bool = False,
                           checkpoint_every: int = 0, master_weights: bool = False, captured_step: bool = False,
-                          fuse_projections: bool = False, tune_kernels: Optional[str] = None,
+                          fuse_projections: bool = False, tune_kernels: Sequence[str] = (),
                           kernel_norms: bool = False, overlap_optimizer: bool = False) -> B.Setup:
     import schedlang
 
@@ -523,8 +526,7 @@ def make_variant(ctx: B.Context, name: str, cfg) -> B.Setup:
         return make_schedlang_single(ctx, cfg, optimize=True, float8="tensorwise" if "fp8" in options else None,
                                      cudagraph_layers="cg" in options, master_weights="mw" in options,
                                      captured_step="graph" in options, fuse_projections="proj" in options,
-                                     tune_kernels="cdt" if "cdt" in options else "autotune" if "autotune" in options
-                                     else None, kernel_norms="knorm" in options,
+                                     tune_kernels=tuple(sorted(options & set(TUNING))), kernel_norms="knorm" in options,
                                      overlap_optimizer="overlap" in options)
     if name.startswith("schedlang-optimize-ckpt") and name in SCHEDLANG:
         return make_schedlang_single(ctx, cfg, optimize=True, checkpoint_every=int(name.rpartition("ckpt")[2]))

@@ -94,7 +94,8 @@ def _with_passes(layer: nn.Module, compile_options: dict, fuse_projections: bool
     """The compile options for ``layer``, with schedlang's Inductor passes where they apply:
 
     * a layer with float8 Linears gets the ``shared_amax`` joint-graph pass (each activation's float8 scale
-      is computed once, not again in the backward);
+      is computed once, not again in the backward) and the ``shared_scaled_mm_operand`` post-grad pass (a
+      float8 activation that q, k and v all read is written once, not once per matmul);
     * with ``fuse_projections``, the ``shared_input_linears`` pre-grad pass (linears on one input as one GEMM).
 
     A caller's own pass in the same place, or another backend than Inductor, is left as it is. A ``mode``
@@ -105,8 +106,10 @@ def _with_passes(layer: nn.Module, compile_options: dict, fuse_projections: bool
     wanted = {}
     if any(is_float8(m) for m in layer.modules()):
         from ..graph.passes.shared_amax import SharedAmaxPass
+        from ..graph.passes.shared_scaled_mm_operand import SharedScaledMMOperandPass
 
         wanted["joint_custom_post_pass"] = SharedAmaxPass()
+        wanted["post_grad_custom_post_pass"] = SharedScaledMMOperandPass()
     if fuse_projections:
         from ..graph.passes.shared_input_linears import SharedInputLinearsPass
 

@@ -410,9 +410,10 @@ def test_the_attention_probe_picks_a_backend_that_runs_on_the_gpu(layout):
     assert optimize.choose_sdpa_backend(2, 16, 1024, 64, layout=layout, margin=-1.0) in ("cudnn", "flash", "efficient")
 
 
-def test_layers_with_float8_linears_compile_with_the_shared_scale_pass():
+def test_layers_with_float8_linears_compile_with_the_float8_passes():
     float8 = pytest.importorskip("torchao.float8", reason="torchao not installed (pip install 'schedlang[fp8]')")
     from schedlang.graph.passes.shared_amax import SharedAmaxPass
+    from schedlang.graph.passes.shared_scaled_mm_operand import SharedScaledMMOperandPass
     from schedlang.models import _with_passes
 
     plain = torch.nn.Sequential(torch.nn.Linear(32, 32))
@@ -421,13 +422,19 @@ def test_layers_with_float8_linears_compile_with_the_shared_scale_pass():
     assert _with_passes(plain, {"mode": "reduce-overhead"}) == {"mode": "reduce-overhead"}
     options = _with_passes(converted, {})
     assert set(options) == {"options"} and isinstance(options["options"]["joint_custom_post_pass"], SharedAmaxPass)
+    assert isinstance(options["options"]["post_grad_custom_post_pass"], SharedScaledMMOperandPass)
     # torch.compile takes a mode or options: the mode is spelled out as its options, other arguments kept
     options = _with_passes(converted, {"mode": "reduce-overhead", "fullgraph": True})
     assert options["fullgraph"] is True and "mode" not in options
     assert options["options"]["triton.cudagraphs"] is True
     assert isinstance(options["options"]["joint_custom_post_pass"], SharedAmaxPass)
-    # a caller's own joint pass, or a backend other than Inductor, is left alone
+    # a caller's own pass keeps its place (schedlang's other pass is still added); with its own pass in
+    # every place, or a backend other than Inductor, the options are left alone
     own = {"options": {"joint_custom_post_pass": print}}
+    options = _with_passes(converted, own)
+    assert options["options"]["joint_custom_post_pass"] is print
+    assert isinstance(options["options"]["post_grad_custom_post_pass"], SharedScaledMMOperandPass)
+    own = {"options": {"joint_custom_post_pass": print, "post_grad_custom_post_pass": repr}}
     assert _with_passes(converted, own) is own
     other = {"backend": "aot_eager"}
     assert _with_passes(converted, other) is other
