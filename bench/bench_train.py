@@ -199,13 +199,16 @@ CHECKPOINT_STRIDES = (4, 2, 1)
 # ops into their epilogue, cuBLAS kept where it is faster
 TUNING = {"cdt": {"coordinate_descent_tuning": True},
           "autotune": {"max_autotune": True, "triton.enable_persistent_tma_matmul": True},
-          "pw": {"max_autotune_pointwise": True}}
+          "pw": {"max_autotune_pointwise": True},
+          "nd": {"triton.prefer_nd_tiling": True},
+          "bp": {"triton.use_block_ptr": True},
+          "tma": {"triton.use_tensor_descriptor": True, "assume_aligned_inputs": True}}
 # schedlang-optimize[-fp8][-mw][-cg]: float8 Linears, fp32 master weights, per-layer CUDA graphs
 OPTIMIZE_VARIANTS = tuple("schedlang-optimize" + fp8 + mw + cg for fp8 in ("", "-fp8") for mw in ("", "-mw")
                           for cg in ("", "-cg")) + tuple(
     "schedlang-optimize-mw" + extra
     for extra in ("-graph", "-proj", "-cdt", "-proj-cdt", "-knorm", "-autotune", "-overlap")) + tuple(
-    "schedlang-optimize-fp8-mw-cg" + extra for extra in ("-cdt", "-pw", "-pw-cdt"))
+    "schedlang-optimize-fp8-mw-cg" + extra for extra in ("-cdt", "-pw", "-pw-cdt", "-bp-nd", "-tma-nd"))
 SCHEDLANG = ("schedlang-layers", *OPTIMIZE_VARIANTS, *(f"schedlang-optimize-ckpt{n}" for n in CHECKPOINT_STRIDES),
              "schedlang-tp",
              "schedlang-tp-optimize", "schedlang-tp-optimize-cg", "schedlang-fsdp", "schedlang-fsdp-noreshard", "schedlang-fsdp-optimize",
