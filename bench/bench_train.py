@@ -88,6 +88,11 @@ schedlang's, through its schedule API:
   ``-mw-cdt`` (``-mw-proj-cdt``): with Inductor's coordinate-descent tuning of its kernels' block sizes
   (``compile_options={"options": {"coordinate_descent_tuning": True}}``); ``-mw-autotune``: Inductor's
   max-autotune of the layers' GEMMs (cuBLAS against Triton templates with fused epilogues, ``TUNING``);
+  ``schedlang-optimize-fp8-mw-cg`` takes the same suffixes for Inductor's options (combined, e.g. ``-pw-cdt``):
+  ``-cdt``, ``-pw`` (``max_autotune_pointwise``: more block shapes tried for its pointwise kernels, such as
+  the float8 casts that write a transposed copy), and ``-bp-nd`` / ``-tma-nd`` (its experimental
+  block-pointer / tensor-descriptor code with n-dimensional tiling; both failed the gradient check on
+  torch 2.11, so they stay measurements, not options to use);
 * ``schedlang-optimize-mw-knorm``: ``schedlang-optimize-mw`` with ``optimize_model(compiled_norms="kernel")``:
   the compiled layers' RMSNorms call schedlang's kernels as custom operators instead of Inductor's code;
 * ``schedlang-optimize-mw-overlap``: ``schedlang-optimize-mw`` with one FusedAdamW per decoder layer, each

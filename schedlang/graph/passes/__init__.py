@@ -7,6 +7,9 @@
 * ``overlap_communication.py``: collectives issued early and waited for late.
 * ``shared_amax.py``: whole-tensor maxima (float8 scales) of one tensor, through any views, computed
   once; an Inductor joint-graph pass that ``compile_layers`` gives float8 layers.
+* ``shared_scaled_mm_operand.py``: a float8 operand that several scaled matmuls read (q, k and v's cast
+  input) computed into one buffer by Inductor instead of one copy per matmul; an Inductor post-grad pass
+  that ``compile_layers`` gives float8 layers.
 * ``shared_input_linears.py``: linears on one input (q/k/v, gate/up) as one GEMM on weights concatenated
   per call; an Inductor pre-grad pass (``compile_layers(fuse_projections=True)``).
 
