@@ -92,7 +92,9 @@ schedlang's, through its schedule API:
   ``-cdt``, ``-pw`` (``max_autotune_pointwise``: more block shapes tried for its pointwise kernels, such as
   the float8 casts that write a transposed copy), and ``-bp-nd`` / ``-tma-nd`` (its experimental
   block-pointer / tensor-descriptor code with n-dimensional tiling; both failed the gradient check on
-  torch 2.11, so they stay measurements, not options to use);
+  torch 2.11, so they stay measurements, not options to use); ``-mw-pdl``: Inductor's programmatic dependent
+  launch (a kernel's start overlaps the tail of the one before it, Hopper); ``-mw-nomix``: without its
+  mix-order reductions (a norm's weight-gradient column sums fused into a row-reduction kernel);
 * ``schedlang-optimize-mw-knorm``: ``schedlang-optimize-mw`` with ``optimize_model(compiled_norms="kernel")``:
   the compiled layers' RMSNorms call schedlang's kernels as custom operators instead of Inductor's code;
 * ``schedlang-optimize-mw-overlap``: ``schedlang-optimize-mw`` with one FusedAdamW per decoder layer, each
@@ -207,12 +209,14 @@ TUNING = {"cdt": {"coordinate_descent_tuning": True},
           "pw": {"max_autotune_pointwise": True},
           "nd": {"triton.prefer_nd_tiling": True},
           "bp": {"triton.use_block_ptr": True},
-          "tma": {"triton.use_tensor_descriptor": True, "assume_aligned_inputs": True}}
+          "tma": {"triton.use_tensor_descriptor": True, "assume_aligned_inputs": True},
+          "pdl": {"triton.enable_pdl": True},
+          "nomix": {"triton.mix_order_reduction": False}}
 # schedlang-optimize[-fp8][-mw][-cg]: float8 Linears, fp32 master weights, per-layer CUDA graphs
 OPTIMIZE_VARIANTS = tuple("schedlang-optimize" + fp8 + mw + cg for fp8 in ("", "-fp8") for mw in ("", "-mw")
                           for cg in ("", "-cg")) + tuple(
     "schedlang-optimize-mw" + extra
-    for extra in ("-graph", "-proj", "-cdt", "-proj-cdt", "-knorm", "-autotune", "-overlap")) + tuple(
+    for extra in ("-graph", "-proj", "-cdt", "-proj-cdt", "-knorm", "-autotune", "-overlap", "-pdl", "-nomix")) + tuple(
     "schedlang-optimize-fp8-mw-cg" + extra for extra in ("-cdt", "-pw", "-pw-cdt", "-bp-nd", "-tma-nd"))
 SCHEDLANG = ("schedlang-layers", *OPTIMIZE_VARIANTS, *(f"schedlang-optimize-ckpt{n}" for n in CHECKPOINT_STRIDES),
              "schedlang-tp",
