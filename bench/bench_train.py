@@ -201,9 +201,12 @@ WORKS: Dict[str, Work] = {
                           grad_cosine=0.97),
 }
 CHECKPOINT_STRIDES = (4, 2, 1)
-# Inductor options of the -cdt and -autotune variants: block sizes tuned by coordinate descent; or every GEMM
-# benchmarked against Triton templates (persistent TMA ones on Hopper) that can take the following pointwise
-# ops into their epilogue, cuBLAS kept where it is faster
+# Inductor options of the variants named by these suffixes (a variant may combine several): -cdt, block sizes
+# tuned by coordinate descent; -autotune, every GEMM benchmarked against Triton templates (persistent TMA ones
+# on Hopper) that can take the following pointwise ops into their epilogue, cuBLAS kept where it is faster;
+# -pw, more block shapes tried for pointwise kernels; -nd / -bp / -tma, n-dimensional tiling, block pointers,
+# tensor descriptors (experimental in Inductor); -pdl, programmatic dependent launch; -nomix, no mix-order
+# reductions
 TUNING = {"cdt": {"coordinate_descent_tuning": True},
           "autotune": {"max_autotune": True, "triton.enable_persistent_tma_matmul": True},
           "pw": {"max_autotune_pointwise": True},
