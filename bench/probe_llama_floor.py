@@ -4,7 +4,7 @@
     python bench/probe_llama_floor.py --tiny --rounds 1                  # 2 small layers on the CPU: the script runs
 
 At the shapes of ``bench_train.py --work llama-1.1b-1gpu`` (4 x 2048 tokens, hidden 2048, 16 heads of 128,
-MLP 5632, vocabulary 32000, 22 layers, bf16), three synthetic steps, each timed as the training steps are
+MLP 5632, vocabulary 32000, 22 layers, bf16), four synthetic steps, each timed as the training steps are
 (``harness.time_steps``: CUDA events, and the GPU's clock, power and energy per step):
 
 * ``gemms+attention``: every GEMM of the step forward and backward (input and weight gradients), each
@@ -14,9 +14,15 @@ MLP 5632, vocabulary 32000, 22 layers, bf16), three synthetic steps, each timed 
   steps' FusedAdamW kernel takes as long);
 * ``+min-traffic``: and, between the GEMMs where that work runs, copies that move the fewest bytes the
   memory-bound work needs (norms, rotary embedding, SwiGLU and residual adds, each fused into one pass
-  forward and one backward; the embedding and the loss), counted by :func:`min_traffic_bytes`.
+  forward and one backward; the embedding and the loss), counted by :func:`min_traffic_bytes`, with every
+  activation in bf16;
+* ``+min-traffic-fp32-stream``: the same with the residual stream, its gradient and the embedding in fp32
+  (each norm's backward also writing the bf16 copy of the residual gradient that the next GEMMs read). That
+  is the numerics of the work's steps: the titan-style step keeps fp32 weights under bf16 autocast, so its
+  embedding and residual adds stay fp32, and schedlang's steps keep them fp32 too, to train like it.
 
-The last is the step of an implementation with perfect fusion around cuBLAS's GEMMs. Under a GPU's power
+The last two are the step of an implementation with perfect fusion around cuBLAS's GEMMs, in bf16
+activations and in the work's own numerics (the floor its steps are held to). Under a GPU's power
 limit a step's time follows its energy, so this floor is measured rather than added up from parts timed
 alone. A probe for deciding what is reachable, not a figure: the training step is measured by
 ``bench_train.py``, against its baselines in the same process.
@@ -30,7 +36,7 @@ import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -88,24 +94,33 @@ def step_flops(shape: Shape = WORK) -> Dict[str, float]:
     return {"gemm": gemm, "attention": attention, "total": gemm + attention}
 
 
-def min_traffic_bytes(shape: Shape = WORK) -> Dict[str, int]:
-    """The fewest HBM bytes the memory-bound work of one decoder layer moves in bf16, forward and backward, if
-    every piece of it is one pass (read its inputs once, write its outputs once), and that of the embedding
-    and the loss. Activations of ``tokens x hidden`` are ``a`` bytes, of ``tokens x intermediate`` ``m``."""
+def min_traffic_bytes(shape: Shape = WORK, stream_bytes: int = 2) -> Dict[str, int]:
+    """The fewest HBM bytes the memory-bound work of one decoder layer moves, forward and backward, if every
+    piece of it is one pass (read its inputs once, write its outputs once), and that of the embedding and the
+    loss. Activations of ``tokens x hidden`` are ``a`` bytes in bf16, of ``tokens x intermediate`` ``m``; the
+    residual stream, its gradient and the embedding take ``stream_bytes`` per value (2: bf16, 4: fp32), ``s``
+    bytes a tensor. With an fp32 stream, each norm's backward also writes the bf16 copy of the residual
+    gradient that the GEMMs before it read (a bf16 stream is that copy itself)."""
+    if stream_bytes not in (2, 4):
+        raise ValueError(f"stream_bytes={stream_bytes!r}: the residual stream is bf16 (2) or fp32 (4)")
     a, m = shape.tokens * shape.hidden * 2, shape.tokens * shape.intermediate * 2
+    s = a * stream_bytes // 2
+    grad_copy = a if stream_bytes > 2 else 0
     forward = (
-        4 * a      # residual add + input norm: read the stream and the last layer's output, write both
-        + 4 * a    # rotary embedding of q and k: read them, write them
-        + 4 * a    # residual add + post-attention norm
-        + 3 * m)   # SwiGLU: read gate and up, write their product
+        2 * s + 2 * a  # residual add + input norm: read the stream and the last layer's output, write the
+                       # stream and the normalized input
+        + 4 * a        # rotary embedding of q and k: read them, write them
+        + 2 * s + 2 * a  # residual add + post-attention norm
+        + 3 * m)       # SwiGLU: read gate and up, write their product
     backward = (
-        5 * m      # SwiGLU: read gate, up and the product's gradient, write both gradients
-        + 2 * 4 * a  # two norms: read the saved input, the gradient and the residual's gradient, write one
-        + 4 * a)   # rotary: read the q and k gradients, write them
+        5 * m          # SwiGLU: read gate, up and the product's gradient, write both gradients
+        + 2 * (3 * s + a + grad_copy)  # two norms: read the saved stream, the gradient and the residual's
+                                       # gradient, write the residual's gradient (and its bf16 copy)
+        + 4 * a)       # rotary: read the q and k gradients, write them
     logits = shape.tokens * shape.vocab * 2
     ends = (
-        2 * a + 2 * a        # embedding forward (gather, write) and backward (read the gradient, scatter)
-        + shape.vocab * shape.hidden * 2  # the embedding's gradient, zeroed
+        2 * s + 2 * s        # embedding forward (gather, write) and backward (read the gradient, scatter)
+        + shape.vocab * shape.hidden * stream_bytes  # the embedding's gradient, zeroed
         + 4 * logits)        # the loss over chunks of logits: write, read, write the gradient, read it
     return {"layer_forward": forward, "layer_backward": backward, "ends": ends,
             "step": shape.layers * (forward + backward) + ends}
@@ -136,8 +151,9 @@ class SyntheticStep:
         from torch.nn.attention import SDPBackend
 
         self.attention_backend = SDPBackend.CUDNN_ATTENTION if device.type == "cuda" else SDPBackend.MATH
-        self.traffic = min_traffic_bytes(shape)
-        largest = max(self.traffic["layer_forward"], self.traffic["layer_backward"], self.traffic["ends"])
+        #: the fewest bytes with a bf16 and with an fp32 residual stream, by ``stream_bytes``
+        self.traffic = {n: min_traffic_bytes(shape, stream_bytes=n) for n in (2, 4)}
+        largest = max(t[part] for t in self.traffic.values() for part in ("layer_forward", "layer_backward", "ends"))
         # a copy moves twice its size: read the source, write the destination
         self.copy_src = torch.empty(largest // 2, device=device, dtype=torch.uint8)
         self.copy_dst = torch.empty_like(self.copy_src)
@@ -154,8 +170,11 @@ class SyntheticStep:
         half = n_bytes // 2
         self.copy_dst[:half].copy_(self.copy_src[:half])
 
-    def step(self, traffic: bool) -> None:
+    def step(self, stream_bytes: Optional[int] = None) -> None:
+        """One synthetic step; with ``stream_bytes`` (2 or 4) also the copies of :func:`min_traffic_bytes`."""
         from torch.nn.attention import sdpa_kernel
+
+        traffic = self.traffic[stream_bytes] if stream_bytes else None
 
         x, mlp, linears = self.x, self.mlp, self.shape.linears()
         attention: List[torch.Tensor] = []  # each layer's output, kept with what its backward saved
@@ -165,12 +184,12 @@ class SyntheticStep:
             with sdpa_kernel(self.attention_backend):
                 attention.append(F.scaled_dot_product_attention(*self.qkv, is_causal=True))
             if traffic:
-                self.move(self.traffic["layer_forward"])
+                self.move(traffic["layer_forward"])
         torch.mm(x, self.head.t())
         torch.mm(self.grad_logits, self.head)  # LM head: input gradient
         torch.mm(self.grad_logits.t(), x)  # and weight gradient
         if traffic:
-            self.move(self.traffic["ends"])
+            self.move(traffic["ends"])
         for w in reversed(self.weights):  # backward
             for name, _, _ in reversed(linears):
                 grad_out = self.grad_hidden if name in ("q", "k", "v", "o", "down") else self.grad_mlp
@@ -178,14 +197,14 @@ class SyntheticStep:
                 torch.mm(grad_out.t(), mlp if name == "down" else x)  # weight gradient
             torch.autograd.grad(attention.pop(), self.qkv, self.grad_attention)
             if traffic:
-                self.move(self.traffic["layer_backward"])
+                self.move(traffic["layer_backward"])
         if self.optimizer is not None:
             self.optimizer.step()
 
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=2, help="the three steps timed in turn this many times")
+    parser.add_argument("--rounds", type=int, default=2, help="the four steps timed in turn this many times")
     parser.add_argument("--results-dir", default=None, help="where the JSON goes (default: bench/results)")
     parser.add_argument("--tiny", action="store_true", help="a 2-layer shape on the CPU: checks the script")
     args = parser.parse_args(argv)
@@ -193,9 +212,10 @@ def main(argv=None) -> dict:
     synthetic = SyntheticStep(device, shape)
     flops = step_flops(shape)
     variants: Dict[str, Callable[[], None]] = {
-        "gemms+attention": lambda: synthetic.step(traffic=False),
-        "+adamw": lambda: synthetic.step(traffic=False),
-        "+min-traffic": lambda: synthetic.step(traffic=True),
+        "gemms+attention": lambda: synthetic.step(),
+        "+adamw": lambda: synthetic.step(),
+        "+min-traffic": lambda: synthetic.step(stream_bytes=2),
+        "+min-traffic-fp32-stream": lambda: synthetic.step(stream_bytes=4),
     }
     rows: List[dict] = []
     for round_ in range(args.rounds):
@@ -212,6 +232,7 @@ def main(argv=None) -> dict:
         harness.free_memory(device)
     probe = {"work": "tiny" if args.tiny else "llama-1.1b-1gpu", "shape": dataclasses.asdict(shape),
              "step_flops": flops, "params": n_params(shape), "min_traffic_bytes": min_traffic_bytes(shape),
+             "min_traffic_bytes_fp32_stream": min_traffic_bytes(shape, stream_bytes=4),
              "steps": rows}
     # no rows, so that the README's tables never take the probe for a timing of the work
     path = harness.write_results("probe-llama-floor", [], gpus=0 if args.tiny else 1, merge=False,

@@ -44,10 +44,27 @@ def test_min_traffic_adds_up(bench):
     assert t["layer_forward"] > 2 * shape.tokens * (shape.hidden + shape.intermediate) * 2
 
 
+def test_an_fp32_stream_adds_its_extra_bytes_and_nothing_else(bench):
+    probe = bench("probe_llama_floor")
+    shape = probe.WORK
+    a = shape.tokens * shape.hidden * 2  # one bf16 activation of tokens x hidden
+    bf16, fp32 = probe.min_traffic_bytes(shape), probe.min_traffic_bytes(shape, stream_bytes=4)
+    assert bf16 == probe.min_traffic_bytes(shape, stream_bytes=2)
+    # forward: two fused add + norm passes each read and write the stream, now twice as wide
+    assert fp32["layer_forward"] - bf16["layer_forward"] == 2 * 2 * a
+    # backward: per norm the stream, the residual gradient read and written (3 x a more), and its bf16 copy
+    assert fp32["layer_backward"] - bf16["layer_backward"] == 2 * (3 * a + a)
+    assert fp32["ends"] - bf16["ends"] == 4 * a + shape.vocab * shape.hidden * 2
+    assert fp32["step"] == shape.layers * (fp32["layer_forward"] + fp32["layer_backward"]) + fp32["ends"]
+    with pytest.raises(ValueError, match="stream_bytes=3"):
+        probe.min_traffic_bytes(shape, stream_bytes=3)
+
+
 def test_tiny_run_writes_a_probe_without_rows(bench, tmp_path):
     probe = bench("probe_llama_floor")
     out = probe.main(["--tiny", "--rounds", "1", "--results-dir", str(tmp_path)])
-    assert [s["variant"] for s in out["steps"]] == ["gemms+attention", "+adamw", "+min-traffic"]
+    assert [s["variant"] for s in out["steps"]] == ["gemms+attention", "+adamw", "+min-traffic",
+                                                       "+min-traffic-fp32-stream"]
     assert all(s["ms"] > 0 for s in out["steps"])
     (path,) = tmp_path.glob("*-probe-llama-floor.json")
     data = json.loads(path.read_text())
