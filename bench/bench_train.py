@@ -95,6 +95,11 @@ schedlang's, through its schedule API:
   torch 2.11, so they stay measurements, not options to use); ``-mw-pdl``: Inductor's programmatic dependent
   launch (a kernel's start overlaps the tail of the one before it, Hopper); ``-mw-nomix``: without its
   mix-order reductions (a norm's weight-gradient column sums fused into a row-reduction kernel);
+  ``-mw-mixtune``: with them, their split into partial sums autotuned (fewer partial rows leave less for
+  the eager sum that finishes them); ``-mw-tritonmm``: every GEMM of the layers as one of Inductor's Triton
+  templates (persistent TMA ones included), which take the norms' casts and the SwiGLU, rotary and
+  residual pointwise work into their prologues and epilogues: the GEMM fusion cuBLAS cannot do, at the
+  templates' speed;
 * ``schedlang-optimize-mw-knorm``: ``schedlang-optimize-mw`` with ``optimize_model(compiled_norms="kernel")``:
   the compiled layers' RMSNorms call schedlang's kernels as custom operators instead of Inductor's code;
 * ``schedlang-optimize-mw-overlap``: ``schedlang-optimize-mw`` with one FusedAdamW per decoder layer, each
@@ -214,12 +219,16 @@ TUNING = {"cdt": {"coordinate_descent_tuning": True},
           "bp": {"triton.use_block_ptr": True},
           "tma": {"triton.use_tensor_descriptor": True, "assume_aligned_inputs": True},
           "pdl": {"triton.enable_pdl": True},
-          "nomix": {"triton.mix_order_reduction": False}}
+          "nomix": {"triton.mix_order_reduction": False},
+          "mixtune": {"triton.mix_order_reduction_autotune_split_size": True},
+          "tritonmm": {"max_autotune": True, "max_autotune_gemm_backends": "TRITON",
+                       "triton.enable_persistent_tma_matmul": True}}
 # schedlang-optimize[-fp8][-mw][-cg]: float8 Linears, fp32 master weights, per-layer CUDA graphs
 OPTIMIZE_VARIANTS = tuple("schedlang-optimize" + fp8 + mw + cg for fp8 in ("", "-fp8") for mw in ("", "-mw")
                           for cg in ("", "-cg")) + tuple(
     "schedlang-optimize-mw" + extra
-    for extra in ("-graph", "-proj", "-cdt", "-proj-cdt", "-knorm", "-autotune", "-overlap", "-pdl", "-nomix")) + tuple(
+    for extra in ("-graph", "-proj", "-cdt", "-proj-cdt", "-knorm", "-autotune", "-overlap", "-pdl", "-nomix",
+                  "-mixtune", "-tritonmm")) + tuple(
     "schedlang-optimize-fp8-mw-cg" + extra for extra in ("-cdt", "-pw", "-pw-cdt", "-bp-nd", "-tma-nd"))
 SCHEDLANG = ("schedlang-layers", *OPTIMIZE_VARIANTS, *(f"schedlang-optimize-ckpt{n}" for n in CHECKPOINT_STRIDES),
              "schedlang-tp",

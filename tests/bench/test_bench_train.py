@@ -147,13 +147,14 @@ def test_master_weights_variant_runs_only_with_schedlang_fused_adamw_on_every_ro
 
 def test_optimize_variant_names_compose_float8_master_weights_and_cuda_graphs(bench):
     train = bench("bench_train")
-    assert len(set(train.OPTIMIZE_VARIANTS)) == 22
+    assert len(set(train.OPTIMIZE_VARIANTS)) == 24
     assert {"schedlang-optimize", "schedlang-optimize-fp8-cg", "schedlang-optimize-mw-cg",
             "schedlang-optimize-fp8-mw-cg", "schedlang-optimize-mw-graph", "schedlang-optimize-mw-proj",
             "schedlang-optimize-mw-cdt", "schedlang-optimize-mw-proj-cdt",
             "schedlang-optimize-mw-knorm", "schedlang-optimize-mw-autotune",
             "schedlang-optimize-mw-overlap", "schedlang-optimize-fp8-mw-cg-pw-cdt",
-            "schedlang-optimize-fp8-mw-cg-tma-nd"} <= set(train.OPTIMIZE_VARIANTS)
+            "schedlang-optimize-fp8-mw-cg-tma-nd", "schedlang-optimize-mw-mixtune",
+            "schedlang-optimize-mw-tritonmm"} <= set(train.OPTIMIZE_VARIANTS)
     with pytest.raises(ValueError, match="unknown variant 'schedlang-optimize-cg-mw'"):
         train.make_variant(None, "schedlang-optimize-cg-mw", None)
 
@@ -172,12 +173,14 @@ def test_tuning_variants_pass_their_inductor_options_to_the_compiled_layers(benc
     class Sch:
         root = type("Root", (), {"metadata": {"optimize": {}}})()
 
-    for tune in (("cdt",), ("autotune",), ("cdt", "pw"), ()):
+    for tune in (("cdt",), ("autotune",), ("cdt", "pw"), ("tritonmm",), ()):
         train._optimize(Ctx(), Sch(), tune_kernels=tune)
     assert [kw["compile_options"] for kw in seen] == [
         {"options": {"coordinate_descent_tuning": True}},
         {"options": {"max_autotune": True, "triton.enable_persistent_tma_matmul": True}},
-        {"options": {"coordinate_descent_tuning": True, "max_autotune_pointwise": True}}, None]
+        {"options": {"coordinate_descent_tuning": True, "max_autotune_pointwise": True}},
+        {"options": {"max_autotune": True, "max_autotune_gemm_backends": "TRITON",
+                     "triton.enable_persistent_tma_matmul": True}}, None]
     # a variant's name picks its tunings: every suffix that names one, whatever the order
     picked = []
     monkeypatch.setattr(train, "make_schedlang_single", lambda ctx, cfg, **kw: picked.append(kw))
@@ -186,6 +189,18 @@ def test_tuning_variants_pass_their_inductor_options_to_the_compiled_layers(benc
     assert picked[0]["tune_kernels"] == ("cdt", "pw") and picked[0]["float8"] == "tensorwise"
     assert picked[0]["master_weights"] and picked[0]["cudagraph_layers"]
     assert picked[1]["tune_kernels"] == () and picked[1]["float8"] is None
+
+
+def test_every_tuning_names_an_option_inductor_has(bench):
+    """torch.compile refuses an unknown option only when it compiles, which for these variants is on a GPU."""
+    import torch._inductor.config as inductor_config
+
+    train = bench("bench_train")
+    for suffix, options in train.TUNING.items():
+        for name in options:
+            owner, _, leaf = name.rpartition(".")
+            holder = getattr(inductor_config, owner) if owner else inductor_config
+            assert hasattr(holder, leaf), f"-{suffix}: torch._inductor.config has no {name}"
 
 
 def test_a_variant_whose_labels_are_not_shifted_fails_the_gradient_direction_check(bench, tmp_path, monkeypatch):
