@@ -16,11 +16,9 @@ forward returns: backward only scales the stored dx, dW, db by the incoming grad
 ``1 / valid tokens`` for ``reduction="mean"``). ``reduction="none"`` needs a per-token scale inside
 the GEMMs, so there the forward keeps only ``lse`` and backward recomputes the logits chunk by chunk.
 
-Bytes moved by the Triton kernel per chunk (2-byte logits): where a row of logits fits in one
-program's registers (vocabularies up to 32768, ``ONE_BLOCK_VOCAB``) it is read once and its gradient
-written once, ``4 C V`` bytes; wider rows are read twice (the statistics pass, then the gradient
-pass, which often hits L2) and written once, ``6 C V``; against eager's fp32 copy, softmax, loss and
-gradient kernels (about ``30 C V``). The GEMMs cost
+Bytes moved by the Triton kernel per chunk (2-byte logits): the logits are read twice (the
+statistics pass, then the gradient pass, which often hits L2) and written once: ``6 C V`` bytes,
+against eager's fp32 copy, softmax, loss and gradient kernels (about ``30 C V``). The GEMMs cost
 ``6 C V H`` FLOPs per chunk (forward, dx, dW), the same as unchunked.
 
 ``dW`` accumulates in the weight's dtype across chunks (cuBLAS adds in fp32 and rounds once per
@@ -114,37 +112,16 @@ def _rows_of_program(target_ptr, M, ignore_index, BLOCK_M: tl.constexpr):
 @triton.jit
 def _cross_entropy_kernel(z_ptr, stride, target_ptr, loss_ptr, lse_ptr, M, V, ignore_index,
                           WRITE_GRAD: tl.constexpr, DTYPE: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_V: tl.constexpr, ONE_BLOCK: tl.constexpr):
-    """Whole vocabulary on this device: loss and lse per row, and (WRITE_GRAD) the unscaled gradient.
-
-    ``ONE_BLOCK`` (BLOCK_V >= V): a row is loaded once and stays in registers for its gradient, so the
-    logits are read once and written once (4 bytes per bf16 logit instead of 6)."""
+                          BLOCK_V: tl.constexpr):
+    """Whole vocabulary on this device: loss and lse per row, and (WRITE_GRAD) the unscaled gradient."""
     rows, row_ok, target, valid = _rows_of_program(target_ptr, M, ignore_index, BLOCK_M)
-    if ONE_BLOCK:
-        cols = tl.arange(0, BLOCK_V)
-        col_ok = cols < V
-        ptrs = z_ptr + rows.to(tl.int64)[:, None] * stride + cols[None, :]
-        z = tl.load(ptrs, mask=col_ok[None, :], other=float("-inf")).to(tl.float32)
-        row_max = tl.max(z, axis=1)
-        exp_z = tl.exp(z - row_max[:, None])  # 0 in the padding, where z = -inf
-        sum_exp = tl.sum(exp_z, axis=1)
-        is_target = (cols[None, :] == target[:, None]) & col_ok[None, :]
-        target_logit = tl.sum(tl.where(is_target, z, 0.0), axis=1)
-        lse = row_max + tl.log(sum_exp)
-        tl.store(loss_ptr + rows, tl.where(valid, lse - target_logit, 0.0), mask=row_ok)
-        tl.store(lse_ptr + rows, lse, mask=row_ok)
-        if WRITE_GRAD:
-            grad = exp_z * (1.0 / sum_exp)[:, None] - tl.where(is_target, 1.0, 0.0)
-            grad = tl.where(valid[:, None], grad, 0.0)
-            tl.store(ptrs, cast_rounded(grad, DTYPE), mask=row_ok[:, None] & col_ok[None, :])
-    else:
-        row_max, sum_exp, target_logit = _row_statistics(z_ptr, stride, rows, target, V, 0, BLOCK_M, BLOCK_V)
-        lse = row_max + tl.log(sum_exp)
-        tl.store(loss_ptr + rows, tl.where(valid, lse - target_logit, 0.0), mask=row_ok)
-        tl.store(lse_ptr + rows, lse, mask=row_ok)
-        if WRITE_GRAD:
-            ones = tl.full((BLOCK_M,), 1.0, dtype=tl.float32)
-            _write_row_gradients(z_ptr, stride, rows, row_ok, target, valid, lse, ones, V, 0, DTYPE, BLOCK_V)
+    row_max, sum_exp, target_logit = _row_statistics(z_ptr, stride, rows, target, V, 0, BLOCK_M, BLOCK_V)
+    lse = row_max + tl.log(sum_exp)
+    tl.store(loss_ptr + rows, tl.where(valid, lse - target_logit, 0.0), mask=row_ok)
+    tl.store(lse_ptr + rows, lse, mask=row_ok)
+    if WRITE_GRAD:
+        ones = tl.full((BLOCK_M,), 1.0, dtype=tl.float32)
+        _write_row_gradients(z_ptr, stride, rows, row_ok, target, valid, lse, ones, V, 0, DTYPE, BLOCK_V)
 
 
 @triton.jit
@@ -171,27 +148,13 @@ def _gradient_kernel(z_ptr, stride, target_ptr, lse_ptr, scale_ptr, M, V, vocab_
     _write_row_gradients(z_ptr, stride, rows, row_ok, target, valid, lse, scale, V, vocab_start, DTYPE, BLOCK_V)
 
 
-#: the widest row the loss kernel holds in registers whole (one program per row, 32 warps: 32 fp32
-#: logits per thread); wider vocabularies (LLaMA-3's 128256) stream each row twice in blocks of 8192
-ONE_BLOCK_VOCAB = 32768
-
-
-def _launch_shape(vocab: int, one_block: bool = True) -> dict:
-    """Rows per program, vocabulary block and warps, and whether a row fits one block (``ONE_BLOCK``,
-    only :func:`_cross_entropy_kernel` takes it). On the GPU one program takes one row: whole when the
-    vocabulary is at most :data:`ONE_BLOCK_VOCAB`, else streamed in blocks of 8192 logits. The
-    interpreter takes many rows per program (it runs programs serially) and blocks of up to 1024."""
-    width = next_power_of_2(vocab)
+def _launch_shape(vocab: int) -> dict:
+    """Rows per program, vocabulary block and warps. On the GPU one program streams one row in blocks
+    of up to 8192 logits; the interpreter takes many rows per program (it runs programs serially)."""
+    block_v = min(8192 if not interpreting() else 1024, next_power_of_2(vocab))
     if interpreting():
-        block_v = min(1024, width)
-        shape = {"BLOCK_M": max(1, min(64, 4096 // block_v)), "BLOCK_V": block_v}
-    elif one_block and width <= ONE_BLOCK_VOCAB:
-        block_v = width
-        shape = {"BLOCK_M": 1, "BLOCK_V": block_v, "num_warps": 32 if block_v >= 16384 else 16 if block_v >= 4096 else 4}
-    else:
-        block_v = min(8192, width)
-        shape = {"BLOCK_M": 1, "BLOCK_V": block_v, "num_warps": 16 if block_v >= 8192 else 8 if block_v >= 2048 else 4}
-    return {**shape, "ONE_BLOCK": one_block and block_v >= vocab}
+        return {"BLOCK_M": max(1, min(64, 4096 // block_v)), "BLOCK_V": block_v}
+    return {"BLOCK_M": 1, "BLOCK_V": block_v, "num_warps": 16 if block_v >= 8192 else 8 if block_v >= 2048 else 4}
 
 
 # ------------------------------------------------------------------------------------- the chunk loop
@@ -229,16 +192,13 @@ def _chunk_cross_entropy(setup, logits, target, loss, lse, write_grad, scale=Non
     become their gradient in place (times ``scale`` per row when given). Without ``loss`` the
     gradient is recomputed from the given ``lse``."""
     rows, vocab = logits.shape
+    shape = _launch_shape(vocab)
+    grid = (triton.cdiv(rows, shape["BLOCK_M"]),)
     dtype = triton_dtype(logits.dtype)
     if not setup.sliced and loss is not None and scale is None:
-        shape = _launch_shape(vocab)
-        _cross_entropy_kernel[(triton.cdiv(rows, shape["BLOCK_M"]),)](
-            logits, logits.stride(0), target, loss, lse, rows, vocab, setup.ignore_index, WRITE_GRAD=write_grad,
-            DTYPE=dtype, **shape)
+        _cross_entropy_kernel[grid](logits, logits.stride(0), target, loss, lse, rows, vocab, setup.ignore_index,
+                                    WRITE_GRAD=write_grad, DTYPE=dtype, **shape)
         return
-    shape = _launch_shape(vocab, one_block=False)
-    del shape["ONE_BLOCK"]
-    grid = (triton.cdiv(rows, shape["BLOCK_M"]),)
     if loss is not None:  # statistics of the slices, combined over the group
         stats = torch.empty((3, rows), dtype=torch.float32, device=logits.device)
         _statistics_kernel[grid](logits, logits.stride(0), target, stats, rows, vocab, setup.vocab_start,
