@@ -41,6 +41,7 @@ def _loss_and_grads(fn, h, w, b, t, reduction, **kw):
     (13, 64, 100, 5, "mean", False),      # several chunks, the last one short
     (7, 96, 257, None, "sum", True),      # one chunk, odd vocabulary, bias
     (100, 64, 1000, 32, "none", True),    # per-token loss: gradients recomputed in backward
+    (9, 32, 2500, 4, "mean", False),      # rows wider than one block: each row streamed in blocks, twice
 ])
 def test_matches_reference(tokens, hidden, vocab, chunk, reduction, bias, dtype):
     h, w, b, t = _problem(tokens, hidden, vocab, dtype, bias)
