@@ -148,13 +148,20 @@ def _gradient_kernel(z_ptr, stride, target_ptr, lse_ptr, scale_ptr, M, V, vocab_
     _write_row_gradients(z_ptr, stride, rows, row_ok, target, valid, lse, scale, V, vocab_start, DTYPE, BLOCK_V)
 
 
-def _launch_shape(vocab: int) -> dict:
+def _launch_shape(vocab: int, aligned_rows: bool = True) -> dict:
     """Rows per program, vocabulary block and warps. On the GPU one program streams one row in blocks
-    of up to 8192 logits; the interpreter takes many rows per program (it runs programs serially)."""
-    block_v = min(8192 if not interpreting() else 1024, next_power_of_2(vocab))
+    of up to 2048 logits, with 4 warps, or 8 where a row does not start on a 16-byte boundary
+    (``aligned_rows=False``, an odd vocabulary such as GPT-2's 50257): its loads cannot be vectorized,
+    and more warps keep more of them in flight. The interpreter takes many rows per program (it runs
+    programs serially).
+
+    Measured on an H200 (4096 rows, bf16, ms per call of the loss kernel): vocabulary 32000, 0.269 in
+    blocks of 2048 with 4 warps against 0.309 in blocks of 8192 with 16; 128256, 1.047 against 1.227;
+    50257, 0.660 with 8 warps against 1.234."""
+    block_v = min(2048 if not interpreting() else 1024, next_power_of_2(vocab))
     if interpreting():
         return {"BLOCK_M": max(1, min(64, 4096 // block_v)), "BLOCK_V": block_v}
-    return {"BLOCK_M": 1, "BLOCK_V": block_v, "num_warps": 16 if block_v >= 8192 else 8 if block_v >= 2048 else 4}
+    return {"BLOCK_M": 1, "BLOCK_V": block_v, "num_warps": 4 if aligned_rows or block_v < 2048 else 8}
 
 
 # ------------------------------------------------------------------------------------- the chunk loop
@@ -192,7 +199,7 @@ def _chunk_cross_entropy(setup, logits, target, loss, lse, write_grad, scale=Non
     become their gradient in place (times ``scale`` per row when given). Without ``loss`` the
     gradient is recomputed from the given ``lse``."""
     rows, vocab = logits.shape
-    shape = _launch_shape(vocab)
+    shape = _launch_shape(vocab, aligned_rows=logits.stride(0) * logits.element_size() % 16 == 0)
     grid = (triton.cdiv(rows, shape["BLOCK_M"]),)
     dtype = triton_dtype(logits.dtype)
     if not setup.sliced and loss is not None and scale is None:

@@ -1,6 +1,8 @@
 """fused_linear_cross_entropy (Triton statistics and gradients, interpreted on CPU) against
 F.cross_entropy of the full logits; the vocabulary-parallel variant on two gloo ranks."""
 
+import importlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -75,6 +77,17 @@ def test_all_tokens_ignored_gives_nan_like_cross_entropy():
     h, w, _, t = _problem(5, 16, 20, torch.float32)
     t[:] = -100
     assert torch.isnan(fused_linear_cross_entropy(h, w, t)) and torch.isnan(reference(h, w, t))
+
+
+def test_launch_shape_streams_rows_in_blocks_of_2048_with_more_warps_for_unaligned_rows(monkeypatch):
+    flce = importlib.import_module("schedlang.kernels.fused_linear_cross_entropy")  # the module, not the function
+    monkeypatch.setattr(flce, "interpreting", lambda: False)  # the GPU's launch shapes
+    for vocab in (32000, 128256):
+        assert flce._launch_shape(vocab) == {"BLOCK_M": 1, "BLOCK_V": 2048, "num_warps": 4}
+    assert flce._launch_shape(50257, aligned_rows=False) == {"BLOCK_M": 1, "BLOCK_V": 2048, "num_warps": 8}
+    assert flce._launch_shape(100, aligned_rows=False) == {"BLOCK_M": 1, "BLOCK_V": 128, "num_warps": 4}
+    monkeypatch.setattr(flce, "interpreting", lambda: True)  # many rows per program, blocks of at most 1024
+    assert flce._launch_shape(2500) == {"BLOCK_M": 4, "BLOCK_V": 1024}
 
 
 def test_default_chunk_size():
@@ -204,8 +217,9 @@ def test_vocab_parallel_without_a_group_is_the_plain_kernel():
 
 
 @pytest.mark.gpu
-def test_llama_head_on_gpu():
-    h, w, _, t = _problem(4096, 2048, 32000, torch.bfloat16)
+@pytest.mark.parametrize("hidden,vocab", [(2048, 32000), (1024, 50257)])  # LLaMA-2's head; GPT-2's, rows unaligned
+def test_llama_and_gpt2_heads_on_gpu(hidden, vocab):
+    h, w, _, t = _problem(4096, hidden, vocab, torch.bfloat16)
     h, w, t = h.cuda(), w.cuda(), t.cuda()
     loss, grads = _loss_and_grads(fused_linear_cross_entropy, h, w, None, t, "mean")
     ref, ref_grads = _loss_and_grads(reference, h, w, None, t, "mean")
