@@ -1,0 +1,130 @@
+"""Launch shapes of the fused loss kernel: GPU time of one chunk's loss and gradient, per vocabulary.
+
+    python bench/probe_loss_kernel.py [--results-dir DIR]     # on a GPU; bench/results by default
+    python bench/probe_loss_kernel.py --tiny                  # the interpreter on the CPU: the script runs
+
+``fused_linear_cross_entropy`` computes each chunk's logits with cuBLAS, then one Triton program per row
+(``_cross_entropy_kernel``) streams the row twice, in blocks of ``BLOCK_V`` logits: a pass for its
+maximum, sum of exponentials and target logit, a pass that writes the gradient over the logits in place.
+Its launch shape (block width, warps) decides how fast it moves those bytes. This times the kernel alone
+on a chunk of 4096 bf16 rows for vocabularies of 32000 (LLaMA-2), 50257 (GPT-2: a row of odd length is
+not 16-byte aligned, so its loads cannot be vectorized) and 128256 (LLaMA-3), at a grid of launch shapes
+and at the default that ``_launch_shape`` picks (``default``).
+
+``ms`` is :func:`harness.gpu_time_ms` (median GPU time, L2 flushed before each call); ``gb_per_s`` counts
+6 bytes per logit (read twice, written once). Each shape's loss is checked against ``F.cross_entropy`` in
+fp32 and its gradient against ``softmax - onehot`` (``check``: "ok" or "FAIL <largest error>"). A probe for
+choosing the default, not a figure: the written file has no rows, so the README's tables never show it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # schedlang from this checkout, uninstalled
+import harness  # noqa: E402  (bench/harness.py)
+
+ROWS = 4096
+VOCABS = (32000, 50257, 128256)
+#: (BLOCK_V, num_warps, BLOCK_M) tried on the GPU
+SHAPES: Tuple[Tuple[int, int, int], ...] = ((8192, 16, 1), (8192, 8, 1), (4096, 16, 1), (4096, 8, 1), (4096, 4, 1),
+                                            (2048, 8, 1), (2048, 4, 1), (1024, 4, 1), (4096, 8, 2), (2048, 8, 2))
+TINY_ROWS, TINY_VOCABS = 6, (100, 257)
+#: loss and gradient tolerances of a bf16 chunk against fp32 (the gradient is stored in bf16)
+TOL = {"loss": 1e-4, "grad": 4e-3}
+
+
+def _kernel():
+    module = importlib.import_module("schedlang.kernels.fused_linear_cross_entropy")
+    return module, module._cross_entropy_kernel
+
+
+def _chunk(rows: int, vocab: int, device: torch.device):
+    g = torch.Generator(device=device).manual_seed(0)
+    logits = (torch.randn(rows, vocab, device=device, generator=g) * 3).to(torch.bfloat16)
+    target = torch.randint(0, vocab, (rows,), device=device, generator=g)
+    target[::4] = -100  # ignored rows, as padding is
+    return logits, target
+
+
+def _expected(logits: torch.Tensor, target: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    z = logits.float()
+    loss = F.cross_entropy(z, target, reduction="none", ignore_index=-100)
+    valid = (target != -100)[:, None]
+    grad = (torch.softmax(z, -1) - F.one_hot(target.clamp(min=0), z.shape[1])) * valid
+    return loss, grad
+
+
+def measure(rows: int, vocab: int, shapes: Sequence[Tuple[int, int, int]], device: torch.device) -> List[dict]:
+    """One row per launch shape (and the default) for a chunk of ``rows`` x ``vocab`` bf16 logits."""
+    import triton
+
+    from schedlang.kernels.row_kernels import triton_dtype
+
+    module, kernel = _kernel()
+    logits, target = _chunk(rows, vocab, device)
+    want_loss, want_grad = _expected(logits, target)
+    aligned = logits.stride(0) * logits.element_size() % 16 == 0
+    default = module._launch_shape(vocab, aligned_rows=aligned)
+    launches: Dict[str, dict] = {"default": default}
+    for block_v, warps, block_m in shapes:
+        launches[f"v{block_v}-w{warps}-m{block_m}"] = {"BLOCK_M": block_m, "BLOCK_V": block_v, "num_warps": warps}
+    out = []
+    for name, shape in launches.items():
+        z = logits.clone()
+        loss = torch.empty(rows, device=device)
+        lse = torch.empty(rows, device=device)
+
+        def call():
+            kernel[(triton.cdiv(rows, shape["BLOCK_M"]),)](z, z.stride(0), target, loss, lse, rows, vocab, -100,
+                                                           WRITE_GRAD=True, DTYPE=triton_dtype(z.dtype), **shape)
+
+        call()  # z holds the gradient of the logits now; later calls redo the same work on it
+        loss_err = (loss - want_loss).abs().max().item()
+        grad_err = (z.float() - want_grad).abs().max().item()
+        ok = loss_err <= TOL["loss"] * max(1.0, want_loss.abs().max().item()) and grad_err <= TOL["grad"]
+        if device.type == "cuda":
+            ms = harness.gpu_time_ms(call)
+        else:
+            t = time.perf_counter()
+            call()
+            ms = (time.perf_counter() - t) * 1e3
+        row = {"vocab": vocab, "rows": rows, "launch": name, "shape": dict(shape), "rows_aligned": aligned,
+               "ms": round(ms, 4), "gb_per_s": round(6 * rows * vocab / ms / 1e6, 1),
+               "check": "ok" if ok else f"FAIL loss error {loss_err:.3g}, gradient error {grad_err:.3g}"}
+        out.append(row)
+        print(row, flush=True)
+    return out
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results-dir", default=None, help="where the JSON goes (default: bench/results)")
+    parser.add_argument("--tiny", action="store_true", help="small chunks in the interpreter on the CPU")
+    args = parser.parse_args(argv)
+    if args.tiny:
+        import os
+
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        device, rows, vocabs, shapes = torch.device("cpu"), TINY_ROWS, TINY_VOCABS, ((128, 4, 1), (64, 4, 2))
+    else:
+        device, rows, vocabs, shapes = torch.device("cuda"), ROWS, VOCABS, SHAPES
+    results = [r for vocab in vocabs for r in measure(rows, vocab, shapes, device)]
+    probe = {"kernel": "schedlang.kernels.fused_linear_cross_entropy._cross_entropy_kernel", "results": results}
+    path = harness.write_results("probe-loss-kernel", [], gpus=0 if args.tiny else 1, merge=False,
+                                 directory=Path(args.results_dir) if args.results_dir else None, probe=probe)
+    print(f"wrote {path}")
+    return probe
+
+
+if __name__ == "__main__":
+    main()

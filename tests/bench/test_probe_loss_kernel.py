@@ -1,0 +1,33 @@
+"""bench/probe_loss_kernel.py: a tiny run in the interpreter checks every launch shape it times."""
+
+import json
+
+
+def test_tiny_run_checks_each_launch_shape_and_writes_a_probe_without_rows(bench, tmp_path):
+    probe = bench("probe_loss_kernel")
+    out = probe.main(["--tiny", "--results-dir", str(tmp_path)])
+    results = out["results"]
+    assert {r["vocab"] for r in results} == set(probe.TINY_VOCABS)
+    for vocab in probe.TINY_VOCABS:
+        launches = [r["launch"] for r in results if r["vocab"] == vocab]
+        assert launches == ["default", "v128-w4-m1", "v64-w4-m2"]
+    assert all(r["check"] == "ok" and r["ms"] > 0 for r in results), results
+    (path,) = tmp_path.glob("*-probe-loss-kernel.json")
+    data = json.loads(path.read_text())
+    # no rows and no GPU, so that the README's tables never take the probe for a timing
+    assert data["rows"] == [] and data["gpus"] == 0 and len(data["probe"]["results"]) == len(results)
+
+
+def test_a_wrong_gradient_fails_the_check(bench, monkeypatch):
+    probe = bench("probe_loss_kernel")
+    expected = probe._expected
+
+    def off_by_a_little(logits, target):
+        loss, grad = expected(logits, target)
+        return loss, grad + 1e-2
+
+    monkeypatch.setattr(probe, "_expected", off_by_a_little)
+    import torch
+
+    (row, *_) = probe.measure(probe.TINY_ROWS, 100, (), torch.device("cpu"))
+    assert row["launch"] == "default" and row["check"].startswith("FAIL")
