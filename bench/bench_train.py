@@ -90,7 +90,8 @@ schedlang's, through its schedule API:
   max-autotune of the layers' GEMMs (cuBLAS against Triton templates with fused epilogues, ``TUNING``);
   ``schedlang-optimize-fp8-mw-cg`` takes the same suffixes for Inductor's options (combined, e.g. ``-pw-cdt``):
   ``-cdt``, ``-pw`` (``max_autotune_pointwise``: more block shapes tried for its pointwise kernels, such as
-  the float8 casts that write a transposed copy), and ``-bp-nd`` / ``-tma-nd`` (its experimental
+  the float8 casts that write a transposed copy), ``-nd`` (``prefer_nd_tiling``: its pointwise kernels tiled in
+  up to three dimensions, for the casts that also write a transposed copy), and ``-bp-nd`` / ``-tma-nd`` (its experimental
   block-pointer / tensor-descriptor code with n-dimensional tiling; both failed the gradient check on
   torch 2.11, so they stay measurements, not options to use); ``-mw-pdl``: Inductor's programmatic dependent
   launch (a kernel's start overlaps the tail of the one before it, Hopper); ``-mw-nomix``: without its
@@ -229,7 +230,7 @@ OPTIMIZE_VARIANTS = tuple("schedlang-optimize" + fp8 + mw + cg for fp8 in ("", "
     "schedlang-optimize-mw" + extra
     for extra in ("-graph", "-proj", "-cdt", "-proj-cdt", "-knorm", "-autotune", "-overlap", "-pdl", "-nomix",
                   "-mixtune", "-tritonmm")) + tuple(
-    "schedlang-optimize-fp8-mw-cg" + extra for extra in ("-cdt", "-pw", "-pw-cdt", "-bp-nd", "-tma-nd"))
+    "schedlang-optimize-fp8-mw-cg" + extra for extra in ("-cdt", "-pw", "-pw-cdt", "-nd", "-bp-nd", "-tma-nd"))
 SCHEDLANG = ("schedlang-layers", *OPTIMIZE_VARIANTS, *(f"schedlang-optimize-ckpt{n}" for n in CHECKPOINT_STRIDES),
              "schedlang-tp",
              "schedlang-tp-optimize", "schedlang-tp-optimize-cg", "schedlang-fsdp", "schedlang-fsdp-noreshard", "schedlang-fsdp-optimize",
