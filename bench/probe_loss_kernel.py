@@ -9,7 +9,9 @@ maximum, sum of exponentials and target logit, a pass that writes the gradient o
 Its launch shape (block width, warps) decides how fast it moves those bytes. This times the kernel alone
 on a chunk of 4096 bf16 rows for vocabularies of 32000 (LLaMA-2), 50257 (GPT-2: a row of odd length is
 not 16-byte aligned, so its loads cannot be vectorized) and 128256 (LLaMA-3), at a grid of launch shapes
-and at the default that ``_launch_shape`` picks (``default``).
+and at the default that ``_launch_shape`` picks (``default``); then (``path: "sliced"``) the statistics and
+gradient kernels that a vocabulary-parallel loss runs on each rank's slice, for slices of half of each
+vocabulary (two ranks), with the same launch shapes.
 
 ``ms`` is :func:`harness.gpu_time_ms` (median GPU time, L2 flushed before each call); ``gb_per_s`` counts
 6 bytes per logit (read twice, written once). Each shape's loss is checked against ``F.cross_entropy`` in
@@ -64,13 +66,39 @@ def _expected(logits: torch.Tensor, target: torch.Tensor) -> Tuple[torch.Tensor,
     return loss, grad
 
 
-def measure(rows: int, vocab: int, shapes: Sequence[Tuple[int, int, int]], device: torch.device) -> List[dict]:
-    """One row per launch shape (and the default) for a chunk of ``rows`` x ``vocab`` bf16 logits."""
+def _launcher(module, path: str, z: torch.Tensor, target: torch.Tensor, loss: torch.Tensor, lse: torch.Tensor,
+              shape: dict):
+    """A call of the kernels of one path over the chunk ``z``: ``"whole"``, the loss kernel of a whole vocabulary;
+    ``"sliced"``, the statistics kernel then the gradient kernel, as a vocabulary slice (tensor parallelism) or a
+    per-token loss runs them, here over a slice that is the whole vocabulary (the statistics are combined into
+    ``lse`` and ``loss`` between them, as the group's all-reduces do)."""
     import triton
 
     from schedlang.kernels.row_kernels import triton_dtype
 
-    module, kernel = _kernel()
+    rows, vocab = z.shape
+    grid = (triton.cdiv(rows, shape["BLOCK_M"]),)
+    dtype = triton_dtype(z.dtype)
+    if path == "whole":
+        return lambda: module._cross_entropy_kernel[grid](z, z.stride(0), target, loss, lse, rows, vocab, -100,
+                                                          WRITE_GRAD=True, DTYPE=dtype, **shape)
+    stats = torch.empty((3, rows), dtype=torch.float32, device=z.device)
+
+    def call():
+        module._statistics_kernel[grid](z, z.stride(0), target, stats, rows, vocab, 0, -100, **shape)
+        lse.copy_(stats[0] + torch.log(stats[1]))
+        loss.copy_(torch.where(target != -100, lse - stats[2], torch.zeros_like(lse)))
+        module._gradient_kernel[grid](z, z.stride(0), target, lse, lse, rows, vocab, 0, -100, HAS_SCALE=False,
+                                      DTYPE=dtype, **shape)
+
+    return call
+
+
+def measure(rows: int, vocab: int, shapes: Sequence[Tuple[int, int, int]], device: torch.device,
+            path: str = "whole") -> List[dict]:
+    """One row per launch shape (and the default) for a chunk of ``rows`` x ``vocab`` bf16 logits, through the
+    kernels of ``path`` (see :func:`_launcher`)."""
+    module, _ = _kernel()
     logits, target = _chunk(rows, vocab, device)
     want_loss, want_grad = _expected(logits, target)
     aligned = logits.stride(0) * logits.element_size() % 16 == 0
@@ -83,11 +111,7 @@ def measure(rows: int, vocab: int, shapes: Sequence[Tuple[int, int, int]], devic
         z = logits.clone()
         loss = torch.empty(rows, device=device)
         lse = torch.empty(rows, device=device)
-
-        def call():
-            kernel[(triton.cdiv(rows, shape["BLOCK_M"]),)](z, z.stride(0), target, loss, lse, rows, vocab, -100,
-                                                           WRITE_GRAD=True, DTYPE=triton_dtype(z.dtype), **shape)
-
+        call = _launcher(module, path, z, target, loss, lse, shape)
         call()  # z holds the gradient of the logits now; later calls redo the same work on it
         loss_err = (loss - want_loss).abs().max().item()
         grad_err = (z.float() - want_grad).abs().max().item()
@@ -98,7 +122,7 @@ def measure(rows: int, vocab: int, shapes: Sequence[Tuple[int, int, int]], devic
             t = time.perf_counter()
             call()
             ms = (time.perf_counter() - t) * 1e3
-        row = {"vocab": vocab, "rows": rows, "launch": name, "shape": dict(shape), "rows_aligned": aligned,
+        row = {"path": path, "vocab": vocab, "rows": rows, "launch": name, "shape": dict(shape), "rows_aligned": aligned,
                "ms": round(ms, 4), "gb_per_s": round(6 * rows * vocab / ms / 1e6, 1),
                "check": "ok" if ok else f"FAIL loss error {loss_err:.3g}, gradient error {grad_err:.3g}"}
         out.append(row)
@@ -118,8 +142,10 @@ def main(argv=None) -> dict:
         device, rows, vocabs, shapes = torch.device("cpu"), TINY_ROWS, TINY_VOCABS, ((128, 4, 1), (64, 4, 2))
     else:
         device, rows, vocabs, shapes = torch.device("cuda"), ROWS, VOCABS, SHAPES
-    results = [r for vocab in vocabs for r in measure(rows, vocab, shapes, device)]
-    probe = {"kernel": "schedlang.kernels.fused_linear_cross_entropy._cross_entropy_kernel", "results": results}
+    results = [r for path, widths in (("whole", vocabs), ("sliced", [v // 2 for v in vocabs]))
+               for vocab in widths for r in measure(rows, vocab, shapes, device, path=path)]
+    probe = {"kernels": {"whole": "schedlang.kernels.fused_linear_cross_entropy._cross_entropy_kernel",
+                         "sliced": "_statistics_kernel, then _gradient_kernel"}, "results": results}
     path = harness.write_results("probe-loss-kernel", [], gpus=0 if args.tiny else 1, merge=False,
                                  directory=Path(args.results_dir) if args.results_dir else None, probe=probe)
     print(f"wrote {path}")

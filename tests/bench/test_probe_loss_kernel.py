@@ -7,9 +7,11 @@ def test_tiny_run_checks_each_launch_shape_and_writes_a_probe_without_rows(bench
     probe = bench("probe_loss_kernel")
     out = probe.main(["--tiny", "--results-dir", str(tmp_path)])
     results = out["results"]
-    assert {r["vocab"] for r in results} == set(probe.TINY_VOCABS)
-    for vocab in probe.TINY_VOCABS:
-        launches = [r["launch"] for r in results if r["vocab"] == vocab]
+    slices = [v // 2 for v in probe.TINY_VOCABS]
+    assert [(r["path"], r["vocab"]) for r in results if r["launch"] == "default"] == (
+        [("whole", v) for v in probe.TINY_VOCABS] + [("sliced", v) for v in slices])
+    for path, vocab in [("whole", v) for v in probe.TINY_VOCABS] + [("sliced", v) for v in slices]:
+        launches = [r["launch"] for r in results if (r["path"], r["vocab"]) == (path, vocab)]
         assert launches == ["default", "v128-w4-m1", "v64-w4-m2"]
     assert all(r["check"] == "ok" and r["ms"] > 0 for r in results), results
     (path,) = tmp_path.glob("*-probe-loss-kernel.json")
@@ -29,5 +31,6 @@ def test_a_wrong_gradient_fails_the_check(bench, monkeypatch):
     monkeypatch.setattr(probe, "_expected", off_by_a_little)
     import torch
 
-    (row, *_) = probe.measure(probe.TINY_ROWS, 100, (), torch.device("cpu"))
-    assert row["launch"] == "default" and row["check"].startswith("FAIL")
+    for path in ("whole", "sliced"):
+        (row, *_) = probe.measure(probe.TINY_ROWS, 100, (), torch.device("cpu"), path=path)
+        assert row["launch"] == "default" and row["check"].startswith("FAIL")
