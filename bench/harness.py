@@ -463,6 +463,17 @@ def write_results(name: str, rows: Iterable[dict], gpus: int, merge: bool = True
     return path
 
 
+def write_probe(name: str, probe: Dict[str, Any], gpus: int, results_dir: Optional[str] = None) -> Path:
+    """Write a probe's findings to ``<date>-<name>.json`` (``bench/results`` or ``results_dir``) and say where.
+
+    A probe measures to decide, not to report: its file holds no rows (the README's tables take rows only),
+    its findings sit in the header under ``probe``, and a file of the same day is replaced, not merged."""
+    path = write_results(name, [], gpus=gpus, merge=False, directory=Path(results_dir) if results_dir else None,
+                         probe=probe)
+    print(f"wrote {path}")
+    return path
+
+
 # --------------------------------------------------------------------------------------- training steps
 #: relative tolerances of :func:`check_losses`: the first loss against the eager plain model; the gradient
 #: norm after the first backward and the loss after the warm-up steps against the work's first variant

@@ -234,10 +234,7 @@ def main(argv=None) -> dict:
              "step_flops": flops, "params": n_params(shape), "min_traffic_bytes": min_traffic_bytes(shape),
              "min_traffic_bytes_fp32_stream": min_traffic_bytes(shape, stream_bytes=4),
              "steps": rows}
-    # no rows, so that the README's tables never take the probe for a timing of the work
-    path = harness.write_results("probe-llama-floor", [], gpus=0 if args.tiny else 1, merge=False,
-                                 directory=Path(args.results_dir) if args.results_dir else None, probe=probe)
-    print(f"wrote {path}")
+    harness.write_probe("probe-llama-floor", probe, gpus=0 if args.tiny else 1, results_dir=args.results_dir)
     return probe
 
 

@@ -146,9 +146,7 @@ def main(argv=None) -> dict:
                for vocab in widths for r in measure(rows, vocab, shapes, device, path=path)]
     probe = {"kernels": {"whole": "schedlang.kernels.fused_linear_cross_entropy._cross_entropy_kernel",
                          "sliced": "_statistics_kernel, then _gradient_kernel"}, "results": results}
-    path = harness.write_results("probe-loss-kernel", [], gpus=0 if args.tiny else 1, merge=False,
-                                 directory=Path(args.results_dir) if args.results_dir else None, probe=probe)
-    print(f"wrote {path}")
+    harness.write_probe("probe-loss-kernel", probe, gpus=0 if args.tiny else 1, results_dir=args.results_dir)
     return probe
 
 

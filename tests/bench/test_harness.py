@@ -167,6 +167,15 @@ def test_written_rows_carry_their_run_and_the_header_its_time(bench, tmp_path):
         assert written[key] == data[key], key
 
 
+def test_a_probe_is_written_without_rows_and_replaces_its_file_of_the_day(bench, tmp_path, capsys):
+    harness = bench("harness")
+    first = harness.write_probe("p", {"ms": [1.0]}, gpus=1, results_dir=str(tmp_path))
+    second = harness.write_probe("p", {"ms": [2.0]}, gpus=1, results_dir=str(tmp_path))
+    assert first == second and f"wrote {first}" in capsys.readouterr().out
+    data = json.loads(second.read_text())
+    assert data["rows"] == [] and data["probe"] == {"ms": [2.0]} and data["gpus"] == 1
+
+
 def _sum_on_rank(rank, init_file, values, out_file):
     import sys
 
