@@ -98,9 +98,9 @@ schedlang's, through its schedule API:
   mix-order reductions (a norm's weight-gradient column sums fused into a row-reduction kernel);
   ``-mw-mixtune``: with them, their split into partial sums autotuned (fewer partial rows leave less for
   the eager sum that finishes them); ``-mw-tritonmm``: every GEMM of the layers as one of Inductor's Triton
-  templates (persistent TMA ones included), which take the norms' casts and the SwiGLU, rotary and
-  residual pointwise work into their prologues and epilogues: the GEMM fusion cuBLAS cannot do, at the
-  templates' speed;
+  templates (persistent TMA ones included), into whose prologues and epilogues Inductor can take the
+  pointwise work around them (the norms' scaling and casts, SwiGLU, residual adds): the GEMM fusion
+  cuBLAS cannot do, at the templates' speed;
 * ``schedlang-optimize-mw-knorm``: ``schedlang-optimize-mw`` with ``optimize_model(compiled_norms="kernel")``:
   the compiled layers' RMSNorms call schedlang's kernels as custom operators instead of Inductor's code;
 * ``schedlang-optimize-mw-overlap``: ``schedlang-optimize-mw`` with one FusedAdamW per decoder layer, each
