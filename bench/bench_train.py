@@ -212,7 +212,7 @@ CHECKPOINT_STRIDES = (4, 2, 1)
 # on Hopper) that can take the following pointwise ops into their epilogue, cuBLAS kept where it is faster;
 # -pw, more block shapes tried for pointwise kernels; -nd / -bp / -tma, n-dimensional tiling, block pointers,
 # tensor descriptors (experimental in Inductor); -pdl, programmatic dependent launch; -nomix, no mix-order
-# reductions
+# reductions; -mixtune, their split autotuned; -tritonmm, every GEMM a Triton template (no cuBLAS)
 TUNING = {"cdt": {"coordinate_descent_tuning": True},
           "autotune": {"max_autotune": True, "triton.enable_persistent_tma_matmul": True},
           "pw": {"max_autotune_pointwise": True},

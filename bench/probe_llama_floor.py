@@ -231,8 +231,8 @@ def main(argv=None) -> dict:
         synthetic.optimizer = None
         harness.free_memory(device)
     probe = {"work": "tiny" if args.tiny else "llama-1.1b-1gpu", "shape": dataclasses.asdict(shape),
-             "step_flops": flops, "params": n_params(shape), "min_traffic_bytes": min_traffic_bytes(shape),
-             "min_traffic_bytes_fp32_stream": min_traffic_bytes(shape, stream_bytes=4),
+             "step_flops": flops, "params": n_params(shape), "min_traffic_bytes": synthetic.traffic[2],
+             "min_traffic_bytes_fp32_stream": synthetic.traffic[4],
              "steps": rows}
     harness.write_probe("probe-llama-floor", probe, gpus=0 if args.tiny else 1, results_dir=args.results_dir)
     return probe

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 import time
 from pathlib import Path
@@ -45,9 +46,9 @@ TINY_ROWS, TINY_VOCABS = 6, (100, 257)
 TOL = {"loss": 1e-4, "grad": 4e-3}
 
 
-def _kernel():
-    module = importlib.import_module("schedlang.kernels.fused_linear_cross_entropy")
-    return module, module._cross_entropy_kernel
+def _module():
+    """The kernels' module (the package re-exports its function under the same name)."""
+    return importlib.import_module("schedlang.kernels.fused_linear_cross_entropy")
 
 
 def _chunk(rows: int, vocab: int, device: torch.device):
@@ -98,7 +99,7 @@ def measure(rows: int, vocab: int, shapes: Sequence[Tuple[int, int, int]], devic
             path: str = "whole") -> List[dict]:
     """One row per launch shape (and the default) for a chunk of ``rows`` x ``vocab`` bf16 logits, through the
     kernels of ``path`` (see :func:`_launcher`)."""
-    module, _ = _kernel()
+    module = _module()
     logits, target = _chunk(rows, vocab, device)
     want_loss, want_grad = _expected(logits, target)
     aligned = logits.stride(0) * logits.element_size() % 16 == 0
@@ -136,8 +137,6 @@ def main(argv=None) -> dict:
     parser.add_argument("--tiny", action="store_true", help="small chunks in the interpreter on the CPU")
     args = parser.parse_args(argv)
     if args.tiny:
-        import os
-
         os.environ.setdefault("TRITON_INTERPRET", "1")
         device, rows, vocabs, shapes = torch.device("cpu"), TINY_ROWS, TINY_VOCABS, ((128, 4, 1), (64, 4, 2))
     else:
