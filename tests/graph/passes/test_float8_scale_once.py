@@ -123,8 +123,10 @@ def test_the_pass_and_a_sequence_of_passes_are_cacheable_inductor_passes():
 
 @pytest.mark.gpu
 def test_a_compiled_float8_swiglu_on_the_gpu_gives_the_same_step_without_float64_in_its_casts():
-    """A float8 SwiGLU MLP in torchao's float8 Linears (the real float8 GEMMs): forward and backward identical
-    to the same compile without the rule, and no kernel that writes a float8 tensor computes in float64."""
+    """A float8 SwiGLU MLP in torchao's float8 Linears (the real float8 GEMMs): no kernel that writes a float8
+    tensor computes in float64 any more, and the forward and backward stay within float8's rounding of the
+    same compile without the rule (a scale fused into its amax reduction reads the maximum before its bf16
+    rounding, see the rule's numerics)."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("needs a GPU with float8 tensor cores")
     float8 = pytest.importorskip("torchao.float8", reason="torchao not installed (pip install 'schedlang[fp8]')")
@@ -162,4 +164,5 @@ def test_a_compiled_float8_swiglu_on_the_gpu_gives_the_same_step_without_float64
     assert runs["plain"][1], "Inductor no longer computes the scales inside the casts: the rule may be moot"
     assert not runs["pass"][1]
     for got, want in zip(runs["pass"][0], runs["plain"][0]):
-        assert torch.equal(got, want)
+        # some float8 roundings one step apart, nothing more: a small fraction of the norm
+        assert float((got.float() - want.float()).norm() / want.float().norm()) < 0.02
