@@ -93,8 +93,7 @@ schedlang's, through its schedule API:
   the float8 casts that write a transposed copy), ``-nd`` (``prefer_nd_tiling``: its pointwise kernels tiled in
   up to three dimensions, for the casts that also write a transposed copy), and ``-bp-nd`` / ``-tma-nd`` (its experimental
   block-pointer / tensor-descriptor code with n-dimensional tiling; both failed the gradient check on
-  torch 2.11, so they stay measurements, not options to use), and ``-inlinescale`` (without the
-  ``float8_scale_once`` rule: the ablation of that rule); ``-mw-pdl``: Inductor's programmatic dependent
+  torch 2.11, so they stay measurements, not options to use); ``-mw-pdl``: Inductor's programmatic dependent
   launch (a kernel's start overlaps the tail of the one before it, Hopper); ``-mw-nomix``: without its
   mix-order reductions (a norm's weight-gradient column sums fused into a row-reduction kernel);
   ``-mw-mixtune``: with them, their split into partial sums autotuned (fewer partial rows leave less for
@@ -155,7 +154,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # schedlang from this checkout, uninstalled
 import baselines as B  # noqa: E402  (bench/baselines.py)
 import harness  # noqa: E402  (bench/harness.py)
-from schedlang.graph.passes.shared_scaled_mm_operand import SharedScaledMMOperandPass  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -214,9 +212,7 @@ CHECKPOINT_STRIDES = (4, 2, 1)
 # on Hopper) that can take the following pointwise ops into their epilogue, cuBLAS kept where it is faster;
 # -pw, more block shapes tried for pointwise kernels; -nd / -bp / -tma, n-dimensional tiling, block pointers,
 # tensor descriptors (experimental in Inductor); -pdl, programmatic dependent launch; -nomix, no mix-order
-# reductions; -mixtune, their split autotuned; -tritonmm, every GEMM a Triton template (no cuBLAS); -inlinescale,
-# the float8 layers compiled without the float8_scale_once rule (each scale's float64 arithmetic inlined into
-# every cast kernel, as Inductor does by itself), the ablation of that rule
+# reductions; -mixtune, their split autotuned; -tritonmm, every GEMM a Triton template (no cuBLAS)
 TUNING = {"cdt": {"coordinate_descent_tuning": True},
           "autotune": {"max_autotune": True, "triton.enable_persistent_tma_matmul": True},
           "pw": {"max_autotune_pointwise": True},
@@ -227,16 +223,14 @@ TUNING = {"cdt": {"coordinate_descent_tuning": True},
           "nomix": {"triton.mix_order_reduction": False},
           "mixtune": {"triton.mix_order_reduction_autotune_split_size": True},
           "tritonmm": {"max_autotune": True, "max_autotune_gemm_backends": "TRITON",
-                       "triton.enable_persistent_tma_matmul": True},
-          "inlinescale": {"post_grad_custom_post_pass": SharedScaledMMOperandPass()}}
+                       "triton.enable_persistent_tma_matmul": True}}
 # schedlang-optimize[-fp8][-mw][-cg]: float8 Linears, fp32 master weights, per-layer CUDA graphs
 OPTIMIZE_VARIANTS = tuple("schedlang-optimize" + fp8 + mw + cg for fp8 in ("", "-fp8") for mw in ("", "-mw")
                           for cg in ("", "-cg")) + tuple(
     "schedlang-optimize-mw" + extra
     for extra in ("-graph", "-proj", "-cdt", "-proj-cdt", "-knorm", "-autotune", "-overlap", "-pdl", "-nomix",
                   "-mixtune", "-tritonmm")) + tuple(
-    "schedlang-optimize-fp8-mw-cg" + extra
-    for extra in ("-cdt", "-pw", "-pw-cdt", "-nd", "-bp-nd", "-tma-nd", "-inlinescale"))
+    "schedlang-optimize-fp8-mw-cg" + extra for extra in ("-cdt", "-pw", "-pw-cdt", "-nd", "-bp-nd", "-tma-nd"))
 SCHEDLANG = ("schedlang-layers", *OPTIMIZE_VARIANTS, *(f"schedlang-optimize-ckpt{n}" for n in CHECKPOINT_STRIDES),
              "schedlang-tp",
              "schedlang-tp-optimize", "schedlang-tp-optimize-cg", "schedlang-fsdp", "schedlang-fsdp-noreshard", "schedlang-fsdp-optimize",

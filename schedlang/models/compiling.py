@@ -94,9 +94,8 @@ def _with_passes(layer: nn.Module, compile_options: dict, fuse_projections: bool
     """The compile options for ``layer``, with schedlang's Inductor passes where they apply:
 
     * a layer with float8 Linears gets the ``shared_amax`` joint-graph pass (each activation's float8 scale
-      is computed once, not again in the backward) and two post-grad passes: ``shared_scaled_mm_operand`` (a
-      float8 activation that q, k and v all read is written once, not once per matmul) and
-      ``float8_scale_once`` (each scale's float64 arithmetic runs once, not in every program of its cast);
+      is computed once, not again in the backward) and the ``shared_scaled_mm_operand`` post-grad pass (a
+      float8 activation that q, k and v all read is written once, not once per matmul);
     * with ``fuse_projections``, the ``shared_input_linears`` pre-grad pass (linears on one input as one GEMM).
 
     A caller's own pass in the same place, or another backend than Inductor, is left as it is. A ``mode``
@@ -107,9 +106,10 @@ def _with_passes(layer: nn.Module, compile_options: dict, fuse_projections: bool
     wanted = {}
     if any(is_float8(m) for m in layer.modules()):
         from ..graph.passes.shared_amax import SharedAmaxPass
+        from ..graph.passes.shared_scaled_mm_operand import SharedScaledMMOperandPass
 
         wanted["joint_custom_post_pass"] = SharedAmaxPass()
-        wanted["post_grad_custom_post_pass"] = float8_post_grad_passes()
+        wanted["post_grad_custom_post_pass"] = SharedScaledMMOperandPass()
     if fuse_projections:
         from ..graph.passes.shared_input_linears import SharedInputLinearsPass
 
@@ -126,16 +126,6 @@ def _with_passes(layer: nn.Module, compile_options: dict, fuse_projections: bool
         # torch.compile takes a mode or options, not both: the mode's own options, spelled out
         options = {**torch._inductor.list_mode_options(mode, rest.get("dynamic")), **options}
     return {**rest, "options": {**options, **wanted}}
-
-
-def float8_post_grad_passes():
-    """The post-grad passes a layer with float8 Linears is compiled with, as one Inductor pass: the
-    ``shared_scaled_mm_operand`` rule, then ``float8_scale_once``."""
-    from ..graph.passes._inductor_pass import InductorPasses
-    from ..graph.passes.float8_scale_once import Float8ScaleOncePass
-    from ..graph.passes.shared_scaled_mm_operand import SharedScaledMMOperandPass
-
-    return InductorPasses(SharedScaledMMOperandPass(), Float8ScaleOncePass())
 
 
 #: torch.compile's modes where torch._inductor cannot list them (it can on every torch schedlang supports)

@@ -147,7 +147,7 @@ def test_master_weights_variant_runs_only_with_schedlang_fused_adamw_on_every_ro
 
 def test_optimize_variant_names_compose_float8_master_weights_and_cuda_graphs(bench):
     train = bench("bench_train")
-    assert len(set(train.OPTIMIZE_VARIANTS)) == 26
+    assert len(set(train.OPTIMIZE_VARIANTS)) == 25
     assert {"schedlang-optimize", "schedlang-optimize-fp8-cg", "schedlang-optimize-mw-cg",
             "schedlang-optimize-fp8-mw-cg", "schedlang-optimize-mw-graph", "schedlang-optimize-mw-proj",
             "schedlang-optimize-mw-cdt", "schedlang-optimize-mw-proj-cdt",
@@ -189,22 +189,6 @@ def test_tuning_variants_pass_their_inductor_options_to_the_compiled_layers(benc
     assert picked[0]["tune_kernels"] == ("cdt", "pw") and picked[0]["float8"] == "tensorwise"
     assert picked[0]["master_weights"] and picked[0]["cudagraph_layers"]
     assert picked[1]["tune_kernels"] == () and picked[1]["float8"] is None
-
-
-def test_the_inlinescale_variant_compiles_float8_layers_without_the_scale_rule_only(bench):
-    """The ablation keeps schedlang's other float8 passes: its post-grad pass is shared_scaled_mm_operand alone."""
-    pytest.importorskip("torchao.float8", reason="torchao not installed (pip install 'schedlang[fp8]')")
-    import torchao.float8 as float8
-    from schedlang.graph.passes.shared_amax import SharedAmaxPass
-    from schedlang.graph.passes.shared_scaled_mm_operand import SharedScaledMMOperandPass
-    from schedlang.models import _with_passes
-
-    train = bench("bench_train")
-    layer = torch.nn.Sequential(torch.nn.Linear(32, 32))
-    float8.convert_to_float8_training(layer)
-    options = _with_passes(layer, {"options": dict(train.TUNING["inlinescale"])})["options"]
-    assert options["post_grad_custom_post_pass"] == SharedScaledMMOperandPass()
-    assert options["joint_custom_post_pass"] == SharedAmaxPass()
 
 
 def test_every_tuning_names_an_option_inductor_has(bench):

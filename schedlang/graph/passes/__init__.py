@@ -10,9 +10,6 @@
 * ``shared_scaled_mm_operand.py``: a float8 operand that several scaled matmuls read (q, k and v's cast
   input) computed into one buffer by Inductor instead of one copy per matmul; an Inductor post-grad pass
   that ``compile_layers`` gives float8 layers.
-* ``float8_scale_once.py``: each float8 scale's float64 arithmetic computed once into a one-element buffer,
-  not again in every program of the kernels that cast with it; an Inductor post-grad pass that
-  ``compile_layers`` gives float8 layers.
 * ``shared_input_linears.py``: linears on one input (q/k/v, gate/up) as one GEMM on weights concatenated
   per call; an Inductor pre-grad pass (``compile_layers(fuse_projections=True)``).
 

@@ -4,10 +4,6 @@ from __future__ import annotations
 
 from typing import Hashable
 
-#: the node hint Inductor's lowering reads (``GraphLowering.run_node``): compute the node into a buffer of its
-#: own, with the strides it has in the graph, instead of inlining it into each reader's kernel
-REALIZE_HINT = "inductor_realize_to_strides"
-
 
 def _custom_graph_pass_base():
     try:
@@ -37,24 +33,3 @@ class InductorPass(_custom_graph_pass_base()):
 
     def __hash__(self) -> int:
         return hash(self.uuid())
-
-
-class InductorPasses(InductorPass):
-    """Several passes run in order where Inductor takes one (``post_grad_custom_post_pass`` holds a single
-    callable). Its ``uuid`` names every pass in it, so two sequences are equal when they run the same passes
-    in the same order.
-
-    Example::
-
-        InductorPasses(SharedScaledMMOperandPass(), Float8ScaleOncePass())
-    """
-
-    def __init__(self, *passes: InductorPass) -> None:
-        self.passes = tuple(passes)
-
-    def uuid(self) -> Hashable:
-        return "+".join(str(p.uuid()) for p in self.passes)
-
-    def __call__(self, graph) -> None:
-        for graph_pass in self.passes:
-            graph_pass(graph)

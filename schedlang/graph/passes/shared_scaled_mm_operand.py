@@ -36,13 +36,16 @@ import logging
 import torch
 from torch import fx
 
-from ._inductor_pass import REALIZE_HINT, InductorPass
+from ._inductor_pass import InductorPass
 
 __all__ = ["mark_shared_scaled_mm_operands", "SharedScaledMMOperandPass", "REALIZE_HINT"]
 
 logger = logging.getLogger("schedlang.graph.passes.shared_scaled_mm_operand")
 
 aten = torch.ops.aten
+
+#: the node hint Inductor's lowering reads (``GraphLowering.run_node``): realize the node with its strides
+REALIZE_HINT = "inductor_realize_to_strides"
 
 # the scaled matmuls that exist in this torch (``_scaled_mm_v2`` is newer than the oldest supported)
 _SCALED_MM = tuple(getattr(aten, name) for name in ("_scaled_mm", "_scaled_mm_v2") if hasattr(aten, name))
