@@ -21,6 +21,10 @@ statistics pass, then the gradient pass, which often hits L2) and written once: 
 against eager's fp32 copy, softmax, loss and gradient kernels (about ``30 C V``). The GEMMs cost
 ``6 C V H`` FLOPs per chunk (forward, dx, dW), the same as unchunked.
 
+A chunk's logits live in a buffer whose rows are padded to a multiple of 16 elements (``ROW_ALIGNMENT``): with
+an odd vocabulary (GPT-2's 50257) unpadded rows would start off 16-byte boundaries, and both the Triton
+kernels' loads and cuBLAS's accesses of the logits would lose their vector width.
+
 ``dW`` accumulates in the weight's dtype across chunks (cuBLAS adds in fp32 and rounds once per
 chunk); with the default chunking of a few large chunks that is a few roundings.
 
@@ -59,6 +63,10 @@ logger = logging.getLogger("schedlang.kernels.fused_linear_cross_entropy")
 reference = fused_linear_cross_entropy_reference
 
 REDUCTIONS = ("mean", "sum", "none")
+#: a chunk's logits rows start every this many elements (the last ones of a row unused when the vocabulary is
+#: not a multiple): Triton specializes an integer argument divisible by 16, so the kernels' loads of a row are
+#: vectorized, and cuBLAS writes and reads rows on 16-byte boundaries
+ROW_ALIGNMENT = 16
 #: bytes of logits per chunk that the default chunk size aims at
 CHUNK_BYTES = 256 * 2 ** 20
 
@@ -150,9 +158,10 @@ def _gradient_kernel(z_ptr, stride, target_ptr, lse_ptr, scale_ptr, M, V, vocab_
 
 def _launch_shape(vocab: int, aligned_rows: bool = True) -> dict:
     """Rows per program, vocabulary block and warps. On the GPU one program streams one row in blocks
-    of up to 2048 logits, with 4 warps, or 8 where a row does not start on a 16-byte boundary
-    (``aligned_rows=False``, an odd vocabulary such as GPT-2's 50257): its loads cannot be vectorized,
-    and more warps keep more of them in flight. The interpreter takes many rows per program (it runs
+    of up to 2048 logits, with 4 warps, or 8 where the row stride is not a multiple of
+    :data:`ROW_ALIGNMENT` (``aligned_rows=False``; :func:`_logits` pads the rows of an odd vocabulary
+    such as GPT-2's 50257, except under autocast to another dtype): such a row's loads cannot be
+    vectorized, and more warps keep more of them in flight. The interpreter takes many rows per program (it runs
     programs serially).
 
     Measured on an H200 (``bench/probe_loss_kernel.py``: 4096 rows, bf16, ms per call of the loss
@@ -200,7 +209,7 @@ def _chunk_cross_entropy(setup, logits, target, loss, lse, write_grad, scale=Non
     become their gradient in place (times ``scale`` per row when given). Without ``loss`` the
     gradient is recomputed from the given ``lse``."""
     rows, vocab = logits.shape
-    shape = _launch_shape(vocab, aligned_rows=logits.stride(0) * logits.element_size() % 16 == 0)
+    shape = _launch_shape(vocab, aligned_rows=logits.stride(0) % ROW_ALIGNMENT == 0)
     grid = (triton.cdiv(rows, shape["BLOCK_M"]),)
     dtype = triton_dtype(logits.dtype)
     if not setup.sliced and loss is not None and scale is None:
@@ -225,8 +234,26 @@ def _chunk_cross_entropy(setup, logits, target, loss, lse, write_grad, scale=Non
                                DTYPE=dtype, **shape)
 
 
+def padded_width(vocab: int) -> int:
+    """The row stride, in elements, of a chunk's logits: ``vocab`` rounded up to :data:`ROW_ALIGNMENT`."""
+    return -(-vocab // ROW_ALIGNMENT) * ROW_ALIGNMENT
+
+
 def _logits(x_c, weight, bias):
-    return torch.addmm(bias, x_c, weight.t()) if bias is not None else x_c @ weight.t()
+    """``x_c @ weight.t() (+ bias)``: the first ``vocab`` columns of a buffer whose rows are padded to
+    :data:`ROW_ALIGNMENT` elements, so that an odd vocabulary (GPT-2's 50257) gets aligned rows too. Under
+    autocast to another dtype than the operands' the matmul keeps autocast's casts (an ``out=`` matmul would
+    skip them), and its rows are not padded."""
+    vocab = weight.shape[0]
+    width = padded_width(vocab)
+    device_type = x_c.device.type
+    casts = torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type) != x_c.dtype
+    if width == vocab or casts:
+        return torch.addmm(bias, x_c, weight.t()) if bias is not None else x_c @ weight.t()
+    out = torch.empty((x_c.shape[0], width), dtype=x_c.dtype, device=x_c.device)[:, :vocab]
+    if bias is not None:
+        return torch.addmm(bias, x_c, weight.t(), out=out)
+    return torch.mm(x_c, weight.t(), out=out)
 
 
 def _run_chunks(setup, x, weight, bias, target, need, loss=None, lse=None, scale=None):

@@ -90,6 +90,23 @@ def test_launch_shape_streams_rows_in_blocks_of_2048_with_more_warps_for_unalign
     assert flce._launch_shape(2500) == {"BLOCK_M": 4, "BLOCK_V": 1024}
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_chunks_logits_rows_are_padded_to_the_row_alignment(bias):
+    flce = importlib.import_module("schedlang.kernels.fused_linear_cross_entropy")
+    h, w, b, _ = _problem(6, 32, 50, torch.float32, bias)
+    b = b if bias else None
+    logits = flce._logits(h, w, b)
+    assert logits.shape == (6, 50) and logits.stride() == (64, 1)  # 50 columns in rows of 64
+    torch.testing.assert_close(logits, F.linear(h, w, b))
+    # a vocabulary that is a multiple of the alignment is not padded
+    assert flce._logits(h, w[:48], None).stride() == (48, 1)
+    assert [flce.padded_width(v) for v in (1, 16, 50257, 32000)] == [16, 16, 50272, 32000]
+    # under autocast to another dtype the matmul keeps autocast's cast, unpadded
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cast = flce._logits(h, w, b)
+    assert cast.dtype == torch.bfloat16 and cast.is_contiguous()
+
+
 def test_default_chunk_size():
     assert default_chunk_size(100, 50, torch.float32) == 100  # all tokens in one chunk
     # LLaMA-1.1B head: 8192 tokens x 32000 bf16 logits (0.5 GB) -> two chunks of 4096
