@@ -73,39 +73,73 @@ CHUNK_BYTES = 256 * 2 ** 20
 
 # ------------------------------------------------------------------------------------------- kernels
 @triton.jit
+def _statistics_block(base, cols, col_ok, local_target, row_max, sum_exp, target_logit):
+    """One block of a row into the online max, the rescaled sum of exponentials and the target's logit.
+    ``col_ok`` is None for a block wholly inside the row: its loads are unmasked, so they stay vectorized."""
+    if col_ok is None:
+        z = tl.load(base + cols[None, :]).to(tl.float32)
+        is_target = cols[None, :] == local_target[:, None]
+    else:
+        z = tl.load(base + cols[None, :], mask=col_ok[None, :], other=float("-inf")).to(tl.float32)
+        # a target past this slice's end may fall in the padding of the last block (where z = -inf)
+        is_target = (cols[None, :] == local_target[:, None]) & col_ok[None, :]
+    new_max = tl.maximum(row_max, tl.max(z, axis=1))
+    sum_exp = sum_exp * tl.exp(row_max - new_max) + tl.sum(tl.exp(z - new_max[:, None]), axis=1)
+    target_logit += tl.sum(tl.where(is_target, z, 0.0), axis=1)
+    return new_max, sum_exp, target_logit
+
+
+@triton.jit
 def _row_statistics(z_ptr, stride, rows, target, V, vocab_start, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr):
-    """Online max, sum of exp(z - max) and the target's logit (0 when outside [vocab_start, +V))."""
+    """Online max, sum of exp(z - max) and the target's logit (0 when outside [vocab_start, +V)).
+
+    Whole blocks are read without a mask: a mask bounded by a vocabulary that is not a multiple of 16 (GPT-2's
+    50257) would make every load of the row a scalar one. Only the last, partial block is masked."""
     local_target = target - vocab_start
     row_max = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     sum_exp = tl.zeros((BLOCK_M,), dtype=tl.float32)
     target_logit = tl.zeros((BLOCK_M,), dtype=tl.float32)
     base = z_ptr + rows.to(tl.int64)[:, None] * stride
-    for start in range(0, V, BLOCK_V):
+    full = V // BLOCK_V * BLOCK_V
+    for start in range(0, full, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
-        col_ok = cols < V
-        z = tl.load(base + cols[None, :], mask=col_ok[None, :], other=float("-inf")).to(tl.float32)
-        new_max = tl.maximum(row_max, tl.max(z, axis=1))
-        sum_exp = sum_exp * tl.exp(row_max - new_max) + tl.sum(tl.exp(z - new_max[:, None]), axis=1)
-        row_max = new_max
-        # a target past this slice's end may fall in the padding of the last block (where z = -inf)
-        is_target = (cols[None, :] == local_target[:, None]) & col_ok[None, :]
-        target_logit += tl.sum(tl.where(is_target, z, 0.0), axis=1)
+        row_max, sum_exp, target_logit = _statistics_block(base, cols, None, local_target, row_max, sum_exp,
+                                                           target_logit)
+    if full < V:
+        cols = full + tl.arange(0, BLOCK_V)
+        row_max, sum_exp, target_logit = _statistics_block(base, cols, cols < V, local_target, row_max, sum_exp,
+                                                           target_logit)
     return row_max, sum_exp, target_logit
+
+
+@triton.jit
+def _gradient_block(base, cols, col_ok, row_ok, local_target, valid, lse, scale, DTYPE: tl.constexpr):
+    """One block of a row's logits replaced by their gradient (``col_ok`` None: a whole block, unmasked loads)."""
+    if col_ok is None:
+        z = tl.load(base + cols[None, :]).to(tl.float32)
+        store_ok = row_ok[:, None] & (cols[None, :] >= 0)
+    else:
+        z = tl.load(base + cols[None, :], mask=col_ok[None, :], other=0.0).to(tl.float32)
+        store_ok = row_ok[:, None] & col_ok[None, :]
+    grad = tl.exp(z - lse[:, None]) - tl.where(cols[None, :] == local_target[:, None], 1.0, 0.0)
+    grad = tl.where(valid[:, None], grad * scale[:, None], 0.0)
+    tl.store(base + cols[None, :], cast_rounded(grad, DTYPE), mask=store_ok)
 
 
 @triton.jit
 def _write_row_gradients(z_ptr, stride, rows, row_ok, target, valid, lse, scale, V, vocab_start,
                          DTYPE: tl.constexpr, BLOCK_V: tl.constexpr):
-    """z <- (softmax(z) - onehot(target)) * scale, in place; 0 on rows whose target is ignored."""
+    """z <- (softmax(z) - onehot(target)) * scale, in place; 0 on rows whose target is ignored. Whole blocks
+    unmasked along the row, as in :func:`_row_statistics`."""
     local_target = target - vocab_start
     base = z_ptr + rows.to(tl.int64)[:, None] * stride
-    for start in range(0, V, BLOCK_V):
+    full = V // BLOCK_V * BLOCK_V
+    for start in range(0, full, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
-        col_ok = cols < V
-        z = tl.load(base + cols[None, :], mask=col_ok[None, :], other=0.0).to(tl.float32)
-        grad = tl.exp(z - lse[:, None]) - tl.where(cols[None, :] == local_target[:, None], 1.0, 0.0)
-        grad = tl.where(valid[:, None], grad * scale[:, None], 0.0)
-        tl.store(base + cols[None, :], cast_rounded(grad, DTYPE), mask=row_ok[:, None] & col_ok[None, :])
+        _gradient_block(base, cols, None, row_ok, local_target, valid, lse, scale, DTYPE)
+    if full < V:
+        cols = full + tl.arange(0, BLOCK_V)
+        _gradient_block(base, cols, cols < V, row_ok, local_target, valid, lse, scale, DTYPE)
 
 
 @triton.jit
@@ -250,7 +284,10 @@ def _logits(x_c, weight, bias):
     casts = torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type) != x_c.dtype
     if width == vocab or casts:
         return torch.addmm(bias, x_c, weight.t()) if bias is not None else x_c @ weight.t()
-    out = torch.empty((x_c.shape[0], width), dtype=x_c.dtype, device=x_c.device)[:, :vocab]
+    buffer = torch.empty((x_c.shape[0], width), dtype=x_c.dtype, device=x_c.device)
+    # the padding is zeroed: a matmul may read it (the CPU's bf16 GEMM does, and a NaN there leaks into dx)
+    buffer[:, vocab:].zero_()
+    out = buffer[:, :vocab]
     if bias is not None:
         return torch.addmm(bias, x_c, weight.t(), out=out)
     return torch.mm(x_c, weight.t(), out=out)

@@ -44,6 +44,7 @@ def _loss_and_grads(fn, h, w, b, t, reduction, **kw):
     (7, 96, 257, None, "sum", True),      # one chunk, odd vocabulary, bias
     (100, 64, 1000, 32, "none", True),    # per-token loss: gradients recomputed in backward
     (9, 32, 2500, 4, "mean", False),      # rows wider than one block: each row streamed in blocks, twice
+    (10, 32, 2100, 4, "none", True),      # whole blocks unmasked and a masked tail, gradients in backward
 ])
 def test_matches_reference(tokens, hidden, vocab, chunk, reduction, bias, dtype):
     h, w, b, t = _problem(tokens, hidden, vocab, dtype, bias)
@@ -98,6 +99,8 @@ def test_a_chunks_logits_rows_are_padded_to_the_row_alignment(bias):
     logits = flce._logits(h, w, b)
     assert logits.shape == (6, 50) and logits.stride() == (64, 1)  # 50 columns in rows of 64
     torch.testing.assert_close(logits, F.linear(h, w, b))
+    padding = logits.as_strided((6, 14), (64, 1), logits.storage_offset() + 50)
+    assert torch.equal(padding, torch.zeros_like(padding))  # zeroed: the CPU's bf16 GEMM reads it
     # a vocabulary that is a multiple of the alignment is not padded
     assert flce._logits(h, w[:48], None).stride() == (48, 1)
     assert [flce.padded_width(v) for v in (1, 16, 50257, 32000)] == [16, 16, 50272, 32000]
