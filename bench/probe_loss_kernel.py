@@ -102,7 +102,7 @@ def measure(rows: int, vocab: int, shapes: Sequence[Tuple[int, int, int]], devic
     module = _module()
     logits, target = _chunk(rows, vocab, device)
     want_loss, want_grad = _expected(logits, target)
-    aligned = logits.stride(0) * logits.element_size() % 16 == 0
+    aligned = module.rows_aligned(logits)
     default = module._launch_shape(vocab, aligned_rows=aligned)
     launches: Dict[str, dict] = {"default": default}
     for block_v, warps, block_m in shapes:

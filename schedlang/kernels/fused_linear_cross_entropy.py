@@ -148,6 +148,11 @@ def _gradient_kernel(z_ptr, stride, target_ptr, lse_ptr, scale_ptr, M, V, vocab_
     _write_row_gradients(z_ptr, stride, rows, row_ok, target, valid, lse, scale, V, vocab_start, DTYPE, BLOCK_V)
 
 
+def rows_aligned(logits: torch.Tensor) -> bool:
+    """Whether every row of ``logits`` starts on a 16-byte boundary (what :func:`_launch_shape` asks)."""
+    return logits.stride(0) * logits.element_size() % 16 == 0
+
+
 def _launch_shape(vocab: int, aligned_rows: bool = True) -> dict:
     """Rows per program, vocabulary block and warps. On the GPU one program streams one row in blocks
     of up to 2048 logits, with 4 warps, or 8 where a row does not start on a 16-byte boundary
@@ -200,7 +205,7 @@ def _chunk_cross_entropy(setup, logits, target, loss, lse, write_grad, scale=Non
     become their gradient in place (times ``scale`` per row when given). Without ``loss`` the
     gradient is recomputed from the given ``lse``."""
     rows, vocab = logits.shape
-    shape = _launch_shape(vocab, aligned_rows=logits.stride(0) * logits.element_size() % 16 == 0)
+    shape = _launch_shape(vocab, aligned_rows=rows_aligned(logits))
     grid = (triton.cdiv(rows, shape["BLOCK_M"]),)
     dtype = triton_dtype(logits.dtype)
     if not setup.sliced and loss is not None and scale is None:
