@@ -83,6 +83,9 @@ schedlang's, through its schedule API:
 * ``schedlang-optimize-mw-graph``: ``schedlang-optimize-mw`` with the whole step (forward, backward and the
   FusedAdamW step) replayed from one CUDA graph (``schedlang.CapturedStep``) after eager warm-up steps: the
   host issues a step in one replay instead of ~1,300 launches, and the GPU has no gaps waiting on it;
+  ``-mw-graph-pdl`` and ``-mw-graph-pdl-mixtune`` combine it with the Inductor options below;
+  ``schedlang-optimize-fp8-mw-graph`` (``-pdl``): the float8 step replayed whole from one graph the same way
+  (its layers compiled without graphs of their own, which a whole-step capture cannot nest);
 * ``schedlang-optimize-mw-proj``: ``schedlang-optimize-mw`` with ``optimize_model(fuse_projections=True)``: in
   the compiled layers q|k|v and gate|up run as one GEMM each, on weights concatenated per call;
   ``-mw-cdt`` (``-mw-proj-cdt``): with Inductor's coordinate-descent tuning of its kernels' block sizes
@@ -229,8 +232,9 @@ OPTIMIZE_VARIANTS = tuple("schedlang-optimize" + fp8 + mw + cg for fp8 in ("", "
                           for cg in ("", "-cg")) + tuple(
     "schedlang-optimize-mw" + extra
     for extra in ("-graph", "-proj", "-cdt", "-proj-cdt", "-knorm", "-autotune", "-overlap", "-pdl", "-nomix",
-                  "-mixtune", "-tritonmm")) + tuple(
-    "schedlang-optimize-fp8-mw-cg" + extra for extra in ("-cdt", "-pw", "-pw-cdt", "-nd", "-bp-nd", "-tma-nd"))
+                  "-mixtune", "-tritonmm", "-graph-pdl", "-graph-pdl-mixtune")) + tuple(
+    "schedlang-optimize-fp8-mw-cg" + extra for extra in ("-cdt", "-pw", "-pw-cdt", "-nd", "-bp-nd", "-tma-nd")) + (
+    "schedlang-optimize-fp8-mw-graph", "schedlang-optimize-fp8-mw-graph-pdl")
 SCHEDLANG = ("schedlang-layers", *OPTIMIZE_VARIANTS, *(f"schedlang-optimize-ckpt{n}" for n in CHECKPOINT_STRIDES),
              "schedlang-tp",
              "schedlang-tp-optimize", "schedlang-tp-optimize-cg", "schedlang-fsdp", "schedlang-fsdp-noreshard", "schedlang-fsdp-optimize",
