@@ -11,7 +11,8 @@ on a chunk of 4096 bf16 rows for vocabularies of 32000 (LLaMA-2), 50257 (GPT-2: 
 not 16-byte aligned, so its loads cannot be vectorized) and 128256 (LLaMA-3), at a grid of launch shapes
 and at the default that ``_launch_shape`` picks (``default``); then (``path: "sliced"``) the statistics and
 gradient kernels that a vocabulary-parallel loss runs on each rank's slice, for slices of half of each
-vocabulary (two ranks), with the same launch shapes.
+vocabulary (two ranks), with the same launch shapes. A width that is not a multiple of 16 runs twice: in
+contiguous rows, and in the padded rows (``row_stride``) that the loss gives each chunk's logits.
 
 ``ms`` is :func:`harness.gpu_time_ms` (median GPU time, L2 flushed before each call); ``gb_per_s`` counts
 6 bytes per logit (read twice, written once). Each shape's loss is checked against ``F.cross_entropy`` in
@@ -51,11 +52,16 @@ def _module():
     return importlib.import_module("schedlang.kernels.fused_linear_cross_entropy")
 
 
-def _chunk(rows: int, vocab: int, device: torch.device):
+def _chunk(rows: int, vocab: int, device: torch.device, padded: bool = False):
+    """A chunk of bf16 logits and its targets; ``padded``: in rows padded as ``_logits`` lays them out."""
     g = torch.Generator(device=device).manual_seed(0)
     logits = (torch.randn(rows, vocab, device=device, generator=g) * 3).to(torch.bfloat16)
     target = torch.randint(0, vocab, (rows,), device=device, generator=g)
     target[::4] = -100  # ignored rows, as padding is
+    if padded:
+        buffer = torch.zeros((rows, _module().padded_width(vocab)), dtype=logits.dtype, device=device)
+        buffer[:, :vocab] = logits
+        logits = buffer[:, :vocab]
     return logits, target
 
 
@@ -96,11 +102,12 @@ def _launcher(module, path: str, z: torch.Tensor, target: torch.Tensor, loss: to
 
 
 def measure(rows: int, vocab: int, shapes: Sequence[Tuple[int, int, int]], device: torch.device,
-            path: str = "whole") -> List[dict]:
+            path: str = "whole", padded: bool = False) -> List[dict]:
     """One row per launch shape (and the default) for a chunk of ``rows`` x ``vocab`` bf16 logits, through the
-    kernels of ``path`` (see :func:`_launcher`)."""
+    kernels of ``path`` (see :func:`_launcher`), in contiguous rows or (``padded``) in the padded rows the loss
+    gives a chunk's logits."""
     module = _module()
-    logits, target = _chunk(rows, vocab, device)
+    logits, target = _chunk(rows, vocab, device, padded)
     want_loss, want_grad = _expected(logits, target)
     aligned = module.rows_aligned(logits)
     default = module._launch_shape(vocab, aligned_rows=aligned)
@@ -109,7 +116,7 @@ def measure(rows: int, vocab: int, shapes: Sequence[Tuple[int, int, int]], devic
         launches[f"v{block_v}-w{warps}-m{block_m}"] = {"BLOCK_M": block_m, "BLOCK_V": block_v, "num_warps": warps}
     out = []
     for name, shape in launches.items():
-        z = logits.clone()
+        z = logits.clone() if not padded else _chunk(rows, vocab, device, padded)[0]  # clone() would unpad
         loss = torch.empty(rows, device=device)
         lse = torch.empty(rows, device=device)
         call = _launcher(module, path, z, target, loss, lse, shape)
@@ -124,6 +131,7 @@ def measure(rows: int, vocab: int, shapes: Sequence[Tuple[int, int, int]], devic
             call()
             ms = (time.perf_counter() - t) * 1e3
         row = {"path": path, "vocab": vocab, "rows": rows, "launch": name, "shape": dict(shape), "rows_aligned": aligned,
+               "row_stride": logits.stride(0),
                "ms": round(ms, 4), "gb_per_s": round(6 * rows * vocab / ms / 1e6, 1),
                "check": "ok" if ok else f"FAIL loss error {loss_err:.3g}, gradient error {grad_err:.3g}"}
         out.append(row)
@@ -141,8 +149,12 @@ def main(argv=None) -> dict:
         device, rows, vocabs, shapes = torch.device("cpu"), TINY_ROWS, TINY_VOCABS, ((128, 4, 1), (64, 4, 2))
     else:
         device, rows, vocabs, shapes = torch.device("cuda"), ROWS, VOCABS, SHAPES
+    module = _module()
+    # every width in contiguous rows, and again in padded rows where padding changes the row stride
     results = [r for path, widths in (("whole", vocabs), ("sliced", [v // 2 for v in vocabs]))
-               for vocab in widths for r in measure(rows, vocab, shapes, device, path=path)]
+               for vocab in widths
+               for padded in ((False, True) if module.padded_width(vocab) != vocab else (False,))
+               for r in measure(rows, vocab, shapes, device, path=path, padded=padded)]
     probe = {"kernels": {"whole": "schedlang.kernels.fused_linear_cross_entropy._cross_entropy_kernel",
                          "sliced": "_statistics_kernel, then _gradient_kernel"}, "results": results}
     harness.write_probe("probe-loss-kernel", probe, gpus=0 if args.tiny else 1, results_dir=args.results_dir)
