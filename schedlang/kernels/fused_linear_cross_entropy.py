@@ -21,6 +21,10 @@ statistics pass, then the gradient pass, which often hits L2) and written once: 
 against eager's fp32 copy, softmax, loss and gradient kernels (about ``30 C V``). The GEMMs cost
 ``6 C V H`` FLOPs per chunk (forward, dx, dW), the same as unchunked.
 
+A chunk's logits live in a buffer whose rows are padded to a multiple of 16 elements (``ROW_ALIGNMENT``): with
+an odd vocabulary (GPT-2's 50257) unpadded rows would start off 16-byte boundaries, and both the Triton
+kernels' loads and cuBLAS's accesses of the logits would lose their vector width.
+
 ``dW`` accumulates in the weight's dtype across chunks (cuBLAS adds in fp32 and rounds once per
 chunk); with the default chunking of a few large chunks that is a few roundings.
 
@@ -59,45 +63,83 @@ logger = logging.getLogger("schedlang.kernels.fused_linear_cross_entropy")
 reference = fused_linear_cross_entropy_reference
 
 REDUCTIONS = ("mean", "sum", "none")
+#: a chunk's logits rows start every this many elements (the last ones of a row unused when the vocabulary is
+#: not a multiple): Triton specializes an integer argument divisible by 16, so the kernels' loads of a row are
+#: vectorized, and cuBLAS writes and reads rows on 16-byte boundaries
+ROW_ALIGNMENT = 16
 #: bytes of logits per chunk that the default chunk size aims at
 CHUNK_BYTES = 256 * 2 ** 20
 
 
 # ------------------------------------------------------------------------------------------- kernels
 @triton.jit
+def _statistics_block(base, cols, col_ok, local_target, row_max, sum_exp, target_logit):
+    """One block of a row into the online max, the rescaled sum of exponentials and the target's logit.
+    ``col_ok`` is None for a block wholly inside the row: its loads are unmasked, so they stay vectorized."""
+    if col_ok is None:
+        z = tl.load(base + cols[None, :]).to(tl.float32)
+        is_target = cols[None, :] == local_target[:, None]
+    else:
+        z = tl.load(base + cols[None, :], mask=col_ok[None, :], other=float("-inf")).to(tl.float32)
+        # a target past this slice's end may fall in the padding of the last block (where z = -inf)
+        is_target = (cols[None, :] == local_target[:, None]) & col_ok[None, :]
+    new_max = tl.maximum(row_max, tl.max(z, axis=1))
+    sum_exp = sum_exp * tl.exp(row_max - new_max) + tl.sum(tl.exp(z - new_max[:, None]), axis=1)
+    target_logit += tl.sum(tl.where(is_target, z, 0.0), axis=1)
+    return new_max, sum_exp, target_logit
+
+
+@triton.jit
 def _row_statistics(z_ptr, stride, rows, target, V, vocab_start, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr):
-    """Online max, sum of exp(z - max) and the target's logit (0 when outside [vocab_start, +V))."""
+    """Online max, sum of exp(z - max) and the target's logit (0 when outside [vocab_start, +V)).
+
+    Whole blocks are read without a mask: a mask bounded by a vocabulary that is not a multiple of 16 (GPT-2's
+    50257) would make every load of the row a scalar one. Only the last, partial block is masked."""
     local_target = target - vocab_start
     row_max = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     sum_exp = tl.zeros((BLOCK_M,), dtype=tl.float32)
     target_logit = tl.zeros((BLOCK_M,), dtype=tl.float32)
     base = z_ptr + rows.to(tl.int64)[:, None] * stride
-    for start in range(0, V, BLOCK_V):
+    full = V // BLOCK_V * BLOCK_V
+    for start in range(0, full, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
-        col_ok = cols < V
-        z = tl.load(base + cols[None, :], mask=col_ok[None, :], other=float("-inf")).to(tl.float32)
-        new_max = tl.maximum(row_max, tl.max(z, axis=1))
-        sum_exp = sum_exp * tl.exp(row_max - new_max) + tl.sum(tl.exp(z - new_max[:, None]), axis=1)
-        row_max = new_max
-        # a target past this slice's end may fall in the padding of the last block (where z = -inf)
-        is_target = (cols[None, :] == local_target[:, None]) & col_ok[None, :]
-        target_logit += tl.sum(tl.where(is_target, z, 0.0), axis=1)
+        row_max, sum_exp, target_logit = _statistics_block(base, cols, None, local_target, row_max, sum_exp,
+                                                           target_logit)
+    if full < V:
+        cols = full + tl.arange(0, BLOCK_V)
+        row_max, sum_exp, target_logit = _statistics_block(base, cols, cols < V, local_target, row_max, sum_exp,
+                                                           target_logit)
     return row_max, sum_exp, target_logit
+
+
+@triton.jit
+def _gradient_block(base, cols, col_ok, row_ok, local_target, valid, lse, scale, DTYPE: tl.constexpr):
+    """One block of a row's logits replaced by their gradient (``col_ok`` None: a whole block, unmasked loads)."""
+    if col_ok is None:
+        z = tl.load(base + cols[None, :]).to(tl.float32)
+        store_ok = row_ok[:, None] & (cols[None, :] >= 0)
+    else:
+        z = tl.load(base + cols[None, :], mask=col_ok[None, :], other=0.0).to(tl.float32)
+        store_ok = row_ok[:, None] & col_ok[None, :]
+    grad = tl.exp(z - lse[:, None]) - tl.where(cols[None, :] == local_target[:, None], 1.0, 0.0)
+    grad = tl.where(valid[:, None], grad * scale[:, None], 0.0)
+    tl.store(base + cols[None, :], cast_rounded(grad, DTYPE), mask=store_ok)
 
 
 @triton.jit
 def _write_row_gradients(z_ptr, stride, rows, row_ok, target, valid, lse, scale, V, vocab_start,
                          DTYPE: tl.constexpr, BLOCK_V: tl.constexpr):
-    """z <- (softmax(z) - onehot(target)) * scale, in place; 0 on rows whose target is ignored."""
+    """z <- (softmax(z) - onehot(target)) * scale, in place; 0 on rows whose target is ignored. Whole blocks
+    unmasked along the row, as in :func:`_row_statistics`."""
     local_target = target - vocab_start
     base = z_ptr + rows.to(tl.int64)[:, None] * stride
-    for start in range(0, V, BLOCK_V):
+    full = V // BLOCK_V * BLOCK_V
+    for start in range(0, full, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
-        col_ok = cols < V
-        z = tl.load(base + cols[None, :], mask=col_ok[None, :], other=0.0).to(tl.float32)
-        grad = tl.exp(z - lse[:, None]) - tl.where(cols[None, :] == local_target[:, None], 1.0, 0.0)
-        grad = tl.where(valid[:, None], grad * scale[:, None], 0.0)
-        tl.store(base + cols[None, :], cast_rounded(grad, DTYPE), mask=row_ok[:, None] & col_ok[None, :])
+        _gradient_block(base, cols, None, row_ok, local_target, valid, lse, scale, DTYPE)
+    if full < V:
+        cols = full + tl.arange(0, BLOCK_V)
+        _gradient_block(base, cols, cols < V, row_ok, local_target, valid, lse, scale, DTYPE)
 
 
 @triton.jit
@@ -155,9 +197,10 @@ def rows_aligned(logits: torch.Tensor) -> bool:
 
 def _launch_shape(vocab: int, aligned_rows: bool = True) -> dict:
     """Rows per program, vocabulary block and warps. On the GPU one program streams one row in blocks
-    of up to 2048 logits, with 4 warps, or 8 where a row does not start on a 16-byte boundary
-    (``aligned_rows=False``, an odd vocabulary such as GPT-2's 50257): its loads cannot be vectorized,
-    and more warps keep more of them in flight. The interpreter takes many rows per program (it runs
+    of up to 2048 logits, with 4 warps, or 8 where the row stride is not a multiple of
+    :data:`ROW_ALIGNMENT` (``aligned_rows=False``; :func:`_logits` pads the rows of an odd vocabulary
+    such as GPT-2's 50257, except under autocast to another dtype): such a row's loads cannot be
+    vectorized, and more warps keep more of them in flight. The interpreter takes many rows per program (it runs
     programs serially).
 
     Measured on an H200 (``bench/probe_loss_kernel.py``: 4096 rows, bf16, ms per call of the loss
@@ -230,8 +273,29 @@ def _chunk_cross_entropy(setup, logits, target, loss, lse, write_grad, scale=Non
                                DTYPE=dtype, **shape)
 
 
+def padded_width(vocab: int) -> int:
+    """The row stride, in elements, of a chunk's logits: ``vocab`` rounded up to :data:`ROW_ALIGNMENT`."""
+    return -(-vocab // ROW_ALIGNMENT) * ROW_ALIGNMENT
+
+
 def _logits(x_c, weight, bias):
-    return torch.addmm(bias, x_c, weight.t()) if bias is not None else x_c @ weight.t()
+    """``x_c @ weight.t() (+ bias)``: the first ``vocab`` columns of a buffer whose rows are padded to
+    :data:`ROW_ALIGNMENT` elements, so that an odd vocabulary (GPT-2's 50257) gets aligned rows too. Under
+    autocast to another dtype than the operands' the matmul keeps autocast's casts (an ``out=`` matmul would
+    skip them), and its rows are not padded."""
+    vocab = weight.shape[0]
+    width = padded_width(vocab)
+    device_type = x_c.device.type
+    casts = torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type) != x_c.dtype
+    if width == vocab or casts:
+        return torch.addmm(bias, x_c, weight.t()) if bias is not None else x_c @ weight.t()
+    buffer = torch.empty((x_c.shape[0], width), dtype=x_c.dtype, device=x_c.device)
+    # the padding is zeroed: a matmul may read it (the CPU's bf16 GEMM does, and a NaN there leaks into dx)
+    buffer[:, vocab:].zero_()
+    out = buffer[:, :vocab]
+    if bias is not None:
+        return torch.addmm(bias, x_c, weight.t(), out=out)
+    return torch.mm(x_c, weight.t(), out=out)
 
 
 def _run_chunks(setup, x, weight, bias, target, need, loss=None, lse=None, scale=None):

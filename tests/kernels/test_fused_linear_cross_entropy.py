@@ -44,6 +44,7 @@ def _loss_and_grads(fn, h, w, b, t, reduction, **kw):
     (7, 96, 257, None, "sum", True),      # one chunk, odd vocabulary, bias
     (100, 64, 1000, 32, "none", True),    # per-token loss: gradients recomputed in backward
     (9, 32, 2500, 4, "mean", False),      # rows wider than one block: each row streamed in blocks, twice
+    (10, 32, 2100, 4, "none", True),      # whole blocks unmasked and a masked tail, gradients in backward
 ])
 def test_matches_reference(tokens, hidden, vocab, chunk, reduction, bias, dtype):
     h, w, b, t = _problem(tokens, hidden, vocab, dtype, bias)
@@ -88,6 +89,25 @@ def test_launch_shape_streams_rows_in_blocks_of_2048_with_more_warps_for_unalign
     assert flce._launch_shape(100, aligned_rows=False) == {"BLOCK_M": 1, "BLOCK_V": 128, "num_warps": 4}
     monkeypatch.setattr(flce, "interpreting", lambda: True)  # many rows per program, blocks of at most 1024
     assert flce._launch_shape(2500) == {"BLOCK_M": 4, "BLOCK_V": 1024}
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_chunks_logits_rows_are_padded_to_the_row_alignment(bias):
+    flce = importlib.import_module("schedlang.kernels.fused_linear_cross_entropy")
+    h, w, b, _ = _problem(6, 32, 50, torch.float32, bias)
+    b = b if bias else None
+    logits = flce._logits(h, w, b)
+    assert logits.shape == (6, 50) and logits.stride() == (64, 1)  # 50 columns in rows of 64
+    torch.testing.assert_close(logits, F.linear(h, w, b))
+    padding = logits.as_strided((6, 14), (64, 1), logits.storage_offset() + 50)
+    assert torch.equal(padding, torch.zeros_like(padding))  # zeroed: the CPU's bf16 GEMM reads it
+    # a vocabulary that is a multiple of the alignment is not padded
+    assert flce._logits(h, w[:48], None).stride() == (48, 1)
+    assert [flce.padded_width(v) for v in (1, 16, 50257, 32000)] == [16, 16, 50272, 32000]
+    # under autocast to another dtype the matmul keeps autocast's cast, unpadded
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cast = flce._logits(h, w, b)
+    assert cast.dtype == torch.bfloat16 and cast.is_contiguous()
 
 
 def test_default_chunk_size():
