@@ -8,11 +8,18 @@ def test_tiny_run_checks_each_launch_shape_and_writes_a_probe_without_rows(bench
     out = probe.main(["--tiny", "--results-dir", str(tmp_path)])
     results = out["results"]
     slices = [v // 2 for v in probe.TINY_VOCABS]
-    assert [(r["path"], r["vocab"]) for r in results if r["launch"] == "default"] == (
-        [("whole", v) for v in probe.TINY_VOCABS] + [("sliced", v) for v in slices])
-    for path, vocab in [("whole", v) for v in probe.TINY_VOCABS] + [("sliced", v) for v in slices]:
-        launches = [r["launch"] for r in results if (r["path"], r["vocab"]) == (path, vocab)]
-        assert launches == ["default", "v128-w4-m1", "v64-w4-m2"]
+    # each width in contiguous rows, then in padded rows where padding changes the stride (128 needs none)
+    widths = [("whole", v) for v in probe.TINY_VOCABS] + [("sliced", v) for v in slices]
+    assert slices == [50, 128]
+    strides = {100: [100, 112], 257: [257, 272], 50: [50, 64], 128: [128]}
+    assert [(r["path"], r["vocab"], r["row_stride"]) for r in results if r["launch"] == "default"] == [
+        (path, vocab, stride) for path, vocab in widths for stride in strides[vocab]]
+    assert [r["rows_aligned"] for r in results if r["launch"] == "default"] == [
+        stride * 2 % 16 == 0 for _, vocab in widths for stride in strides[vocab]]
+    for path, vocab in widths:
+        for stride in strides[vocab]:
+            launches = [r["launch"] for r in results if (r["path"], r["vocab"], r["row_stride"]) == (path, vocab, stride)]
+            assert launches == ["default", "v128-w4-m1", "v64-w4-m2"]
     assert all(r["check"] == "ok" and r["ms"] > 0 for r in results), results
     (path,) = tmp_path.glob("*-probe-loss-kernel.json")
     data = json.loads(path.read_text())
@@ -32,5 +39,7 @@ def test_a_wrong_gradient_fails_the_check(bench, monkeypatch):
     import torch
 
     for path in ("whole", "sliced"):
-        (row, *_) = probe.measure(probe.TINY_ROWS, 100, (), torch.device("cpu"), path=path)
-        assert row["launch"] == "default" and row["check"].startswith("FAIL")
+        for padded in (False, True):
+            (row, *_) = probe.measure(probe.TINY_ROWS, 100, (), torch.device("cpu"), path=path, padded=padded)
+            assert row["launch"] == "default" and row["check"].startswith("FAIL")
+            assert row["row_stride"] == (112 if padded else 100)
