@@ -85,7 +85,7 @@ schedlang's, through its schedule API:
   host issues a step in one replay instead of ~1,300 launches, and the GPU has no gaps waiting on it;
   ``-mw-graph-pdl`` and ``-mw-graph-pdl-mixtune`` combine it with the Inductor options below;
   ``schedlang-optimize-fp8-mw-graph`` (``-pdl``): the float8 step replayed whole from one graph the same way
-  (its layers compiled without graphs of their own, which a whole-step capture cannot nest);
+  (its layers compiled without graphs of their own: the whole-step capture records their kernels itself);
 * ``schedlang-optimize-mw-proj``: ``schedlang-optimize-mw`` with ``optimize_model(fuse_projections=True)``: in
   the compiled layers q|k|v and gate|up run as one GEMM each, on weights concatenated per call;
   ``-mw-cdt`` (``-mw-proj-cdt``): with Inductor's coordinate-descent tuning of its kernels' block sizes
