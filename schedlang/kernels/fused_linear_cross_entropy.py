@@ -197,9 +197,9 @@ def rows_aligned(logits: torch.Tensor) -> bool:
 
 def _launch_shape(vocab: int, aligned_rows: bool = True) -> dict:
     """Rows per program, vocabulary block and warps. On the GPU one program streams one row in blocks
-    of up to 2048 logits, with 4 warps, or 8 where the row stride is not a multiple of
-    :data:`ROW_ALIGNMENT` (``aligned_rows=False``; :func:`_logits` pads the rows of an odd vocabulary
-    such as GPT-2's 50257, except under autocast to another dtype): such a row's loads cannot be
+    of up to 2048 logits, with 4 warps, or 8 where a row does not start on a 16-byte boundary
+    (``aligned_rows=False``, :func:`rows_aligned`: an odd vocabulary such as GPT-2's 50257 in rows that
+    :func:`_logits` left unpadded, under autocast to another dtype): such a row's loads cannot be
     vectorized, and more warps keep more of them in flight. The interpreter takes many rows per program (it runs
     programs serially).
 
