@@ -100,7 +100,8 @@ schedlang's, through its schedule API:
   launch (a kernel's start overlaps the tail of the one before it, Hopper); ``-mw-nomix``: without its
   mix-order reductions (a norm's weight-gradient column sums fused into a row-reduction kernel);
   ``-mw-mixtune``: with them, their split into partial sums autotuned (fewer partial rows leave less for
-  the eager sum that finishes them); ``-mw-tritonmm``: every GEMM of the layers as one of Inductor's Triton
+  the eager sum that finishes them); ``-mw-graph-pdl-mix32`` / ``-mix64``: that split fixed at 32 or 64 rows
+  (Inductor's default on an H200 is 16: 512 partial rows per sum, which eager ``sum(dim=0)`` takes 16 us for); ``-mw-tritonmm``: every GEMM of the layers as one of Inductor's Triton
   templates (persistent TMA ones included), into whose prologues and epilogues Inductor can take the
   pointwise work around them (the norms' scaling and casts, SwiGLU, residual adds): the GEMM fusion
   cuBLAS cannot do, at the templates' speed;
@@ -215,7 +216,8 @@ CHECKPOINT_STRIDES = (4, 2, 1)
 # on Hopper) that can take the following pointwise ops into their epilogue, cuBLAS kept where it is faster;
 # -pw, more block shapes tried for pointwise kernels; -nd / -bp / -tma, n-dimensional tiling, block pointers,
 # tensor descriptors (experimental in Inductor); -pdl, programmatic dependent launch; -nomix, no mix-order
-# reductions; -mixtune, their split autotuned; -tritonmm, every GEMM a Triton template (no cuBLAS)
+# reductions; -mixtune, their split autotuned; -mix32 / -mix64, their split fixed at 32 / 64 rows per partial sum
+# (fewer partial rows for the eager sums that finish them); -tritonmm, every GEMM a Triton template (no cuBLAS)
 TUNING = {"cdt": {"coordinate_descent_tuning": True},
           "autotune": {"max_autotune": True, "triton.enable_persistent_tma_matmul": True},
           "pw": {"max_autotune_pointwise": True},
@@ -225,6 +227,8 @@ TUNING = {"cdt": {"coordinate_descent_tuning": True},
           "pdl": {"triton.enable_pdl": True},
           "nomix": {"triton.mix_order_reduction": False},
           "mixtune": {"triton.mix_order_reduction_autotune_split_size": True},
+          "mix32": {"triton.mix_order_reduction_split_size": 32},
+          "mix64": {"triton.mix_order_reduction_split_size": 64},
           "tritonmm": {"max_autotune": True, "max_autotune_gemm_backends": "TRITON",
                        "triton.enable_persistent_tma_matmul": True}}
 # schedlang-optimize[-fp8][-mw][-cg]: float8 Linears, fp32 master weights, per-layer CUDA graphs
@@ -232,7 +236,8 @@ OPTIMIZE_VARIANTS = tuple("schedlang-optimize" + fp8 + mw + cg for fp8 in ("", "
                           for cg in ("", "-cg")) + tuple(
     "schedlang-optimize-mw" + extra
     for extra in ("-graph", "-proj", "-cdt", "-proj-cdt", "-knorm", "-autotune", "-overlap", "-pdl", "-nomix",
-                  "-mixtune", "-tritonmm", "-graph-pdl", "-graph-pdl-mixtune")) + tuple(
+                  "-mixtune", "-tritonmm", "-graph-pdl", "-graph-pdl-mixtune", "-graph-pdl-mix32",
+                  "-graph-pdl-mix64")) + tuple(
     "schedlang-optimize-fp8-mw-cg" + extra for extra in ("-cdt", "-pw", "-pw-cdt", "-nd", "-bp-nd", "-tma-nd")) + (
     "schedlang-optimize-fp8-mw-graph", "schedlang-optimize-fp8-mw-graph-pdl")
 SCHEDLANG = ("schedlang-layers", *OPTIMIZE_VARIANTS, *(f"schedlang-optimize-ckpt{n}" for n in CHECKPOINT_STRIDES),

@@ -383,13 +383,24 @@ class LinearCrossEntropy(torch.autograd.Function):
             dx, dw, db = _run_chunks(ctx.setup, x, weight, bias, t, ctx.need, lse=lse, scale=scale)
             factor = None
 
-        def scaled(g):
-            return g * factor.to(g.dtype) if (g is not None and factor is not None) else g
-
-        dx = scaled(dx)
+        if factor is not None:
+            _scale_in_place([g for g in (dx, dw, db) if g is not None], factor)
         dx = dx.view(ctx.hidden_shape) if dx is not None else None
-        db = scaled(db).to(ctx.bias_dtype) if db is not None else None
-        return dx, scaled(dw), db, None, None, None, None, None, None
+        db = db.to(ctx.bias_dtype) if db is not None else None
+        return dx, dw, db, None, None, None, None, None, None
+
+
+def _scale_in_place(grads, factor: torch.Tensor) -> None:
+    """Multiply the gradients (this function's own buffers) by the 0-d ``factor`` in place, one foreach launch
+    per dtype. ``g * factor`` with a 0-d device tensor is a broadcasting kernel that does not vectorize: on an
+    H200 it took 149 us for a 32000 x 2048 bf16 weight gradient, about a third of the memory's speed. The
+    foreach kernel takes its scalar in the tensors' dtype and multiplies in fp32, as ``g * factor.to(g.dtype)``
+    does."""
+    by_dtype = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    for dtype, group in by_dtype.items():
+        torch._foreach_mul_(group, factor.to(dtype))
 
 
 def check_arguments(name: str, hidden, weight, target, reduction, chunk_size, bias, ignore_index: int = -100,

@@ -179,6 +179,11 @@ class FusedLinearCrossEntropyHead(nn.Linear):
     ``cross_entropy(hidden @ weight.T + bias, shifted labels)`` in one fused kernel.
     """
 
+    #: the weight is read only as a matmul operand in the compute dtype, so
+    #: :func:`schedlang.optim.master_weight_groups` gives it an fp32 master and a bf16 copy like a Linear's (no
+    #: cast of the vocabulary's weight each forward, nor of its gradient each backward)
+    weight_is_matmul_operand = True
+
     def __init__(self, head: nn.Linear):
         with torch.device("meta"):
             super().__init__(head.in_features, head.out_features, bias=head.bias is not None)

@@ -122,12 +122,12 @@ def master_weight_groups(model: nn.Module, compute_dtype: torch.dtype = torch.bf
     rest as they are.
 
     The first group (``master_weights=True``) holds the plain fp32 weights of the model's ``nn.Linear``
-    modules (and HF's ``Conv1D``, GPT-2's transposed Linear, and torchao's ``Float8Linear``, so a float8
-    model casts bf16 weights to float8) that no other module also holds; the second every other trainable
-    parameter. Embeddings, norms and biases stay fp32, so what they compute does not change (an fp32
-    embedding keeps the residual stream in fp32, as under autocast), and so does a weight shared with
-    another module (a head tied to the embedding, which the embedding reads in fp32). Empty groups are
-    left out.
+    modules (and HF's ``Conv1D``, GPT-2's transposed Linear; torchao's ``Float8Linear``, so a float8
+    model casts bf16 weights to float8; and the fused loss head of ``optimize_model``) that no other module
+    also holds; the second every other trainable parameter. Embeddings, norms and biases stay fp32, so what
+    they compute does not change (an fp32 embedding keeps the residual stream in fp32, as under autocast),
+    and so does a weight shared with another module (a head tied to the embedding, which the embedding
+    reads in fp32). Empty groups are left out.
 
     Example::
 
@@ -161,10 +161,12 @@ def _is_matmul_module(module: nn.Module) -> bool:
     """A plain ``nn.Linear``; transformers' ``Conv1D`` (GPT-2's Linear with a transposed weight, one
     ``addmm``); or torchao's ``Float8Linear`` (float8 training): the modules whose weight is cast for a
     matmul every step. A float8 Linear scales and casts a bf16 weight as it does an fp32 one, reading half
-    the bytes, and its weight gradient comes out in bf16 without the cast to fp32. Other subclasses (fused
-    heads, sharded Linears) keep their own handling of the weight."""
+    the bytes, and its weight gradient comes out in bf16 without the cast to fp32. A class that declares
+    ``weight_is_matmul_operand = True`` is one too: schedlang's fused linear + cross-entropy head, whose
+    loss kernel reads the weight cast to the compute dtype. Other subclasses (sharded Linears) keep their
+    own handling of the weight."""
     cls = type(module)
-    if cls is nn.Linear:
+    if cls is nn.Linear or getattr(cls, "weight_is_matmul_operand", False) is True:
         return True
     if cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers."):
         return True

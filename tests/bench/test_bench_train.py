@@ -147,7 +147,7 @@ def test_master_weights_variant_runs_only_with_schedlang_fused_adamw_on_every_ro
 
 def test_optimize_variant_names_compose_float8_master_weights_and_cuda_graphs(bench):
     train = bench("bench_train")
-    assert len(set(train.OPTIMIZE_VARIANTS)) == 29
+    assert len(set(train.OPTIMIZE_VARIANTS)) == 31
     assert {"schedlang-optimize", "schedlang-optimize-fp8-cg", "schedlang-optimize-mw-cg",
             "schedlang-optimize-fp8-mw-cg", "schedlang-optimize-mw-graph", "schedlang-optimize-mw-proj",
             "schedlang-optimize-mw-cdt", "schedlang-optimize-mw-proj-cdt",
@@ -155,7 +155,8 @@ def test_optimize_variant_names_compose_float8_master_weights_and_cuda_graphs(be
             "schedlang-optimize-mw-overlap", "schedlang-optimize-fp8-mw-cg-pw-cdt",
             "schedlang-optimize-fp8-mw-cg-tma-nd", "schedlang-optimize-mw-mixtune",
             "schedlang-optimize-mw-tritonmm", "schedlang-optimize-fp8-mw-cg-nd",
-            "schedlang-optimize-mw-graph-pdl-mixtune", "schedlang-optimize-fp8-mw-graph"} <= set(train.OPTIMIZE_VARIANTS)
+            "schedlang-optimize-mw-graph-pdl-mixtune", "schedlang-optimize-mw-graph-pdl-mix64",
+            "schedlang-optimize-fp8-mw-graph"} <= set(train.OPTIMIZE_VARIANTS)
     with pytest.raises(ValueError, match="unknown variant 'schedlang-optimize-cg-mw'"):
         train.make_variant(None, "schedlang-optimize-cg-mw", None)
 

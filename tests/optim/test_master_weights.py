@@ -428,3 +428,42 @@ def test_gpt2_conv1d_weights_take_master_weights_and_train_like_autocast():
     for name, value in twin.state_dict().items():
         if value.is_floating_point():
             torch.testing.assert_close(masters[name], value, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_fused_loss_head_takes_a_master_and_trains_like_autocast():
+    """optimize_model's fused linear + cross-entropy head reads its weight only as a matmul operand: its weight
+    gets an fp32 master and a bf16 copy like a Linear's (no cast of the vocabulary's weight each step), and the
+    first step's gradients are autocast's over fp32 weights, bit for bit."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import schedlang
+    from schedlang.models import optimize_model
+    from schedlang.models.optimize import FusedLinearCrossEntropyHead
+
+    cfg = LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=72,
+                      vocab_size=97, max_position_embeddings=32)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    schedules = []
+    for _ in range(2):
+        sch = schedlang.create_schedule(model)
+        optimize_model(sch, compile=None)
+        schedules.append(sch)
+    built, opt = schedlang.build(schedules[0], optimizer="adamw", lr=1e-2, master_weights=True)
+    twin, ref_opt = schedlang.build(schedules[1], optimizer="adamw", lr=1e-2)
+    assert isinstance(built.lm_head, FusedLinearCrossEntropyHead)
+    assert built.lm_head.weight.dtype == torch.bfloat16
+    assert twin.lm_head.weight.dtype == model.lm_head.weight.dtype == torch.float32  # the user's model untouched
+    ids = torch.randint(0, cfg.vocab_size, (3, 11), generator=torch.Generator().manual_seed(1))
+    ids[1, 4:] = 5  # repeated labels, and a count of labels (3 x 10) that is not a power of two
+    for m in (built, twin):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            m(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    twins = dict(twin.named_parameters())
+    for name, p in built.named_parameters():
+        assert torch.equal(p.grad.float(), twins[name].grad), name
+    opt.step()
+    ref_opt.step()
+    masters = opt.master_state_dict(built)
+    for name, value in twin.state_dict().items():
+        torch.testing.assert_close(masters[name], value, rtol=1e-6, atol=1e-7, msg=name)
