@@ -7,7 +7,10 @@ heads of 64, intermediate 5632, vocabulary 32000. Works:
 * ``rotary``: q (4, 32, 2048, 64) in HF's transposed layout and k (4, 4, 2048, 64);
 * ``swiglu``: silu(gate) * up on (8192, 5632);
 * ``linear_cross_entropy``: LM head + loss, 8192 x 2048 -> 32000 (eager and compiled materialize the
-  logits; schedlang's kernel at its default chunking and at 2048 / 8192 tokens per chunk).
+  logits; schedlang's kernel at its default chunking and at 2048 / 8192 tokens per chunk);
+* ``embedding``: the token lookup of 8192 ids in an fp32 (32000, 2048) weight, as in the training steps
+  (fp32 embedding, the residual stream in fp32), and its weight's gradient; ``embedding_pad_half``: the same
+  with half the ids one token (a padded batch), where one id has thousands of rows to sum.
 
 Each variant runs forward and backward (gradients of every input) in one call. ``ms`` is the GPU's
 time for the call (:func:`bench.harness.gpu_time_ms`: median, L2 flushed before each call, the host
@@ -116,14 +119,16 @@ def _variants(reference: Callable, ours: Callable, compile_baseline: bool, **ext
 
 
 def main(argv=None) -> None:
-    from schedlang.kernels import apply_rotary, fused_linear_cross_entropy, rms_norm, swiglu
+    from schedlang.kernels import apply_rotary, embedding, fused_linear_cross_entropy, rms_norm, swiglu
+    from schedlang.kernels.embedding import reference as embedding_reference
     from schedlang.kernels.fused_linear_cross_entropy import reference as lce_reference
     from schedlang.kernels.rms_norm import reference as rms_reference
     from schedlang.kernels.rotary import reference as rotary_reference
     from schedlang.kernels.swiglu import reference as swiglu_reference
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--works", default="rms_norm,add_rms_norm,rotary,swiglu,linear_cross_entropy")
+    parser.add_argument("--works", default="rms_norm,add_rms_norm,rotary,swiglu,linear_cross_entropy,embedding,"
+                                           "embedding_pad_half")
     parser.add_argument("--skip-compile", action="store_true", help="no torch.compile baselines")
     parser.add_argument("--results-dir", default=None, help="where the JSON goes (default: bench/results)")
     args = parser.parse_args(argv)
@@ -188,6 +193,21 @@ def main(argv=None) -> None:
             lambda: [leaf(TOKENS, HIDDEN), leaf(VOCAB, HIDDEN, scale=0.02)],
             lambda h, w: lce_reference(h, w, target),
             bytes_moved=0.0, flops=6.0 * TOKENS * HIDDEN * VOCAB, tolerance=3e-2)
+
+    for work in ("embedding", "embedding_pad_half"):
+        if work not in works:
+            continue
+        ids = torch.randint(0, VOCAB, (BATCH, SEQ), device=DEV)
+        if work == "embedding_pad_half":
+            ids[:, SEQ // 2:] = 0
+        # the output's forward write and read back, the incoming fp32 gradient, the weight's fp32 gradient
+        fp32 = 4
+        rows += bench_work(
+            work, _variants(lambda w, ids=ids: embedding_reference(ids, w), lambda w, ids=ids: embedding(ids, w),
+                            compile_baseline),
+            lambda: [torch.randn(VOCAB, HIDDEN, device=DEV).requires_grad_(True)],
+            lambda w, ids=ids: embedding_reference(ids, w),
+            bytes_moved=(3 * TOKENS + VOCAB) * HIDDEN * fp32, flops=0.0, tolerance=1e-4)
 
     path = write_results("kernels", rows, gpus=1,
                          directory=Path(args.results_dir) if args.results_dir else None)

@@ -4,6 +4,8 @@
   its forward, and an optional ``residual`` argument for the fused residual add;
 * :class:`FusedSwiGLUMLP`: LlamaMLP's children (``gate_proj``, ``up_proj``, ``down_proj``) with
   ``silu(gate) * up`` in one kernel;
+* :class:`FusedEmbedding`: ``nn.Embedding``'s parameter (``weight``) and attributes (``num_embeddings``,
+  ``embedding_dim``, ``padding_idx``), its lookup, and the weight's gradient from deterministic kernels;
 * :func:`fused_apply_rotary_pos_emb`: HF's ``apply_rotary_pos_emb`` signature;
 * :func:`fused_causal_lm_loss`: HF's causal-LM loss (labels shifted inside, ``-100`` ignored, mean over
   the counted tokens) straight from the last hidden states, without the logits.
@@ -12,7 +14,8 @@
 objects: nothing is copied, optimizers and checkpoints see the same names)::
 
     sch["model.norm"].replace(FusedRMSNorm.from_module(sch["model.norm"].mod))
-    sch.replace_all(LlamaMLP, FusedSwiGLUMLP.from_module)
+    sch.replace_all(LlamaMLP, lambda path, old: FusedSwiGLUMLP.from_module(old))
+    sch.replace_all(nn.Embedding, fused_embedding_like)   # from_module in replace_all's (path, old) form
     loss = fused_causal_lm_loss(model.model(ids).last_hidden_state, model.lm_head, labels)
 """
 
@@ -25,12 +28,14 @@ from torch import nn
 
 from schedlang.argument_checks import FLOATING_DTYPES, check_int, check_integer_tensor, check_number, check_tensor
 from schedlang.errors import ScheduleTypeError, ScheduleValueError
+from schedlang.kernels.embedding import embedding, normalized_padding_idx
 from schedlang.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
 from schedlang.kernels.rms_norm import check_compiled_form, rms_norm
 from schedlang.kernels.rotary import apply_rotary
 from schedlang.kernels.swiglu import swiglu
 
-__all__ = ["FusedRMSNorm", "FusedSwiGLUMLP", "fused_apply_rotary_pos_emb", "fused_causal_lm_loss"]
+__all__ = ["FusedRMSNorm", "FusedSwiGLUMLP", "FusedEmbedding", "fused_embedding_like", "fused_apply_rotary_pos_emb",
+           "fused_causal_lm_loss"]
 
 
 class FusedRMSNorm(nn.Module):
@@ -123,6 +128,78 @@ class FusedSwiGLUMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+class FusedEmbedding(nn.Module):
+    """A token embedding as ``nn.Embedding`` computes it (the same lookup, the same ``padding_idx``
+    rule), whose weight gradient comes from deterministic Triton kernels (see
+    :func:`~schedlang.kernels.embedding.embedding`).
+
+    Only ``nn.Embedding``'s default options are implemented: ``max_norm`` (renormalizing looked-up rows
+    in place), ``scale_grad_by_freq`` and ``sparse`` gradients are not, and :meth:`from_module` refuses
+    a module that sets them.
+
+    Example::
+
+        embed = FusedEmbedding.from_module(model.model.embed_tokens)   # shares its weight
+        sch.replace_all(nn.Embedding, fused_embedding_like)            # every nn.Embedding of a schedule
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: Optional[int] = None, device=None,
+                 dtype=None) -> None:
+        check_int("FusedEmbedding", "num_embeddings", num_embeddings, minimum=1)
+        check_int("FusedEmbedding", "embedding_dim", embedding_dim, minimum=1)
+        padding_idx = normalized_padding_idx("FusedEmbedding", padding_idx, num_embeddings)
+        super().__init__()
+        self.num_embeddings, self.embedding_dim, self.padding_idx = num_embeddings, embedding_dim, padding_idx
+        # nn.Embedding's initialization: N(0, 1), the padding row zero
+        self.weight = nn.Parameter(torch.randn(num_embeddings, embedding_dim, device=device, dtype=dtype))
+        if padding_idx is not None:
+            with torch.no_grad():
+                self.weight[padding_idx].zero_()
+
+    @classmethod
+    def from_module(cls, module: nn.Module) -> "FusedEmbedding":
+        """A FusedEmbedding sharing ``module``'s weight (the same ``Parameter``, not a copy) and keeping
+        its ``num_embeddings``, ``embedding_dim`` and ``padding_idx``; ``module`` is a plain
+        ``nn.Embedding`` with the default ``max_norm``, ``scale_grad_by_freq`` and ``sparse``."""
+        if not isinstance(module, nn.Embedding):
+            raise ScheduleTypeError(f"FusedEmbedding.from_module: {type(module).__name__} is not an nn.Embedding: "
+                                    f"expected an nn.Embedding (a 2-D 'weight' looked up by row)")
+        # a subclass that computes something else (HF's scaled word embeddings multiply by sqrt(hidden))
+        if type(module).forward is not nn.Embedding.forward:
+            raise ScheduleValueError(f"FusedEmbedding.from_module: {type(module).__name__} overrides "
+                                     f"nn.Embedding.forward: only a plain nn.Embedding's lookup is replaced")
+        for option, value, default in (("max_norm", module.max_norm, None),
+                                       ("scale_grad_by_freq", module.scale_grad_by_freq, False),
+                                       ("sparse", module.sparse, False)):
+            if value != default:
+                raise ScheduleValueError(f"FusedEmbedding.from_module: {type(module).__name__} has "
+                                         f"{option}={value!r}, which FusedEmbedding does not implement: only "
+                                         f"{option}={default!r} is supported")
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.num_embeddings, new.embedding_dim = module.num_embeddings, module.embedding_dim
+        new.padding_idx = module.padding_idx  # nn.Embedding keeps it normalized, in [0, num_embeddings)
+        new.weight = module.weight
+        return new
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return embedding(input, self.weight, self.padding_idx)
+
+    def extra_repr(self) -> str:
+        padding = f", padding_idx={self.padding_idx}" if self.padding_idx is not None else ""
+        return f"{self.num_embeddings}, {self.embedding_dim}{padding}"
+
+
+def fused_embedding_like(path: str, old: nn.Module) -> FusedEmbedding:
+    """``FusedEmbedding.from_module(old)``, in the ``make_fn(path, old_module)`` form ``replace_all`` calls.
+
+    Example::
+
+        sch.replace_all(nn.Embedding, fused_embedding_like)
+    """
+    return FusedEmbedding.from_module(old)
 
 
 def fused_apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -85,6 +85,11 @@ def test_three_steps_match_the_plain_model(make):
     assert any(a.startswith("checkpoint: 2 of 2") for a in info["applied"]), info
     if make is _llama and optimize._kernel("FusedRMSNorm")[0] is not None:
         assert "norms: 5 x LlamaRMSNorm -> FusedRMSNorm" in info["applied"], info
+    embed_path = "model.embed_tokens" if make is _llama else "transformer.wte"
+    assert f"embedding: {embed_path} -> FusedEmbedding (its weight's gradient from deterministic Triton kernels)" \
+        in info["applied"], info
+    assert type(built.get_input_embeddings()).__name__ == "FusedEmbedding"
+    assert type(model.get_input_embeddings()) is torch.nn.Embedding
     torch.testing.assert_close(_train(built, ids, labels), reference, rtol=1e-5, atol=1e-5)
     # and the gradients themselves (AdamW's steps do not change when a gradient is scaled, so the losses alone
     # would not notice a head whose weight gradient is off by a constant factor)
@@ -229,10 +234,39 @@ def test_missing_kernels_fall_back_with_a_reason(monkeypatch, caplog):
         built, _ = schedlang.build(sch)
         loss = built(input_ids=ids, labels=labels, use_cache=False).loss
     assert sch.metadata["optimize"]["skipped"]["norms"] == "schedlang.kernels has no FusedRMSNorm"
+    assert sch.metadata["optimize"]["skipped"]["embedding"] == "schedlang.kernels has no FusedEmbedding"
     assert "schedlang.kernels has no FusedRMSNorm" in caplog.text
     torch.testing.assert_close(loss, model(input_ids=ids, labels=labels, use_cache=False).loss)
     assert "loss: lm_head -> fused linear + cross entropy (fallback: schedlang.kernels has no " \
            "fused_linear_cross_entropy)" in sch.metadata["optimize"]["applied"]
+
+
+class _ScaledEmbedding(torch.nn.Embedding):
+    """An embedding that computes more than the lookup (as Gemma's scaled word embeddings do)."""
+
+    def forward(self, ids):
+        return super().forward(ids) * 2.0
+
+
+@pytest.mark.parametrize("change, reason", [
+    (lambda m: setattr(m.model, "embed_tokens", _ScaledEmbedding(97, 48)),
+     "the input embedding 'model.embed_tokens' is a _ScaledEmbedding, not a plain nn.Embedding (a scaled or sharded "
+     "embedding computes more than the lookup); kept"),
+    (lambda m: setattr(m.model.embed_tokens, "scale_grad_by_freq", True),
+     "the input embedding 'model.embed_tokens' sets max_norm, scale_grad_by_freq or sparse, which FusedEmbedding "
+     "does not compute; kept"),
+    (lambda m: m.model.embed_tokens.register_forward_hook(lambda mod, args, out: None),
+     "the input embedding 'model.embed_tokens' is sharded or hooked; kept"),
+], ids=["subclass", "scale-grad-by-freq", "hooked"])
+def test_an_embedding_that_computes_more_than_the_lookup_is_kept_with_a_reason(change, reason):
+    model = _llama()
+    change(model)
+    kept = type(model.model.embed_tokens)
+    sch = schedlang.create_schedule(model)
+    optimize_model(sch, compile=None)
+    assert sch.metadata["optimize"]["skipped"]["embedding"] == reason
+    built, _ = schedlang.build(sch)
+    assert type(built.model.embed_tokens) is kept
 
 
 @pytest.mark.parametrize("kwargs, message", [
