@@ -237,7 +237,7 @@ OPTIMIZE_VARIANTS = tuple("schedlang-optimize" + fp8 + mw + cg for fp8 in ("", "
     "schedlang-optimize-mw" + extra
     for extra in ("-graph", "-proj", "-cdt", "-proj-cdt", "-knorm", "-autotune", "-overlap", "-pdl", "-nomix",
                   "-mixtune", "-tritonmm", "-graph-pdl", "-graph-pdl-mixtune", "-graph-pdl-mix32",
-                  "-graph-pdl-mix64")) + tuple(
+                  "-graph-pdl-mix64", "-graph-pdl-mixtune-body")) + tuple(
     "schedlang-optimize-fp8-mw-cg" + extra for extra in ("-cdt", "-pw", "-pw-cdt", "-nd", "-bp-nd", "-tma-nd")) + (
     "schedlang-optimize-fp8-mw-graph", "schedlang-optimize-fp8-mw-graph-pdl")
 SCHEDLANG = ("schedlang-layers", *OPTIMIZE_VARIANTS, *(f"schedlang-optimize-ckpt{n}" for n in CHECKPOINT_STRIDES),
@@ -280,13 +280,15 @@ def _compile(ctx: B.Context, model) -> None:
 
 
 def _optimize(ctx: B.Context, sch, float8=None, cudagraphs: bool = False, checkpoint_every: int = 0,
-              fuse_projections: bool = False, tune_kernels: Sequence[str] = (), kernel_norms: bool = False
-              ) -> Dict[str, Any]:
+              fuse_projections: bool = False, tune_kernels: Sequence[str] = (), kernel_norms: bool = False,
+              whole_body: bool = False) -> Dict[str, Any]:
     from schedlang.models import optimize_model
 
     compile = ("layers-cudagraphs" if cudagraphs and ctx.cuda else "layers") if ctx.args.compile else None
     tuned = ({"options": {k: v for name in tune_kernels for k, v in TUNING[name].items()}}
              if tune_kernels and compile is not None else None)
+    if whole_body:  # the body is compiled after build, as one graph (_compile_body); the layers not on their own
+        compile, tuned = None, None
     optimize_model(sch, compile=compile, float8=float8, selective_checkpoint=checkpoint_every or None,
                    fuse_projections=fuse_projections and compile is not None, compile_options=tuned,
                    compiled_norms="kernel" if kernel_norms else "inductor")
@@ -313,14 +315,16 @@ def _null():
 def make_schedlang_single(ctx: B.Context, cfg, optimize: bool, float8=None, cudagraph_layers: bool = False,
                           checkpoint_every: int = 0, master_weights: bool = False, captured_step: bool = False,
                           fuse_projections: bool = False, tune_kernels: Sequence[str] = (),
-                          kernel_norms: bool = False, overlap_optimizer: bool = False) -> B.Setup:
+                          kernel_norms: bool = False, overlap_optimizer: bool = False,
+                          whole_body: bool = False) -> B.Setup:
     import schedlang
 
     if master_weights:
         _need_master_weights(ctx)
     sch = schedlang.create_schedule(B.full_model(cfg, ctx.device))
     info = (_optimize(ctx, sch, float8, cudagraphs=cudagraph_layers, checkpoint_every=checkpoint_every,
-                      fuse_projections=fuse_projections, tune_kernels=tune_kernels, kernel_norms=kernel_norms)
+                      fuse_projections=fuse_projections, tune_kernels=tune_kernels, kernel_norms=kernel_norms,
+                      whole_body=whole_body)
             if optimize else None)
     if master_weights:
         from schedlang.optim import FusedAdamW, master_weight_groups
@@ -331,9 +335,12 @@ def make_schedlang_single(ctx: B.Context, cfg, optimize: bool, float8=None, cuda
     else:
         model, opt = _build(ctx, sch)
     del sch  # the schedule holds the original; let it go before the timed steps
+    if whole_body and ctx.args.compile:
+        _compile_body(model, tune_kernels)
     if optimize:
         setup = B.Setup(model, opt, _labels_loss(ctx, model), notes={"loss": "fused linear + cross entropy (labels=)",
-                                                                     "optimize": info, "compile": "layers",
+                                                                     "optimize": info,
+                                                                     "compile": "body" if whole_body else "layers",
                                                                      "master_weights": master_weights or None})
         if captured_step:
             _capture_whole_step(ctx, setup)
@@ -342,6 +349,15 @@ def make_schedlang_single(ctx: B.Context, cfg, optimize: bool, float8=None, cuda
     loss_fn = B._head_loss(ctx, B.body(model), model.lm_head)
     return B.Setup(model, opt, loss_fn, notes={"loss": "body -> lm_head -> F.cross_entropy (fp32)",
                                                "compile": "layers"})
+
+
+def _compile_body(model, tune_kernels: Sequence[str]) -> None:
+    """The model's body (embedding, every decoder layer, the final norm) compiled as one graph, in place, with the
+    row's Inductor options: the compiler can fuse across the layers' boundaries (a layer's last residual add with
+    the next layer's norm; in the backward, the next layer's gradient with its cast to bf16), which layers
+    compiled one by one cannot. The schedlang kernels inside it run as their PyTorch references (traced)."""
+    options = {k: v for name in tune_kernels for k, v in TUNING[name].items()}
+    B.body(model).compile(**({"options": options} if options else {}))
 
 
 class LayerwiseOverlappedAdamW:
@@ -561,7 +577,7 @@ def make_variant(ctx: B.Context, name: str, cfg) -> B.Setup:
                                      cudagraph_layers="cg" in options, master_weights="mw" in options,
                                      captured_step="graph" in options, fuse_projections="proj" in options,
                                      tune_kernels=tuple(sorted(options & set(TUNING))), kernel_norms="knorm" in options,
-                                     overlap_optimizer="overlap" in options)
+                                     overlap_optimizer="overlap" in options, whole_body="body" in options)
     if name.startswith("schedlang-optimize-ckpt") and name in SCHEDLANG:
         return make_schedlang_single(ctx, cfg, optimize=True, checkpoint_every=int(name.rpartition("ckpt")[2]))
     if name in ("schedlang-tp", "schedlang-tp-optimize", "schedlang-tp-optimize-cg"):
