@@ -355,9 +355,23 @@ def _compile_body(model, tune_kernels: Sequence[str]) -> None:
     """The model's body (embedding, every decoder layer, the final norm) compiled as one graph, in place, with the
     row's Inductor options: the compiler can fuse across the layers' boundaries (a layer's last residual add with
     the next layer's norm; in the backward, the next layer's gradient with its cast to bf16), which layers
-    compiled one by one cannot. The schedlang kernels inside it run as their PyTorch references (traced)."""
+    compiled one by one cannot. The schedlang kernels inside it run as their PyTorch references (traced).
+
+    Two parts stay eager, as they are when the layers are compiled one by one: the causal mask (transformers
+    builds a full mask while it is traced, which SDPA then applies instead of skipping the masked blocks: three
+    times the attention's time, measured) and the rotary embedding's cos / sin (traced, the compiler recomputes
+    them inside every layer's rotary kernel)."""
+    import sys as _sys
+
+    body = B.body(model)
+    rotary = getattr(body, "rotary_emb", None)
+    if rotary is not None:
+        rotary.forward = torch.compiler.disable(rotary.forward)
+    family = _sys.modules[type(body).__module__]
+    if hasattr(family, "create_causal_mask"):  # the family's module, for every model of it in this process
+        family.create_causal_mask = torch.compiler.disable(family.create_causal_mask)
     options = {k: v for name in tune_kernels for k, v in TUNING[name].items()}
-    B.body(model).compile(**({"options": options} if options else {}))
+    body.compile(**({"options": options} if options else {}))
 
 
 class LayerwiseOverlappedAdamW:
