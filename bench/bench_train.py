@@ -83,7 +83,10 @@ schedlang's, through its schedule API:
 * ``schedlang-optimize-mw-graph``: ``schedlang-optimize-mw`` with the whole step (forward, backward and the
   FusedAdamW step) replayed from one CUDA graph (``schedlang.CapturedStep``) after eager warm-up steps: the
   host issues a step in one replay instead of ~1,300 launches, and the GPU has no gaps waiting on it;
-  ``-mw-graph-pdl`` and ``-mw-graph-pdl-mixtune`` combine it with the Inductor options below;
+  ``-mw-graph-pdl`` and ``-mw-graph-pdl-mixtune`` (``-cdt``) combine it with the Inductor options below;
+  ``-mw-graph-pdl-mixtune-body`` compiles the model's body as one graph instead of each layer on its own, so
+  the compiler can fuse across the layers' boundaries (an experiment: its causal mask and rotary cos / sin are
+  kept eager by patching the model family's module in this process, see ``_compile_body``);
   ``schedlang-optimize-fp8-mw-graph`` (``-pdl``): the float8 step replayed whole from one graph the same way
   (its layers compiled without graphs of their own: the whole-step capture records their kernels itself);
 * ``schedlang-optimize-mw-proj``: ``schedlang-optimize-mw`` with ``optimize_model(fuse_projections=True)``: in
@@ -237,7 +240,7 @@ OPTIMIZE_VARIANTS = tuple("schedlang-optimize" + fp8 + mw + cg for fp8 in ("", "
     "schedlang-optimize-mw" + extra
     for extra in ("-graph", "-proj", "-cdt", "-proj-cdt", "-knorm", "-autotune", "-overlap", "-pdl", "-nomix",
                   "-mixtune", "-tritonmm", "-graph-pdl", "-graph-pdl-mixtune", "-graph-pdl-mix32",
-                  "-graph-pdl-mix64", "-graph-pdl-mixtune-body")) + tuple(
+                  "-graph-pdl-mix64", "-graph-pdl-mixtune-body", "-graph-pdl-mixtune-cdt")) + tuple(
     "schedlang-optimize-fp8-mw-cg" + extra for extra in ("-cdt", "-pw", "-pw-cdt", "-nd", "-bp-nd", "-tma-nd")) + (
     "schedlang-optimize-fp8-mw-graph", "schedlang-optimize-fp8-mw-graph-pdl")
 SCHEDLANG = ("schedlang-layers", *OPTIMIZE_VARIANTS, *(f"schedlang-optimize-ckpt{n}" for n in CHECKPOINT_STRIDES),
