@@ -130,14 +130,16 @@ class FusedSwiGLUMLP(nn.Module):
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
-class FusedEmbedding(nn.Module):
+class FusedEmbedding(nn.Embedding):
     """A token embedding as ``nn.Embedding`` computes it (the same lookup, the same ``padding_idx``
     rule), whose weight gradient comes from deterministic Triton kernels (see
     :func:`~schedlang.kernels.embedding.embedding`).
 
-    Only ``nn.Embedding``'s default options are implemented: ``max_norm`` (renormalizing looked-up rows
-    in place), ``scale_grad_by_freq`` and ``sparse`` gradients are not, and :meth:`from_module` refuses
-    a module that sets them.
+    It is an ``nn.Embedding`` (the same attributes and initialization), so what treats one as such keeps
+    working: transformers' ``_init_weights`` initializes it when a model is built on the meta device,
+    ``get_input_embeddings`` and weight tying find it. Only ``nn.Embedding``'s default options are
+    implemented: ``max_norm`` (renormalizing looked-up rows in place), ``scale_grad_by_freq`` and
+    ``sparse`` gradients are not; the constructor and :meth:`from_module` refuse them.
 
     Example::
 
@@ -150,13 +152,8 @@ class FusedEmbedding(nn.Module):
         check_int("FusedEmbedding", "num_embeddings", num_embeddings, minimum=1)
         check_int("FusedEmbedding", "embedding_dim", embedding_dim, minimum=1)
         padding_idx = normalized_padding_idx("FusedEmbedding", padding_idx, num_embeddings)
-        super().__init__()
-        self.num_embeddings, self.embedding_dim, self.padding_idx = num_embeddings, embedding_dim, padding_idx
         # nn.Embedding's initialization: N(0, 1), the padding row zero
-        self.weight = nn.Parameter(torch.randn(num_embeddings, embedding_dim, device=device, dtype=dtype))
-        if padding_idx is not None:
-            with torch.no_grad():
-                self.weight[padding_idx].zero_()
+        super().__init__(num_embeddings, embedding_dim, padding_idx=padding_idx, device=device, dtype=dtype)
 
     @classmethod
     def from_module(cls, module: nn.Module) -> "FusedEmbedding":
@@ -177,19 +174,14 @@ class FusedEmbedding(nn.Module):
                 raise ScheduleValueError(f"FusedEmbedding.from_module: {type(module).__name__} has "
                                          f"{option}={value!r}, which FusedEmbedding does not implement: only "
                                          f"{option}={default!r} is supported")
-        new = cls.__new__(cls)
-        nn.Module.__init__(new)
-        new.num_embeddings, new.embedding_dim = module.num_embeddings, module.embedding_dim
-        new.padding_idx = module.padding_idx  # nn.Embedding keeps it normalized, in [0, num_embeddings)
+        # made on the meta device (nothing allocated, nothing drawn), then given the module's own weight
+        new = cls(module.num_embeddings, module.embedding_dim, padding_idx=module.padding_idx, device="meta",
+                  dtype=module.weight.dtype)
         new.weight = module.weight
         return new
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         return embedding(input, self.weight, self.padding_idx)
-
-    def extra_repr(self) -> str:
-        padding = f", padding_idx={self.padding_idx}" if self.padding_idx is not None else ""
-        return f"{self.num_embeddings}, {self.embedding_dim}{padding}"
 
 
 def fused_embedding_like(path: str, old: nn.Module) -> FusedEmbedding:

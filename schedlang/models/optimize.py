@@ -181,6 +181,10 @@ def _fuse_embedding(sch, done: List[str], skipped: Dict[str, str]) -> None:
     if not path:
         skipped["embedding"] = f"{type(root.mod).__name__} names no input embedding (get_input_embeddings)"
         return
+    fused_cls, why = _kernel("FusedEmbedding")
+    if fused_cls is not None and type(embed) is fused_cls:
+        skipped["embedding"] = "the input embedding is already a FusedEmbedding"
+        return
     if type(embed) is not nn.Embedding:
         skipped["embedding"] = (f"the input embedding '{path}' is a {type(embed).__name__}, not a plain nn.Embedding "
                                 "(a scaled or sharded embedding computes more than the lookup); kept")
@@ -193,7 +197,6 @@ def _fuse_embedding(sch, done: List[str], skipped: Dict[str, str]) -> None:
     if shard_specs(embed) or hooked or type(embed.weight.data) is not torch.Tensor:
         skipped["embedding"] = f"the input embedding '{path}' is sharded or hooked; kept"
         return
-    fused_cls, why = _kernel("FusedEmbedding")
     if fused_cls is None:
         skipped["embedding"] = why
         return

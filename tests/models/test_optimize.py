@@ -508,3 +508,27 @@ def test_compile_layers_takes_the_built_model_not_the_schedule():
     with pytest.raises(schedlang.ScheduleValueError, match="compile_layers: model must be the nn.Module that "
                                                            "schedlang.build returns, got Schedule"):
         compile_layers(sch)
+
+
+def test_a_meta_model_built_after_optimize_is_initialized_as_the_plain_one():
+    """build initializes a meta-device model's tensors with transformers' _init_weights, which recognizes an
+    nn.Embedding: the fused embedding (an nn.Embedding) and the fused head are initialized as the plain modules
+    they replace, so a model optimized before it exists starts from the same weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(num_hidden_layers=2, hidden_size=48, num_attention_heads=4, num_key_value_heads=2,
+                      intermediate_size=88, vocab_size=97, max_position_embeddings=32, pad_token_id=3)
+    built = {}
+    for optimized in (False, True):
+        with torch.device("meta"):
+            meta = LlamaForCausalLM(cfg)
+        sch = schedlang.create_schedule(meta)
+        if optimized:
+            optimize_model(sch, compile=None)
+        torch.manual_seed(7)
+        built[optimized] = schedlang.build(sch, device="cpu")[0]
+    assert type(built[True].model.embed_tokens).__name__ == "FusedEmbedding"
+    plain = dict(built[False].named_parameters())
+    for name, p in built[True].named_parameters():
+        assert torch.equal(p, plain[name]), name
+    assert not built[True].model.embed_tokens.weight[3].any()  # the padding row, zeroed as nn.Embedding does
