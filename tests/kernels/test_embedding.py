@@ -72,12 +72,12 @@ def test_one_id_in_most_positions_and_ids_never_used(dtype):
 
 
 @pytest.mark.parametrize("counts, padding_idx", [
-    ({0: 20, 1: 600, 3: 80}, None),   # id 1 starts inside chunk 0 and spans 10 chunks; chunk 9 meets ids 1 and 3
-    ({0: 128, 2: 64, 4: 65}, None),   # id 0 fills chunks 0 and 1 exactly; id 2 (64 positions) is not long
+    ({0: 20, 1: 600, 3: 80}, None),   # id 1 starts inside chunk 0 and spans 19 more; chunk 19 meets ids 1 and 3
+    ({0: 128, 2: 64, 4: 65}, None),   # ids 0 and 2 fill chunks 0-3 and 4-5 exactly; id 4 ends one into chunk 8
     ({0: 20, 1: 600, 3: 80}, 1),      # a long padding row is skipped by both passes
 ], ids=["spans", "chunk-aligned", "long-padding"])
 def test_long_segments_are_summed_from_chunk_partials(counts, padding_idx):
-    """Ids in more positions than a chunk of the sorted ids (64) take the two-pass path: partial sums per
+    """Ids in more positions than a chunk of the sorted ids (32) take the two-pass path: partial sums per
     chunk, then their sum in chunk order; shuffled, so the sort's permutation is not the identity. In bf16
     the reference on CPU adds 600 rows in bf16 (3% off the exact sum), so the kernel's bf16 gradient is
     checked against the reference's fp32 gradient of the same values, and against the fp64 sum."""
