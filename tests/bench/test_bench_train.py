@@ -14,6 +14,32 @@ def _rows(path):
     return data["rows"]
 
 
+def _torchrun_bench_train(tmp_path, *args):
+    """bench/bench_train.py --tiny under torchrun on 2 CPU ranks (gloo), its JSON written to ``tmp_path``.
+
+    A rank that dies in native code (an abort, a segfault) leaves only torchrun's summary at the end of stderr, so
+    the failure message also gives stdout's last rows (the variant that was running) and, through
+    ``PYTHONFAULTHANDLER``, each rank's Python stack at the signal."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "bench" / "bench_train.py"
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script), "--tiny",
+         "--results-dir", str(tmp_path), "--repeats", "1", "--iters", "1", "--warmup", "2", *args],
+        capture_output=True, text=True, timeout=600,
+        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1"))
+    if result.returncode != 0:
+        fatal = result.stderr.find("Fatal Python error")
+        stack = result.stderr[fatal:fatal + 4000] if fatal >= 0 else ""
+        pytest.fail(f"torchrun exited {result.returncode}\n--- stdout (end) ---\n{result.stdout[-1500:]}\n"
+                    f"--- first rank's fatal error ---\n{stack}\n--- stderr (end) ---\n{result.stderr[-3000:]}")
+    (path,) = tmp_path.glob("*-train-tiny.json")
+    return path
+
+
 def test_tiny_run_checks_every_variant_against_eager(bench, tmp_path):
     train = bench("bench_train")
     variants = ("eager", "titan-style", "schedlang-optimize")
@@ -83,21 +109,10 @@ def test_two_rank_works_on_gloo(tmp_path, optimizer):
     """The tensor-parallel and data-parallel variants under torchrun (2 CPU ranks, gloo), with torch's AdamW and
     with schedlang's FusedAdamW on every row. The learning rate is large enough that a wrong update of any
     shard moves a warm-up loss past the check's tolerance (at the default 1e-4 it hid one)."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parents[2] / "bench" / "bench_train.py"
     variants = ("fsdp2-titan,fsdp2-titan-noreshard,tp-titan,schedlang-tp,schedlang-fsdp-optimize,ddp-titan,"
                 "schedlang-fsdp-noreshard-optimize-bf16reduce")
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script), "--tiny",
-         "--work", "llama-1.1b-tp2,llama-1.1b-2gpu", "--variants", variants, "--results-dir", str(tmp_path),
-         "--repeats", "1", "--iters", "1", "--warmup", "2", "--lr", "1e-2", "--optimizer", optimizer],
-        capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert result.returncode == 0, result.stderr[-3000:]
-    (path,) = tmp_path.glob("*-train-tiny.json")
+    path = _torchrun_bench_train(tmp_path, "--work", "llama-1.1b-tp2,llama-1.1b-2gpu", "--variants", variants,
+                                 "--lr", "1e-2", "--optimizer", optimizer)
     data = json.loads(path.read_text())
     rows = data["rows"]
     assert data["ranks"] == 2 and len(rows) == 14
@@ -279,21 +294,10 @@ def test_the_whole_step_variant_keeps_master_weights_and_so_needs_bf16_on_a_gpu(
 def test_two_rank_float8_work_on_gloo(tmp_path):
     """FSDP2 with float8 all-gather, torchtitan's way and schedlang's, and DDP over torchao's float8 blocks (2 CPU
     ranks, float8 emulated; schedlang's DDP row keeps master weights, which need bf16 on a GPU)."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
     pytest.importorskip("torchao.float8", reason="torchao not installed (pip install 'schedlang[fp8]')")
-    script = Path(__file__).resolve().parents[2] / "bench" / "bench_train.py"
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script), "--tiny",
-         "--work", "llama-1.1b-2gpu-fp8", "--variants",
-         "fsdp2-titan-fp8,ddp-titan-fp8,schedlang-fsdp-fp8,schedlang-fsdp-fp8-optimize", "--optimizer",
-         "schedlang-fused", "--results-dir", str(tmp_path), "--repeats", "1", "--iters", "1", "--warmup", "2"],
-        capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert result.returncode == 0, result.stderr[-3000:]
-    (path,) = tmp_path.glob("*-train-tiny.json")
+    path = _torchrun_bench_train(tmp_path, "--work", "llama-1.1b-2gpu-fp8", "--variants",
+                                 "fsdp2-titan-fp8,ddp-titan-fp8,schedlang-fsdp-fp8,schedlang-fsdp-fp8-optimize",
+                                 "--optimizer", "schedlang-fused")
     rows = json.loads(path.read_text())["rows"]
     assert [r["variant"] for r in rows] == [v + "+FusedAdamW" for v in (
         "fsdp2-titan-fp8", "ddp-titan-fp8", "schedlang-fsdp-fp8", "schedlang-fsdp-fp8-optimize")]
@@ -370,19 +374,8 @@ def test_the_8b_four_gpu_work_is_the_whole_llama_3_8b(bench):
 def test_the_trainers_default_row_on_two_ranks(tmp_path):
     """schedlang-train-default: the trainer's own flags, layout choice, build and step, on the work's model, batch
     and weights, passes the loss and gradient checks beside the baseline (2 CPU ranks, gloo)."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parents[2] / "bench" / "bench_train.py"
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script), "--tiny",
-         "--work", "llama-1.1b-2gpu", "--variants", "fsdp2-titan,schedlang-train-default", "--results-dir",
-         str(tmp_path), "--repeats", "1", "--iters", "1", "--warmup", "2", "--lr", "1e-2"],
-        capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert result.returncode == 0, result.stderr[-3000:]
-    (path,) = tmp_path.glob("*-train-tiny.json")
+    path = _torchrun_bench_train(tmp_path, "--work", "llama-1.1b-2gpu", "--variants",
+                                 "fsdp2-titan,schedlang-train-default", "--lr", "1e-2")
     rows = {r["variant"]: r for r in json.loads(path.read_text())["rows"]}
     row = rows["schedlang-train-default"]
     assert row["check"] == "ok" and row["role"] == "schedlang", row
