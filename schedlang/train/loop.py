@@ -123,7 +123,13 @@ def train(ns: argparse.Namespace, rank: int = 0, world: int = 1) -> Optional[Dic
     run = _Run(ns, rank, world, device)
     run.make_mesh()
     run.build()
-    start = run.load() if ns.resume else 0
+    resumed = run.load() if ns.resume else None
+    start = resumed.step if resumed is not None else 0
+    if is_main and resumed is not None and resumed.path is not None:
+        # said at the default level: the step counts alone ("steps 21..40") would not tell a restart from a run
+        # started with a shorter --steps, nor which checkpoint the weights came from
+        saved_under = f" (saved under {resumed.saved_layout})" if resumed.saved_layout else ""
+        _progress(f"schedlang train: resumed from the checkpoint of step {start}, {resumed.path}{saved_under}")
     last = ns.stop_after or ns.steps
     if start >= last:
         _fail(f"--resume: the checkpoint is at step {start}, nothing left to run up to step {last}")

@@ -19,7 +19,7 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from typing import IO, List, Optional, Tuple
+from typing import IO, List, NamedTuple, Optional, Tuple
 
 from .checkpoints import _checkpoint_path, checkpoint_candidates, read_trainer_state, trainer_state_file
 
@@ -85,9 +85,18 @@ def _rank0_candidates(root: str, rank: int) -> List[Tuple[Path, Optional[str]]]:
     return [(Path(p), problem) for p, problem in _all_gather(mine)[0]]
 
 
-def load_newest(run) -> int:
-    """Load the newest complete checkpoint of ``--checkpoint-dir`` into the run; returns its step (0: none, the
-    run starts fresh). Damaged checkpoints are skipped, each named with why."""
+class Resumed(NamedTuple):
+    """Where a ``--resume`` run continues from: the checkpoint's step and path, and the layout it was saved
+    under (step 0 and no path: there was none, the run starts fresh)."""
+
+    step: int
+    path: Optional[Path] = None
+    saved_layout: Optional[str] = None
+
+
+def load_newest(run) -> Resumed:
+    """Load the newest complete checkpoint of ``--checkpoint-dir`` into the run; returns its step and path (step
+    0: none, the run starts fresh). Damaged checkpoints are skipped, each named with why."""
     import schedlang
     from ..checkpoint import CheckpointDamagedError
 
@@ -108,14 +117,13 @@ def load_newest(run) -> int:
                                        "the same run", key.replace("_", "-"), state.get(key), key.replace("_", "-"),
                                        getattr(ns, key))
                 step = int(info.get("step", state["step"])) if isinstance(info, dict) else int(state["step"])
-                logger.info("resumed from %s (step %d, saved as %s)", path, step, state.get("layout"))
-                return step
+                return Resumed(step, path, state.get("layout"))
         if rank == 0:
             logger.warning("--resume: skipping the checkpoint of step %d (%s): %s", int(path.name.rpartition("-")[2]),
                            path, problem)
     if rank == 0:
         logger.warning("--resume: no complete checkpoint in %s: starting from step 1", ns.checkpoint_dir)
-    return 0
+    return Resumed(0)
 
 
 # ------------------------------------------------------------------------------------------------ metrics
@@ -153,4 +161,4 @@ def open_metrics(path: str, resumed_at: Optional[int]) -> IO[str]:
     return open(path, "a")
 
 
-__all__ = ["save_step", "finish_saves", "load_newest", "open_metrics", "clear_interrupted_saves"]
+__all__ = ["Resumed", "save_step", "finish_saves", "load_newest", "open_metrics", "clear_interrupted_saves"]

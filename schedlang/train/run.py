@@ -328,7 +328,8 @@ class _Run:
                  "layout": self.layout()}
         return save_step(self, step, extra)
 
-    def load(self) -> int:
+    def load(self):
+        """The newest complete checkpoint loaded (``resume.Resumed``: its step, 0 when there was none)."""
         from .resume import load_newest
 
         return load_newest(self)

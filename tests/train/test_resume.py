@@ -124,13 +124,18 @@ def _data_file_name(step_dir: Path) -> str:
 
 @pytest.mark.parametrize("how", ["truncated-shard", "missing-shard", "missing-metadata", "corrupt-bytes"])
 def test_a_damaged_newest_checkpoint_is_skipped_for_the_one_before(how, work, reference, saved_every_step, caplog,
-                                                                    tmp_path):
+                                                                    capsys, tmp_path):
     ckpt = tmp_path / "ckpt"
     shutil.copytree(saved_every_step, ckpt)
     said = _damage(ckpt / "step-00000003", how)
     (ckpt / "step-00000004.partial").mkdir()  # and a save of step 4 that never finished
     (ckpt / "step-00000004.partial" / "__0_0.distcp").write_bytes(b"\0" * 10)
+    capsys.readouterr()
     resumed = _run(tmp_path, "resumed", *STEPS, "--checkpoint-dir", str(ckpt), "--resume")
+    # announced at the default log level, whatever logging says: which step, which checkpoint, saved how
+    said_resumed = [line for line in capsys.readouterr().err.splitlines() if "resumed" in line]
+    assert said_resumed == [f"schedlang train: resumed from the checkpoint of step 2, {ckpt / 'step-00000002'} "
+                            "(saved under pp=1 dp=1 tp=1)"], said_resumed
     assert [r["step"] for r in resumed] == [3, 4]
     assert _losses(resumed) == {s: reference[s] for s in (3, 4)}  # bitwise: the same process layout
     warnings = _warnings(caplog)
