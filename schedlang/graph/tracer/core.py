@@ -27,13 +27,14 @@ from .common import (
     _reserve_name,
 )
 from .examples import ExampleValues, _plain_modules
+from .foreign_modules import GraphMark, OpaqueModuleCall, node_codes, owns_state
 from .hf_bridge import _keep_mask_flags
 from .leaf_policy import _hf_leaf_types, _sync_op_class
 from .patches import _ACTIVE
 from .specialization import check_specialized_arguments, check_traced_condition, check_traced_length
 from .traced_module import ModuleAttributes, TracedModule, build_traced_module
 from .tracer_base import TracerBase
-from .training_mode import ModeDependentCall
+from .training_mode import ModeDependentCall, _flipped_mode
 
 logger = logging.getLogger("schedlang.graph.tracer")
 
@@ -305,6 +306,8 @@ class SchedlangTracer(ExampleValues, TracerBase):
 
     # ----------------------------------------------------------------- module calls
     def call_module(self, m: nn.Module, forward: Callable, args: Tuple, kwargs: Dict[str, Any]) -> Any:
+        if m is not self.root and id(m) not in self._module_names:
+            return self._call_foreign_module(m, args, kwargs)
         qualname = self.path_of_module(m)
         kind = self.module_kind(m, qualname)
         if kind == "leaf":
@@ -317,6 +320,57 @@ class SchedlangTracer(ExampleValues, TracerBase):
         if patches is not None:
             patches.patch_globals(getattr(inspect.unwrap(type(m).forward), "__globals__", None))
         return super().call_module(m, self._inline_forward(m), args, kwargs)
+
+    def _call_foreign_module(self, m: nn.Module, args: Tuple, kwargs: Dict[str, Any]) -> Any:
+        """A module this forward calls but does not own (see :mod:`.foreign_modules`): its operations go into
+        the graph when its forward traces; it stays one opaque call when it holds state, when the same rules
+        that keep an owned module whole say so, or when its forward does not trace."""
+        if not self._keep_foreign_whole(m):
+            mark, specialized = GraphMark(self.graph), len(self.specializations)
+            try:
+                return self._trace_through_foreign(m, mark, args, kwargs)
+            except Exception as e:
+                mark.rewind(self.metas)
+                del self.specializations[specialized:]
+                logger.debug("%s: %s is no submodule and is not traced through (%s); it is called as one node",
+                             self.where(), type(m).__qualname__, _describe(e))
+        call = OpaqueModuleCall(m)
+        with self._cpu_fakes_for_meta_tensors(m):
+            # UNKNOWN where it branches on data, as for a leaf module: only a later use that needs it fails
+            example = self._compute_example("call_function", call, args, kwargs)
+        proxy = super().create_proxy("call_function", call, args, kwargs)
+        self.metas[proxy.node] = example
+        return proxy
+
+    def _trace_through_foreign(self, m: nn.Module, mark: GraphMark, args: Tuple, kwargs: Dict[str, Any]) -> Any:
+        """Trace ``m``'s forward into this graph, after a first trace in the other training mode. ``train()`` and
+        ``eval()`` of the traced module never reach a module it does not own, so a graph that froze such a module's
+        mode could not follow it as eager does: a forward whose operations depend on the mode raises here."""
+        patches = _ACTIVE["patches"]
+        if patches is not None:
+            patches.patch_globals(getattr(inspect.unwrap(type(m).forward), "__globals__", None))
+        with _flipped_mode(m):
+            self._inline_forward(m)(*args, **kwargs)
+        in_other_mode = node_codes(mark.nodes_after())
+        mark.rewind(self.metas)
+        out = self._inline_forward(m)(*args, **kwargs)
+        if node_codes(mark.nodes_after()) != in_other_mode:
+            raise TraceError(f"{self.where()}: the operations of {type(m).__qualname__} depend on its training mode")
+        return out
+
+    def _keep_foreign_whole(self, m: nn.Module) -> bool:
+        """Whether a module this forward does not own is called as one node without trying its forward: it
+        holds state, or it is one that an owned module would be kept whole for (a sync op, checkpointed or
+        fused, an instance-level forward such as a kernel put in place, autograd hooks, a leaf type).
+        ``recursive=False`` and torch.nn's own classes do not count: those keep an owned module a
+        ``call_module`` node, which a module without a path cannot be, and its operations serve ``find`` and
+        ``fuse`` better than an opaque call."""
+        sync_op, _ = _sync_op_class()
+        record = module_record(m)
+        return (owns_state(m) or (sync_op is not None and isinstance(m, sync_op)) or record.checkpointed
+                or record.fused or "forward" in m.__dict__ or isinstance(m, ModeDependentCall)
+                or bool(m._backward_hooks or m._backward_pre_hooks) or isinstance(m, _hf_leaf_types())
+                or bool(self.options.leaf_types and isinstance(m, self.options.leaf_types)))
 
     def _inline_forward(self, m: nn.Module) -> Callable:
         """``m.__call__`` with its forward hooks, where schedlang's sync hooks accept proxies."""
