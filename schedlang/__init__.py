@@ -16,6 +16,7 @@ from .build import build
 from . import framework_dialect  # noqa: E402,F401  (registers build(target=...) for other frameworks' engines)
 from .captured_step import CapturedStep
 from .distributed.agreement import RankFailureError
+from .distributed.launch import launch
 from .checkpoint import export_hf, load_checkpoint, save_checkpoint
 from .errors import (ArgumentTypeError, CheckpointError, DistributedError, LoweringError, MissingDependencyError,
                      NotTracedError, PatternError, PipelineError, PlanError, PlanMismatchError, PlanSerializationError,
@@ -37,7 +38,7 @@ _register_torch_logs()  # TORCH_LOGS=+schedlang, as for PyTorch's own components
 
 __all__ = [
     "Schedule", "create_schedule", "Plan", "Step", "replay", "CapturedStep", "list_primitives", "get_primitive", "register_primitive",
-    "build", "Verify",
+    "build", "Verify", "launch",
     "init_empty_weights", "call_module", "PH", "distributed", "env", "primitives",
     "SchedlangError", "ScheduleKeyError", "ScheduleValueError", "ScheduleTypeError", "ShardError", "SyncError",
     "PlanError", "PlanSerializationError", "PlanMismatchError", "ArgumentTypeError", "TraceError", "NotTracedError",

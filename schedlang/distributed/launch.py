@@ -1,57 +1,99 @@
-"""Run a function on N local ranks without torchrun.
+"""Run a function on N local ranks without torchrun, or on the ranks torchrun started.
 
-Used by ``schedlang demo --world-size N`` and by the multi-process tests. The ranks share one
-process group: ``cpu:gloo,cuda:nccl`` when there is a GPU per rank (CUDA tensors use NCCL, CPU
-tensors gloo), else gloo. Every rank's group has a finite timeout (``collective_timeout``,
-``$SCHEDLANG_PG_TIMEOUT`` or 120 s), so a collective that never completes raises instead of
-blocking forever. Once a rank fails the others get ``failure_grace`` seconds to report (they
-raise on their own within seconds where schedlang's phases end in an agreement, see
-:mod:`schedlang.distributed.agreement`); then every rank still running is stopped, and
-:class:`~schedlang.DistributedError` names the rank that failed first and its traceback.
-The whole run is bounded by ``timeout``.
+:func:`launch` is the public entry point: under ``torchrun`` (``RANK`` and ``WORLD_SIZE`` set) it runs
+the function in this process on its rank and gathers every rank's result; otherwise it starts
+``world_size`` local ranks with :func:`run_distributed`. Either way it returns the results by rank, so
+a script written with it runs unchanged as ``python script.py``, under ``torchrun`` and inside a
+Sphinx-gallery build.
+
+:func:`run_distributed` is used by ``schedlang demo --world-size N`` and the multi-process tests. The
+ranks are fresh Python processes (see :mod:`schedlang.distributed.rank_process` for what each imports:
+a function of the main script is found by its file) sharing one process group: ``cpu:gloo,cuda:nccl``
+when there is a GPU per rank (CUDA tensors use NCCL, CPU tensors gloo), else gloo. Every rank's group
+has a finite timeout (``collective_timeout``, ``$SCHEDLANG_PG_TIMEOUT`` or 120 s), so a collective that
+never completes raises instead of blocking forever. What the ranks print is passed on to this process's
+``sys.stdout`` / ``sys.stderr`` as it comes. Once a rank fails the others get ``failure_grace`` seconds to
+report (they raise on their own within seconds where schedlang's phases end in an agreement, see
+:mod:`schedlang.distributed.agreement`); a rank that exits without reporting (a crash, ``os._exit``, a
+function it could not load) is noticed at once and the others get 2 s. Then every rank still running is
+stopped, and :class:`~schedlang.DistributedError` names the rank that failed first, its traceback or its
+exit code and the end of its stderr. The whole run is bounded by ``timeout``.
 """
 
 from __future__ import annotations
 
-import multiprocessing as mp
+import atexit
+import codecs
+import json
 import os
-import queue as queue_module
+import pickle
+import subprocess
+import sys
 import tempfile
 import time
-import traceback
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from ..errors import DistributedError, ScheduleValueError
+from .rank_process import BOOTSTRAP, LAUNCHED_RANK_ENV, result_path
 
-__all__ = ["run_distributed"]
+__all__ = ["launch", "run_distributed"]
+
+_DEAD_RANK_GRACE_S = 2.0  # a rank that died reports nothing more; its peers fail soon or block until stopped
+_STDERR_TAIL_LINES = 20
 
 
-def _worker(rank: int, world_size: int, backend: str, init_file: str, timeout: float, fn: Callable,
-            args: Sequence[Any], results) -> None:
+def launch(fn: Callable, world_size: int = 2, args: Sequence[Any] = (), backend: Optional[str] = None,
+           timeout: float = 300.0) -> List[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks and return the results by rank.
+
+    Under ``torchrun`` this process is one of the ranks: ``fn`` runs here (the default process group
+    is started on first use, with ``backend`` or NCCL on GPUs and gloo on CPUs, and kept for later
+    launches) and every rank gets all ranks' results. ``world_size`` must then equal torchrun's
+    ``WORLD_SIZE``. Otherwise ``world_size`` local ranks are started (:func:`run_distributed`, bounded
+    by ``timeout`` seconds).
+
+    ``fn`` must be defined at module level. It may live in the script being run (also when
+    Sphinx-gallery executes it): each rank then runs only the script's imports, functions, classes and
+    UPPER_CASE constants before calling ``fn``, so the script's other top-level code (the call to
+    ``launch`` itself, plotting the results) runs once, in the launching process. Return plain values
+    (numbers, lists, dicts, CPU tensors). Example::
+
+        def train(rank, world, steps):
+            ...
+            return losses
+
+        losses_by_rank = schedlang.launch(train, world_size=2, args=(10,))
+    """
+    if os.environ.get(LAUNCHED_RANK_ENV):
+        raise ScheduleValueError(f"launch: {_name(fn)} was asked to start ranks from inside rank "
+                                 f"{os.environ.get('RANK')} of a launch; call launch from the launching process only "
+                                 "(keep the call out of the functions the ranks run)")
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return _launch_in_torchrun(fn, world_size, args, backend)
+    return run_distributed(fn, world_size=world_size, args=args, backend=backend, timeout=timeout)
+
+
+def _launch_in_torchrun(fn: Callable, world_size: int, args: Sequence[Any], backend: Optional[str]) -> List[Any]:
     import torch
     import torch.distributed as dist
 
-    from .groups import PG_TIMEOUT_ENV, pg_timeout
-
-    # the groups the rank creates itself (make_mesh, new_group) get the same timeout
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
-                       "LOCAL_WORLD_SIZE": str(world_size), PG_TIMEOUT_ENV: repr(float(timeout))})
-    try:
+    world = int(os.environ["WORLD_SIZE"])
+    if world_size != world:
+        raise ScheduleValueError(f"launch: {_name(fn)} needs world_size={world_size!r} ranks, but torchrun started "
+                                 f"WORLD_SIZE={world}; run torchrun with --nproc_per_node={world_size} (or launch "
+                                 f"with world_size={world})")
+    if not dist.is_initialized():
+        if backend is None:
+            backend = "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
         if "nccl" in backend:
-            torch.cuda.set_device(rank)
-        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
-                                timeout=pg_timeout(timeout))
-        value = fn(rank, world_size, *args)
-        results.put((rank, True, value))
-    except BaseException:  # report everything, including assertion failures, to the parent
-        results.put((rank, False, traceback.format_exc()))
-    finally:
-        # destroying the groups closes this rank's connections: a peer blocked on it fails at once
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:
-                pass
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend)
+        # later launches of the script share the group; it is closed once, at exit
+        atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
+    value = fn(dist.get_rank(), world, *args)
+    values: List[Any] = [None] * world
+    dist.all_gather_object(values, value)
+    return values
 
 
 def run_distributed(fn: Callable, world_size: int = 2, args: Sequence[Any] = (), backend: Optional[str] = None,
@@ -59,11 +101,12 @@ def run_distributed(fn: Callable, world_size: int = 2, args: Sequence[Any] = (),
                     failure_grace: Optional[float] = None) -> List[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes; return the results by rank.
 
-    ``fn`` must be importable by name (a module-level function). ``backend`` defaults to
-    ``"cpu:gloo,cuda:nccl"`` when there is a GPU per rank, else ``"gloo"``. ``timeout`` bounds the
-    whole run (seconds); ``collective_timeout`` is the process groups' timeout (default: the smaller
-    of ``$SCHEDLANG_PG_TIMEOUT`` (or 120 s) and 80% of ``timeout``); ``failure_grace`` is how long the
-    other ranks may still run once one has failed (default: the agreement grace plus 5 s).
+    ``fn`` must be defined at module level (of an importable module, or of the main script: see
+    :func:`launch`). ``backend`` defaults to ``"cpu:gloo,cuda:nccl"`` when there is a GPU per rank, else
+    ``"gloo"``. ``timeout`` bounds the whole run (seconds); ``collective_timeout`` is the process groups'
+    timeout (default: the smaller of ``$SCHEDLANG_PG_TIMEOUT`` (or 120 s) and 80% of ``timeout``);
+    ``failure_grace`` is how long the other ranks may still run once one has failed (default: the
+    agreement grace plus 5 s).
 
     Example::
 
@@ -75,49 +118,36 @@ def run_distributed(fn: Callable, world_size: int = 2, args: Sequence[Any] = (),
         losses = run_distributed(work, world_size=2)
     """
     from .agreement import _grace
-    from .groups import default_backend, pg_timeout
+    from .groups import PG_TIMEOUT_ENV, default_backend, pg_timeout
 
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ScheduleValueError(f"run_distributed: world_size must be a positive int, got {world_size!r}")
     if not timeout > 0:
         raise ScheduleValueError(f"run_distributed: timeout must be a positive number of seconds, got {timeout!r}")
+    payload = _payload(fn, args)
     backend = backend or default_backend(world_size)
     if collective_timeout is None:
         collective_timeout = min(pg_timeout().total_seconds(), max(10.0, timeout * 0.8))
     collective_timeout = pg_timeout(collective_timeout).total_seconds()
     failure_grace = _grace() + 5.0 if failure_grace is None else failure_grace
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    order: List[int] = []  # ranks in the order their outcome arrived: the first failure is the likely cause
-    with tempfile.TemporaryDirectory(prefix="schedlang-dist-") as tmp:
-        init_file = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_worker, args=(r, world_size, backend, init_file, collective_timeout, fn,
-                                                    tuple(args), results), daemon=True)
+    with tempfile.TemporaryDirectory(prefix="schedlang-dist-") as run_dir:
+        spec = {"sys_path": list(sys.path), "run_dir": run_dir, "init_file": os.path.join(run_dir, "store"),
+                "payload": os.path.join(run_dir, "payload.pkl"), "backend": backend,
+                "collective_timeout": collective_timeout}
+        with open(spec["payload"], "wb") as f:
+            f.write(payload)
+        spec_file = os.path.join(run_dir, "spec.json")
+        with open(spec_file, "w") as f:
+            json.dump(spec, f)
+        ranks = [_Rank(r, world_size, run_dir, spec_file, {PG_TIMEOUT_ENV: repr(float(collective_timeout))})
                  for r in range(world_size)]
-        for p in procs:
-            p.start()
-        outcome: dict = {}
-        started = time.monotonic()
-        deadline = started + timeout
-        failed_at: Optional[float] = None
         try:
-            while len(outcome) < world_size:
-                now = time.monotonic()
-                if now > deadline or (failed_at is not None and now > failed_at + failure_grace):
-                    break
-                try:
-                    rank, ok, value = results.get(timeout=0.2)
-                except queue_module.Empty:
-                    if all(not p.is_alive() for p in procs) and results.empty():
-                        break
-                    continue
-                outcome[rank] = (ok, value)
-                order.append(rank)
-                if not ok and failed_at is None:
-                    failed_at = time.monotonic()
+            outcome, order, grace_given, elapsed = _wait(ranks, timeout, failure_grace)
         finally:
-            _stop(procs)
-        elapsed = time.monotonic() - started
+            _stop(ranks)
+            for rank in ranks:
+                rank.forward()
+                rank.close()
     failures = [r for r in order if not outcome[r][0]]
     missing = [r for r in range(world_size) if r not in outcome]
     if not failures and not missing:
@@ -128,32 +158,150 @@ def run_distributed(fn: Callable, world_size: int = 2, args: Sequence[Any] = (),
         lines.append(f"rank {first} failed first ({_last_line(outcome[first][1])})")
         lines += [f"rank {r} failed:\n{outcome[r][1]}" for r in failures]
     if missing:
-        exitcodes = {r: procs[r].exitcode for r in missing}
-        dead = [r for r in missing if exitcodes[r] not in (None, 0, -15, -9)]
         if failures:
-            why = f"stopped {failure_grace:.0f} s after rank {failures[0]} failed"
-        elif dead:
-            why = "exited with code " + ", ".join(f"{exitcodes[r]} (rank {r})" for r in dead) + " without a result"
+            why = f"stopped {grace_given:.0f} s after rank {failures[0]} failed"
         else:
             why = (f"timed out: still running after {elapsed:.0f} s (a rank blocked in a collective, or work "
                    f"longer than timeout=)")
         lines.append(f"rank(s) {missing} did not finish within {timeout:.0f} s ({why})")
-    raise DistributedError(f"run_distributed: distributed run of {getattr(fn, '__name__', fn)!s} on {world_size} ranks ({backend}) "
+    raise DistributedError(f"run_distributed: distributed run of {_name(fn)} on {world_size} ranks ({backend}) "
                            "failed:\n" + "\n".join(lines))
 
 
+def _name(fn) -> str:
+    return str(getattr(fn, "__name__", fn))
+
+
+def _payload(fn: Callable, args: Sequence[Any]) -> bytes:
+    """What a rank needs to call ``fn``: the function (by reference, or by the file of the main script
+    that defines it) and the pickled arguments; refused here, before any rank starts, if it cannot go."""
+    name = _name(fn)
+    qualname = getattr(fn, "__qualname__", "")
+    if not callable(fn) or not qualname or "<locals>" in qualname or "<lambda>" in qualname:
+        raise ScheduleValueError(f"run_distributed: the function to run on the ranks must be defined at module level "
+                                 f"(the ranks find it by name), got {qualname or fn!r}")
+    if getattr(fn, "__module__", None) == "__main__":
+        path = getattr(getattr(fn, "__code__", None), "co_filename", "") or getattr(sys.modules["__main__"], "__file__", "")
+        path = os.path.abspath(path) if path else path
+        if not path or not os.path.isfile(path):
+            raise ScheduleValueError(f"run_distributed: {name} is defined in the main script, but its file {path!r} "
+                                     "is not readable, so the ranks cannot load it; define it in a file (a script or "
+                                     "an importable module)")
+        how, where = "file", (path, qualname)
+    else:
+        try:
+            how, where = "pickle", pickle.dumps(fn)
+        except Exception as e:
+            raise ScheduleValueError(f"run_distributed: {name} cannot be sent to the ranks ({type(e).__name__}: {e}); "
+                                     "define it at module level of an importable module or of the script") from e
+    try:
+        args_blob = pickle.dumps(tuple(args))
+    except Exception as e:
+        raise ScheduleValueError(f"run_distributed: the arguments of {name} cannot be sent to the ranks "
+                                 f"({type(e).__name__}: {e}); pass plain values") from e
+    return pickle.dumps((how, where, args_blob))
+
+
+class _Rank:
+    """One rank's process, its stdout and stderr files and how much of them has been passed on."""
+
+    def __init__(self, rank: int, world: int, run_dir: str, spec_file: str, env: Dict[str, str]):
+        self.rank = rank
+        self.run_dir = run_dir
+        env = dict(os.environ, **env, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                   LOCAL_WORLD_SIZE=str(world), PYTHONUNBUFFERED="1", **{LAUNCHED_RANK_ENV: "1"})
+        self.paths = [os.path.join(run_dir, f"rank{rank}.{s}") for s in ("out", "err")]
+        self.files = [open(p, "wb") for p in self.paths]
+        self.readers = [open(p, "rb") for p in self.paths]
+        self.decoders = [codecs.getincrementaldecoder("utf-8")(errors="replace") for _ in self.paths]
+        self.proc = subprocess.Popen([sys.executable, "-c", BOOTSTRAP, spec_file], env=env, cwd=os.getcwd(),
+                                     stdin=subprocess.DEVNULL, stdout=self.files[0], stderr=self.files[1])
+
+    def result(self):
+        path = result_path(self.run_dir, self.rank)
+        if not os.path.exists(path):
+            return None
+        with open(path, "rb") as f:
+            return pickle.load(f)
+
+    def forward(self) -> None:
+        """Pass on what the rank printed since the last call (to sys.stdout / sys.stderr as they are now,
+        so a notebook or a Sphinx-gallery page shows it)."""
+        for reader, decoder, stream in zip(self.readers, self.decoders, (sys.stdout, sys.stderr)):
+            text = decoder.decode(reader.read())
+            if text:
+                stream.write(text)
+                stream.flush()
+
+    def stderr_tail(self) -> str:
+        with open(self.paths[1], "rb") as f:
+            lines = f.read().decode("utf-8", errors="replace").rstrip().splitlines()
+        return "\n".join(lines[-_STDERR_TAIL_LINES:])
+
+    def close(self) -> None:
+        for f in self.files + self.readers:
+            f.close()
+
+
+def _wait(ranks: List[_Rank], timeout: float, failure_grace: float):
+    """Collect the ranks' outcomes until all are in, one failed and the others' grace ran out, or ``timeout``."""
+    outcome: Dict[int, tuple] = {}
+    order: List[int] = []  # ranks in the order their outcome arrived: the first failure is the likely cause
+    started = time.monotonic()
+    deadline = started + timeout
+    stop_at = None
+    first_grace = failure_grace  # the grace the first failure gave the others
+    while len(outcome) < len(ranks):
+        now = time.monotonic()
+        if now > deadline or (stop_at is not None and now > stop_at):
+            break
+        time.sleep(0.1)
+        for rank in ranks:
+            rank.forward()
+            if rank.rank in outcome:
+                continue
+            exitcode = rank.proc.poll()
+            result = rank.result()  # read after poll: a rank writes its result before it exits
+            if result is None and exitcode is None:
+                continue
+            if result is None:
+                result = (False, _exited(rank, exitcode))
+                grace = _DEAD_RANK_GRACE_S
+            else:
+                grace = failure_grace
+            outcome[rank.rank] = result
+            order.append(rank.rank)
+            if not result[0]:
+                if stop_at is None:
+                    stop_at, first_grace = time.monotonic() + grace, grace
+    return outcome, order, first_grace, time.monotonic() - started
+
+
+def _exited(rank: _Rank, exitcode: int) -> str:
+    rank.forward()
+    tail = rank.stderr_tail()
+    how = f"exited with code {exitcode}" if exitcode >= 0 else f"was killed by signal {-exitcode}"
+    said = f"; the end of its stderr:\n{tail}" if tail else "; it wrote nothing to stderr"
+    return f"{how} before reporting a result{said}"
+
+
 def _last_line(trace: str) -> str:
-    lines = [l for l in str(trace).strip().splitlines() if l.strip()]
+    text = str(trace)
+    if text.startswith(("exited with code", "was killed by signal")):
+        head, _, tail = text.partition("; ")
+        last = [l for l in tail.splitlines() if l.strip()]
+        return f"{head}: {last[-1].strip()}" if len(last) > 1 else head
+    lines = [l for l in text.strip().splitlines() if l.strip()]
     return lines[-1].strip() if lines else "no traceback"
 
 
-def _stop(procs) -> None:
-    for p in procs:
-        if p.is_alive():
-            p.terminate()
-    for p in procs:
-        p.join(timeout=5)
-    for p in procs:  # a process stuck in native code may ignore SIGTERM
-        if p.is_alive():
-            p.kill()
-            p.join(timeout=5)
+def _stop(ranks: List[_Rank]) -> None:
+    for rank in ranks:
+        if rank.proc.poll() is None:
+            rank.proc.terminate()
+    for rank in ranks:
+        try:
+            rank.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:  # a process stuck in native code may ignore SIGTERM
+            rank.proc.kill()
+            rank.proc.wait(timeout=5)

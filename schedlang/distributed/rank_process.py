@@ -1,0 +1,125 @@
+"""One rank started by :mod:`schedlang.distributed.launch`: the child process's side.
+
+The launcher starts every rank as ``python -c BOOTSTRAP spec.json``, not through ``multiprocessing``:
+a spawned ``multiprocessing`` child re-runs the parent's main script (or, when the script was executed
+by Sphinx-gallery under a stand-in ``__main__``, cannot find its functions at all). Here the child
+imports nothing of the parent but the function to run:
+
+* a function of an importable module is unpickled by reference, with the parent's ``sys.path``;
+* a function of the parent's main script (``__main__``) is found by its file: the child runs the
+  file's *definitions* only (imports, functions, classes and UPPER_CASE constants) under the name
+  ``__main__``, so the script's other module-level code (the cells that launch ranks, plot, print)
+  runs in the parent alone.
+
+The rank writes its outcome, ``(ok, value_or_traceback)``, to ``result-<rank>.pkl`` in the run's
+directory (renamed into place, so the parent never reads half a file); its stdout and stderr are
+files that the parent forwards as they grow. A rank that cannot load the function prints why on stderr
+and exits with code 1 without a result, like a rank that dies.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import pickle
+import sys
+import traceback
+import types
+from typing import Any, Callable, Tuple
+
+# what the child runs: only json and sys until the parent's sys.path is in place
+BOOTSTRAP = ("import json, sys; spec = json.load(open(sys.argv[1])); sys.path[:] = spec['sys_path']; "
+             "from schedlang.distributed.rank_process import rank_main; rank_main(spec)")
+# set in every rank this launcher starts: a launch from inside one is refused, not taken for torchrun
+LAUNCHED_RANK_ENV = "SCHEDLANG_LAUNCHED_RANK"
+
+
+def result_path(run_dir: str, rank: int) -> str:
+    return os.path.join(run_dir, f"result-{rank}.pkl")
+
+
+def _is_definition(node: ast.stmt) -> bool:
+    if isinstance(node, (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return True
+    targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+    names = []
+    for target in targets:
+        names += target.elts if isinstance(target, ast.Tuple) else [target]
+    # an UPPER_CASE name is a constant by convention; anything else may be the result of work
+    return bool(names) and all(isinstance(n, ast.Name) and n.id.isupper() for n in names)
+
+
+def load_definitions(path: str, qualname: str) -> Callable:
+    """``qualname`` from the file at ``path``, after running only the file's definitions (see the module)."""
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), filename=path)
+    kept = ast.Module(body=[node for node in tree.body if _is_definition(node)], type_ignores=[])
+    module = types.ModuleType("__main__")
+    module.__file__ = path
+    # classes defined there pickle as __main__.<name>, which the parent's main module also defines
+    sys.modules["__main__"] = module
+    try:
+        exec(compile(kept, path, "exec"), module.__dict__)
+    except Exception as e:
+        raise RuntimeError(f"running the definitions of {path} (its imports, functions, classes and UPPER_CASE "
+                           f"constants; the rest of the file runs only in the launching process) failed: "
+                           f"{type(e).__name__}: {e}") from e
+    found: Any = module
+    for part in qualname.split("."):
+        if not hasattr(found, part):
+            raise RuntimeError(f"{path} defines no {qualname!r} at module level once its definitions have run")
+        found = getattr(found, part)
+    return found
+
+
+def _load_work(spec: dict) -> Tuple[Callable, tuple]:
+    with open(spec["payload"], "rb") as f:
+        how, where, args_blob = pickle.load(f)
+    fn = load_definitions(*where) if how == "file" else pickle.loads(where)
+    return fn, pickle.loads(args_blob)
+
+
+def _write_result(spec: dict, rank: int, ok: bool, value: Any) -> None:
+    target = result_path(spec["run_dir"], rank)
+    try:
+        blob = pickle.dumps((ok, value))
+    except Exception:
+        ok, blob = False, pickle.dumps((False, f"the value rank {rank} returned cannot be sent back to the launching "
+                                               f"process:\n{traceback.format_exc()}"))
+    with open(target + ".tmp", "wb") as f:
+        f.write(blob)
+    os.replace(target + ".tmp", target)
+
+
+def rank_main(spec: dict) -> None:
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    try:
+        fn, args = _load_work(spec)
+    except BaseException:
+        # no result: the launcher reports the exit code and this end of stderr, as for any rank that dies early
+        print(f"rank {rank} could not load the function to run:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        sys.exit(1)
+
+    import torch
+    import torch.distributed as dist
+
+    from .groups import pg_timeout
+
+    backend = spec["backend"]
+    try:
+        if "nccl" in backend:
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, init_method=f"file://{spec['init_file']}", rank=rank, world_size=world,
+                                timeout=pg_timeout(spec["collective_timeout"]))
+        value = fn(rank, world, *args)
+        sys.stdout.flush()
+        _write_result(spec, rank, True, value)
+    except BaseException:  # report everything, including assertion failures, to the parent
+        _write_result(spec, rank, False, traceback.format_exc())
+    finally:
+        # destroying the groups closes this rank's connections: a peer blocked on it fails at once
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
