@@ -12,7 +12,9 @@ already built. Either way:
   chunk of dimension ``d``, ``_StridedShard(d, split_factor=k)`` part r of each of k blocks (a
   fused q|k|v or gate|up weight, and FSDP2's shard of a tensor-parallel shard); a fused weight of
   blocks of unequal widths (Phi-3's q|k|v with fewer key/value heads) is ``Shard(d)`` of its
-  rank-major rows, mapped back through its ``ShardSpec`` (``ShardSpec.rank_major``). Each contiguous
+  rank-major rows, mapped back through its ``ShardSpec`` (``ShardSpec.rank_major``). A schedule made
+  without a mesh keeps its shards plain local tensors: the ``ShardSpec`` in the module's record says
+  which part each holds, the same part a DTensor of that shard would hold. Each contiguous
   run of those indices is read with safetensors' lazy slicing (``safe_open(...).get_slice(name)
   [a:b, c:d]``), so no rank ever holds a full tensor it does not keep. HF's ``Conv1D`` (GPT-2)
   stores its weight as (in, out) in the checkpoint and in the module alike, and schedlang's shard
@@ -182,32 +184,42 @@ def local_regions(tensor: torch.Tensor, spec=None) -> List[Tuple[Tuple[slice, ..
 
     A list of ``(local index, global index)`` pairs of slices, one per block: a ``Shard`` or FSDP2
     shard is one block; a block-wise shard of a fused tensor (q|k|v) is one block per part.
-    ``spec``: the ``ShardSpec`` of a tensor laid out rank-major (blocks of unequal widths, see
-    :attr:`ShardSpec.rank_major`), whose DTensor indices are mapped back to the unsharded tensor's;
-    found by itself for a built model's parameters.
+    ``spec``: the tensor's ``ShardSpec`` (its module's record). A DTensor's placements say which part
+    it holds; its spec matters only when it is laid out rank-major (blocks of unequal widths, see
+    :attr:`ShardSpec.rank_major`): its indices are mapped back to the unsharded tensor's (found by
+    itself for a built model's parameters). A plain tensor with a spec is a local shard (a schedule
+    built without a mesh): it holds the part a DTensor of that spec would hold on rank ``spec.rank``;
+    without one it is the whole tensor.
 
     Example::
 
         local_regions(c_attn.weight)   # (32, 96) as _StridedShard(1, split_factor=3), rank 1 of 2:
         # [((:, 0:16), (:, 16:32)), ((:, 16:32), (:, 48:64)), ((:, 32:48), (:, 80:96))]
     """
-    from .distributed.dtensor_params import is_dtensor, placement_indices, rank_major_spec
+    from .distributed.dtensor_params import is_dtensor, placement_indices, placement_of, rank_major_spec
 
-    if not is_dtensor(tensor):
+    if is_dtensor(tensor):
+        mesh = tensor.device_mesh
+        coordinate = mesh.get_coordinate()
+        if coordinate is None:  # this rank is not in the tensor's mesh: it holds nothing of it
+            return []
+        global_shape, placements = tuple(tensor.shape), tuple(tensor.placements)
+        indices = placement_indices(global_shape, placements, coordinate, [mesh.size(d) for d in range(mesh.ndim)])
+        spec = spec if spec is not None and spec.rank_major else rank_major_spec(tensor)
+        local_shape = tuple(tensor.to_local().shape)
+    elif spec is not None:
+        # the same indices a DTensor of this shard would hold: one mapping of a global tensor to a rank's part
+        global_shape, placements = tuple(spec.full_shape), (placement_of(spec),)
+        indices = placement_indices(global_shape, placements, [spec.rank], [spec.world_size])
+        local_shape = tuple(tensor.shape)
+    else:
         full = tuple(slice(0, int(n)) for n in tensor.shape)
         return [(full, full)]
-    mesh = tensor.device_mesh
-    coordinate = mesh.get_coordinate()
-    if coordinate is None:  # this rank is not in the tensor's mesh: it holds nothing of it
-        return []
-    indices = placement_indices(tensor.shape, tensor.placements, coordinate, [mesh.size(d) for d in range(mesh.ndim)])
-    spec = spec if spec is not None else rank_major_spec(tensor)
-    if spec is not None:  # rank-major DTensor: its index j is index order[j] of the unsharded tensor
+    if spec is not None and spec.rank_major:  # its index j is index order[j] of the unsharded tensor
         indices[spec.axis] = spec.rank_major_order()[indices[spec.axis]]
-    local_shape = tuple(tensor.to_local().shape)
     if tuple(len(i) for i in indices) != local_shape:
-        raise CheckpointError(f"pretrained: cannot tell which part of a tensor of shape {_shape(tensor.shape)} "
-                              f"placed as {tensor.placements} this rank holds (computed "
+        raise CheckpointError(f"pretrained: cannot tell which part of a tensor of shape {_shape(global_shape)} "
+                              f"placed as {placements} this rank holds (computed "
                               f"{_shape(len(i) for i in indices)}, local {_shape(local_shape)}); the placements read are "
                               "Shard, _StridedShard, Replicate and Partial")
     regions = []
@@ -222,6 +234,23 @@ class _Target:
     name: str
     tensor: torch.Tensor
     full_shape: Tuple[int, ...]
+    spec: Any = None  # its ShardSpec, when the schedule sharded it
+
+    def shard_note(self) -> str:
+        """What this rank holds of a sharded tensor, for a shape mismatch ("" when it holds all of it): a DTensor's
+        local shape and placements, a plain local shard's shape and how its record splits it."""
+        from .distributed.dtensor_params import is_dtensor
+
+        if is_dtensor(self.tensor):
+            local = _shape(self.tensor.to_local().shape)
+            return "" if local == _shape(self.full_shape) else \
+                f"; this rank's shard is {local}, placed as {tuple(self.tensor.placements)}"
+        spec = self.spec
+        if spec is None or spec.world_size == 1:
+            return ""
+        blocks = f" in {spec.groups} blocks" if spec.groups > 1 else ""
+        return f"; this rank's shard is {_shape(self.tensor.shape)}, split along axis {spec.axis}{blocks} over " \
+               f"{spec.world_size} ranks"
 
 
 def _stages(model: nn.Module) -> List[nn.Module]:
@@ -243,15 +272,21 @@ def _meta_targets(model: nn.Module) -> List[_Target]:
                     continue
                 spec = specs.get(name)
                 full = tuple(spec.full_shape) if spec is not None else tuple(t.shape)
-                out.append(_Target(f"{path}.{name}" if path else name, t, full))
+                out.append(_Target(f"{path}.{name}" if path else name, t, full, spec))
     return out
 
 
 def _built_targets(model: nn.Module) -> Tuple[List[_Target], List[Tuple[nn.Module, Dict[str, Any]]]]:
     """The persistent tensors this rank holds in a built model (every stage it holds) with their global
     shapes, and the state dict of each stage module whose state dict holds other tensors than its own
-    (written back after the read, as ``load_checkpoint`` does)."""
+    (written back after the read, as ``load_checkpoint`` does).
+
+    A DTensor's global shape is its own; a plain local shard's (a schedule built without a mesh) is the
+    unsharded shape its module's record gives."""
+    from .distributed.dtensor_params import is_dtensor, named_shard_specs
+
     out, seen, states = [], set(), []
+    specs = named_shard_specs(_stages(model))
     for stage in _stages(model):
         state, copies = _state_dict_of(stage)
         if copies:
@@ -259,7 +294,9 @@ def _built_targets(model: nn.Module) -> Tuple[List[_Target], List[Tuple[nn.Modul
         for name, value in state.items():
             if isinstance(value, torch.Tensor) and name not in seen:
                 seen.add(name)
-                out.append(_Target(name, value, tuple(value.shape)))
+                spec = specs.get(name)
+                full = tuple(value.shape) if is_dtensor(value) or spec is None else tuple(spec.full_shape)
+                out.append(_Target(name, value, full, spec))
     return out, states
 
 
@@ -381,7 +418,8 @@ class _Plan:
             name = self.source.get(t.name)
             if name is not None and tuple(entries[name].shape) != tuple(t.full_shape):
                 shapes.append(f"shape mismatch for {t.name!r}: the checkpoint has {_shape(entries[name].shape)} "
-                              f"(tensor {name!r} in {entries[name].file}), the model {_shape(t.full_shape)}")
+                              f"(tensor {name!r} in {entries[name].file}), the model {_shape(t.full_shape)}"
+                              f"{t.shard_note()}")
         problems += _capped(shapes, "shape mismatches")
         self.problem = None
         if problems:
@@ -389,12 +427,11 @@ class _Plan:
 
 
 # ------------------------------------------------------------------------------------------------ reading
-def _read(targets: Sequence[_Target], source: Dict[str, str], entries: Dict[str, _Entry],
-          rank_major: Dict[str, Any]) -> Tuple[int, int]:
+def _read(targets: Sequence[_Target], source: Dict[str, str], entries: Dict[str, _Entry]) -> Tuple[int, int]:
     """Copy every target's local slices from the files; returns (tensors, bytes read).
 
-    A tensor held under several names (tied) is read once. ``rank_major``: the ``ShardSpec`` of each
-    tensor name laid out rank-major (see :func:`local_regions`).
+    A tensor held under several names (tied) is read once; which slices each holds is
+    :func:`local_regions` of the tensor and its ``ShardSpec``.
     """
     from .distributed.dtensor_params import is_dtensor
     from .progress import Progress
@@ -414,7 +451,7 @@ def _read(targets: Sequence[_Target], source: Dict[str, str], entries: Dict[str,
                 continue
             done.add(memory)
             entry = entries[source[t.name]]
-            regions = local_regions(t.tensor, rank_major.get(t.name))
+            regions = local_regions(t.tensor, t.spec)
             # one open per tensor: safetensors maps the file, and closing it releases the pages this read touched
             with _safe_open(entry.file) as handle:
                 if not entry.shape:  # a scalar: nothing to slice
@@ -503,9 +540,8 @@ class PretrainedWeights:
         Materializer(device, DEFAULT_INIT, inits).run(model)
 
     def load(self, model: nn.Module) -> Dict[str, Any]:
-        """Read this rank's slices into ``model`` (built: DTensors, FSDP2, pipeline stages); collective."""
-        from .distributed.dtensor_params import rank_major_specs
-
+        """Read this rank's slices into ``model`` (built: DTensors or plain local shards, FSDP2, pipeline stages);
+        collective."""
         started = time.perf_counter()
         targets, states = _built_targets(model)
         naming = _Naming.of(model, targets).merged(self.naming)
@@ -514,7 +550,7 @@ class PretrainedWeights:
         _agree(plan.problem)
         problem, count, nbytes = None, 0, 0
         try:
-            count, nbytes = _read(targets, plan.source, self.entries, rank_major_specs(_stages(model)))
+            count, nbytes = _read(targets, plan.source, self.entries)
         except CheckpointError as e:
             problem = str(e)
         except Exception as e:  # a file changed or broke since its header was read

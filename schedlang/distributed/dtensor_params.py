@@ -30,8 +30,8 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = ["distribute_parameters", "placement_of", "is_dtensor", "local_tensor", "LOCAL_VIEW_ATTR",
-           "rank_major_spec", "rank_major_specs", "register_rank_major", "to_unsharded", "to_rank_major",
-           "placement_indices", "local_part", "hoist_local_views", "HOIST_ATTR", "WRAPPER_NAMES"]
+           "rank_major_spec", "rank_major_specs", "named_shard_specs", "register_rank_major", "to_unsharded",
+           "to_rank_major", "placement_indices", "local_part", "hoist_local_views", "HOIST_ATTR", "WRAPPER_NAMES"]
 
 logger = logging.getLogger("schedlang.distributed.dtensor_params")
 
@@ -124,8 +124,8 @@ def rank_major_spec(t: torch.Tensor):
 WRAPPER_NAMES = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
 
 
-def rank_major_specs(modules) -> Dict[str, "object"]:
-    """``{tensor name: ShardSpec}`` of the rank-major tensors of ``modules`` (a module or a list of them, e.g.
+def named_shard_specs(modules) -> Dict[str, "object"]:
+    """``{tensor name: ShardSpec}`` of every sharded tensor of ``modules`` (a module or a list of them, e.g.
     a pipeline's stage modules, named as in their state dicts)."""
     from .sharding import shard_specs
 
@@ -133,11 +133,15 @@ def rank_major_specs(modules) -> Dict[str, "object"]:
     for module in [modules] if isinstance(modules, nn.Module) else modules:
         for path, sub in module.named_modules(remove_duplicate=False):
             for name, spec in shard_specs(sub).items():
-                if spec.rank_major:
-                    # state dicts leave out the wrappers' own names (torch.compile, activation checkpointing)
-                    parts = [p for p in f"{path}.{name}".split(".") if p and p not in WRAPPER_NAMES]
-                    out[".".join(parts)] = spec
+                # state dicts leave out the wrappers' own names (torch.compile, activation checkpointing)
+                parts = [p for p in f"{path}.{name}".split(".") if p and p not in WRAPPER_NAMES]
+                out[".".join(parts)] = spec
     return out
+
+
+def rank_major_specs(modules) -> Dict[str, "object"]:
+    """``{tensor name: ShardSpec}`` of the rank-major tensors of ``modules`` (see :func:`named_shard_specs`)."""
+    return {name: spec for name, spec in named_shard_specs(modules).items() if spec.rank_major}
 
 
 def to_unsharded(rank_major: torch.Tensor, spec) -> torch.Tensor:
