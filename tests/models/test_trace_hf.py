@@ -294,3 +294,64 @@ def test_a_submodule_of_a_meta_model_traces_with_examples_on_one_device():
     assert {"q_proj", "k_proj", "v_proj", "out_proj"} <= {n.target for n in graph.nodes if n.op == "call_module"}
     assert any(n.target is torch.where for n in graph.nodes)
     assert all(p.is_meta for p in attention.mod.parameters())  # the weights stay as they were
+
+
+# families whose attention calls apply_rotary_pos_emb through transformers' kernel-hub decorators; with the
+# `kernels` package installed that function is a module-level nn.Module and each attention routes its calls to
+# private copies kept out of its submodules, which the tracer must trace through (without it, a plain function)
+ROTARY_ATTENTION = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),  # q/k norms before the rotation
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"head_dim": 16, "sliding_window": 5}),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", {"head_dim": 16}),
+}
+DTYPE_TOLERANCES = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=2e-2)}
+
+
+def _rotary_model(family, dtype, training):
+    config_name, model_name, extra = ROTARY_ATTENTION[family]
+    config = getattr(transformers, config_name)(vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
+                                                num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                                max_position_embeddings=64, use_cache=False, **extra)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return getattr(transformers, model_name)(config).to(dtype).train(training)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("training", [False, True])
+@pytest.mark.parametrize("family", sorted(ROTARY_ATTENTION))
+def test_rotary_attention_traces_alone_and_matches_eager(family, training, dtype):
+    from schedlang.graph.tracer.foreign_modules import OpaqueModuleCall
+
+    model = _rotary_model(family, dtype, training)
+    sch = schedlang.create_schedule(model)
+    sch["model.layers.0.self_attn"].trace()
+    graph = sch["model.layers.0.self_attn"].mod.graph
+    calls = [n.target for n in graph.nodes if n.op == "call_function"]
+    # the rotation's operations are in the graph (rotate_half's cat, once for q and once for k), not one opaque call
+    assert calls.count(torch.cat) == 2 and not any(isinstance(t, OpaqueModuleCall) for t in calls)
+    assert {"q_proj", "k_proj", "v_proj", "o_proj"} <= {n.target for n in graph.nodes if n.op == "call_module"}
+    ids = _ids(batch=3, seq=11)
+    tol = DTYPE_TOLERANCES[dtype]
+    for run in (model, sch.mod):
+        run.zero_grad(set_to_none=True)
+    ref, out = model(ids).logits, sch.mod(ids).logits
+    torch.testing.assert_close(out, ref, **tol)
+    grad = torch.randn(ref.shape, generator=torch.Generator().manual_seed(2)).to(dtype)
+    ref.backward(grad)
+    out.backward(grad)
+    ref_grads = dict(model.named_parameters())
+    for name, p in sch.mod.named_parameters():
+        torch.testing.assert_close(p.grad, ref_grads[name].grad, **tol, msg=lambda m: f"{name}: {m}")
+
+
+def test_rotary_attention_is_found_by_its_rotation():
+    model = _rotary_model("llama", torch.float32, False)
+    sch = schedlang.create_schedule(model)
+
+    def rotate_half_and_mix(x, cos, sin):  # the half size read twice, as transformers' rotate_half does
+        return x * cos + torch.cat((-x[..., x.shape[-1] // 2:], x[..., :x.shape[-1] // 2]), dim=-1) * sin
+
+    found = sch["model.layers.0.self_attn"].find(rotate_half_and_mix)
+    assert len(found) == 2  # q and k
