@@ -21,6 +21,7 @@ from .data import open_data
 from .flags import _device_type, _fail, _world_from_env, build_parser, validate
 from .layout import apply_layout, check_model_layout, choice_block, choose, hardware, model_facts, plan_block
 from .loop import train
+from .quiet_imports import quiet_torchao_import
 
 logger = logging.getLogger("schedlang.train")
 
@@ -28,6 +29,7 @@ logger = logging.getLogger("schedlang.train")
 def _rank_main(rank: int, world: int, options: Dict[str, Any]):
     """Entry point of a rank spawned by ``--nproc`` (process group set up by ``run_distributed``)."""
     logging.basicConfig(level=options.pop("_log_level", logging.WARNING), format="%(name)s: %(message)s")
+    quiet_torchao_import()
     return train(argparse.Namespace(**options), rank, world)
 
 
@@ -112,6 +114,7 @@ def main(argv: Optional[Sequence[str]] = None, prog: Optional[str] = None) -> in
     ns = parser.parse_args(list(argv) if argv is not None else None)
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    quiet_torchao_import()  # before the model's config is read: that imports transformers, and so torchao
     env_world = _world_from_env()
     if ns.nproc is not None and env_world is not None and env_world > 1:
         print("schedlang train: error: --nproc spawns its own ranks; do not combine it with torchrun", file=sys.stderr)
@@ -119,7 +122,7 @@ def main(argv: Optional[Sequence[str]] = None, prog: Optional[str] = None) -> in
     world = ns.nproc if ns.nproc is not None else (env_world or 1)
     is_main = os.environ.get("RANK", "0") == "0"  # under torchrun every rank checks: one speaks
     try:
-        validate(ns, world)
+        world = validate(ns, world)  # a dry run of --nodes x --gpus-per-node plans for that cluster
         facts = model_facts(ns, check_tensor_parallel=world > 1)
         if ns.layout == "auto":
             # a first choice from the devices as read here (the ranks measure the link and may choose again)

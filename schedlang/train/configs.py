@@ -16,7 +16,19 @@ logger = logging.getLogger("schedlang.train")
 
 #: families with the presets ``tiny`` and ``1b``; any other family comes from a config.json
 PRESET_FAMILIES = ("llama", "gpt2")
-PRESETS = ("tiny", "1b")
+PRESETS = ("tiny", "1b", "8b", "70b", "405b")
+#: LLaMA-3 sizes from Meta's published HF config.json files (Meta-Llama-3-8B, Meta-Llama-3-70B,
+#: Llama-3.1-405B): for planning with --dry-run (the weights would not fit a test machine)
+_LLAMA3 = dict(num_key_value_heads=8, vocab_size=128256, rms_norm_eps=1e-5, rope_theta=500000.0,
+               tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001)
+_LARGE = {
+    "8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, intermediate_size=14336,
+               max_position_embeddings=8192, **_LLAMA3),
+    "70b": dict(hidden_size=8192, num_hidden_layers=80, num_attention_heads=64, intermediate_size=28672,
+                max_position_embeddings=8192, **_LLAMA3),
+    "405b": dict(hidden_size=16384, num_hidden_layers=126, num_attention_heads=128, intermediate_size=53248,
+                 max_position_embeddings=131072, **_LLAMA3),
+}
 
 _TINY = {
     "llama": dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
@@ -67,7 +79,13 @@ def _check_causal_lm(model_type: str, where: str) -> None:
 def model_config(model: Optional[str], config: str):
     """The HF config of ``--model`` / ``--config``: a preset (``tiny`` / ``1b`` of ``llama`` or ``gpt2``) or a
     config.json path (or its directory), whose ``model_type`` picks the family."""
-    if config in PRESETS:
+    if config in _LARGE:
+        model = model or "llama"
+        if model != "llama":
+            _fail(f"--model {model}: the presets {', '.join(_LARGE)} are LLaMA-3 sizes; use --model llama (or drop "
+                  f"--model), or give --config the path of a {model!r} config.json")
+        cfg = _config_class("llama", "--model")(**_LARGE[config])
+    elif config in PRESETS:
         model = model or "llama"
         if model not in PRESET_FAMILIES:
             _fail(f"--model {model}: the presets 'tiny' and '1b' exist for {', '.join(PRESET_FAMILIES)}; for a "

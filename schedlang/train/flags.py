@@ -21,6 +21,10 @@ logger = logging.getLogger("schedlang.train")
 MODELS = ("llama", "gpt2")
 PP_SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B", "ZeroBubble")
 OPTIMIZERS = ("adamw", "fused-adamw", "sgd")
+CHECKPOINT_MODES = ("selective", "full")
+#: the defaults of --global-batch and --seq: sizes for a quick run, not for planning a large model
+TOY_GLOBAL_BATCH = 8
+TOY_SEQ = 64
 
 
 class TrainError(SchedlangError, ValueError):
@@ -59,8 +63,8 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     m.add_argument("--model", default=None, help=f"model family: with --config tiny / 1b one of "
                    f"{', '.join(MODELS)} (default: llama); with a config.json its model_type (checked)")
     m.add_argument("--config", default=None,
-                   help="'tiny' (hidden 64, 4 layers, vocab 256), '1b' (LLaMA-1.1B; GPT-2 medium for gpt2) or the "
-                        "path of a HF config.json of any causal-LM family, or its directory (default: tiny, or the "
+                   help="'tiny' (hidden 64, 4 layers, vocab 256), '1b' (LLaMA-1.1B; GPT-2 medium for gpt2), the "
+                        "LLaMA-3 sizes '8b', '70b', '405b' (for planning with --dry-run) or the path of a HF config.json of any causal-LM family, or its directory (default: tiny, or the "
                         "config.json of --init-from)")
     m.add_argument("--init-from", default=None, metavar="DIR",
                    help="fine-tune: start from the weights of a HF safetensors checkpoint (a directory written by "
@@ -74,9 +78,15 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
                    help="schedlang.models.optimize_model: fused norms, the LM head fused with the loss (so the full "
                         "logits never exist; tp=1), the fastest measured attention backend, and with --compile its "
                         "per-layer compile; pp=1 layouts (default: on a GPU, where the layout has pp=1)")
-    m.add_argument("--activation-checkpoint", action="store_true", help="recompute each layer in backward (--layout "
-                   "auto turns it on where memory needs it)")
-    lay = p.add_argument_group("layout (world size = pp x dp x tp)")
+    m.add_argument("--activation-checkpoint", nargs="?", const="full", default=None, choices=CHECKPOINT_MODES,
+                   help="full (the bare flag): each layer keeps only its input and is recomputed in the backward; "
+                        "selective: inside each layer every other matmul's output and attention's output are saved, "
+                        "the rest recomputed (torch.utils.checkpoint's selective policy) (default: off, or as "
+                        "--layout auto chooses where memory needs it)")
+    m.add_argument("--float8", action="store_true",
+                   help="train the decoder layers' Linears in float8 (torchao, tensorwise scales; H100-class GPUs): "
+                        "the estimate runs their GEMMs at twice the bf16 rate")
+    lay = p.add_argument_group("layout (world size = pp x dp x tp; dp = dp-replicate x dp-shard)")
     lay.add_argument("--layout", default=None, choices=["auto"],
                      help="auto: choose pp x dp x tp, FSDP2 or DDP, resharding, the reduce dtype and activation "
                           "checkpointing from the model's size, the GPUs' memory and the measured interconnect "
@@ -87,8 +97,15 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     lay.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks (default 1 unless --layout auto)")
     lay.add_argument("--pp", type=int, default=None, help="pipeline stages (ranks) (default 1 unless --layout auto)")
     lay.add_argument("--sp", action="store_true", help="sequence parallelism on the tp ranks")
-    lay.add_argument("--dp-mode", default=None, choices=["fsdp", "ddp"], help="FSDP2 (fully_shard) or DDP "
-                     "(replicate) on the dp ranks (default: fsdp, or as --layout auto chooses)")
+    lay.add_argument("--dp-mode", default=None, choices=["fsdp", "hsdp", "ddp"],
+                     help="FSDP2 (fully_shard), HSDP (FSDP2 sharded over --dp-shard ranks, replicated over "
+                          "--dp-replicate) or DDP (replicate) on the dp ranks (default: fsdp, or as --layout auto "
+                          "chooses)")
+    lay.add_argument("--dp-replicate", type=int, default=None,
+                     help="HSDP: replicas of the sharded model (usually across nodes); with --dp-shard, --dp = "
+                          "dp-replicate x dp-shard")
+    lay.add_argument("--dp-shard", type=int, default=None, help="HSDP: ranks each replica's weights are sharded over "
+                     "(usually inside a node)")
     lay.add_argument("--reduce-dtype", default=None, choices=["fp32", "bf16"],
                      help="with --dtype bf16 and --dp >= 2: the dtype the gradients are summed in over the dp ranks "
                           "(bf16: half the bytes of fp32; the sum is rounded to bf16 once) (default: fp32, or as "
@@ -108,14 +125,27 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
                      help="seconds a collective may wait before the run fails")
     lay.add_argument("--gpu-memory-gib", type=float, default=None, metavar="GIB",
                      help="for --layout auto and --dry-run: the memory of each device (default: read from the GPU)")
+    lay.add_argument("--nodes", type=int, default=None,
+                     help="nodes of the cluster (world = nodes x gpus-per-node): any size with --dry-run; a launched "
+                          "run must have that many ranks (default: from torchrun's WORLD_SIZE / LOCAL_WORLD_SIZE, or "
+                          "the ranks of --nproc over nodes of 8 GPUs for --dry-run)")
+    lay.add_argument("--gpus-per-node", type=int, default=None,
+                     help="GPUs of each node (default: torchrun's LOCAL_WORLD_SIZE; 8 for --dry-run, an HGX node)")
+    lay.add_argument("--intra-node-gbps", type=float, default=None, metavar="GB/S",
+                     help="for --layout auto and --dry-run: bandwidth per direction between the GPUs of a node "
+                          "(default: measured by the ranks; nominal 450, NVLink 4)")
+    lay.add_argument("--inter-node-gbps", type=float, default=None, metavar="GB/S",
+                     help="for --layout auto and --dry-run: network bandwidth per GPU between nodes (default: "
+                          "measured by the ranks; nominal 50, one 400 Gb/s InfiniBand port per GPU)")
     lay.add_argument("--link-gbps", type=float, default=None, metavar="GB/S",
-                     help="for --layout auto and --dry-run: the interconnect's bus bandwidth in GB/s (default: "
-                          "measured by the ranks; a nominal figure for --dry-run)")
+                     help="deprecated: sets both --intra-node-gbps and --inter-node-gbps")
     t = p.add_argument_group("training")
     t.add_argument("--steps", type=int, default=10, help="steps of the run (the learning-rate schedule spans them)")
     t.add_argument("--stop-after", type=int, default=None, help="stop after this step, saved in --checkpoint-dir (continue later with --resume)")
-    t.add_argument("--global-batch", type=int, default=8, help="sequences per step over all dp ranks")
-    t.add_argument("--seq", type=int, default=64, help="tokens per sequence")
+    t.add_argument("--global-batch", type=int, default=None,
+                   help=f"sequences per step over all dp ranks (default: {TOY_GLOBAL_BATCH}, a smoke-test size)")
+    t.add_argument("--seq", type=int, default=None,
+                   help=f"tokens per sequence (default: {TOY_SEQ}, a smoke-test size)")
     t.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
     t.add_argument("--lr-schedule", default="cosine", choices=["cosine", "constant"],
                    help="after warmup: cosine decay to 10%% of --lr, or constant")
@@ -160,6 +190,9 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     io.add_argument("--dry-run", action="store_true",
                     help="print the layout, the memory per rank, the collectives per step and the estimated step "
                          "time, building the model on the meta device only; then exit")
+    io.add_argument("--json", default=None, metavar="FILE",
+                    help="with --dry-run: write the plan as JSON here (layout degrees, peak GiB of the largest rank, "
+                         "step time, tokens/s, the collectives with bytes and link, the runners-up)")
     return p
 
 
@@ -192,15 +225,119 @@ def _resolve_init_from(ns: argparse.Namespace) -> None:
 
 
 def layout_given(ns: argparse.Namespace) -> bool:
-    return any(getattr(ns, k) is not None for k in ("dp", "tp", "pp"))
+    return any(getattr(ns, k, None) is not None for k in ("dp", "tp", "pp", "dp_replicate", "dp_shard"))
 
 
-def validate(ns: argparse.Namespace, world: int) -> None:
+def _positive(ns: argparse.Namespace, *flags: str) -> None:
+    for flag in flags:
+        value = getattr(ns, flag)
+        if value is not None and (not value > 0 or not math.isfinite(value)):
+            _fail(f"--{flag.replace('_', '-')} must be a positive number, got {value}")
+
+
+def resolve_cluster(ns: argparse.Namespace, world: int) -> int:
+    """The nodes and GPUs per node of the run (``ns.nodes``, ``ns.gpus_per_node``) and its world size.
+
+    ``--nodes N --gpus-per-node G`` describe a cluster of N x G ranks: with ``--dry-run`` the plan is for that
+    world, whatever runs here; a launched run must have N x G ranks. Under torchrun the node's size is
+    LOCAL_WORLD_SIZE; ``--nproc`` ranks are one node, except in a dry run, which plans for nodes of 8 GPUs."""
+    for flag in ("nodes", "gpus_per_node"):
+        value = getattr(ns, flag)
+        if value is not None and value < 1:
+            _fail(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
+    _positive(ns, "intra_node_gbps", "inter_node_gbps", "link_gbps")
+    if ns.link_gbps is not None:
+        given = [f"--{f.replace('_', '-')}" for f in ("intra_node_gbps", "inter_node_gbps") if getattr(ns, f) is not None]
+        if given:
+            _fail(f"--link-gbps sets both --intra-node-gbps and --inter-node-gbps, but {' and '.join(given)} was "
+                  "given too; drop --link-gbps (deprecated)")
+        logger.warning("--link-gbps is deprecated: it sets both --intra-node-gbps and --inter-node-gbps to %s",
+                       ns.link_gbps)
+    local = os.environ.get("LOCAL_WORLD_SIZE") if _world_from_env() is not None else None
+    if local is not None and ns.gpus_per_node is not None and int(local) != ns.gpus_per_node:
+        _fail(f"--gpus-per-node {ns.gpus_per_node}, but torchrun started {local} rank(s) per node "
+              f"(LOCAL_WORLD_SIZE); drop --gpus-per-node or launch torchrun --nproc-per-node={ns.gpus_per_node}")
+    if ns.nodes is not None or ns.gpus_per_node is not None:
+        per_node = ns.gpus_per_node or (int(local) if local else 8)
+        if ns.nodes is None:
+            if world % per_node:
+                _fail(f"--gpus-per-node {per_node} must divide the {world} rank(s) of the run; give --nodes too")
+            nodes = world // per_node
+        else:
+            nodes = ns.nodes
+        cluster = nodes * per_node
+        how = f"--nodes {nodes} x --gpus-per-node {per_node} = {cluster} ranks"
+        if ns.dry_run and ns.nproc is not None and ns.nproc != cluster:
+            _fail(f"{how}, but --nproc is {ns.nproc}; drop --nproc (a dry run plans for the cluster) or make them "
+                  "agree")
+        if not ns.dry_run and cluster != world:
+            launched = f"--nproc {ns.nproc}" if ns.nproc is not None else (
+                f"WORLD_SIZE={world} (torchrun)" if _world_from_env() is not None else "a single process")
+            _fail(f"{how}, but the run has {world} ({launched}); launch {cluster} ranks, or use --dry-run to plan "
+                  "for a cluster that is not here")
+        ns.nodes, ns.gpus_per_node = nodes, per_node
+        return cluster
+    if local is not None:
+        ns.gpus_per_node = int(local)
+        ns.nodes = max(1, world // ns.gpus_per_node)
+    elif ns.dry_run and _device_type(ns) == "cuda":
+        ns.gpus_per_node = min(8, world)
+        ns.nodes = math.ceil(world / ns.gpus_per_node)
+    else:  # local ranks: one host
+        ns.gpus_per_node, ns.nodes = world, 1
+    return world
+
+
+def _resolve_data_parallel(ns: argparse.Namespace, world: int) -> None:
+    """HSDP's --dp-replicate x --dp-shard, and --dp filled in where --tp / --pp leave it implied."""
+    for flag in ("dp_replicate", "dp_shard"):
+        value = getattr(ns, flag)
+        if value is not None and value < 1:
+            _fail(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
+    hybrid = ns.dp_replicate is not None or ns.dp_shard is not None
+    if hybrid and ns.dp_mode not in (None, "hsdp"):
+        _fail(f"--dp-replicate / --dp-shard describe HSDP, but --dp-mode is {ns.dp_mode}; use --dp-mode hsdp (or "
+              "drop it)")
+    rest = (ns.tp or 1) * (ns.pp or 1)
+    implied = world // rest if world % rest == 0 else None
+    if hybrid:
+        dp = ns.dp if ns.dp is not None else (implied if implied is not None or not (ns.dp_replicate and ns.dp_shard)
+                                              else ns.dp_replicate * ns.dp_shard)
+        if dp is None:
+            _fail(f"--dp-replicate / --dp-shard: the run's {world} ranks do not split over --tp {ns.tp or 1} x --pp "
+                  f"{ns.pp or 1}; give --dp-replicate and --dp-shard")
+        replicate = ns.dp_replicate or (dp // ns.dp_shard if dp % ns.dp_shard == 0 else None)
+        shard = ns.dp_shard or (dp // ns.dp_replicate if dp % ns.dp_replicate == 0 else None)
+        if replicate is None or shard is None or replicate * shard != dp:
+            _fail(f"--dp-replicate {ns.dp_replicate} x --dp-shard {ns.dp_shard} must multiply to the data-parallel "
+                  f"ranks ({dp})")
+        if replicate < 2:
+            _fail(f"--dp-replicate {replicate}: HSDP needs at least 2 replicas; with one, use --dp-mode fsdp "
+                  f"--dp {dp}")
+        ns.dp, ns.dp_replicate, ns.dp_shard, ns.dp_mode = dp, replicate, shard, "hsdp"
+    elif ns.dp_mode == "hsdp" and ns.layout == "manual":
+        _fail("--dp-mode hsdp needs --dp-replicate (replicas) and --dp-shard (ranks each replica is sharded over)")
+    elif ns.dp is None and implied is not None:
+        ns.dp = implied  # --tp 8 alone on 512 ranks: dp = 64
+
+
+def validate(ns: argparse.Namespace, world: int) -> int:
     """Every check that needs no process group; raises :class:`TrainError` naming the flag and what would work.
+    Returns the world size the run plans for (the cluster's, for a dry run of ``--nodes x --gpus-per-node``).
 
     A manual layout (``--dp/--tp/--pp``) is checked here; under ``--layout auto`` the layout is chosen later
     (:func:`schedlang.train.layout.choose`) and checked by :func:`validate_layout` then."""
     _resolve_init_from(ns)
+    if ns.json and not ns.dry_run:
+        _fail("--json writes the plan of --dry-run; add --dry-run (a launched run writes --metrics)")
+    # the smoke-test sizes stand in where none were given; a plan for a large model warns about them
+    ns.toy_defaults = [flag for flag, value in (("--global-batch", ns.global_batch), ("--seq", ns.seq))
+                       if value is None]
+    ns.global_batch = TOY_GLOBAL_BATCH if ns.global_batch is None else ns.global_batch
+    ns.seq = TOY_SEQ if ns.seq is None else ns.seq
+    world = resolve_cluster(ns, world)
+    if not ns.dry_run:
+        _check_trainer_supports(ns)
     if ns.pp_schedule not in PP_SCHEDULES:
         _fail(f"--pp-schedule: unknown schedule {ns.pp_schedule!r}: valid schedules are {', '.join(PP_SCHEDULES)}")
     if ns.optimizer is not None and ns.optimizer not in OPTIMIZERS:
@@ -228,17 +365,20 @@ def validate(ns: argparse.Namespace, world: int) -> None:
         _fail(f"--weight-decay must be a number >= 0, got {ns.weight_decay}")
     if not ns.timeout > 0 or not math.isfinite(ns.timeout):
         _fail(f"--timeout must be a positive number of seconds, got {ns.timeout}")
-    for flag in ("gpu_memory_gib", "link_gbps"):
-        value = getattr(ns, flag)
-        if value is not None and (not value > 0 or not math.isfinite(value)):
-            _fail(f"--{flag.replace('_', '-')} must be a positive number, got {value}")
+    _positive(ns, "gpu_memory_gib")
     if ns.stop_after is not None and not 1 <= ns.stop_after <= ns.steps:
         _fail(f"--stop-after must be a step of the run, 1..{ns.steps} (--steps), got {ns.stop_after}")
     if ns.layout == "auto" and layout_given(ns):
-        given = " ".join(f"--{k} {getattr(ns, k)}" for k in ("dp", "tp", "pp") if getattr(ns, k) is not None)
+        given = " ".join(f"--{k.replace('_', '-')} {getattr(ns, k)}" for k in ("dp", "tp", "pp", "dp_replicate",
+                                                                                "dp_shard")
+                         if getattr(ns, k) is not None)
         _fail(f"--layout auto chooses --dp, --tp and --pp itself, but {given} was given; drop {given} or "
               "--layout auto")
     ns.layout = "auto" if ns.layout == "auto" or (not layout_given(ns) and world > 1) else "manual"
+    if ns.layout == "manual":
+        _resolve_data_parallel(ns, world)
+    if ns.json and os.environ.get("RANK", "0") == "0":
+        _check_writable_file("--json", ns.json)
     if ns.probe and ns.layout != "auto":
         _fail("--probe times the best layouts --layout auto finds: it needs --layout auto (or no --dp/--tp/--pp "
               "on several ranks)")
@@ -275,6 +415,17 @@ def validate(ns: argparse.Namespace, world: int) -> None:
             if getattr(ns, flag) is None:
                 setattr(ns, flag, 1)
         validate_layout(ns, world)
+    return world
+
+
+def _check_trainer_supports(ns: argparse.Namespace) -> None:
+    """What the planner models but this trainer does not run yet: refused before anything starts."""
+    if ns.activation_checkpoint == "selective":
+        _fail("--activation-checkpoint selective is modelled by --dry-run, but the trainer runs only full "
+              "checkpointing (--activation-checkpoint or --activation-checkpoint full); use full, or --dry-run")
+    if ns.float8:
+        _fail("--float8 is modelled by --dry-run, but the trainer does not train in float8 yet; drop --float8, "
+              "or use --dry-run")
 
 
 def resolve_speed_defaults(ns: argparse.Namespace) -> None:
@@ -313,9 +464,15 @@ def validate_layout(ns: argparse.Namespace, world: int) -> None:
     if ns.reduce_dtype == "bf16" and (ns.dtype != "bf16" or ns.dp < 2):
         _fail(f"--reduce-dtype bf16 sums bf16 gradients over the dp ranks: it needs --dtype bf16 and --dp >= 2, got "
               f"--dtype {ns.dtype} --dp {ns.dp}")
-    if ns.no_reshard and (ns.dp_mode != "fsdp" or ns.dp < 2):
+    if ns.no_reshard and (ns.dp_mode not in ("fsdp", "hsdp") or ns.dp < 2):
         _fail(f"--no-reshard keeps FSDP2's gathered weights: it needs --dp-mode fsdp and --dp >= 2, got --dp-mode "
-              f"{ns.dp_mode} --dp {ns.dp}")
+              f"{ns.dp_mode} --dp {ns.dp} (--dp-mode hsdp keeps them too)")
+    if ns.dp_mode == "hsdp" and (not getattr(ns, "dp_replicate", None) or ns.dp_replicate < 2
+                                 or ns.dp_replicate * (ns.dp_shard or 0) != ns.dp):
+        _fail(f"--dp-mode hsdp needs --dp-replicate (>= 2) x --dp-shard = --dp {ns.dp}, got --dp-replicate "
+              f"{getattr(ns, 'dp_replicate', None)} --dp-shard {getattr(ns, 'dp_shard', None)}")
+    if ns.dp_mode != "hsdp":
+        ns.dp_replicate = ns.dp_shard = None
     if ns.sp and ns.tp < 2:
         _fail("--sp (sequence parallelism) splits the sequence over the tp ranks: it needs --tp >= 2")
     given_stages = getattr(ns, "_stages_given", ns.stages_per_rank)

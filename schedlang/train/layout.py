@@ -15,9 +15,9 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from ..autotune.training_cost import (GIB, Choice, Hardware, Layout, ModelShape, StepEstimate, choose_layout,
-                                      estimate_step, format_estimate)
+                                      estimate_json, estimate_step, format_estimate)
 from .configs import Dims, build_meta_model, head_dim, model_config, model_dims, valid_tp_sizes, validate_model
-from .flags import _device_type, _fail, validate_layout
+from .flags import TOY_GLOBAL_BATCH, TOY_SEQ, _device_type, _fail, validate_layout
 from .structure import decoder_layers, embedding_params, flops_params, is_tied, tensor_parallel_problem
 
 logger = logging.getLogger("schedlang.train")
@@ -71,8 +71,10 @@ def check_model_layout(ns: argparse.Namespace, facts: ModelFacts) -> None:
 
 # ------------------------------------------------------------------------------------------------ devices
 def hardware(ns: argparse.Namespace, world: int, link_bytes_per_s: Optional[float] = None) -> Hardware:
-    """The devices of the run: each GPU's name and memory (``--gpu-memory-gib`` overrides), and the link between
-    ranks: ``--link-gbps`` if given, else measured (``link_bytes_per_s``), else a nominal figure."""
+    """The devices of the run: each GPU's name and memory (``--gpu-memory-gib`` overrides), the nodes
+    (``--nodes`` x ``--gpus-per-node``) and the links: ``--intra-node-gbps`` / ``--inter-node-gbps`` (or the
+    deprecated ``--link-gbps``) where given, else measured (``link_bytes_per_s``, an all-reduce over every rank:
+    the network's figure when the ranks span nodes), else nominal figures."""
     device = _device_type(ns)
     name = ""
     memory = ns.gpu_memory_gib
@@ -82,8 +84,11 @@ def hardware(ns: argparse.Namespace, world: int, link_bytes_per_s: Optional[floa
         props = torch.cuda.get_device_properties(index)
         name = props.name
         memory = memory if memory is not None else props.total_memory / GIB
-    hw = Hardware.nominal(device, name=name, memory_gib=memory, link_gbps=ns.link_gbps, world=world)
-    if link_bytes_per_s is not None and ns.link_gbps is None:
+    hw = Hardware.nominal(device, name=name, memory_gib=memory, link_gbps=ns.link_gbps, world=world,
+                          intra_gbps=getattr(ns, "intra_node_gbps", None), inter_gbps=getattr(ns, "inter_node_gbps", None),
+                          gpus_per_node=getattr(ns, "gpus_per_node", None))
+    measured_is_given = hw.inter_source == "given" if hw.nodes > 1 else hw.link_source == "given"
+    if link_bytes_per_s is not None and not measured_is_given:
         hw = hw.with_link(link_bytes_per_s, "measured")
     return hw
 
@@ -112,11 +117,16 @@ def measure_link(device: torch.device, world: int, megabytes: Optional[int] = No
 
 
 # ------------------------------------------------------------------------------------------------ layouts
+#: the data-parallel engines and checkpointing modes the trainer runs (a dry run plans with every one)
+TRAINER_RUNS = {"dp_modes": ("fsdp", "hsdp", "ddp"), "checkpoint_modes": ("none", "full")}
+
+
 def base_layout(ns: argparse.Namespace) -> Layout:
     """Precision, speed-ups and pipeline schedule of the run (the parts a layout choice keeps)."""
     cuda = _device_type(ns) == "cuda"
     return Layout(dtype=ns.dtype, optimize=bool(ns.optimize) if ns.optimize is not None else cuda,
-                  compiled=bool(ns.compile), optimizer=ns.optimizer, pp_schedule=ns.pp_schedule)
+                  compiled=bool(ns.compile), optimizer=ns.optimizer, pp_schedule=ns.pp_schedule,
+                  float8=bool(getattr(ns, "float8", False)))
 
 
 def fixed_choices(ns: argparse.Namespace) -> Dict[str, Any]:
@@ -129,48 +139,57 @@ def fixed_choices(ns: argparse.Namespace) -> Dict[str, Any]:
     if ns.reduce_dtype is not None:
         fixed["reduce_dtype"] = ns.reduce_dtype
     if ns.activation_checkpoint:
-        fixed["activation_checkpoint"] = True
+        fixed["activation_checkpoint"] = ns.activation_checkpoint
     if ns.sp:
         fixed["sp"] = True
     if ns.optimize:
         fixed["optimize"] = True
     if ns.microbatches is not None:
         fixed["microbatches"] = ns.microbatches
+    if getattr(ns, "float8", False):
+        fixed["float8"] = True
+    if not ns.dry_run:  # a launched run chooses among what the trainer runs
+        fixed.update(TRAINER_RUNS)
     return fixed
 
 
 def layout_of(ns: argparse.Namespace) -> Layout:
     """The layout ``ns`` runs (after validation)."""
     return dataclasses.replace(base_layout(ns), pp=ns.pp, dp=ns.dp, tp=ns.tp, dp_mode=ns.dp_mode,
-                               reshard=not ns.no_reshard, reduce_dtype=ns.reduce_dtype,
-                               activation_checkpoint=ns.activation_checkpoint, sp=ns.sp, microbatches=ns.microbatches,
-                               stages_per_rank=ns.stages_per_rank, optimize=bool(ns.optimize))
+                               dp_replicate=getattr(ns, "dp_replicate", None) or 1, reshard=not ns.no_reshard,
+                               reduce_dtype=ns.reduce_dtype, activation_checkpoint=ns.activation_checkpoint or "none",
+                               sp=ns.sp, microbatches=ns.microbatches, stages_per_rank=ns.stages_per_rank,
+                               optimize=bool(ns.optimize))
 
 
 def choose(ns: argparse.Namespace, facts: ModelFacts, hw: Hardware, world: int) -> Choice:
     """``--layout auto``: the fastest layout that fits, by the cost model."""
     if not hasattr(ns, "_auto_fixed"):  # the user's own choices, before any choice of ours is written into ns
         ns._auto_fixed = fixed_choices(ns)
-    limit = min(world, 8)
+    limit = min(world, hw.gpus_per_node)  # tensor parallelism stays inside a node
     tp_sizes = [t for t in valid_tp_sizes(facts.dims, limit) if world % t == 0 and (t == 1 or not facts.tp_problem)]
     try:
-        return choose_layout(facts.shape, hw, world, ns.global_batch, ns.seq, base=base_layout(ns),
-                             tp_sizes=tp_sizes, fixed=ns._auto_fixed)
+        choice = choose_layout(facts.shape, hw, world, ns.global_batch, ns.seq, base=base_layout(ns),
+                               tp_sizes=tp_sizes, fixed=ns._auto_fixed)
     except ValueError as e:
         _fail(f"--layout auto: {e}; give --global-batch a multiple of the world size {world}, or a layout with "
               "--dp/--tp/--pp")
+    ns._auto_choice = choice
+    return choice
 
 
 def apply_layout(ns: argparse.Namespace, layout: Layout, world: int) -> None:
     """Write a chosen layout into the flags and check it as a given one would be."""
     ns.pp, ns.dp, ns.tp = layout.pp, layout.dp, layout.tp
     ns.dp_mode = layout.dp_mode
-    ns.no_reshard = layout.dp > 1 and layout.dp_mode == "fsdp" and not layout.reshard
+    ns.dp_replicate, ns.dp_shard = (layout.dp_replicate, layout.dp_shard) if layout.dp_mode == "hsdp" else (None, None)
+    ns.no_reshard = layout.dp > 1 and layout.dp_mode in ("fsdp", "hsdp") and not layout.reshard
     ns.reduce_dtype = layout.reduce_dtype
-    ns.activation_checkpoint = layout.activation_checkpoint
+    ns.activation_checkpoint = None if layout.activation_checkpoint == "none" else layout.activation_checkpoint
     ns.sp = layout.sp
     fixed = getattr(ns, "_auto_fixed", {})
-    ns.microbatches = fixed.get("microbatches")
+    # the chosen microbatches: accumulation steps the search found the batch needs, or a pipeline's
+    ns.microbatches = fixed.get("microbatches") or layout.microbatches
     ns._microbatches_given = ns.microbatches
     if not fixed.get("optimize"):
         ns.optimize = None  # the default again: on a GPU where the layout lets it
@@ -178,9 +197,23 @@ def apply_layout(ns: argparse.Namespace, layout: Layout, world: int) -> None:
 
 
 def choice_block(choice: Choice) -> str:
-    """``--layout auto``'s choice and its reasons, in one short block."""
-    return (f"schedlang train: --layout auto chose {choice.best.layout.describe()}\n"
-            f"  why: {choice.reason}")
+    """``--layout auto``'s choice and its reasons, and the runners-up with why each lost."""
+    lines = [f"schedlang train: --layout auto chose {choice.best.layout.describe()}", f"  why: {choice.reason}"]
+    for r in choice.runners_up:
+        lines.append(f"  runner-up: {r.estimate.layout.describe()}: {r.why} ({r.estimate.total_bytes / GIB:.1f} GiB, "
+                     f"{1e3 * r.estimate.step_s:,.0f} ms/step)")
+    return "\n".join(lines)
+
+
+def toy_size_warning(ns: argparse.Namespace, facts: ModelFacts) -> Optional[str]:
+    """A warning where --global-batch / --seq were left at their smoke-test defaults for a model over 1B
+    parameters: a plan for 8 sequences of 64 tokens says little about a real run."""
+    left = getattr(ns, "toy_defaults", [])
+    if facts.n_params <= 1e9 or not left:
+        return None
+    return (f"{' and '.join(left)} left at the smoke-test default(s) (global batch {TOY_GLOBAL_BATCH}, seq "
+            f"{TOY_SEQ}) for a {facts.n_params / 1e9:,.1f}B-parameter model: give the run's real --global-batch and "
+            f"--seq (e.g. --global-batch 256 --seq 8192) for a meaningful plan")
 
 
 def estimate(ns: argparse.Namespace, facts: ModelFacts, hw: Hardware) -> StepEstimate:
@@ -195,7 +228,30 @@ def plan_block(ns: argparse.Namespace, facts: ModelFacts, hw: Hardware, world: i
     header = (f"schedlang train plan: {ns.model} {ns.config} ({facts.n_params / 1e6:,.1f}M parameters, "
               f"{facts.dims.layers} layers, hidden {facts.dims.hidden}), global batch {ns.global_batch} x {ns.seq} "
               f"tokens, {world} rank(s) on {_device_type(ns)}")
-    return format_estimate(e, hw, header=header, extras=", ".join(s for s in speed if s))
+    text = format_estimate(e, hw, header=header, extras=", ".join(s for s in speed if s))
+    warning = toy_size_warning(ns, facts)
+    if warning:
+        text += f"\n  warning     {warning}"
+    if ns.dry_run and getattr(ns, "json", None):
+        write_plan_json(ns, facts, hw, world, e)
+    return text
+
+
+def write_plan_json(ns: argparse.Namespace, facts: ModelFacts, hw: Hardware, world: int, e: StepEstimate) -> None:
+    """``--dry-run --json FILE``: the plan of ``plan_block`` as JSON (with ``--layout auto``'s runners-up)."""
+    import json
+
+    choice = getattr(ns, "_auto_choice", None)
+    extra = {"model": {"family": ns.model, "config": ns.config, "params": facts.n_params,
+                       "layers": facts.dims.layers, "hidden": facts.dims.hidden},
+             "world": world, "chosen_by": "auto" if choice is not None else "flags",
+             "warnings": [w for w in [toy_size_warning(ns, facts)] if w]}
+    if choice is not None:
+        extra["why"] = choice.reason
+    data = estimate_json(e, hw, runners_up=choice.runners_up if choice is not None else [], extra=extra)
+    with open(ns.json, "w") as f:
+        json.dump(data, f, indent=2)
+        f.write("\n")
 
 
 def probe_candidates(choice: Choice, count: int = 2) -> List[Layout]:

@@ -40,8 +40,14 @@ class _Run:
         from ..distributed.mesh import make_mesh
 
         ns = self.ns
-        self.mesh = make_mesh(pp=ns.pp, dp=ns.dp, tp=ns.tp, device_type=self.device.type)
-        self.dp_rank = self.mesh.get_local_rank("dp")
+        replicas = getattr(ns, "dp_replicate", None) or 1  # HSDP: dp = replicas x shard ranks
+        self.mesh = make_mesh(pp=ns.pp, dp=ns.dp // replicas, tp=ns.tp, dp_replicate=replicas,
+                              device_type=self.device.type)
+        if replicas > 1:  # the rows of a replica's shard group follow one another
+            self.dp_rank = self.mesh.get_local_rank("dp_replicate") * (ns.dp // replicas) + \
+                self.mesh.get_local_rank("dp_shard")
+        else:
+            self.dp_rank = self.mesh.get_local_rank("dp")
         self.tp_group = self.mesh["tp"].get_group() if ns.tp > 1 else None
         self.pp_rank = self.mesh.get_local_rank("pp")
 
@@ -52,7 +58,8 @@ class _Run:
         if ns.sp:
             extras.append("sp")
         if ns.dp > 1:
-            extras.append(ns.dp_mode + (" no-reshard" if ns.no_reshard else "")
+            mode = f"hsdp {ns.dp_replicate}x{ns.dp_shard}" if ns.dp_mode == "hsdp" else ns.dp_mode
+            extras.append(mode + (" no-reshard" if ns.no_reshard else "")
                           + (" bf16-reduce" if ns.reduce_dtype == "bf16" else ""))
         if ns.pp > 1:
             extras.append(f"{ns.pp_schedule} x{ns.microbatches} mb")
@@ -92,7 +99,7 @@ class _Run:
             policy = "bf16" if bf16 else "fp32"
             if ns.reduce_dtype == "bf16":  # the bf16 gradients summed as they are, with no casts
                 policy = {"param_dtype": "bfloat16", "reduce_dtype": "bfloat16"}
-            if ns.dp_mode == "fsdp":
+            if ns.dp_mode in ("fsdp", "hsdp"):  # HSDP: fully_shard on the mesh's (dp_replicate, dp_shard)
                 for i in range(self.dims.layers):
                     sch[f"{layers}.{i}"].fully_shard(mp_policy=policy,
                                                      reshard_after_forward=False if ns.no_reshard else None)
@@ -203,7 +210,9 @@ class _Run:
         else:
             local_loss = torch.zeros((), device=self.device)
             m = ns.microbatches
-            for x, y in zip(inputs.chunk(m), labels.chunk(m)):
+            for k, (x, y) in enumerate(zip(inputs.chunk(m), labels.chunk(m))):
+                if ns.dp_mode == "hsdp" and m > 1:  # the replicas sum their gradient shards after the last only
+                    self._all_reduce_replicas(k == m - 1)
                 loss = self.forward_loss(x, y) / m
                 loss.backward()
                 local_loss += loss.detach().float()
@@ -211,6 +220,13 @@ class _Run:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return {"loss": self._global_loss(local_loss), "lr": lr, "grad_norm": grad_norm}
+
+    def _all_reduce_replicas(self, on: bool) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_requires_all_reduce(on, recurse=False)
 
     def eval_loss(self, tokens: torch.Tensor) -> torch.Tensor:
         """The mean token loss of a global batch of held-out ``tokens`` (no gradients, nothing updated)."""

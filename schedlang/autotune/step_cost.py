@@ -1,0 +1,538 @@
+"""The cost of one training step of a decoder-only transformer under a layout, before anything runs.
+
+:func:`estimate_step` gives, per rank, the memory of the parameters (fp32 master weights), the gradients, the
+optimizer's state, FSDP2's gathered weights and the activations, the collectives of a step with their bytes and
+the link each one crosses (:mod:`schedlang.autotune.cluster`), and the step time: the model's flops at a fraction
+of the devices' peak, plus what the communication adds where it cannot hide behind compute, the pipeline's bubble
+and the memory-bound optimizer step.
+
+Activations are counted tensor by tensor for a pre-norm decoder (attention and a gated or plain MLP), which is
+what HF's causal LMs are. Activation checkpointing has two modes:
+
+* ``full``: each layer keeps only its input; the backward recomputes the layer's forward.
+* ``selective``: the op-level policy torchtitan calls selective ("op"): inside each layer every other matmul's
+  output is saved (in call order: q, v, the MLP's gate and its down projection; in a plain MLP its first
+  projection), with attention's output and its log-sum-exp; the other matmuls (k, o, up) and the elementwise ops
+  (norms, rotary embeddings, the activation function) are recomputed.
+
+The memory is the step's peak, the larger of two moments: the turn from forward to backward (every layer's
+activations, one layer's working set, and the gradients only where they outlive a step: accumulation over
+microbatches) and the end of the backward (every gradient, one layer's working set).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Dict, List, Optional, Tuple
+
+from .cluster import NETWORK, NVLINK, spans_nodes
+
+GIB = 2 ** 30
+#: devices' dense bf16 peak and memory bandwidth, by name (the first match wins)
+_DEVICES = (("H200", 989e12, 4.8e12), ("H100", 989e12, 3.35e12), ("A100", 312e12, 2.0e12), ("L40", 181e12, 0.86e12))
+#: devices whose tensor cores run float8 GEMMs at twice the bf16 rate
+FLOAT8_DEVICES = ("H200", "H100", "L40", "B200", "GPU")
+#: what a device without a known name is taken to be
+_UNKNOWN_GPU = (100e12, 1.0e12)
+#: a CPU rank: an order of magnitude for the estimate only
+_CPU = (5e10, 2e10)
+#: fraction of the peak a step reaches: compiled layers with optimize_model, compiled, eager (bench/bench_train.py)
+_EFFICIENCY = {"optimize": 0.48, "compile": 0.42, "eager": 0.33}
+#: the share of overlapped communication that still costs time (its kernels take SMs and memory bandwidth)
+_CONTENTION = 0.1
+#: bytes a CUDA rank holds besides the tensors counted here (cuBLAS workspace, allocator slack)
+_CUDA_ALLOWANCE = 0.5 * GIB
+#: the part of a device's memory a layout may plan to use
+USABLE_MEMORY = 0.9
+#: NVLink 4 (H100 / H200 SXM) per direction, as NCCL's bus bandwidth reaches it on 8 GPUs
+NOMINAL_NVLINK = 450e9
+#: one 400 Gb/s InfiniBand / RoCE port per GPU
+NOMINAL_NETWORK = 50e9
+#: GPUs of an HGX node
+NOMINAL_GPUS_PER_NODE = 8
+CHECKPOINT_MODES = ("none", "selective", "full")
+DP_MODES = ("fsdp", "hsdp", "ddp")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """The sizes of a decoder-only transformer. ``params`` counts tied weights once; ``flops_params`` leaves out
+    the embedding lookups; ``embedding_params`` is the token embedding and the output head (once when tied)."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    params: int
+    flops_params: int
+    embedding_params: int
+    gated_mlp: bool = True
+    tied: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """The devices and their links: ``link_bytes_per_s`` inside a node (NVLink), ``inter_bytes_per_s`` per GPU
+    between nodes, ``gpus_per_node`` x ``nodes`` ranks. ``link_source``: "measured", "given" or "nominal"."""
+
+    device: str
+    name: str
+    memory_bytes: float
+    peak_flops: float
+    memory_bandwidth: float
+    link_bytes_per_s: float
+    link_source: str = "nominal"
+    inter_bytes_per_s: Optional[float] = None
+    gpus_per_node: int = NOMINAL_GPUS_PER_NODE
+    nodes: int = 1
+    inter_source: str = "nominal"
+
+    @classmethod
+    def nominal(cls, device: str, name: str = "", memory_gib: Optional[float] = None,
+                link_gbps: Optional[float] = None, world: int = 2, intra_gbps: Optional[float] = None,
+                inter_gbps: Optional[float] = None, gpus_per_node: Optional[int] = None) -> "Hardware":
+        """A device by its name (``torch.cuda.get_device_name``), its memory and links, where not measured.
+        ``link_gbps`` sets both links (where ``intra_gbps`` / ``inter_gbps`` do not); a CPU world is one host."""
+        intra = intra_gbps if intra_gbps is not None else link_gbps
+        inter = inter_gbps if inter_gbps is not None else link_gbps
+        if device == "cuda":
+            peak, bandwidth = next(((p, b) for key, p, b in _DEVICES if key in name), _UNKNOWN_GPU)
+            if not name:  # planning for a GPU without one at hand: an H100 / H200-class device
+                peak, bandwidth = _DEVICES[1][1:]
+            memory = (memory_gib if memory_gib is not None else 80.0) * GIB
+            intra_bytes = intra * 1e9 if intra is not None else NOMINAL_NVLINK
+            inter_bytes = inter * 1e9 if inter is not None else NOMINAL_NETWORK
+            per_node = gpus_per_node or NOMINAL_GPUS_PER_NODE
+        else:
+            peak, bandwidth = _CPU
+            memory = (memory_gib if memory_gib is not None else 16.0) * GIB
+            intra_bytes = intra * 1e9 if intra is not None else 2e9
+            inter_bytes = inter * 1e9 if inter is not None else 2e9
+            per_node = gpus_per_node or max(1, world)
+        return cls(device, name or ("GPU" if device == "cuda" else "CPU"), memory, peak, bandwidth, intra_bytes,
+                   "given" if intra is not None else "nominal", inter_bytes, per_node,
+                   max(1, math.ceil(world / per_node)), "given" if inter is not None else "nominal")
+
+    @property
+    def network_bytes_per_s(self) -> float:
+        return self.inter_bytes_per_s if self.inter_bytes_per_s is not None else self.link_bytes_per_s
+
+    def with_link(self, bytes_per_s: float, source: str) -> "Hardware":
+        """An all-reduce over every rank measured ``bytes_per_s``: the network's figure when the ranks span nodes
+        (its slowest hop), NVLink's otherwise."""
+        if self.nodes > 1:
+            return dataclasses.replace(self, inter_bytes_per_s=bytes_per_s, inter_source=source)
+        return dataclasses.replace(self, link_bytes_per_s=bytes_per_s, link_source=source)
+
+    def link(self, sizes: Dict[str, int], dim: str) -> Tuple[str, float]:
+        """``(name, bytes/s)`` of the link a group of mesh dimension ``dim`` runs on."""
+        if spans_nodes(sizes, dim, self.gpus_per_node):
+            return NETWORK, self.network_bytes_per_s
+        return NVLINK, self.link_bytes_per_s
+
+    def describe_links(self) -> str:
+        return (f"{self.nodes} node(s) x {self.gpus_per_node} GPU(s); intra-node {self.link_bytes_per_s / 1e9:,.1f} "
+                f"GB/s ({self.link_source}), inter-node {self.network_bytes_per_s / 1e9:,.1f} GB/s per GPU "
+                f"({self.inter_source})")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How a step runs: the mesh, data parallelism's engine and options, checkpointing, precision and speed-ups.
+
+    ``dp`` is every data-parallel rank; ``dp_mode`` "fsdp" shards over all of them, "hsdp" shards over
+    ``dp / dp_replicate`` and replicates over ``dp_replicate``, "ddp" replicates. ``microbatches`` split each dp
+    rank's rows: a pipeline's microbatches, or gradient accumulation where ``pp == 1``."""
+
+    pp: int = 1
+    dp: int = 1
+    tp: int = 1
+    dp_mode: str = "fsdp"
+    reshard: bool = True
+    reduce_dtype: str = "fp32"
+    activation_checkpoint: str = "none"
+    sp: bool = False
+    microbatches: int = 1
+    stages_per_rank: int = 1
+    pp_schedule: str = "1F1B"
+    dtype: str = "bf16"
+    optimize: bool = False
+    compiled: bool = False
+    optimizer: str = "adamw"
+    dp_replicate: int = 1
+    float8: bool = False
+
+    def __post_init__(self):
+        # True / False of the time when checkpointing was on or off
+        ac = self.activation_checkpoint
+        if ac is True or ac is False or ac is None:
+            object.__setattr__(self, "activation_checkpoint", "full" if ac else "none")
+        if self.dp_mode != "hsdp" and self.dp_replicate != 1:
+            object.__setattr__(self, "dp_replicate", 1)
+
+    @property
+    def dp_shard(self) -> int:
+        return 1 if self.dp_mode == "ddp" else self.dp // max(1, self.dp_replicate)
+
+    @property
+    def replicas(self) -> int:
+        """Ranks holding the same shard: all dp ranks under DDP, ``dp_replicate`` under HSDP."""
+        return self.dp if self.dp_mode == "ddp" else self.dp_replicate
+
+    @property
+    def recomputes(self) -> bool:
+        return self.activation_checkpoint != "none"
+
+    def mesh_sizes(self) -> Dict[str, int]:
+        return {"pp": self.pp, "dp_replicate": self.replicas, "dp_shard": self.dp_shard, "cp": 1, "tp": self.tp}
+
+    def describe(self) -> str:
+        extras = []
+        if self.sp:
+            extras.append("sp")
+        if self.dp > 1:
+            mode = (f"hsdp {self.dp_replicate}x{self.dp_shard}" if self.dp_mode == "hsdp" else self.dp_mode)
+            extras.append(mode + ("" if self.reshard or self.dp_mode == "ddp" else " no-reshard")
+                          + (" bf16-reduce" if self.reduce_dtype == "bf16" else ""))
+        if self.pp > 1:
+            extras.append(f"{self.pp_schedule} x{self.microbatches} mb"
+                          + (f" v={self.stages_per_rank}" if self.stages_per_rank > 1 else ""))
+        elif self.microbatches > 1:
+            extras.append(f"{self.microbatches} accumulation steps")
+        if self.activation_checkpoint == "full":
+            extras.append("activation checkpointing")
+        elif self.activation_checkpoint == "selective":
+            extras.append("selective activation checkpointing")
+        if self.float8:
+            extras.append("float8")
+        return f"pp={self.pp} dp={self.dp} tp={self.tp}" + (f" ({', '.join(extras)})" if extras else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """Collectives of one kind in a step: ``count`` calls of ``bytes_each`` payload bytes per rank on ``group``;
+    ``wire_bytes`` is what each rank sends over the step (the ring algorithm's share), over ``link``."""
+
+    what: str
+    op: str
+    group: str
+    count: int
+    bytes_each: float
+    wire_bytes: float
+    link: str = NVLINK
+    seconds: float = 0.0
+
+
+@dataclasses.dataclass
+class StepEstimate:
+    layout: Layout
+    params_bytes: float
+    grads_bytes: float
+    optimizer_bytes: float
+    gathered_bytes: float
+    activation_bytes: float
+    other_bytes: float
+    #: the activations of one layer: what is in flight on top of the saved ones when the backward starts
+    working_bytes: float
+    #: the gradients are allocated while the activations are (accumulated over microbatches, or a pipeline's)
+    grads_in_forward: bool
+    collectives: List[Collective]
+    compute_s: float
+    comm_s: float
+    comm_exposed_s: float
+    bubble_s: float
+    optimizer_s: float
+    tokens: int
+    memory_limit: float
+    #: the logits, their fp32 copy and their gradient (part of ``activation_bytes``)
+    logits_bytes: float = 0.0
+    global_batch: int = 0
+    seq: int = 0
+
+    @property
+    def forward_peak_bytes(self) -> float:
+        """At the turn from forward to backward: saved activations, one layer's working set, the gradients only
+        where they outlive the step (zeroed to None after each step otherwise)."""
+        return (self.gathered_bytes + self.activation_bytes + self.working_bytes
+                + (self.grads_bytes if self.grads_in_forward else 0.0))
+
+    @property
+    def backward_peak_bytes(self) -> float:
+        """At the end of the backward: every gradient, the gathered weights, one layer's working set."""
+        return self.grads_bytes + self.gathered_bytes + self.working_bytes
+
+    @property
+    def total_bytes(self) -> float:
+        """The step's peak per rank: what stays (weights, optimizer state, workspace) plus the larger moment."""
+        return (self.params_bytes + self.optimizer_bytes + self.other_bytes
+                + max(self.forward_peak_bytes, self.backward_peak_bytes))
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + self.comm_exposed_s + self.bubble_s + self.optimizer_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.step_s
+
+    @property
+    def fits(self) -> bool:
+        return self.total_bytes <= self.memory_limit
+
+    def as_dict(self) -> Dict:
+        out = {k: getattr(self, k) for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "gathered_bytes",
+                                             "activation_bytes", "logits_bytes", "working_bytes",
+                                             "grads_in_forward", "forward_peak_bytes", "backward_peak_bytes",
+                                             "other_bytes", "compute_s", "comm_s", "comm_exposed_s", "bubble_s",
+                                             "optimizer_s")}
+        out.update(total_bytes=self.total_bytes, step_s=self.step_s, tokens_per_s=self.tokens_per_s,
+                   layout=self.layout.describe(), fits=self.fits,
+                   collectives=[dataclasses.asdict(c) for c in self.collectives])
+        return out
+
+
+def _bytes(dtype: str) -> int:
+    return 2 if dtype == "bf16" else 4
+
+
+def data_parallel_bytes(params: float, dp: int, dp_mode: str, reshard: bool, param_bytes: int,
+                        reduce_bytes: int) -> List[Tuple[str, str, int, float, float]]:
+    """``(what, op, calls, payload bytes, wire bytes)`` of one microbatch's data-parallel collectives over
+    ``params`` (those of one rank's stage and tensor-parallel shard): FSDP2 all-gathers the weights (again in the
+    backward when it reshards) and reduce-scatters the gradients; DDP all-reduces the gradients."""
+    if dp < 2:
+        return []
+    share = (dp - 1) / dp
+    if dp_mode == "ddp":
+        payload = params * reduce_bytes
+        return [("gradients", "all-reduce", 1, payload, 2 * share * payload)]
+    gathers = 2 if reshard else 1
+    weights = params * param_bytes
+    grads = params * reduce_bytes
+    return [("weights", "all-gather", gathers, weights, gathers * share * weights),
+            ("gradients", "reduce-scatter", 1, grads, share * grads)]
+
+
+def _stage_params(shape: ModelShape, pp: int) -> float:
+    """Parameters of the pipeline stage that holds the most: the layers' share plus an embedding-sized end."""
+    body = shape.params - shape.embedding_params
+    if pp == 1:
+        return shape.params
+    return body / pp + shape.vocab * shape.hidden
+
+
+def _residual_bytes(layout: Layout) -> int:
+    # the residual stream: bf16 when FSDP2 computes in bf16, fp32 under autocast (fp32 weights) or in fp32
+    return 2 if layout.dtype == "bf16" and layout.dp > 1 and layout.dp_mode in ("fsdp", "hsdp") else 4
+
+
+def _activation_bytes_per_token(shape: ModelShape, layout: Layout) -> float:
+    """Bytes one layer keeps for the backward per token of a microbatch without checkpointing (tensor-parallel
+    parts split)."""
+    c = _bytes(layout.dtype)
+    r = _residual_bytes(layout)
+    h, tp = shape.hidden, layout.tp
+    q = shape.heads * shape.head_dim
+    kv = shape.kv_heads * shape.head_dim
+    # a norm keeps its input (+ the fp32 copy an unfused, uncompiled RMSNorm saves)
+    norm = h * r + (0 if layout.optimize or layout.compiled else 4 * h)
+    # the normed input (for the q/k/v weights' gradients), q, k and v as attention reads them (rotary embeddings
+    # need no saved input), and attention's output (o_proj's input)
+    attention = norm + h * c + (q + 2 * kv) * c / tp + q * c / tp
+    # gated: gate and up (the activation's and the product's inputs), act(gate) and the product (down's input);
+    # a compiled layer recomputes the activation in the backward. Plain: fc1's output and the activation's.
+    mlp_tensors = (3 if layout.compiled else 4) if shape.gated_mlp else 2
+    mlp = norm + h * c + mlp_tensors * shape.intermediate * c / tp
+    per_token = attention + mlp
+    if layout.sp:
+        # the norms' inputs (the residual stream) are split along the sequence; the normed inputs of q/k/v and of
+        # the MLP are all-gathered to the whole sequence before their matmuls, which keep that gathered copy
+        per_token -= 2 * norm * (1 - 1 / tp)
+    return per_token
+
+
+def _layer_input_bytes(shape: ModelShape, layout: Layout) -> float:
+    """A layer's input per token: what full checkpointing keeps (split along the sequence under SP)."""
+    return shape.hidden * _residual_bytes(layout) / (layout.tp if layout.sp else 1)
+
+
+def _layer_matmuls(shape: ModelShape) -> List[Tuple[int, int, bool]]:
+    """``(in, out, row_parallel)`` of a layer's matmuls in call order (q, k, v, o, then gate, up, down or fc1, fc2)."""
+    h, i = shape.hidden, shape.intermediate
+    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    attention = [(h, q, False), (h, kv, False), (h, kv, False), (q, h, True)]
+    mlp = [(h, i, False), (h, i, False), (i, h, True)] if shape.gated_mlp else [(h, i, False), (i, h, True)]
+    return attention + mlp
+
+
+def _selective_bytes_per_token(shape: ModelShape, layout: Layout) -> float:
+    """What op-level selective checkpointing keeps per token and layer: the layer's input, every other matmul's
+    output (the first, third ...; a row-parallel one's whole partial sum), attention's output and log-sum-exp."""
+    c, tp = _bytes(layout.dtype), layout.tp
+    saved = sum(out / (1 if row else tp) for k, (_, out, row) in enumerate(_layer_matmuls(shape)) if k % 2 == 0)
+    attention = shape.heads * shape.head_dim * c / tp + 4 * shape.heads / tp
+    return _layer_input_bytes(shape, layout) + saved * c + attention
+
+
+def selective_recompute_share(shape: ModelShape) -> float:
+    """The share of a layer's matmul flops selective checkpointing recomputes (the second, fourth ... matmuls)."""
+    sizes = [a * b for a, b, _ in _layer_matmuls(shape)]
+    return sum(s for k, s in enumerate(sizes) if k % 2 == 1) / sum(sizes)
+
+
+def saved_bytes_per_token(shape: ModelShape, layout: Layout) -> float:
+    """What one layer keeps for the backward, per token of a microbatch, under the layout's checkpointing."""
+    if layout.activation_checkpoint == "full":
+        return _layer_input_bytes(shape, layout)
+    if layout.activation_checkpoint == "selective":
+        return _selective_bytes_per_token(shape, layout)
+    return _activation_bytes_per_token(shape, layout)
+
+
+def _layer_gemm_params(shape: ModelShape) -> float:
+    return shape.layers * sum(a * b for a, b, _ in _layer_matmuls(shape))
+
+
+def _gathers_per_step(layout: Layout, layers: int) -> Tuple[int, int]:
+    """``(all-gathers, reduce-scatters)`` of one FSDP unit per step. Without a pipeline each microbatch runs a
+    whole forward and backward: it gathers in the forward and, resharding, again in the backward, and
+    reduce-scatters its gradients. A pipeline schedule keeps the weights gathered after the first backward and
+    reduces the gradients once, after the last microbatch (torch.distributed.pipelining's FSDP handling); its
+    forwards still reshard when resharding is on."""
+    m = layout.microbatches
+    if layout.pp == 1:
+        return (2 if layout.reshard else 1) * m, m
+    return (m + 1 if layout.reshard else 1), 1
+
+
+def estimate_step(shape: ModelShape, layout: Layout, hw: Hardware, global_batch: int, seq: int) -> StepEstimate:
+    """Memory per rank, collectives and time of one step of ``global_batch`` sequences of ``seq`` tokens."""
+    pp, dp, tp = layout.pp, layout.dp, layout.tp
+    world = pp * dp * tp
+    stage = _stage_params(shape, pp) / tp
+    layers = math.ceil(shape.layers / pp)
+    sharded = dp > 1 and layout.dp_mode in ("fsdp", "hsdp")
+    shard = layout.dp_shard if sharded else 1
+    local = stage / shard
+    compute_bytes = _bytes(layout.dtype)
+    reduce_bytes = 2 if layout.reduce_dtype == "bf16" else 4
+    params_bytes = 4 * local
+    grads_bytes = 4 * local + (stage * reduce_bytes if dp > 1 and not sharded else 0)  # DDP's gradient buckets
+    optimizer_bytes = (8 if layout.optimizer != "sgd" else 4) * local
+    gathered = 0.0
+    per_layer = (stage - shape.embedding_params / tp) / max(1, layers)
+    if sharded:
+        ends = shape.embedding_params / tp if pp == 1 else shape.vocab * shape.hidden / tp
+        gathered = compute_bytes * (ends + (stage - ends if not layout.reshard else 2 * per_layer))
+    elif layout.dtype == "bf16":  # autocast's bf16 copies of the weights, saved for the backward
+        gathered = 2 * stage
+    if layout.float8:  # a layer's float8 weight and its transpose, cast for its matmuls
+        gathered += 2 * per_layer
+    rows_per_rank = global_batch / dp
+    microbatch_tokens = rows_per_rank / layout.microbatches * seq
+    in_flight = 1
+    if pp > 1:
+        v = layout.stages_per_rank
+        in_flight = layout.microbatches if layout.pp_schedule == "GPipe" else min(layout.microbatches, pp * v)
+    per_token = _activation_bytes_per_token(shape, layout)
+    saved = saved_bytes_per_token(shape, layout)
+    acts = microbatch_tokens * in_flight * layers * saved
+    if layout.recomputes:  # one layer's activations while it is recomputed
+        acts += microbatch_tokens * per_token
+    logits = 0.0
+    if not layout.optimize or tp > 1:  # the logits, their fp32 copy and their gradient
+        logits = microbatch_tokens * shape.vocab / tp * (compute_bytes + 8)
+    acts += logits
+    working = microbatch_tokens * per_token
+    if layout.float8:  # the float8 copies of a layer's matmul inputs
+        working += microbatch_tokens * sum(a / (tp if row else 1) for a, _, row in _layer_matmuls(shape))
+    # gradients outlive the forward when microbatches accumulate into them (and in a pipeline's schedule)
+    grads_in_forward = layout.microbatches > 1 or pp > 1
+    other = _CUDA_ALLOWANCE if hw.device == "cuda" else 0.0
+
+    # -- time
+    tokens = global_batch * seq
+    flops_per_token = 6 * shape.flops_params + 12 * shape.layers * shape.hidden * seq
+    gemm = 6 * _layer_gemm_params(shape)  # the layers' matmuls: what float8 speeds up
+    if layout.activation_checkpoint == "full":  # the forward once more
+        flops_per_token *= 4 / 3
+        gemm *= 4 / 3
+    elif layout.activation_checkpoint == "selective":
+        extra = 2 * _layer_gemm_params(shape) * selective_recompute_share(shape)
+        flops_per_token += extra
+        gemm += extra
+    if layout.float8 and hw.device == "cuda" and any(k in hw.name for k in FLOAT8_DEVICES):
+        flops_per_token -= gemm / 2  # float8 GEMMs at twice the bf16 rate
+    efficiency = _EFFICIENCY["optimize" if layout.optimize and layout.compiled else
+                             "compile" if layout.compiled else "eager"] if hw.device == "cuda" else 1.0
+    compute = tokens * flops_per_token / (world * hw.peak_flops * efficiency)
+    sizes = layout.mesh_sizes()
+    collectives: List[Collective] = []
+
+    def add(what: str, op: str, dim: str, group: str, count: int, each: float, wire: float) -> None:
+        link, speed = hw.link(sizes, dim)
+        collectives.append(Collective(what, op, group, count, each, wire, link, wire / speed))
+
+    m = layout.microbatches
+    if sharded:
+        gathers, reductions = _gathers_per_step(layout, layers)
+        engine = "HSDP" if layout.dp_mode == "hsdp" else "FSDP2"
+        group = "dp_shard" if layout.dp_mode == "hsdp" else "dp"
+        if shard > 1:
+            share = (shard - 1) / shard
+            weights = stage * compute_bytes
+            add(f"{engine} weights", "all-gather", "dp_shard", group, gathers * layers, weights / layers,
+                gathers * share * weights)
+            grads = stage * reduce_bytes
+            add(f"{engine} gradients", "reduce-scatter", "dp_shard", group, reductions * layers, grads / layers,
+                reductions * share * grads)
+        if layout.dp_mode == "hsdp" and layout.dp_replicate > 1:
+            # the gradient shards summed over the replicas once per step (accumulating microbatches skip it)
+            r = layout.dp_replicate
+            piece = stage * reduce_bytes / shard
+            add("HSDP gradient shards", "all-reduce", "dp_replicate", "dp_replicate", layers, piece / layers,
+                2 * (r - 1) / r * piece)
+    elif dp > 1:  # DDP: the gradients summed once per step (accumulating microbatches skip it)
+        payload = stage * reduce_bytes
+        add("DDP gradients", "all-reduce", "dp_replicate", "dp", 1, payload, 2 * (dp - 1) / dp * payload)
+    dp_comm = sum(c.seconds for c in collectives)
+    # hidden behind the layers' compute, but for the first gather and the last reduction, and the SMs it takes
+    dp_exposed = max(0.0, dp_comm - 0.8 * compute) + _CONTENTION * dp_comm + dp_comm / max(1, layers) if dp > 1 else 0
+    tp_comm = 0.0
+    if tp > 1:
+        activation = microbatch_tokens * shape.hidden * compute_bytes  # one microbatch's activations
+        calls = (4 * layers + (2 * layers if layout.activation_checkpoint == "full" else
+                               layers if layout.activation_checkpoint == "selective" else 0)) * m
+        share = (tp - 1) / tp
+        if layout.sp:
+            add("sequence-parallel activations", "all-gather", "tp", "tp", calls, activation / tp,
+                calls * share * activation)
+            add("sequence-parallel activations", "reduce-scatter", "tp", "tp", calls, activation,
+                calls * share * activation)
+        else:
+            add("tensor-parallel activations", "all-reduce", "tp", "tp", calls, activation,
+                calls * 2 * share * activation)
+        tp_comm = sum(c.seconds for c in collectives if c.group == "tp")
+    bubble = 0.0
+    pp_comm = 0.0
+    if pp > 1:
+        v = layout.stages_per_rank
+        bubble = compute * (pp - 1) / (m * v)  # (pp - 1) idle slots of a microbatch's share of one stage
+        boundary = microbatch_tokens * shape.hidden * compute_bytes
+        add("pipeline activations and their gradients", "send/recv", "pp", "pp", 2 * m * v, boundary,
+            2 * m * v * boundary)
+        pp_comm = collectives[-1].seconds
+    step_bytes_per_param = 28 if layout.optimizer != "sgd" else 16  # read p, g, m, v; write p, m, v
+    optimizer = local * (step_bytes_per_param + 12) / hw.memory_bandwidth  # + the gradient norm and clipping
+    comm = dp_comm + tp_comm + pp_comm
+    return StepEstimate(layout=layout, params_bytes=params_bytes, grads_bytes=grads_bytes,
+                        optimizer_bytes=optimizer_bytes, gathered_bytes=gathered, activation_bytes=acts,
+                        other_bytes=other, working_bytes=working, grads_in_forward=grads_in_forward,
+                        collectives=collectives, compute_s=compute, comm_s=comm,
+                        comm_exposed_s=dp_exposed + tp_comm + pp_comm, bubble_s=bubble, optimizer_s=optimizer,
+                        tokens=tokens, memory_limit=USABLE_MEMORY * hw.memory_bytes, logits_bytes=logits,
+                        global_batch=global_batch, seq=seq)

@@ -1,0 +1,19 @@
+"""Model shapes the planner's tests share: LLaMA-3 8B / 70B / 405B as their published HF configs build them
+(parameter counts as transformers' LlamaForCausalLM has them, untied output head)."""
+
+from schedlang.autotune.training_cost import ModelShape
+
+
+def llama3(layers: int, hidden: int, heads: int, intermediate: int) -> ModelShape:
+    vocab, kv_heads, head_dim = 128256, 8, hidden // heads
+    per_layer = (hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2  # q, o; k, v
+                 + 3 * hidden * intermediate + 2 * hidden)  # gate, up, down; two norms
+    params = layers * per_layer + 2 * vocab * hidden + hidden  # embedding, head, final norm
+    return ModelShape(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                      intermediate=intermediate, vocab=vocab, params=params, flops_params=params - vocab * hidden,
+                      embedding_params=2 * vocab * hidden)
+
+
+LLAMA3_8B = llama3(32, 4096, 32, 14336)
+LLAMA3_70B = llama3(80, 8192, 64, 28672)
+LLAMA3_405B = llama3(126, 16384, 128, 53248)
