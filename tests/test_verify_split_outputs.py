@@ -4,10 +4,12 @@ By default ``shard_model`` keeps the logits split over the vocabulary (each rank
 loss is the vocabulary-parallel one). Verify reads the LM head's record (column-parallel, not gathered),
 compares each rank's logits with the matching slice of the original's, and sends back through them the
 matching slice of the original's random output gradient, so every gradient is compared as well. The
-README's flow is checked here exactly as written there, at world 2 on gloo.
+flow the parallelism guide shows (docs/guide/parallelism.rst) is checked here exactly as written there, at
+world 2 on gloo.
 """
 
 import re
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -22,11 +24,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _readme_snippet() -> str:
-    """The README's Verify-around-shard_model snippet, as it is written there."""
-    text = (ROOT / "README.md").read_text()
-    found = re.search(r"\n(with schedlang\.Verify\(sch, example_inputs=\[ids\]\):\n(?:    .*\n)+)", text)
-    assert found, "the README no longer shows `with schedlang.Verify(sch, example_inputs=[ids]): shard_model(sch)`"
-    return found.group(1)
+    """The parallelism guide's Verify-around-shard_model snippet, as it is written there (a code block,
+    indented by three spaces)."""
+    text = (ROOT / "docs" / "guide" / "parallelism.rst").read_text()
+    found = re.search(r"\n   (with schedlang\.Verify\(sch, example_inputs=\[ids\]\):\n(?:       .*\n)+)", text)
+    assert found, ("docs/guide/parallelism.rst no longer shows `with schedlang.Verify(sch, example_inputs=[ids]): "
+                   "shard_model(sch)`")
+    return textwrap.dedent("   " + found.group(1))
 
 
 def _readme_flow(family: str):

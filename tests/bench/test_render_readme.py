@@ -1,8 +1,12 @@
-"""bench/render_readme.py: the README's Performance table comes from the result files, and only from them."""
+"""bench/render_readme.py: the README's headline and the docs' performance page come from the result files, and
+only from them; so do the charts, which ``--check`` tells current or stale from their metadata."""
 
 import json
+from pathlib import Path
 
 import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
 
 README = """# project
 
@@ -17,6 +21,18 @@ intro
 ## Layout
 """
 
+PAGE = """Performance
+===========
+
+Prose kept as it is.
+
+.. perf-table:start
+old generated text
+.. perf-table:end
+
+After.
+"""
+
 
 def _write(path, rows, date, sha, gpus=1, device="NVIDIA H100 80GB HBM3"):
     path.write_text(json.dumps({"git_sha": sha, "date": date, "device": device, "gpus": gpus, "torch": "2.11.0",
@@ -27,6 +43,15 @@ def _row(work, variant, role, ms, tokens_per_s, baseline="titan-style", check="o
     return {"work": work, "variant": variant, "role": role, "ms": ms, "tokens_per_s": tokens_per_s, "mfu": 0.5,
             "peak_mem_gib": 30.0, "check": check, "ms_runs": [ms, ms], "baseline": baseline,
             "optimizer": "torch.optim.AdamW(fused=True)"}
+
+
+def _pages(tmp_path, readme_text=README):
+    """A README and a docs page with their markers, and the arguments that point the renderer at them."""
+    readme, page = tmp_path / "README.md", tmp_path / "docs" / "performance.rst"
+    page.parent.mkdir(exist_ok=True)
+    readme.write_text(readme_text)
+    page.write_text(PAGE)
+    return readme, page, ["--readme", str(readme), "--docs-page", str(page), "--static", str(page.parent / "_static")]
 
 
 @pytest.fixture
@@ -52,10 +77,7 @@ def results(tmp_path):
 
 def test_table_from_json_only(bench, results, tmp_path):
     render = bench("render_readme")
-    readme = tmp_path / "README.md"
-    readme.write_text(README)
-    assert render.main(["--results", str(results), "--readme", str(readme), "--no-chart"]) == 0
-    text = readme.read_text()
+    text = render.render_table(render.load_results(results))
     assert "99.5" not in text and "hand-written" not in text
     lines = {line.split(" | ")[1]: line for line in text.splitlines() if line.startswith("| llama-1.1b-1gpu |")}
     assert set(lines) == {"titan-style", "schedlang-optimize", "eager"}
@@ -73,12 +95,62 @@ def test_table_from_json_only(bench, results, tmp_path):
     # works without a GPU result say so; the CPU file is not used
     assert "| gpt2-medium-1gpu | no GPU results recorded for the current code yet |" in text
     assert "| llama-1.1b-tp2 | no GPU results recorded for the current code yet |" in text
+
+
+def test_the_readme_gets_the_headline_and_the_docs_page_every_row(bench, results, tmp_path):
+    render = bench("render_readme")
+    readme, page, paths = _pages(tmp_path)
+    assert render.main(["--results", str(results), *paths, "--no-chart"]) == 0
+    text, rst = readme.read_text(), page.read_text()
+    assert "99.5" not in text and "hand-written" not in text and "old generated text" not in rst
+    # the README: one row per work, the fastest schedlang row against the fastest passing baseline (78750 / 63000);
+    # eager is slower and failed its check, and is not the strongest baseline
+    rows = [line for line in text.splitlines() if line.startswith("| llama-1.1b-1gpu |")]
+    assert rows == ["| llama-1.1b-1gpu | schedlang-optimize | 78,750 | titan-style | 63,000 | 1.25x | "
+                    "NVIDIA H100 80GB HBM3 x1 | 2026-11-30 | abcdef1234 |"]
+    assert "](docs/performance.rst)" in text
     assert text.startswith("# project\n\n## Performance\n\nintro\n\n<!-- perf-table:start -->")
     assert text.endswith("<!-- perf-table:end -->\n\n## Layout\n")
-    # rendering again changes nothing, and --check agrees
-    assert render.main(["--results", str(results), "--readme", str(readme), "--no-chart", "--check"]) == 0
+    # the docs page: its prose kept, every row as a list-table, the failing check and the works without results
+    assert rst.startswith("Performance\n===========\n\nProse kept as it is.\n\n.. perf-table:start\n")
+    assert rst.endswith(".. perf-table:end\n\nAfter.\n")
+    assert "   * - llama-1.1b-1gpu\n     - eager\n     - baseline\n     - 210.0\n" in rst
+    assert "     - FAIL first loss 9.1 vs eager 10.4\n" in rst
+    assert "   * - gpt2-medium-1gpu\n     - no GPU results recorded for the current code yet\n     - \\-\n" in rst
+    # rendering again changes nothing, and --check agrees; a changed figure on either page fails it
+    assert render.main(["--results", str(results), *paths, "--no-chart", "--check"]) == 0
     readme.write_text(text.replace("1.25x", "1.35x"))
-    assert render.main(["--results", str(results), "--readme", str(readme), "--no-chart", "--check"]) == 1
+    assert render.main(["--results", str(results), *paths, "--no-chart", "--check"]) == 1
+    readme.write_text(text)
+    page.write_text(rst.replace("210.0", "200.0"))
+    assert render.main(["--results", str(results), *paths, "--no-chart", "--check"]) == 1
+
+
+def test_a_baseline_that_failed_its_check_is_never_the_one_beaten(bench, tmp_path):
+    render = bench("render_readme")
+    d = tmp_path / "r"
+    d.mkdir()
+    _write(d / "2026-12-04-train.json", [
+        _row("llama-1.1b-tp2", "tp-titan", "baseline", 130.0, 63000.0, baseline="tp-titan"),
+        _row("llama-1.1b-tp2", "tp-fast-but-wrong", "baseline", 100.0, 80000.0, check="FAIL loss 1.0 vs 2.0"),
+        _row("llama-1.1b-tp2", "schedlang-a", "schedlang", 110.0, 70000.0, baseline="tp-titan"),
+        _row("llama-1.1b-tp2", "schedlang-b", "schedlang", 90.0, 90000.0, check="FAIL grad cosine 0.5"),
+        _row("llama-1.1b-1gpu-ckpt", "schedlang-optimize", "schedlang", 137.0, 59000.0, baseline="schedlang-optimize"),
+    ], "2026-12-04", "7" * 40, gpus=2)
+    (headline,) = render.headline_rows(render.load_results(d))  # the ablation without a baseline has none
+    assert (headline["work"], headline["variant"], headline["baseline"]) == ("llama-1.1b-tp2", "schedlang-a", "tp-titan")
+    assert headline["speedup"] == pytest.approx(70000 / 63000, abs=1e-4)
+    assert render.render_headline([]) == ""
+
+
+def test_cells_read_literally_in_restructuredtext(bench):
+    render = bench("render_readme")
+    assert render._rst_cell("-") == "\\-"  # not an empty bullet list
+    assert render._rst_cell("+6.8%") == "\\+6.8%"
+    assert render._rst_cell("1. x") == "\\1. x"  # not an enumerated list
+    assert render._rst_cell("1.07x") == "1.07x"
+    assert render._rst_cell("eager_reduce | q*k") == "eager\\_reduce \\| q\\*k"
+    assert render._rst_cell(None) == "\\-"
 
 
 def test_micro_rows_compare_by_time(bench, results, tmp_path):
@@ -91,23 +163,47 @@ def test_micro_rows_compare_by_time(bench, results, tmp_path):
     assert "| 1.25x torch fused |" in line and "| 2.320 |" in line
 
 
-def test_chart_is_written(bench, results, tmp_path):
+def test_charts_are_written_and_checked_from_the_figures_they_carry(bench, results, tmp_path):
     pytest.importorskip("matplotlib")
     render = bench("render_readme")
-    readme = tmp_path / "README.md"
-    readme.write_text(README)
-    chart = tmp_path / "perf.png"
-    assert render.main(["--results", str(results), "--readme", str(readme), "--chart", str(chart)]) == 0
-    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "![speed against the baselines](perf.png)" in readme.read_text()
+    readme, page, paths = _pages(tmp_path)
+    assert render.main(["--results", str(results), *paths, "--check"]) == 1  # no charts yet
+    assert render.main(["--results", str(results), *paths]) == 0
+    static = page.parent / "_static"
+    headline, every_row = static / "perf_headline.png", static / "perf_all.png"
+    for chart in (headline, every_row):
+        assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "](docs/_static/perf_headline.png)" in readme.read_text()
+    assert ".. image:: _static/perf_headline.png" in page.read_text()
+    assert ".. image:: _static/perf_all.png" in page.read_text()
+    # the headline chart holds the one bar of the README's row: 78750 / 63000
+    bars = json.loads(render.png_text(headline)[render.CHART_KEY])
+    assert [b[1] for b in bars] == [1.25] and "schedlang-optimize" in bars[0][0]
+    assert render.main(["--results", str(results), *paths, "--check"]) == 0
+    # a new result makes the charts stale even where the tables were rendered without them
+    _write(results / "2026-12-05-train.json", [_row("llama-1.1b-1gpu", "titan-style", "baseline", 130.0, 63000.0),
+                                               _row("llama-1.1b-1gpu", "schedlang-x", "schedlang", 100.0, 81900.0)],
+           "2026-12-05", "8" * 40)
+    assert render.main(["--results", str(results), *paths, "--no-chart"]) == 0
+    assert render.main(["--results", str(results), *paths, "--no-chart", "--check"]) == 0
+    assert render.main(["--results", str(results), *paths, "--check"]) == 1
+    assert not render.chart_is_current(render.headline_bars(render.load_results(results)), headline)
+
+
+def test_the_repository_pages_and_charts_are_what_the_results_give(bench):
+    """README.md, docs/performance.rst and the charts in docs/_static are current (python bench/render_readme.py)."""
+    assert bench("render_readme").main(["--check"]) == 0
 
 
 def test_missing_markers_are_named(bench, results, tmp_path):
     render = bench("render_readme")
-    readme = tmp_path / "README.md"
-    readme.write_text("# no markers\n")
+    readme, page, paths = _pages(tmp_path, "# no markers\n")
     with pytest.raises(SystemExit, match="markers <!-- perf-table:start --> ... <!-- perf-table:end --> not found"):
-        render.main(["--results", str(results), "--readme", str(readme), "--no-chart"])
+        render.main(["--results", str(results), *paths, "--no-chart"])
+    readme.write_text(README)
+    page.write_text("Performance\n===========\n")
+    with pytest.raises(SystemExit, match="performance.rst: markers .. perf-table:start ... .. perf-table:end not found"):
+        render.main(["--results", str(results), *paths, "--no-chart"])
 
 
 def test_train_works_listed_in_the_renderer_are_the_harness_works(bench):
@@ -124,10 +220,7 @@ def test_profiles_are_rendered_from_rows_that_carry_them(bench, results, tmp_pat
     rows[1]["profile"] = {"span_ms": 121.0, "gpu_busy_ms": 119.5, "idle_share": 0.0124, "launches_per_step": 1689.0,
                           "by_kind_ms": {"gemm": 81.0, "optimizer": 13.6, "schedlang": 0.12}}
     _write(results / "2026-12-01-train.json", rows, "2026-12-01", "f" * 40)
-    readme = tmp_path / "README.md"
-    readme.write_text(README)
-    assert render.main(["--results", str(results), "--readme", str(readme), "--no-chart"]) == 0
-    text = readme.read_text()
+    text = render.render_profiles(render.load_results(results))
     assert "| llama-1.1b-1gpu (ms per step) | titan-style | schedlang-optimize |" in text  # eager has none
     assert "| step ms (timed) | 130.0 | 120.0 |" in text
     assert "| GPU idle share | 4.6% | 1.2% |" in text
@@ -136,11 +229,14 @@ def test_profiles_are_rendered_from_rows_that_carry_them(bench, results, tmp_pat
     body = text[text.index("| gemm |"):]
     assert body.index("| gemm | 80.0 | 81.0 |") < body.index("| optimizer | 13.7 | 13.6 |") < body.index(
         "| cast_copy | 1.8 | 0.0 |") < body.index("| schedlang | 0.0 | 0.1 |")
+    # the docs page shows the same as a list-table
+    _, page, paths = _pages(tmp_path)
+    assert render.main(["--results", str(results), *paths, "--no-chart"]) == 0
+    assert "   * - GPU idle share\n     - 4.6%\n     - 1.2%\n" in page.read_text()
     # without profiled rows there is no such section
-    readme.write_text(README)
     (results / "2026-12-01-train.json").unlink()
-    render.main(["--results", str(results), "--readme", str(readme), "--no-chart"])
-    assert "ms per step)" not in readme.read_text()
+    render.main(["--results", str(results), *paths, "--no-chart"])
+    assert "ms per step)" not in page.read_text()
 
 
 def test_each_row_is_also_compared_with_the_fastest_baseline_of_its_run(bench, results):
@@ -202,6 +298,6 @@ def test_startup_rows_get_a_table_of_their_own_with_ratios_to_the_baseline(bench
     mine = next(line for line in lines if "schedlang-build-pretrained" in line)
     assert "| 2.32 | 0.74x | 1.29 | 3.52 | 0.42x | 2 | 4.36 |" in mine
     assert "| 3.13 | 1.00x |" in next(line for line in lines if "parallelize_module" in line)
-    assert "time to first step" in render.section(render.load_results(d), None, tmp_path)
+    assert "time to first step" in render.docs_section(render.load_results(d), tmp_path, tmp_path / "p.rst")
     # results without start-up rows render no such table
     assert render.render_startup([]) == ""
