@@ -176,3 +176,17 @@ def test_layout_auto_on_two_ranks_trains_and_probes(tmp_path):
     reference = [json.loads(line) for line in single.read_text().splitlines()]
     assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in reference], rel=1e-5)
     assert all(r["mem_estimated_gib"] > 0 for r in records)
+
+
+def test_70b_with_tp8_and_sequence_parallelism_fits_and_405b_lists_runners_up(capsys):
+    """torchtitan's 70B layout (FSDP x TP 8 with SP and full checkpointing) fits 8 nodes of H100s: SP splits the
+    layers' saved inputs 8 ways; --layout auto on 512 GPUs names its runners-up."""
+    base = ["--dry-run", "--device", "cuda", "--gpu-memory-gib", "80", "--seq", "8192"]
+    assert trainer.main(base + ["--nodes", "8", "--config", "70b", "--global-batch", "64", "--tp", "8", "--dp", "8",
+                                "--sp", "--activation-checkpoint", "--microbatches", "8"]) == 0
+    err = capsys.readouterr().err
+    assert "DOES NOT FIT" not in err and "pp=1 dp=8 tp=8 (sp, fsdp, 8 accumulation steps, activation checkpointing)" in err
+    assert "all-gather over tp: sequence-parallel activations" in err and "intra-node" in err
+    assert trainer.main(base + ["--nodes", "64", "--config", "405b", "--global-batch", "512"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("  runner-up: ") >= 3 and ("slower by" in err or "does not fit" in err)
