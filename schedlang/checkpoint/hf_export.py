@@ -13,9 +13,9 @@ from typing import Dict, Optional
 import torch
 from torch import nn
 
-from ..distributed.dtensor_params import rank_major_specs
+from ..distributed.dtensor_params import _to_dtensor, rank_major_specs
 from .ranks import _NAMES_SHOWN, _agree, _all_gather, _dist, _names, _rank
-from .state import _is_dtensor, _model_state, _stages, full_tensor
+from .state import _is_dtensor, _model_state, _stages, full_tensor, plain_shard_mesh, plain_shard_specs
 
 logger = logging.getLogger("schedlang.checkpoint")
 
@@ -34,10 +34,17 @@ def _full_state_on_rank0(model: nn.Module) -> Dict[str, torch.Tensor]:
     """The unsharded state dict, on the CPU of rank 0 (empty elsewhere). Collective.
 
     Each name is gathered by the ranks holding it (``full_tensor`` over its mesh) and kept by the
-    lowest of them; pipeline ranks then send what they kept to rank 0.
+    lowest of them; pipeline ranks then send what they kept to rank 0. A plain local shard (a schedule
+    built without a mesh) is gathered as the DTensor its record describes, over the group it was split on.
     """
     local = _model_state(model)
     rank_major = rank_major_specs(_stages(model))  # tensors laid out rank-major: put back in their order
+    plain = plain_shard_specs(model, local)
+    mesh, problem = None, None
+    if plain:
+        device_type = next(local[k].device.type for k in plain)
+        mesh, problem = plain_shard_mesh(model, plain, device_type, "export_hf")
+    _agree(problem)
     names = [k for k, v in local.items() if isinstance(v, torch.Tensor)]
     owner: Dict[str, int] = {}
     for r, keys in enumerate(_all_gather(names)):
@@ -47,6 +54,8 @@ def _full_state_on_rank0(model: nn.Module) -> Dict[str, torch.Tensor]:
     kept: Dict[str, torch.Tensor] = {}
     for key in names:  # the same order on every rank holding the same stage (same module structure)
         value = local[key]
+        if key in plain:
+            value = _to_dtensor(value, plain[key], mesh, is_param=False)
         if _is_dtensor(value):
             value = full_tensor(value, rank_major.get(key))  # every rank of the tensor's mesh takes part
         if owner[key] == me:

@@ -278,3 +278,44 @@ def _restore_strided(state: Dict[str, Any], originals: Dict[str, Any]) -> None:
             # the optimizer's or the module's own tensor, updated in place
             like.to_local().copy_(local.to(like.dtype))
         state[key] = like
+
+
+# ------------------------------------------------------------------------------------------------ plain local shards
+def plain_shard_specs(model: nn.Module, state: Dict[str, Any]) -> Dict[str, Any]:
+    """``{name: ShardSpec}`` of the entries of ``state`` (``model``'s state dict) that are plain local shards: a
+    model built from a schedule without a mesh keeps its shards plain tensors, whose layout only their module's
+    record knows."""
+    from ..distributed.dtensor_params import named_shard_specs
+
+    specs = named_shard_specs(_stages(model))
+    return {key: specs[key] for key, value in state.items()
+            if key in specs and specs[key].world_size > 1 and isinstance(value, torch.Tensor)
+            and not _is_dtensor(value)}
+
+
+def plain_shard_mesh(model: nn.Module, specs: Dict[str, Any], device_type: str, where: str):
+    """``(mesh, problem)``: the one-dimensional ``DeviceMesh`` over the process group that ``model``'s plain local
+    shards (``specs``, from :func:`plain_shard_specs`) are split over, so that they can be gathered as DTensors of
+    their specs; or ``(None, why not)``. The group is the one the model's sync points run on (a schedule made
+    with ``group=``), else the world."""
+    import torch.distributed as dist
+
+    from ..distributed import groups
+    from ..distributed.sync_ops import SyncOp
+
+    found = {id(m.group): m.group for stage in _stages(model) for m in stage.modules()
+             if isinstance(m, SyncOp) and m.group is not None and not isinstance(m.group, groups.SingleRankGroup)}
+    if len(found) > 1:
+        return None, (f"{where}: the model's sync points run on {len(found)} different process groups, so which "
+                      "one its plain local shards are split over is unknown; build the schedule with a mesh "
+                      "(schedlang.create_schedule(model, mesh=make_mesh(tp=...)))")
+    group = next(iter(found.values())) if found else dist.group.WORLD
+    size, rank = groups.world_size(group), groups.rank(group)
+    for key, spec in specs.items():
+        if (spec.world_size, spec.rank) != (size, rank):
+            return None, (f"{where}: {key!r} is a plain local shard of rank {spec.rank} of {spec.world_size}, but "
+                          f"this process is rank {rank} of {size} of the process group the model syncs over; "
+                          "call it on the ranks the schedule was built on")
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh.from_group(group, device_type), None
