@@ -796,3 +796,49 @@ def test_master_weights_round_trip_resumes_exactly(tmp_path):
         assert p.dtype == q.dtype and torch.equal(p, q)
     for p, q in zip(opt.masters().values(), opt2.masters().values()):
         assert torch.equal(p, q)
+
+
+# ---------------------------------------------------------------------------------------------- plain local shards
+def _plain_shards_of_rank_0_of_2():
+    """An MLP a schedule split as rank 0 of 2 (the group faked), built in this one process: without a mesh its
+    shards stay plain tensors. The export of a model built over two ranks is in tests/test_pretrained.py."""
+    from unittest import mock
+
+    import schedlang.distributed.groups as groups
+
+    with mock.patch.object(groups, "world_size", lambda group=None: 2), \
+            mock.patch.object(groups, "rank", lambda group=None: 0):
+        sch = schedlang.create_schedule(MLP())
+        sch["fc1"].shard("weight", axis=0)
+        sch["fc1"].sync(mode="bwd_post", sync_op_or_fn="all_reduce")
+        sch["fc2"].shard("weight", axis=1)
+        sch["fc2"].sync(mode="fwd_post", sync_op_or_fn="all_reduce")
+        model, _ = schedlang.build(sch)
+    return model
+
+
+def test_export_of_plain_shards_needs_the_ranks_they_were_split_over(tmp_path):
+    model = _plain_shards_of_rank_0_of_2()
+    assert tuple(model.fc1.weight.shape) == (10, 12)
+    with pytest.raises(schedlang.CheckpointError) as info:
+        schedlang.export_hf(model, tmp_path / "hf", config={"model_type": "mlp"})
+    assert str(info.value) == (
+        "export_hf: 'fc1.weight' is a plain local shard of rank 0 of 2, but this process is rank 0 of 1 of the "
+        "process group the model syncs over; call it on the ranks the schedule was built on")
+    assert not (tmp_path / "hf").exists()
+
+
+def test_export_of_plain_shards_refuses_sync_points_on_several_groups(tmp_path):
+    from schedlang.distributed.sync_ops import SyncOp
+
+    model = _plain_shards_of_rank_0_of_2()
+    syncs = [m for m in model.modules() if isinstance(m, SyncOp)]
+    assert len(syncs) == 2
+    for sync in syncs:
+        sync.group = object()  # stands for two distinct process groups
+    with pytest.raises(schedlang.CheckpointError) as info:
+        schedlang.export_hf(model, tmp_path / "hf", config={"model_type": "mlp"})
+    assert str(info.value) == (
+        "export_hf: the model's sync points run on 2 different process groups, so which one its plain local shards "
+        "are split over is unknown; build the schedule with a mesh "
+        "(schedlang.create_schedule(model, mesh=make_mesh(tp=...)))")

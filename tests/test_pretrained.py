@@ -9,6 +9,7 @@ run exports the tensor-parallel LLaMA and loads it back under FSDP2.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 
@@ -343,6 +344,139 @@ def test_export_then_load_under_another_layout_gives_the_same_logits(spawned):
     for r in spawned:
         assert r["round_trip"]["max_diff"] < 1e-5
         assert r["round_trip"]["tensors"] > 0
+
+
+# ---------------------------------------------------------------------------------------------- without a mesh
+def _phi3_config():
+    from tests.models.tp_checks import family_config
+
+    return family_config("phi3_gqa")  # q|k|v fused in blocks of unequal widths (fewer key/value heads)
+
+
+MESHLESS = {"llama": lambda: _llama_config(), "gpt2": lambda: _gpt2_config(), "phi3": _phi3_config}
+
+
+def _meshless_schedule(family, cfg=None, meta=True):
+    """Slapo's way: the world group and no mesh, so build keeps the shards plain local tensors."""
+    import transformers
+
+    from schedlang.models import shard_model
+
+    cfg = cfg or MESHLESS[family]()
+    with schedlang.init_empty_weights() if meta else contextlib.nullcontext():
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    sch = schedlang.create_schedule(model)
+    shard_model(sch, gather_logits=True)
+    return sch, cfg
+
+
+def _logits_of(model, vocab):
+    with torch.no_grad():
+        return model(input_ids=_tokens(vocab)[:, :-1], use_cache=False).logits
+
+
+def _spawned_meshless(rank, world, root):
+    import transformers
+
+    from schedlang.distributed.dtensor_params import is_dtensor, named_shard_specs
+
+    out = {}
+    for family in MESHLESS:
+        directory = os.path.join(root, family)
+        sch, cfg = _meshless_schedule(family)
+        specs = named_shard_specs(sch.mod)
+        model, _ = schedlang.build(sch, pretrained=directory)
+        reference = transformers.AutoModelForCausalLM.from_pretrained(directory)
+        stored = reference.state_dict()
+        want = _logits_of(reference, cfg.vocab_size)
+        got = _logits_of(model, cfg.vocab_size)
+        # every shard is its record's slice of the stored tensor, and stays a plain tensor
+        wrong = [n for n, p in model.named_parameters()
+                 if not torch.equal(p.detach(), specs[n].slice_of(stored[n]) if n in specs else stored[n])]
+        blocks = sorted({(s.groups, s.rank_major) for s in specs.values()})
+        out[family] = {"logits": (got - want).abs().max().item(), "shape": tuple(got.shape),
+                       "loss": (float(_loss(got, _tokens(cfg.vocab_size)[:, 1:])),
+                                float(_loss(want, _tokens(cfg.vocab_size)[:, 1:]))),
+                       "wrong": wrong, "sharded": sum(1 for n, _ in model.named_parameters() if n in specs),
+                       "dtensors": sum(is_dtensor(p) for p in model.parameters()), "blocks": blocks}
+        # load_pretrained into a built model with other (random) weights, and export_hf of the loaded model
+        torch.manual_seed(rank + 7)
+        sch, _ = _meshless_schedule(family, cfg, meta=False)
+        other, _ = schedlang.build(sch)
+        before = (_logits_of(other, cfg.vocab_size) - want).abs().max().item()
+        info = schedlang.load_pretrained(other, directory)
+        exported = schedlang.export_hf(other, os.path.join(root, f"exported_{family}"))
+        again = transformers.AutoModelForCausalLM.from_pretrained(exported)
+        out[family].update(
+            loaded_before=before, loaded=(_logits_of(other, cfg.vocab_size) - want).abs().max().item(),
+            tensors=info["tensors"], exported=(_logits_of(again, cfg.vocab_size) - want).abs().max().item(),
+            exported_equal=[n for n, v in again.state_dict().items() if not torch.equal(v, stored[n])])
+    # a real mismatch names the model's full shape, this rank's shard and how it is split, on both paths
+    messages = []
+    sch, _ = _meshless_schedule("llama", _llama_config(intermediate_size=64))
+    try:
+        schedlang.build(sch, pretrained=os.path.join(root, "llama"))
+    except schedlang.CheckpointError as e:
+        messages.append(str(e))
+    out["still_meta"] = all(p.is_meta for p in sch.mod.parameters())
+    sch, _ = _meshless_schedule("gpt2", _gpt2_config(n_embd=48), meta=False)
+    model, _ = schedlang.build(sch)
+    try:
+        schedlang.load_pretrained(model, os.path.join(root, "gpt2"))
+    except schedlang.CheckpointError as e:
+        messages.append(str(e))
+    out["mismatches"] = messages
+    return out
+
+
+@pytest.fixture(scope="module")
+def meshless(tmp_path_factory):
+    import transformers
+
+    root = str(tmp_path_factory.mktemp("meshless"))
+    for family, config in MESHLESS.items():
+        torch.manual_seed(0)
+        transformers.AutoModelForCausalLM.from_config(config()).save_pretrained(
+            os.path.join(root, family), **({"max_shard_size": "40KB"} if family == "llama" else {}))
+    return run_distributed(_spawned_meshless, world_size=2, args=(root,), timeout=300)
+
+
+@pytest.mark.parametrize("family", list(MESHLESS))
+def test_without_a_mesh_plain_shards_load_their_slices_of_the_checkpoint(meshless, family):
+    for r in meshless:
+        entry = r[family]
+        assert entry["dtensors"] == 0 and entry["sharded"] > 0
+        assert entry["wrong"] == []
+        assert entry["shape"][-1] == MESHLESS[family]().vocab_size  # the gathered logits of the whole vocabulary
+        assert entry["logits"] < 1e-5
+        assert entry["loss"][0] == pytest.approx(entry["loss"][1], rel=1e-6, abs=1e-6)
+    # the layouts this covers: GPT-2's q|k|v and Phi-3's gate|up in equal blocks, Phi-3's q|k|v in unequal ones
+    covered = {"llama": [(1, False)], "gpt2": [(1, False), (3, False)], "phi3": [(1, False), (2, False), (3, True)]}
+    assert meshless[0][family]["blocks"] == covered[family]
+
+
+@pytest.mark.parametrize("family", list(MESHLESS))
+def test_without_a_mesh_load_pretrained_and_export_hf_round_trip(meshless, family):
+    for r in meshless:
+        entry = r[family]
+        assert entry["loaded_before"] > 1e-2  # the model had other weights before the load
+        assert entry["loaded"] < 1e-5 and entry["tensors"] > 0
+        assert entry["exported"] < 1e-5 and entry["exported_equal"] == []
+
+
+def test_without_a_mesh_a_mismatch_names_the_full_shape_and_the_shard(meshless):
+    for r in meshless:
+        build, load = r["mismatches"]
+        assert ("shape mismatch for 'model.layers.0.mlp.gate_proj.weight': the checkpoint has (80, 48) (tensor "
+                "'model.layers.0.mlp.gate_proj.weight' in ") in build
+        assert ".safetensors), the model (64, 48); this rank's shard is (32, 48), split along axis 0 over 2 " \
+               "ranks\n" in build
+        assert ("shape mismatch for 'transformer.h.0.attn.c_attn.weight': the checkpoint has (32, 96) (tensor "
+                "'transformer.h.0.attn.c_attn.weight' in ") in load
+        assert "model.safetensors), the model (48, 144); this rank's shard is (48, 72), split along axis 1 in 3 " \
+               "blocks over 2 ranks\n" in load
+        assert r["still_meta"]
+    assert meshless[0]["mismatches"] == meshless[1]["mismatches"]
 
 
 # ---------------------------------------------------------------------------------------------- one process
