@@ -842,3 +842,21 @@ def test_export_of_plain_shards_refuses_sync_points_on_several_groups(tmp_path):
         "export_hf: the model's sync points run on 2 different process groups, so which one its plain local shards "
         "are split over is unknown; build the schedule with a mesh "
         "(schedlang.create_schedule(model, mesh=make_mesh(tp=...)))")
+
+
+def test_plain_shards_are_refused_by_save_and_load_before_anything_is_written(tmp_path):
+    """A DCP checkpoint records a global layout that plain shards do not carry: both directions refuse."""
+    model = _plain_shards_of_rank_0_of_2()
+    expected = ("'fc1.weight' is a plain local shard (rank 0 of 2, of (20, 12)): the schedule was made without a "
+                "mesh, so build kept its shards plain tensors, whose layout a checkpoint cannot record; create the "
+                "schedule with a mesh (schedlang.create_schedule(model, mesh=make_mesh(tp=...))) to checkpoint it")
+    with pytest.raises(schedlang.CheckpointError) as info:
+        schedlang.save_checkpoint(tmp_path / "ckpt", model)
+    assert str(info.value) == "save_checkpoint: " + expected
+    assert not (tmp_path / "ckpt").exists() and not (tmp_path / "ckpt.partial").exists()
+    schedlang.save_checkpoint(tmp_path / "whole", MLP())  # a checkpoint of the unsharded MLP, to load from
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(schedlang.CheckpointError) as info:
+        schedlang.load_checkpoint(tmp_path / "whole", model)
+    assert str(info.value) == "load_checkpoint: " + expected
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
