@@ -409,6 +409,22 @@ def _gathers_per_step(layout: Layout, layers: int) -> Tuple[int, int]:
     return (m + 1 if layout.reshard else 1), 1
 
 
+def _layers_in_flight(layout: Layout, layers: int) -> float:
+    """Layer-microbatches whose activations the first pipeline rank (the one holding the most) keeps at once.
+
+    GPipe runs every forward before any backward. 1F1B's first rank runs ``pp`` forwards before its first
+    backward. The interleaved schedule's first rank warms up with ``(v - 1) pp + 2 (pp - 1)`` forwards of a
+    stage (``layers / v`` layers each) and one more before its first backward."""
+    pp, v, m = layout.pp, layout.stages_per_rank, layout.microbatches
+    if pp == 1:
+        return layers
+    if layout.pp_schedule == "GPipe":
+        return m * layers
+    if v == 1:
+        return min(m, pp) * layers
+    return min(m * v, (v - 1) * pp + 2 * (pp - 1) + 1) * layers / v
+
+
 def estimate_step(shape: ModelShape, layout: Layout, hw: Hardware, global_batch: int, seq: int) -> StepEstimate:
     """Memory per rank, collectives and time of one step of ``global_batch`` sequences of ``seq`` tokens."""
     pp, dp, tp = layout.pp, layout.dp, layout.tp
@@ -425,8 +441,14 @@ def estimate_step(shape: ModelShape, layout: Layout, hw: Hardware, global_batch:
     optimizer_bytes = (8 if layout.optimizer != "sgd" else 4) * local
     gathered = 0.0
     per_layer = (stage - shape.embedding_params / tp) / max(1, layers)
-    if sharded:
-        ends = shape.embedding_params / tp if pp == 1 else shape.vocab * shape.hidden / tp
+    if sharded and pp > 1:
+        # torch.distributed.pipelining runs FSDP2 without resharding after the backward and without reducing the
+        # gradients before the last microbatch: the stage's weights stay gathered and its gradients accumulate
+        # unsharded in the reduce dtype
+        gathered = compute_bytes * stage
+        grads_bytes += reduce_bytes * stage
+    elif sharded:
+        ends = shape.embedding_params / tp
         gathered = compute_bytes * (ends + (stage - ends if not layout.reshard else 2 * per_layer))
     elif layout.dtype == "bf16":  # autocast's bf16 copies of the weights, saved for the backward
         gathered = 2 * stage
@@ -434,13 +456,9 @@ def estimate_step(shape: ModelShape, layout: Layout, hw: Hardware, global_batch:
         gathered += 2 * per_layer
     rows_per_rank = global_batch / dp
     microbatch_tokens = rows_per_rank / layout.microbatches * seq
-    in_flight = 1
-    if pp > 1:
-        v = layout.stages_per_rank
-        in_flight = layout.microbatches if layout.pp_schedule == "GPipe" else min(layout.microbatches, pp * v)
     per_token = _activation_bytes_per_token(shape, layout)
     saved = saved_bytes_per_token(shape, layout)
-    acts = microbatch_tokens * in_flight * layers * saved
+    acts = microbatch_tokens * _layers_in_flight(layout, layers) * saved
     if layout.recomputes:  # one layer's activations while it is recomputed
         acts += microbatch_tokens * per_token
     logits = 0.0
