@@ -168,6 +168,7 @@ def _markdown(head: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 
 #: the start of a cell that reStructuredText would take for a list item: a bullet, or an enumerator then a space
+_FLAG = re.compile(r"(--[A-Za-z][\w-]*)")
 _LIST_START = re.compile(r"^([-+*#]|\(?([0-9]+|[A-Za-z])[.)])(\s|$)")
 
 
@@ -177,6 +178,8 @@ def _rst_cell(text: Any) -> str:
     text = str(text) if text not in (None, "") else "-"
     for char in "\\*_`|":
         text = text.replace(char, "\\" + char)
+    # a flag (``--dp 2``) becomes a literal: Sphinx would turn its ``--`` into a dash
+    text = _FLAG.sub(r"``\1``", text)
     return "\\" + text if _LIST_START.match(text) or text[0] in "-+" else text
 
 

@@ -11,6 +11,7 @@ group of :func:`schedlang.train.flags.build_parser`, one row per flag with its v
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 from typing import List, Optional, Sequence
@@ -20,11 +21,22 @@ PAGE = Path(__file__).resolve().parent / "trainer.rst"
 START, END = ".. flag-table:start", ".. flag-table:end"
 
 
+#: a flag named in help text, such as ``--config``
+_FLAG = re.compile(r"(--[A-Za-z][\w-]*)")
+
+
 def _escape(text: str) -> str:
-    """Help text as reStructuredText that reads literally."""
-    for char in "\\*_`|":
-        text = text.replace(char, "\\" + char)
-    return text
+    """Help text as reStructuredText that reads literally; the flags it names become literals, which also
+    keeps Sphinx from turning their ``--`` into a dash."""
+    parts = _FLAG.split(text)
+    for i, part in enumerate(parts):
+        if i % 2:
+            parts[i] = f"``{part}``"
+        else:
+            for char in "\\*_`|":
+                part = part.replace(char, "\\" + char)
+            parts[i] = part
+    return "".join(parts)
 
 
 def _flag(action: argparse.Action) -> str:

@@ -151,6 +151,8 @@ def test_cells_read_literally_in_restructuredtext(bench):
     assert render._rst_cell("1.07x") == "1.07x"
     assert render._rst_cell("eager_reduce | q*k") == "eager\\_reduce \\| q\\*k"
     assert render._rst_cell(None) == "\\-"
+    # a flag is a literal, so that Sphinx does not turn its "--" into a dash
+    assert render._rst_cell("--dp 2 --dp-mode ddp") == "``--dp`` 2 ``--dp-mode`` ddp"
 
 
 def test_micro_rows_compare_by_time(bench, results, tmp_path):

@@ -39,8 +39,9 @@ def test_a_changed_flag_makes_the_page_stale(render_flags, tmp_path, monkeypatch
     assert render_flags.main(["--page", str(page), "--check"]) == 0
     text = page.read_text()
     assert text.endswith(".. flag-table:end\n\nAfter.\n")
-    # help text reads literally: markup characters are escaped
-    assert "model\\_type" in text
+    # help text reads literally: markup characters are escaped, and the flags it names are literals (Sphinx would
+    # turn a bare "--" into a dash)
+    assert "model\\_type" in text and "with ``--config`` tiny" in text
     parser = build_parser()
     parser.add_argument("--a-new-flag", action="store_true", help="one the page does not have yet")
     assert "--a-new-flag" in render_flags.section(parser) and "--a-new-flag" not in text
