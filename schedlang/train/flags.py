@@ -420,9 +420,6 @@ def validate(ns: argparse.Namespace, world: int) -> int:
 
 def _check_trainer_supports(ns: argparse.Namespace) -> None:
     """What the planner models but this trainer does not run yet: refused before anything starts."""
-    if ns.activation_checkpoint == "selective":
-        _fail("--activation-checkpoint selective is modelled by --dry-run, but the trainer runs only full "
-              "checkpointing (--activation-checkpoint or --activation-checkpoint full); use full, or --dry-run")
     if ns.float8:
         _fail("--float8 is modelled by --dry-run, but the trainer does not train in float8 yet; drop --float8, "
               "or use --dry-run")
@@ -473,6 +470,9 @@ def validate_layout(ns: argparse.Namespace, world: int) -> None:
               f"{getattr(ns, 'dp_replicate', None)} --dp-shard {getattr(ns, 'dp_shard', None)}")
     if ns.dp_mode != "hsdp":
         ns.dp_replicate = ns.dp_shard = None
+    if ns.activation_checkpoint == "selective" and ns.pp > 1 and not ns.dry_run:
+        _fail(f"--activation-checkpoint selective runs on pp=1 layouts (the trainer checkpoints the whole model's "
+              f"layers), got --pp {ns.pp}; use --activation-checkpoint full with pipelines")
     if ns.sp and ns.tp < 2:
         _fail("--sp (sequence parallelism) splits the sequence over the tp ranks: it needs --tp >= 2")
     given_stages = getattr(ns, "_stages_given", ns.stages_per_rank)

@@ -85,7 +85,7 @@ class _Run:
         del model
         if ns.tp > 1:
             shard_model(sch, sequence_parallel=ns.sp, gather_logits=False)
-        if ns.activation_checkpoint and not ns.optimize:  # optimize_model checkpoints the layers itself
+        if ns.activation_checkpoint == "full" and not ns.optimize:  # optimize_model checkpoints the layers itself
             for i in range(self.dims.layers):
                 sch[f"{layers}.{i}"].checkpoint()
         pipeline = None
@@ -111,7 +111,7 @@ class _Run:
             from ..models import optimize_model
 
             optimize_model(sch, compile="layers" if ns.compile else None,
-                           selective_checkpoint="all" if ns.activation_checkpoint else None)
+                           selective_checkpoint="all" if ns.activation_checkpoint == "full" else None)
             applied = sch.metadata["optimize"]["applied"]
             # the head hands its input to the fused loss when the model is called with labels (whole vocabulary)
             self.fused_loss = any(a.startswith("loss:") for a in applied)
@@ -124,6 +124,11 @@ class _Run:
                                                      pretrained=ns.init_from, **opt_kw)
         self.sch = sch
         self.grad_weight = self._tied_weights(tied) if self.pipelined and tied else {}
+        if ns.activation_checkpoint == "selective":  # pp=1 (checked): the layers are the model's
+            from .recompute import checkpoint_selectively
+
+            for layer in self.model.get_submodule(layers):
+                checkpoint_selectively(layer)
         if ns.compile and not ns.optimize:  # optimize_model compiled the layers already
             for module in self._modules():
                 if any(isinstance(m, torch.nn.ModuleList) for m in module.modules()):  # a stage may hold no layer

@@ -114,11 +114,7 @@ def test_a_large_model_at_the_smoke_test_sizes_gets_a_warning(capsys, tmp_path):
     assert "smoke-test" not in sized
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--activation-checkpoint", "selective"], "--activation-checkpoint selective is modelled by --dry-run, but the "
-     "trainer runs only full checkpointing"),
-    (["--float8"], "--float8 is modelled by --dry-run, but the trainer does not train in float8 yet"),
-])
-def test_what_only_the_planner_models_is_refused_by_the_trainer(flags, message, capsys):
-    assert trainer.main(["--device", "cpu", "--config", "tiny", "--steps", "1", *flags]) == 2
-    assert message in capsys.readouterr().err
+def test_float8_is_planned_but_refused_by_the_trainer(capsys):
+    assert trainer.main(["--device", "cpu", "--config", "tiny", "--steps", "1", "--float8"]) == 2
+    assert ("--float8 is modelled by --dry-run, but the trainer does not train in float8 yet; drop --float8, or use "
+            "--dry-run") in capsys.readouterr().err
