@@ -136,6 +136,49 @@ def forward_kernel(source: str) -> str:
 print(forward_kernel(sch["proj.FusedLayerNorm_0"].mod.source))
 
 # %%
+# The graphs, drawn
+# -----------------
+# ``sch.report("report.html")`` writes one self-contained page of what the schedule did: the plan,
+# the module tree, the generated kernels and, for every traced submodule, its graph as first traced
+# and as it is now. Those drawings come from ``schedlang.report.graph_svg``; here are the two of the
+# MLP, side by side. The fused kernel is the red node: the bias add and the GELU are gone, and the
+# bias reaches the kernel as an input.
+
+import html  # noqa: E402
+import re  # noqa: E402
+import tempfile  # noqa: E402
+
+from schedlang.report import collect, graph_svg  # noqa: E402
+
+
+class SideBySide:
+    """SVG drawings next to each other, each under its caption.
+
+    Jupyter, and this gallery, show the object a cell ends with through its ``_repr_svg_``; a plain
+    script shows nothing, so the cell prints what was drawn as well.
+    """
+
+    def __init__(self, drawings):
+        self.drawings = drawings  # caption -> <svg> element
+
+    def _repr_svg_(self):
+        parts, x, height = [], 0.0, 0.0
+        for caption, svg in self.drawings.items():
+            width, h = (float(re.search(f'{key}="([0-9.]+)"', svg).group(1)) for key in ("width", "height"))
+            parts.append(f'<text x="{x + 12:.0f}" y="16" font-size="13" font-family="sans-serif">{html.escape(caption)}</text>')
+            parts.append(svg.replace("<svg ", f'<svg x="{x:.0f}" y="24" ', 1))
+            x, height = x + width, max(height, h + 24)
+        return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{x:.0f}" height="{height:.0f}" '
+                f'viewBox="0 0 {x:.0f} {height:.0f}">' + "".join(parts) + "</svg>")
+
+
+report_file = sch.report(os.path.join(tempfile.mkdtemp(prefix="schedlang-"), "report.html"))
+print("the whole report:", report_file)
+mlp_graphs = next(g for g in collect(sch).graphs if g["path"] == "mlp")
+print(f"mlp: {len(mlp_graphs['before'])} nodes as traced, {len(mlp_graphs['after'])} now")
+SideBySide({"mlp as traced": graph_svg(mlp_graphs["before"]), "after fusion": graph_svg(mlp_graphs["after"])})
+
+# %%
 # Same numbers, forward and backward
 # ----------------------------------
 # ``Verify`` replays the plan on a fresh copy and compares outputs, input gradients and

@@ -27,10 +27,13 @@ import matplotlib
 matplotlib.use("Agg")  # no display needed: the gallery and CI render to files
 import matplotlib.pyplot as plt  # noqa: E402
 
-try:
-    ROOT = Path(__file__).resolve().parents[1]
-except NameError:  # sphinx-gallery runs the file without __file__ in some setups
-    ROOT = Path.cwd()
+# The checkout holding bench/: the first folder upwards from this file that has it. The gallery runs
+# tutorials without ``__file__`` from inside tutorials/, so the search then starts there.
+HERE = Path(globals().get("__file__", "x")).resolve().parent
+ROOT = next((d for d in (HERE, *HERE.parents) if (d / "bench" / "render_readme.py").is_file()), None)
+if ROOT is None:
+    raise FileNotFoundError(f"no bench/render_readme.py in {HERE} or a folder above it: run this tutorial "
+                            "from a schedlang checkout")
 sys.path.insert(0, str(ROOT / "bench"))
 import render_readme  # noqa: E402  (bench/render_readme.py)
 
@@ -42,11 +45,12 @@ for work in render_readme.TRAIN_WORKS:
         print(f"  {work}: {render_readme.NO_RESULT}")
 
 # %%
-# Step time and peak memory per variant
-# -------------------------------------
-# One row of panels per work: the step time (lower is faster) and the peak GPU memory of every
-# variant that ran. Orange bars are schedlang, grey bars the baselines. Each title names the device,
-# the date and the git revision of the file the rows come from.
+# The speed table, drawn
+# ----------------------
+# For each training work of ``bench/bench_train.py``: its fastest schedlang variant against the
+# fastest baseline measured in the same run (same command, same revision), both with a passing check,
+# as tokens per second of the one over the other. Above 1, schedlang is faster. A work whose run has
+# no baseline (the checkpointing ablation) has no bar.
 
 
 def _label(header):
@@ -54,35 +58,82 @@ def _label(header):
     return f"{header.get('device')} x{header.get('gpus')}, {header.get('date')}, {sha}"
 
 
-drawn = [w for w in works if any(r.get("ms") is not None for r in works[w][1])]
-if drawn:
-    fig, axes = plt.subplots(len(drawn), 2, figsize=(10, 2.4 * len(drawn) + 0.6), squeeze=False)
-    for (ax_ms, ax_mem), work in zip(axes, drawn):
-        header, rows = works[work]
-        rows = [r for r in rows if r.get("ms") is not None]
-        names = [str(r.get("variant")) for r in rows]
-        colors = ["tab:orange" if r.get("role") == "schedlang" else "tab:gray" for r in rows]
-        ax_ms.barh(names, [r["ms"] for r in rows], color=colors)
-        ax_ms.set_xlabel("step time (ms)")
-        ax_ms.set_title(f"{work}\n{_label(header)}", fontsize=8)
-        mem = [r.get("peak_mem_gib") for r in rows]
-        if any(m is not None for m in mem):
-            ax_mem.barh(names, [m if m is not None else 0 for m in mem], color=colors)
-            ax_mem.set_xlabel("peak memory (GiB)")
-        else:
-            ax_mem.text(0.5, 0.5, "no peak memory recorded", ha="center", va="center", transform=ax_mem.transAxes)
-        ax_mem.set_title("peak memory", fontsize=8)
-        for ax in (ax_ms, ax_mem):
-            ax.tick_params(labelsize=7)
+def _passed(row):
+    return str(row.get("check", "")).startswith("ok")
+
+
+def _speed(row):
+    """Higher is faster: tokens per second."""
+    return row.get("tokens_per_s") or None
+
+
+headline = []  # (work, speed-up, schedlang row, baseline row, header)
+for work in render_readme.TRAIN_WORKS:
+    if work not in works:
+        continue
+    header, rows = works[work]
+    best = None
+    for row in rows:
+        if row.get("role") != "schedlang" or not _passed(row) or not _speed(row):
+            continue
+        baselines = [b for b in render_readme.same_run(row, rows, header)
+                     if b.get("role") == "baseline" and _passed(b) and _speed(b)]
+        if baselines:
+            baseline = max(baselines, key=_speed)
+            if best is None or _speed(row) / _speed(baseline) > best[1]:
+                best = (work, _speed(row) / _speed(baseline), row, baseline, header)
+    if best is not None:
+        headline.append(best)
+
+if headline:
+    fig, ax = plt.subplots(figsize=(8, 0.5 * len(headline) + 1.2))
+    names = [work for work, *_ in headline]
+    ax.barh(names, [speedup for _, speedup, *_ in headline],
+            color=["tab:orange" if speedup >= 1 else "tab:gray" for _, speedup, *_ in headline])
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    for y, (work, speedup, row, baseline, header) in enumerate(headline):
+        ax.text(speedup, y, f" {speedup:.2f}x  ({header.get('device')} x{header.get('gpus')})", va="center", fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlim(0, max(speedup for _, speedup, *_ in headline) * 1.45)
+    ax.set_xlabel("tokens/s of the fastest schedlang variant over the fastest baseline of its run")
+    ax.set_title("training step, recorded GPU results", fontsize=9)
+    ax.tick_params(labelsize=8)
     fig.tight_layout()
     plt.show()
-    for work in drawn:
-        header, rows = works[work]
-        for r in rows:
-            print(f"{work:24s} {str(r.get('variant')):28s} {str(r.get('role')):10s} ms={r.get('ms')} "
-                  f"peak GiB={r.get('peak_mem_gib')} check={str(r.get('check'))[:30]}")
+    for work, speedup, row, baseline, header in headline:
+        print(f"{work:22s} {speedup:.2f}x  {row.get('variant')} {row['ms']:.1f} ms/step against "
+              f"{baseline.get('variant')} {baseline['ms']:.1f} ms/step ({_label(header)})")
 else:
     print("No GPU step times are recorded yet: run bench/bench_train.py on a GPU to fill bench/results/.")
+
+# %%
+# Every variant that ran
+# ----------------------
+# All the rows of those runs: each variant's step time (lower is faster) and its peak GPU memory,
+# schedlang's in orange, the baselines in grey.
+
+drawn = [w for w in render_readme.TRAIN_WORKS if w in works and any(r.get("ms") for r in works[w][1])]
+for work in drawn:
+    header, rows = works[work]
+    for r in rows:
+        print(f"{work:22s} {str(r.get('variant'))[:58]:58s} {str(r.get('role')):9s} {r.get('ms') or '-':>8} ms "
+              f"peak {r.get('peak_mem_gib') or '-'} GiB  check {str(r.get('check'))[:20]}")
+if drawn:
+    bars = [(work, r) for work in drawn for r in works[work][1] if r.get("ms")]
+    fig, ax = plt.subplots(figsize=(10, 0.22 * len(bars) + 1.2))
+    labels = [f"{work}: {r.get('variant')}"[:60] for work, r in bars]
+    ax.barh(range(len(bars)), [r["ms"] for _, r in bars],
+            color=["tab:orange" if r.get("role") == "schedlang" else "tab:gray" for _, r in bars])
+    for y, (_, r) in enumerate(bars):
+        note = f" {r['peak_mem_gib']:.1f} GiB" if r.get("peak_mem_gib") else ""
+        note += "" if _passed(r) else "  (check failed)"
+        ax.text(r["ms"], y, note, va="center", fontsize=6)
+    ax.set_yticks(range(len(bars)), labels, fontsize=6)
+    ax.invert_yaxis()
+    ax.set_xlim(0, 1.15 * max(r["ms"] for _, r in bars))
+    ax.set_xlabel("step time (ms); peak GPU memory at the bar's end")
+    fig.tight_layout()
+    plt.show()
 
 # %%
 # Where a step's GPU time goes
@@ -106,7 +157,8 @@ for work, rows in profiled.items():
                color="black", label="step time")
     ax.set_xlabel("ms per step")
     ax.set_title(f"{work}: GPU time by kernel kind ({_label(works[work][0])})", fontsize=8)
-    ax.legend(fontsize=6, ncol=4, loc="lower right")
+    ax.set_xlim(0, 1.7 * max(max(left), max(r.get("ms") or 0 for r in rows)))  # room for the legend
+    ax.legend(fontsize=6, ncol=2, loc="center right")
     ax.tick_params(labelsize=7)
     fig.tight_layout()
     plt.show()

@@ -107,6 +107,29 @@ evals = [(r["step"], round(r["eval_loss"], 3)) for r in records if "eval_loss" i
 print(f"train loss {records[0]['loss']:.3f} -> {records[-1]['loss']:.3f}; eval loss by step {evals}")
 assert evals[-1][1] < evals[0][1]
 print("token cache:", sorted(p.name for p in work.glob("train.jsonl.tokens-*")))
+print("curves drawn by --plot:", work / "curves.png")
+
+# %%
+# The loss curves
+# ---------------
+# The metrics file holds everything ``--plot`` draws; here the training loss of every step and the
+# held-out loss of every evaluation, read back from it.
+
+import matplotlib  # noqa: E402
+
+matplotlib.use("Agg")  # no display needed: the gallery and CI render to files
+import matplotlib.pyplot as plt  # noqa: E402
+
+fig, ax = plt.subplots(figsize=(6.5, 3.4))
+ax.plot([r["step"] for r in records], [r["loss"] for r in records], "-", color="tab:blue", label="training loss")
+ax.plot([step for step, _ in evals], [loss for _, loss in evals], "o--", color="tab:orange",
+        label="held-out loss (eval_loss)")
+ax.set_xlabel("step")
+ax.set_ylabel("cross-entropy (nats per token)")
+ax.set_title("Qwen3, 2 layers, trained by schedlang train on the CPU", fontsize=9)
+ax.legend()
+fig.tight_layout()
+plt.show()
 
 # %%
 # The exported model in transformers
