@@ -27,6 +27,7 @@ import codecs
 import json
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -34,7 +35,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from ..errors import DistributedError, ScheduleValueError
-from .rank_process import BOOTSTRAP, LAUNCHED_RANK_ENV, result_path
+from .rank_process import BOOTSTRAP, LAUNCHED_RANK_ENV, job_path, result_path
 
 __all__ = ["launch", "run_distributed"]
 
@@ -49,8 +50,11 @@ def launch(fn: Callable, world_size: int = 2, args: Sequence[Any] = (), backend:
     Under ``torchrun`` this process is one of the ranks: ``fn`` runs here (the default process group
     is started on first use, with ``backend`` or NCCL on GPUs and gloo on CPUs, and kept for later
     launches) and every rank gets all ranks' results. ``world_size`` must then equal torchrun's
-    ``WORLD_SIZE``. Otherwise ``world_size`` local ranks are started (:func:`run_distributed`, bounded
-    by ``timeout`` seconds).
+    ``WORLD_SIZE``. Otherwise ``world_size`` local ranks are started, like :func:`run_distributed`'s
+    (each call bounded by ``timeout`` seconds), and kept: the next call with the same ``world_size``
+    runs on the same processes and process group, as the calls of a script under torchrun do, without
+    paying for their start again. A call with another ``world_size``, a failure, or the end of this
+    process stops them.
 
     ``fn`` must be defined at module level. It may live in the script being run (also when
     Sphinx-gallery executes it): each rank then runs only the script's imports, functions, classes and
@@ -70,7 +74,23 @@ def launch(fn: Callable, world_size: int = 2, args: Sequence[Any] = (), backend:
                                  "(keep the call out of the functions the ranks run)")
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return _launch_in_torchrun(fn, world_size, args, backend)
-    return run_distributed(fn, world_size=world_size, args=args, backend=backend, timeout=timeout)
+    global _kept_ranks
+    if _kept_ranks is not None and not (_kept_ranks.alive() and _kept_ranks.world == world_size
+                                        and (backend is None or backend == _kept_ranks.backend)):
+        _kept_ranks.close()
+        _kept_ranks = None
+    if _kept_ranks is None:
+        _kept_ranks = _RankGroup(world_size, backend, timeout, None, caller="launch", persistent=True)
+    return _kept_ranks.run(fn, args, timeout, None)
+
+
+_kept_ranks: Optional["_RankGroup"] = None  # launch's ranks, kept for its next call of the same world size
+
+
+@atexit.register
+def _close_kept_ranks() -> None:
+    if _kept_ranks is not None:
+        _kept_ranks.close()
 
 
 def _launch_in_torchrun(fn: Callable, world_size: int, args: Sequence[Any], backend: Optional[str]) -> List[Any]:
@@ -117,74 +137,115 @@ def run_distributed(fn: Callable, world_size: int = 2, args: Sequence[Any] = (),
 
         losses = run_distributed(work, world_size=2)
     """
-    from .agreement import _grace
-    from .groups import PG_TIMEOUT_ENV, default_backend, pg_timeout
+    with _RankGroup(world_size, backend, timeout, collective_timeout, caller="run_distributed") as group:
+        return group.run(fn, args, timeout, failure_grace)
 
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ScheduleValueError(f"run_distributed: world_size must be a positive int, got {world_size!r}")
-    if not timeout > 0:
-        raise ScheduleValueError(f"run_distributed: timeout must be a positive number of seconds, got {timeout!r}")
-    payload = _payload(fn, args)
-    backend = backend or default_backend(world_size)
-    if collective_timeout is None:
-        collective_timeout = min(pg_timeout().total_seconds(), max(10.0, timeout * 0.8))
-    collective_timeout = pg_timeout(collective_timeout).total_seconds()
-    failure_grace = _grace() + 5.0 if failure_grace is None else failure_grace
-    with tempfile.TemporaryDirectory(prefix="schedlang-dist-") as run_dir:
-        spec = {"sys_path": list(sys.path), "run_dir": run_dir, "init_file": os.path.join(run_dir, "store"),
-                "payload": os.path.join(run_dir, "payload.pkl"), "backend": backend,
-                "collective_timeout": collective_timeout}
-        with open(spec["payload"], "wb") as f:
-            f.write(payload)
-        spec_file = os.path.join(run_dir, "spec.json")
-        with open(spec_file, "w") as f:
+
+class _RankGroup:
+    """``world`` rank processes sharing one process group, which run one function after another (each
+    rank waits for the next job file) until closed; closed as well once a job fails."""
+
+    def __init__(self, world: int, backend: Optional[str], timeout: float, collective_timeout: Optional[float],
+                 caller: str, persistent: bool = False):
+        from .groups import PG_TIMEOUT_ENV, default_backend, pg_timeout
+
+        if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+            raise ScheduleValueError(f"{caller}: world_size must be a positive int, got {world!r}")
+        if not (isinstance(timeout, (int, float)) and timeout > 0):
+            raise ScheduleValueError(f"{caller}: timeout must be a positive number of seconds, got {timeout!r}")
+        self.world, self.caller = world, caller
+        self.backend = backend or default_backend(world)
+        if collective_timeout is None:
+            collective_timeout = min(pg_timeout().total_seconds(), max(10.0, timeout * 0.8))
+        collective_timeout = pg_timeout(collective_timeout).total_seconds()
+        self.run_dir = tempfile.mkdtemp(prefix="schedlang-dist-")
+        self.jobs = 0
+        self.ranks: List[_Rank] = []
+        spec = {"sys_path": list(sys.path), "run_dir": self.run_dir, "init_file": os.path.join(self.run_dir, "store"),
+                "backend": self.backend, "collective_timeout": collective_timeout, "persistent": persistent,
+                "parent_pid": os.getpid()}
+        self.spec_file = os.path.join(self.run_dir, "spec.json")
+        with open(self.spec_file, "w") as f:
             json.dump(spec, f)
-        ranks = [_Rank(r, world_size, run_dir, spec_file, {PG_TIMEOUT_ENV: repr(float(collective_timeout))})
-                 for r in range(world_size)]
+        self.env = {PG_TIMEOUT_ENV: repr(float(collective_timeout))}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def alive(self) -> bool:
+        return bool(self.ranks) and all(rank.proc.poll() is None for rank in self.ranks)
+
+    def run(self, fn: Callable, args: Sequence[Any], timeout: float, failure_grace: Optional[float]) -> List[Any]:
+        from .agreement import _grace
+
+        if not (isinstance(timeout, (int, float)) and timeout > 0):
+            raise ScheduleValueError(f"{self.caller}: timeout must be a positive number of seconds, got {timeout!r}")
+        payload = _payload(fn, args, self.caller)
+        failure_grace = _grace() + 5.0 if failure_grace is None else failure_grace
+        job = self.jobs
+        self.jobs += 1
+        path = job_path(self.run_dir, job)
+        with open(path + ".tmp", "wb") as f:
+            f.write(payload)
+        os.replace(path + ".tmp", path)  # a waiting rank sees the whole job or none of it
+        if not self.ranks:
+            self.ranks = [_Rank(r, self.world, self.run_dir, self.spec_file, self.env) for r in range(self.world)]
         try:
-            outcome, order, grace_given, elapsed = _wait(ranks, timeout, failure_grace)
-        finally:
-            _stop(ranks)
-            for rank in ranks:
-                rank.forward()
-                rank.close()
-    failures = [r for r in order if not outcome[r][0]]
-    missing = [r for r in range(world_size) if r not in outcome]
-    if not failures and not missing:
-        return [outcome[r][1] for r in range(world_size)]
-    lines = []
-    if failures:
-        first = failures[0]
-        lines.append(f"rank {first} failed first ({_last_line(outcome[first][1])})")
-        lines += [f"rank {r} failed:\n{outcome[r][1]}" for r in failures]
-    if missing:
+            outcome, order, grace_given, elapsed = _wait(self.ranks, job, timeout, failure_grace)
+        except BaseException:
+            self.close()
+            raise
+        for rank in self.ranks:
+            rank.forward()
+        failures = [r for r in order if not outcome[r][0]]
+        missing = [r for r in range(self.world) if r not in outcome]
+        if not failures and not missing:
+            return [outcome[r][1] for r in range(self.world)]
+        self.close()
+        lines = []
         if failures:
-            why = f"stopped {grace_given:.0f} s after rank {failures[0]} failed"
-        else:
-            why = (f"timed out: still running after {elapsed:.0f} s (a rank blocked in a collective, or work "
-                   f"longer than timeout=)")
-        lines.append(f"rank(s) {missing} did not finish within {timeout:.0f} s ({why})")
-    raise DistributedError(f"run_distributed: distributed run of {_name(fn)} on {world_size} ranks ({backend}) "
-                           "failed:\n" + "\n".join(lines))
+            first = failures[0]
+            lines.append(f"rank {first} failed first ({_last_line(outcome[first][1])})")
+            lines += [f"rank {r} failed:\n{outcome[r][1]}" for r in failures]
+        if missing:
+            if failures:
+                why = f"stopped {grace_given:.0f} s after rank {failures[0]} failed"
+            else:
+                why = (f"timed out: still running after {elapsed:.0f} s (a rank blocked in a collective, or work "
+                       f"longer than timeout=)")
+            lines.append(f"rank(s) {missing} did not finish within {timeout:.0f} s ({why})")
+        raise DistributedError(f"{self.caller}: distributed run of {_name(fn)} on {self.world} ranks ({self.backend}) "
+                               "failed:\n" + "\n".join(lines))
+
+    def close(self) -> None:
+        _stop(self.ranks)
+        for rank in self.ranks:
+            rank.forward()
+            rank.close()
+        self.ranks = []
+        shutil.rmtree(self.run_dir, ignore_errors=True)
 
 
 def _name(fn) -> str:
     return str(getattr(fn, "__name__", fn))
 
 
-def _payload(fn: Callable, args: Sequence[Any]) -> bytes:
+def _payload(fn: Callable, args: Sequence[Any], caller: str) -> bytes:
     """What a rank needs to call ``fn``: the function (by reference, or by the file of the main script
     that defines it) and the pickled arguments; refused here, before any rank starts, if it cannot go."""
     name = _name(fn)
     qualname = getattr(fn, "__qualname__", "")
     if not callable(fn) or not qualname or "<locals>" in qualname or "<lambda>" in qualname:
-        raise ScheduleValueError(f"run_distributed: the function to run on the ranks must be defined at module level "
+        raise ScheduleValueError(f"{caller}: the function to run on the ranks must be defined at module level "
                                  f"(the ranks find it by name), got {qualname or fn!r}")
     if getattr(fn, "__module__", None) == "__main__":
         path = getattr(getattr(fn, "__code__", None), "co_filename", "") or getattr(sys.modules["__main__"], "__file__", "")
         path = os.path.abspath(path) if path else path
         if not path or not os.path.isfile(path):
-            raise ScheduleValueError(f"run_distributed: {name} is defined in the main script, but its file {path!r} "
+            raise ScheduleValueError(f"{caller}: {name} is defined in the main script, but its file {path!r} "
                                      "is not readable, so the ranks cannot load it; define it in a file (a script or "
                                      "an importable module)")
         how, where = "file", (path, qualname)
@@ -192,12 +253,12 @@ def _payload(fn: Callable, args: Sequence[Any]) -> bytes:
         try:
             how, where = "pickle", pickle.dumps(fn)
         except Exception as e:
-            raise ScheduleValueError(f"run_distributed: {name} cannot be sent to the ranks ({type(e).__name__}: {e}); "
+            raise ScheduleValueError(f"{caller}: {name} cannot be sent to the ranks ({type(e).__name__}: {e}); "
                                      "define it at module level of an importable module or of the script") from e
     try:
         args_blob = pickle.dumps(tuple(args))
     except Exception as e:
-        raise ScheduleValueError(f"run_distributed: the arguments of {name} cannot be sent to the ranks "
+        raise ScheduleValueError(f"{caller}: the arguments of {name} cannot be sent to the ranks "
                                  f"({type(e).__name__}: {e}); pass plain values") from e
     return pickle.dumps((how, where, args_blob))
 
@@ -217,8 +278,8 @@ class _Rank:
         self.proc = subprocess.Popen([sys.executable, "-c", BOOTSTRAP, spec_file], env=env, cwd=os.getcwd(),
                                      stdin=subprocess.DEVNULL, stdout=self.files[0], stderr=self.files[1])
 
-    def result(self):
-        path = result_path(self.run_dir, self.rank)
+    def result(self, job: int):
+        path = result_path(self.run_dir, self.rank, job)
         if not os.path.exists(path):
             return None
         with open(path, "rb") as f:
@@ -243,7 +304,7 @@ class _Rank:
             f.close()
 
 
-def _wait(ranks: List[_Rank], timeout: float, failure_grace: float):
+def _wait(ranks: List[_Rank], job: int, timeout: float, failure_grace: float):
     """Collect the ranks' outcomes until all are in, one failed and the others' grace ran out, or ``timeout``."""
     outcome: Dict[int, tuple] = {}
     order: List[int] = []  # ranks in the order their outcome arrived: the first failure is the likely cause
@@ -261,7 +322,7 @@ def _wait(ranks: List[_Rank], timeout: float, failure_grace: float):
             if rank.rank in outcome:
                 continue
             exitcode = rank.proc.poll()
-            result = rank.result()  # read after poll: a rank writes its result before it exits
+            result = rank.result(job)  # read after poll: a rank writes its result before it exits
             if result is None and exitcode is None:
                 continue
             if result is None:

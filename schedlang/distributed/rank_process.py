@@ -11,10 +11,12 @@ imports nothing of the parent but the function to run:
   ``__main__``, so the script's other module-level code (the cells that launch ranks, plot, print)
   runs in the parent alone.
 
-The rank writes its outcome, ``(ok, value_or_traceback)``, to ``result-<rank>.pkl`` in the run's
-directory (renamed into place, so the parent never reads half a file); its stdout and stderr are
-files that the parent forwards as they grow. A rank that cannot load the function prints why on stderr
-and exits with code 1 without a result, like a rank that dies.
+The launcher writes each function to run as ``job-<n>.pkl`` in the run's directory; the rank runs it and
+writes its outcome, ``(ok, value_or_traceback)``, to ``result-<n>-<rank>.pkl`` (both renamed into place,
+so no side reads half a file). Ranks kept by :func:`~schedlang.distributed.launch.launch` then wait for
+the next job, on the same process group; they leave when the launcher's directory or process is gone.
+Their stdout and stderr are files that the launcher passes on as they grow. A rank that cannot load the
+function prints why on stderr and exits with code 1 without a result, like a rank that dies.
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ import ast
 import os
 import pickle
 import sys
+import time
 import traceback
 import types
-from typing import Any, Callable, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 # what the child runs: only json and sys until the parent's sys.path is in place
 BOOTSTRAP = ("import json, sys; spec = json.load(open(sys.argv[1])); sys.path[:] = spec['sys_path']; "
@@ -34,8 +37,12 @@ BOOTSTRAP = ("import json, sys; spec = json.load(open(sys.argv[1])); sys.path[:]
 LAUNCHED_RANK_ENV = "SCHEDLANG_LAUNCHED_RANK"
 
 
-def result_path(run_dir: str, rank: int) -> str:
-    return os.path.join(run_dir, f"result-{rank}.pkl")
+def job_path(run_dir: str, job: int) -> str:
+    return os.path.join(run_dir, f"job-{job}.pkl")
+
+
+def result_path(run_dir: str, rank: int, job: int) -> str:
+    return os.path.join(run_dir, f"result-{job}-{rank}.pkl")
 
 
 def _is_definition(node: ast.stmt) -> bool:
@@ -49,73 +56,108 @@ def _is_definition(node: ast.stmt) -> bool:
     return bool(names) and all(isinstance(n, ast.Name) and n.id.isupper() for n in names)
 
 
-def load_definitions(path: str, qualname: str) -> Callable:
-    """``qualname`` from the file at ``path``, after running only the file's definitions (see the module)."""
+def run_definitions(path: str) -> types.ModuleType:
+    """A module named ``__main__`` holding what the file at ``path`` defines (see the module docstring);
+    classes defined there pickle as ``__main__.<name>``, which the launching script's main module also
+    defines."""
     with open(path, encoding="utf-8") as f:
         tree = ast.parse(f.read(), filename=path)
     kept = ast.Module(body=[node for node in tree.body if _is_definition(node)], type_ignores=[])
     module = types.ModuleType("__main__")
     module.__file__ = path
-    # classes defined there pickle as __main__.<name>, which the parent's main module also defines
-    sys.modules["__main__"] = module
     try:
         exec(compile(kept, path, "exec"), module.__dict__)
     except Exception as e:
         raise RuntimeError(f"running the definitions of {path} (its imports, functions, classes and UPPER_CASE "
                            f"constants; the rest of the file runs only in the launching process) failed: "
                            f"{type(e).__name__}: {e}") from e
+    return module
+
+
+def find_definition(module: types.ModuleType, qualname: str) -> Any:
     found: Any = module
     for part in qualname.split("."):
         if not hasattr(found, part):
-            raise RuntimeError(f"{path} defines no {qualname!r} at module level once its definitions have run")
+            raise RuntimeError(f"{module.__file__} defines no {qualname!r} at module level once its definitions "
+                               "have run")
         found = getattr(found, part)
     return found
 
 
-def _load_work(spec: dict) -> Tuple[Callable, tuple]:
-    with open(spec["payload"], "rb") as f:
+_loaded_files: dict = {}  # path -> the module of its definitions: a rank loads a script once for all its jobs
+
+
+def _load_work(path: str) -> Tuple[Callable, tuple]:
+    with open(path, "rb") as f:
         how, where, args_blob = pickle.load(f)
-    fn = load_definitions(*where) if how == "file" else pickle.loads(where)
+    if how == "file":
+        file, qualname = where
+        if file not in _loaded_files:
+            _loaded_files[file] = run_definitions(file)
+        sys.modules["__main__"] = _loaded_files[file]
+        fn = find_definition(_loaded_files[file], qualname)
+    else:
+        fn = pickle.loads(where)
     return fn, pickle.loads(args_blob)
 
 
-def _write_result(spec: dict, rank: int, ok: bool, value: Any) -> None:
-    target = result_path(spec["run_dir"], rank)
+def _write_result(spec: dict, rank: int, job: int, ok: bool, value: Any) -> None:
+    target = result_path(spec["run_dir"], rank, job)
     try:
         blob = pickle.dumps((ok, value))
     except Exception:
-        ok, blob = False, pickle.dumps((False, f"the value rank {rank} returned cannot be sent back to the launching "
-                                               f"process:\n{traceback.format_exc()}"))
+        blob = pickle.dumps((False, f"the value rank {rank} returned cannot be sent back to the launching "
+                                    f"process:\n{traceback.format_exc()}"))
     with open(target + ".tmp", "wb") as f:
         f.write(blob)
     os.replace(target + ".tmp", target)
 
 
+def _next_job(spec: dict, job: int) -> Optional[str]:
+    """The path of job ``job`` once the launcher has written it; None once the launcher is gone."""
+    path = job_path(spec["run_dir"], job)
+    while not os.path.exists(path):
+        if os.getppid() != spec["parent_pid"] or not os.path.isdir(spec["run_dir"]):
+            return None
+        time.sleep(0.05)
+    return path
+
+
 def rank_main(spec: dict) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    try:
-        fn, args = _load_work(spec)
-    except BaseException:
-        # no result: the launcher reports the exit code and this end of stderr, as for any rank that dies early
-        print(f"rank {rank} could not load the function to run:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-        sys.exit(1)
-
     import torch
     import torch.distributed as dist
 
     from .groups import pg_timeout
 
-    backend = spec["backend"]
+    job = 0
     try:
-        if "nccl" in backend:
-            torch.cuda.set_device(rank)
-        dist.init_process_group(backend, init_method=f"file://{spec['init_file']}", rank=rank, world_size=world,
-                                timeout=pg_timeout(spec["collective_timeout"]))
-        value = fn(rank, world, *args)
-        sys.stdout.flush()
-        _write_result(spec, rank, True, value)
-    except BaseException:  # report everything, including assertion failures, to the parent
-        _write_result(spec, rank, False, traceback.format_exc())
+        while True:
+            path = _next_job(spec, job)
+            if path is None:
+                return
+            try:
+                fn, args = _load_work(path)
+            except BaseException:
+                # no result: the launcher reports the exit code and this end of stderr, as for a rank that dies
+                print(f"rank {rank} could not load the function to run:\n{traceback.format_exc()}", file=sys.stderr,
+                      flush=True)
+                sys.exit(1)
+            try:
+                if not dist.is_initialized():
+                    if "nccl" in spec["backend"]:
+                        torch.cuda.set_device(rank)
+                    dist.init_process_group(spec["backend"], init_method=f"file://{spec['init_file']}", rank=rank,
+                                            world_size=world, timeout=pg_timeout(spec["collective_timeout"]))
+                value = fn(rank, world, *args)
+                sys.stdout.flush()
+                _write_result(spec, rank, job, True, value)
+            except BaseException:  # report everything, including assertion failures, to the parent
+                _write_result(spec, rank, job, False, traceback.format_exc())
+                return
+            if not spec["persistent"]:
+                return
+            job += 1
     finally:
         # destroying the groups closes this rank's connections: a peer blocked on it fails at once
         if dist.is_initialized():

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 import schedlang
 from schedlang.distributed.launch import launch, run_distributed
-from schedlang.distributed.rank_process import load_definitions
+from schedlang.distributed.rank_process import find_definition, run_definitions
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -86,6 +86,27 @@ def test_functions_that_cannot_reach_a_rank_are_refused_before_any_starts():
         run_distributed(_sum_of_ranks, world_size=2, args=(lambda: 1,))
 
 
+def _pid_and_calls(rank, world):
+    global _CALLS  # module state of the rank process: kept from one launch to the next
+    _CALLS = globals().get("_CALLS", 0) + 1
+    return os.getpid(), _CALLS, dist.get_world_size()
+
+
+def test_launch_keeps_its_ranks_for_the_next_call_of_the_same_world_size():
+    from schedlang.distributed import launch as launching
+
+    try:
+        first = launch(_pid_and_calls, world_size=2, timeout=120)
+        second = launch(_pid_and_calls, world_size=2, timeout=120)
+        assert [pid for pid, _, _ in first] == [pid for pid, _, _ in second]
+        assert [calls for _, calls, _ in first] == [1, 1] and [calls for _, calls, _ in second] == [2, 2]
+        third = launch(_pid_and_calls, world_size=3, timeout=120)  # another world: other processes
+        assert [(calls, world) for _, calls, world in third] == [(1, 3)] * 3
+        assert not set(pid for pid, _, _ in third) & set(pid for pid, _, _ in first)
+    finally:
+        launching._close_kept_ranks()
+
+
 def test_launch_under_torchrun_refuses_another_world_size(monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -121,11 +142,14 @@ def test_a_rank_runs_only_the_definitions_of_a_script(tmp_path):
         class Box:
             value = 7
     """))
-    work = load_definitions(str(script), "work")
-    assert work(2, 4) == 3 * 2 + 1 - 1
-    assert load_definitions(str(script), "Box.value") == 7
-    with pytest.raises(RuntimeError, match=r"defines no 'missing' at module level once its definitions have run"):
-        load_definitions(str(script), "missing")
+    module = run_definitions(str(script))
+    assert module.__name__ == "__main__" and sys.modules["__main__"] is not module
+    assert find_definition(module, "work")(2, 4) == 3 * 2 + 1 - 1
+    assert find_definition(module, "Box.value") == 7
+    assert "counter" not in vars(module) and "raise_here" not in vars(module)
+    with pytest.raises(RuntimeError, match=r"script.py defines no 'missing' at module level once its definitions have "
+                                           r"run$"):
+        find_definition(module, "missing")
 
 
 SCRIPT = textwrap.dedent('''
