@@ -135,8 +135,9 @@ class Hardware:
         return NVLINK, self.link_bytes_per_s
 
     def describe_links(self) -> str:
-        return (f"{self.nodes} node(s) x {self.gpus_per_node} GPU(s); intra-node {self.link_bytes_per_s / 1e9:,.1f} "
-                f"GB/s ({self.link_source}), inter-node {self.network_bytes_per_s / 1e9:,.1f} GB/s per GPU "
+        unit = "GPU(s)" if self.device == "cuda" else "rank(s)"
+        return (f"{self.nodes} node(s) x {self.gpus_per_node} {unit}; intra-node {self.link_bytes_per_s / 1e9:,.1f} "
+                f"GB/s ({self.link_source}), inter-node {self.network_bytes_per_s / 1e9:,.1f} GB/s per {unit[:-3]} "
                 f"({self.inter_source})")
 
 

@@ -222,6 +222,15 @@ def validate_model(ns, dims: Dims, cfg=None) -> None:
                       f"model: {', '.join(map(str, valid))}")
             _fail(f"--tp {tp} must divide the model's {what} ({n}); valid --tp values for this model: "
                   f"{', '.join(map(str, valid))}")
+    if getattr(ns, "float8", False):
+        from ..primitives.float8 import ALIGNMENT, DEFAULT_MIN_FEATURES
+
+        sizes = {"hidden size": dims.hidden, "MLP intermediate size per tp rank": dims.intermediate // tp}
+        bad = {k: v for k, v in sizes.items() if v < DEFAULT_MIN_FEATURES or v % ALIGNMENT}
+        if bad:
+            _fail(f"--float8 trains the layers' Linears in float8, whose GEMMs need both sides a multiple of "
+                  f"{ALIGNMENT} and at least {DEFAULT_MIN_FEATURES} (smaller ones cost more in casts than they "
+                  f"save): this model's {', '.join(f'{k} is {v}' for k, v in bad.items())}; drop --float8")
     if ns.sp and ns.seq % tp:
         _fail(f"--sp splits the sequence over --tp {tp} ranks: --seq {ns.seq} must be divisible by {tp}")
     stages = ns.pp * ns.stages_per_rank

@@ -336,8 +336,6 @@ def validate(ns: argparse.Namespace, world: int) -> int:
     ns.global_batch = TOY_GLOBAL_BATCH if ns.global_batch is None else ns.global_batch
     ns.seq = TOY_SEQ if ns.seq is None else ns.seq
     world = resolve_cluster(ns, world)
-    if not ns.dry_run:
-        _check_trainer_supports(ns)
     if ns.pp_schedule not in PP_SCHEDULES:
         _fail(f"--pp-schedule: unknown schedule {ns.pp_schedule!r}: valid schedules are {', '.join(PP_SCHEDULES)}")
     if ns.optimizer is not None and ns.optimizer not in OPTIMIZERS:
@@ -416,13 +414,6 @@ def validate(ns: argparse.Namespace, world: int) -> int:
                 setattr(ns, flag, 1)
         validate_layout(ns, world)
     return world
-
-
-def _check_trainer_supports(ns: argparse.Namespace) -> None:
-    """What the planner models but this trainer does not run yet: refused before anything starts."""
-    if ns.float8:
-        _fail("--float8 is modelled by --dry-run, but the trainer does not train in float8 yet; drop --float8, "
-              "or use --dry-run")
 
 
 def resolve_speed_defaults(ns: argparse.Namespace) -> None:

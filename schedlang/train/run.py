@@ -85,6 +85,9 @@ class _Run:
         del model
         if ns.tp > 1:
             shard_model(sch, sequence_parallel=ns.sp, gather_logits=False)
+        if getattr(ns, "float8", False) and not ns.optimize:  # after shard: float8 checks the shards' shapes
+            for i in range(self.dims.layers):
+                sch[f"{layers}.{i}"].float8(recipe="tensorwise")
         if ns.activation_checkpoint == "full" and not ns.optimize:  # optimize_model checkpoints the layers itself
             for i in range(self.dims.layers):
                 sch[f"{layers}.{i}"].checkpoint()
@@ -111,7 +114,8 @@ class _Run:
             from ..models import optimize_model
 
             optimize_model(sch, compile="layers" if ns.compile else None,
-                           selective_checkpoint="all" if ns.activation_checkpoint == "full" else None)
+                           selective_checkpoint="all" if ns.activation_checkpoint == "full" else None,
+                           float8="tensorwise" if getattr(ns, "float8", False) else None)
             applied = sch.metadata["optimize"]["applied"]
             # the head hands its input to the fused loss when the model is called with labels (whole vocabulary)
             self.fused_loss = any(a.startswith("loss:") for a in applied)

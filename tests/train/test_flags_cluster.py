@@ -112,9 +112,3 @@ def test_a_large_model_at_the_smoke_test_sizes_gets_a_warning(capsys, tmp_path):
     assert "smoke-test" not in small
     sized = _plan(capsys, "--nproc", "64", "--config", "70b", "--global-batch", "64", "--seq", "8192")
     assert "smoke-test" not in sized
-
-
-def test_float8_is_planned_but_refused_by_the_trainer(capsys):
-    assert trainer.main(["--device", "cpu", "--config", "tiny", "--steps", "1", "--float8"]) == 2
-    assert ("--float8 is modelled by --dry-run, but the trainer does not train in float8 yet; drop --float8, or use "
-            "--dry-run") in capsys.readouterr().err
