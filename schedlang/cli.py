@@ -83,7 +83,9 @@ def cmd_demo(ns: argparse.Namespace) -> int:
         return 2
     from .demo import run_demo
     from .errors import SchedlangError
+    from .quiet_imports import quiet_torchao_import
 
+    quiet_torchao_import()
     try:
         print(run_demo(world_size=ns.world_size, device=ns.device, report=ns.report, progress=_progress,
                        **_demo_kwargs(ns)))

@@ -209,6 +209,9 @@ def _scheduled_run(rank: int, world: int, opts: Dict) -> Dict:
 
 
 def _tp_rank(rank: int, world: int, opts: Dict) -> Optional[Dict]:
+    from .quiet_imports import quiet_torchao_import
+
+    quiet_torchao_import()  # a spawned rank imports transformers, and with it torchao, afresh
     result = _scheduled_run(rank, world, opts)
     return result if rank == 0 else None
 

@@ -21,7 +21,7 @@ from .data import open_data
 from .flags import _device_type, _fail, _world_from_env, build_parser, validate
 from .layout import apply_layout, check_model_layout, choice_block, choose, hardware, model_facts, plan_block
 from .loop import train
-from .quiet_imports import quiet_torchao_import
+from ..quiet_imports import quiet_torchao_import
 
 logger = logging.getLogger("schedlang.train")
 

@@ -1,13 +1,16 @@
-"""Keep the log lines of torchao's import that say nothing to a trainer's user out of its output.
+"""Keep the log lines of torchao's import that say nothing to the user out of schedlang's commands' output.
 
 transformers imports torchao whenever it is installed (its quantizers load with any model class), so a run
 that never asks for float8 imports it too. On a torch built without CUDA that import logs a warning for each
 of torchao's CUDA extensions, which cannot load without CUDA's libraries and are not used there, and torch
 warns that torchao registers Enum classes with pytree in a way it deprecates. Neither is the user's to act
 on. The filters below drop exactly those records (each is still logged at DEBUG under
-``schedlang.train``); every other torchao or pytree record, and the extensions' failures on a torch built
+``schedlang.imports``); every other torchao or pytree record, and the extensions' failures on a torch built
 with CUDA (where they may be a real mismatch), pass as before. Loggers exist before the modules that use
 them, so the filters are in place before torchao is imported, without importing it.
+
+The library configures no logging: the commands (``schedlang train``, ``schedlang demo`` and their ranks)
+install the filters, before they build a model.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import re
 
 import torch
 
-logger = logging.getLogger("schedlang.train")
+logger = logging.getLogger("schedlang.imports")
 
 #: torchao's warning when one of its compiled extensions (``torchao/_C*.so``) fails to load
 _EXTENSION_FAILED = re.compile(r"Failed to load \S*[/\\]torchao[/\\]_C\w*[.\w-]*\.so\b")
@@ -49,7 +52,7 @@ _FILTERS = {"torchao": _CudaExtensionsWithoutCuda, "torch.utils._pytree": _Torch
 
 
 def quiet_torchao_import() -> None:
-    """Install the filters (once per process; each rank of a run calls it before building a model)."""
+    """Install the filters (once per process: a command and each of its ranks call it before building a model)."""
     for name, kind in _FILTERS.items():
         target = logging.getLogger(name)
         if not any(isinstance(f, kind) for f in target.filters):

@@ -1,5 +1,5 @@
 """A run that does not ask for float8 shows none of torchao's import noise, and schedlang itself imports torchao
-only for float8 (``schedlang.train.quiet_imports``; transformers imports it whenever it is installed)."""
+only for float8 (``schedlang.quiet_imports``; transformers imports it whenever it is installed)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from schedlang.train import quiet_imports
-from schedlang.train.quiet_imports import quiet_torchao_import
+from schedlang import quiet_imports
+from schedlang.quiet_imports import quiet_torchao_import
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 TORCHAO_MISSING = importlib.util.find_spec("torchao") is None
 # torchao's own words for each of its CUDA extensions on a torch built without CUDA
 CUDA_EXTENSION_FAILED = ("Failed to load /venv/lib/python3.11/site-packages/torchao/_C_mxfp8.cpython-310-x86_64-"
@@ -52,7 +52,7 @@ def _shown(caplog, name, message, *args):
 
 def test_only_the_known_import_noise_is_dropped_and_it_stays_at_debug(quieted, caplog, monkeypatch):
     monkeypatch.setattr(torch.version, "cuda", None)
-    assert _shown(caplog, "torchao", CUDA_EXTENSION_FAILED) == [("schedlang.train", "DEBUG")]
+    assert _shown(caplog, "torchao", CUDA_EXTENSION_FAILED) == [("schedlang.imports", "DEBUG")]
     assert caplog.records[0].getMessage().startswith(f"torchao: {CUDA_EXTENSION_FAILED} (a CUDA extension")
     # torchao's other warnings, and a failure of anything but its own extensions, are shown
     for other in ("Skipping import of cpp extensions due to incompatible torch version. Please upgrade to torch",
@@ -64,7 +64,7 @@ def test_only_the_known_import_noise_is_dropped_and_it_stays_at_debug(quieted, c
 
     deprecated = ("%s is an Enum subclass and is now natively supported by torch.compile as an opaque value type. "
                   "Calling register_constant() on Enum subclasses is deprecated")
-    assert _shown(caplog, "torch.utils._pytree", deprecated, _TorchaoEnum) == [("schedlang.train", "DEBUG")]
+    assert _shown(caplog, "torch.utils._pytree", deprecated, _TorchaoEnum) == [("schedlang.imports", "DEBUG")]
 
     class UsersEnum:  # the same warning for anyone else's class is theirs to see
         pass
