@@ -376,6 +376,7 @@ def _logits_of(model, vocab):
 
 
 def _spawned_meshless(rank, world, root):
+    import safetensors
     import transformers
 
     from schedlang.distributed.dtensor_params import is_dtensor, named_shard_specs
@@ -385,7 +386,14 @@ def _spawned_meshless(rank, world, root):
         directory = os.path.join(root, family)
         sch, cfg = _meshless_schedule(family)
         specs = named_shard_specs(sch.mod)
-        model, _ = schedlang.build(sch, pretrained=directory)
+        _RecordingHandle.original, _RecordingHandle.log = safetensors.safe_open, []
+        safetensors.safe_open = _RecordingHandle
+        try:
+            model, _ = schedlang.build(sch, pretrained=directory)
+        finally:
+            safetensors.safe_open = _RecordingHandle.original
+        reads = [how for _, _, how in _RecordingHandle.log]
+        read = sum(n for _, n, _ in _RecordingHandle.log)
         reference = transformers.AutoModelForCausalLM.from_pretrained(directory)
         stored = reference.state_dict()
         want = _logits_of(reference, cfg.vocab_size)
@@ -398,7 +406,9 @@ def _spawned_meshless(rank, world, root):
                        "loss": (float(_loss(got, _tokens(cfg.vocab_size)[:, 1:])),
                                 float(_loss(want, _tokens(cfg.vocab_size)[:, 1:]))),
                        "wrong": wrong, "sharded": sum(1 for n, _ in model.named_parameters() if n in specs),
-                       "dtensors": sum(is_dtensor(p) for p in model.parameters()), "blocks": blocks}
+                       "dtensors": sum(is_dtensor(p) for p in model.parameters()), "blocks": blocks,
+                       "read": read, "local": sum(p.numel() for p in _local_tensors(model)),
+                       "stored": sum(v.numel() for v in stored.values()), "whole_reads": reads.count("whole")}
         # load_pretrained into a built model with other (random) weights, and export_hf of the loaded model
         torch.manual_seed(rank + 7)
         sch, _ = _meshless_schedule(family, cfg, meta=False)
@@ -450,6 +460,8 @@ def test_without_a_mesh_plain_shards_load_their_slices_of_the_checkpoint(meshles
         assert entry["shape"][-1] == MESHLESS[family]().vocab_size  # the gathered logits of the whole vocabulary
         assert entry["logits"] < 1e-5
         assert entry["loss"][0] == pytest.approx(entry["loss"][1], rel=1e-6, abs=1e-6)
+        # each rank reads exactly its own elements, each once, as slices
+        assert entry["whole_reads"] == 0 and entry["read"] == entry["local"] < entry["stored"]
     # the layouts this covers: GPT-2's q|k|v and Phi-3's gate|up in equal blocks, Phi-3's q|k|v in unequal ones
     covered = {"llama": [(1, False)], "gpt2": [(1, False), (3, False)], "phi3": [(1, False), (2, False), (3, True)]}
     assert meshless[0][family]["blocks"] == covered[family]
