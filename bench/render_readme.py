@@ -187,7 +187,7 @@ def _rst(head: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     """A reStructuredText list-table (empty without rows)."""
     if not rows:
         return ""
-    lines = [".. list-table::", "   :header-rows: 1", ""]
+    lines = [".. list-table::", "   :header-rows: 1", "   :widths: auto", ""]
     for cells in [list(head), *rows]:
         lines.append("   * - " + _rst_cell(cells[0]))
         lines.extend("     - " + _rst_cell(c) for c in cells[1:])
@@ -196,6 +196,53 @@ def _rst(head: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 def _table(head: Sequence[str], rows: Sequence[Sequence[Any]], fmt: str) -> str:
     return _rst(head, rows) if fmt == "rst" else _markdown(head, rows)
+
+
+#: columns of :data:`TABLE_HEAD` that name the run; a work whose rows share them says them once, above its table
+_RUN_COLUMNS = ("optimizer", "device", "date", "sha")
+_RATIO_COLUMNS = ("vs baseline", "vs fastest baseline")
+_CLOCK_HEAD = ("SM clock", "power", "power-capped", "energy")
+
+
+def render_rows_by_work(files: Sequence[dict]) -> str:
+    """Every row as reStructuredText, one table per work: what all its rows share (the run's device, date and
+    revision, the optimizer, the baseline each ratio is against) is said once above the table, so the table
+    keeps the columns that differ and reads without scrolling sideways."""
+    blocks: Dict[str, List[List[str]]] = {}
+    for cells in table_rows(files):
+        blocks.setdefault(cells[0], []).append(cells)
+    out = []
+    for work, rows in blocks.items():
+        if rows[0][1] == NO_RESULT:
+            out += [f"**{_rst_cell(work)}**: {NO_RESULT}.", ""]
+            continue
+        keep = [i for i in range(1, len(TABLE_HEAD))]
+        said = []
+        for name in _RUN_COLUMNS:
+            i = TABLE_HEAD.index(name)
+            if len({r[i] for r in rows}) == 1:
+                keep.remove(i)
+                if name in ("device", "date", "sha"):
+                    said.append(rows[0][i])
+                else:
+                    said.append(f"optimizer {rows[0][i]}")
+        cells = [list(r) for r in rows]
+        head = list(TABLE_HEAD)
+        for name in _RATIO_COLUMNS:
+            i = TABLE_HEAD.index(name)
+            against = {r[i].split(" ", 1)[1] for r in rows if r[i] != "-"}
+            if len(against) == 1:  # every ratio against the same row: name it once
+                head[i] = f"{name} ({against.pop()})"
+                for r in cells:
+                    r[i] = r[i].split(" ", 1)[0]
+        # the GPU clock in four narrow columns rather than one that wraps each row over five lines
+        clock = TABLE_HEAD.index("GPU clock")
+        parts = [(r[clock].split(", ") + ["-"] * 4)[:4] if r[clock] != "-" else ["-"] * 4 for r in cells]
+        split_head = [h for i in keep for h in ([head[i]] if i != clock else list(_CLOCK_HEAD))]
+        split_rows = [[c for i in keep for c in ([r[i]] if i != clock else p)] for r, p in zip(cells, parts)]
+        out += [f"**{_rst_cell(work)}**" + (f": {_rst_cell(', '.join(said))}" if said else ""), "",
+                _rst(split_head, split_rows), ""]
+    return "\n".join(out).rstrip("\n")
 
 
 def _is_memory_row(row: dict) -> bool:
@@ -458,7 +505,7 @@ def docs_section(files: Sequence[dict], static: Path, docs_page: Path) -> str:
               "Every row", "~~~~~~~~~", "",
               "``vs baseline`` compares a row with the baseline its work names, ``vs fastest baseline`` with the "
               "fastest baseline row of the same run, whichever it is.", "",
-              _rst(TABLE_HEAD, table_rows(files)), ""]
+              render_rows_by_work(files), ""]
     if all_rows_bars(files):
         parts += image(ALL_ROWS_PNG, "every row against its baseline")
     memory = render_memory(files, "rst")

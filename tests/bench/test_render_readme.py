@@ -114,9 +114,16 @@ def test_the_readme_gets_the_headline_and_the_docs_page_every_row(bench, results
     # the docs page: its prose kept, every row as a list-table, the failing check and the works without results
     assert rst.startswith("Performance\n===========\n\nProse kept as it is.\n\n.. perf-table:start\n")
     assert rst.endswith(".. perf-table:end\n\nAfter.\n")
-    assert "   * - llama-1.1b-1gpu\n     - eager\n     - baseline\n     - 210.0\n" in rst
-    assert "     - FAIL first loss 9.1 vs eager 10.4\n" in rst
-    assert "   * - gpt2-medium-1gpu\n     - no GPU results recorded for the current code yet\n     - \\-\n" in rst
+    # one table per work, what its rows share said once above it: the run, the optimizer, the baseline of each ratio
+    assert ("**llama-1.1b-1gpu**: optimizer torch.optim.AdamW(fused=True), NVIDIA H100 80GB HBM3 x1, 2026-11-30, "
+            "abcdef1234\n") in rst
+    assert "     - vs baseline (titan-style)\n     - vs fastest baseline (titan-style)\n" in rst
+    assert "   * - eager\n     - baseline\n     - 210.0\n" in rst
+    assert "     - 0.62x\n     - 0.62x\n     - FAIL first loss 9.1 vs eager 10.4\n" in rst
+    # the GPU clock in narrow columns; a row without a sample has none
+    assert "     - 1672 MHz\n     - 655 W\n     - 96% capped\n     - 86.5 J/step\n" in rst
+    assert "     - ok\n     - \\-\n     - \\-\n     - \\-\n     - \\-\n" in rst
+    assert "**gpt2-medium-1gpu**: no GPU results recorded for the current code yet." in rst
     # rendering again changes nothing, and --check agrees; a changed figure on either page fails it
     assert render.main(["--results", str(results), *paths, "--no-chart", "--check"]) == 0
     readme.write_text(text.replace("1.25x", "1.35x"))
@@ -303,3 +310,21 @@ def test_startup_rows_get_a_table_of_their_own_with_ratios_to_the_baseline(bench
     assert "time to first step" in render.docs_section(render.load_results(d), tmp_path, tmp_path / "p.rst")
     # results without start-up rows render no such table
     assert render.render_startup([]) == ""
+
+
+def test_a_work_whose_rows_differ_keeps_those_columns_in_its_table(bench, tmp_path):
+    render = bench("render_readme")
+    d = tmp_path / "r"
+    d.mkdir()
+    _write(d / "2026-12-06-train.json", [
+        _row("llama-1.1b-2gpu", "fsdp2-titan", "baseline", 150.0, 100000.0, baseline=None),
+        dict(_row("llama-1.1b-2gpu", "schedlang-fsdp", "schedlang", 140.0, 110000.0, baseline=None),
+             optimizer="schedlang.optim.FusedAdamW"),
+    ], "2026-12-06", "9" * 40, gpus=2)
+    text = render.render_rows_by_work(render.load_results(d))
+    # the optimizers differ: a column of their own; the run is shared: said once
+    assert "**llama-1.1b-2gpu**: NVIDIA H100 80GB HBM3 x2, 2026-12-06, 9999999999\n" in text
+    assert "     - optimizer\n" in text and "     - schedlang.optim.FusedAdamW\n" in text
+    # no named baseline: each ratio is against the fastest baseline, named once in the header
+    assert "     - vs baseline (best baseline)\n     - vs fastest baseline (fsdp2-titan)\n" in text
+    assert "   * - schedlang-fsdp\n     - schedlang\n     - 140.0\n" in text
