@@ -4,7 +4,9 @@ A tiny LLaMA (tied embeddings, grouped key/value heads, saved as several files w
 tiny GPT-2 (Conv1D weights, fused q|k|v) are saved by ``save_pretrained``; one spawned run on two
 gloo ranks builds each under TP=2, FSDP2=2 and PP=2 from the files and compares the loss with
 ``from_pretrained``'s, while a wrapped ``safe_open`` records every slice a rank asks for. The same
-run exports the tensor-parallel LLaMA and loads it back under FSDP2.
+run exports the tensor-parallel LLaMA and loads it back under FSDP2. Another run builds LLaMA, GPT-2
+and Phi-3 (q|k|v of unequal widths) from a schedule without a mesh, whose shards stay plain local
+tensors, and checks ``load_pretrained`` and ``export_hf`` of them.
 """
 
 from __future__ import annotations
@@ -499,6 +501,30 @@ def _empty(family, cfg=None):
 
 def _state(model):
     return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("axis,groups,blocks", [(0, 1, None), (1, 1, None), (1, 3, None), (0, 3, (8, 4, 4)),
+                                                 (1, 2, (12, 4))])
+@pytest.mark.parametrize("world", [2, 4])
+def test_regions_of_a_plain_shard_are_its_slices_of_the_unsharded_tensor(axis, groups, blocks, world):
+    from schedlang.pretrained import local_regions
+    from schedlang.shard_spec import ShardSpec
+
+    shape = [7, 13]
+    shape[axis] = sum(blocks) if blocks is not None else 12 * groups if groups > 1 else 4 * world
+    full = torch.randn(shape)
+    for rank in range(world):
+        spec = ShardSpec(axis, world, rank, tuple(full.shape), groups, blocks)
+        local = spec.slice_of(full)
+        regions = local_regions(local, spec)
+        assert sum(local[li].numel() for li, _ in regions) == local.numel()
+        assert all(torch.equal(local[li], full[gi]) for li, gi in regions)
+    # a tensor of another shape than its spec's shard
+    with pytest.raises(schedlang.CheckpointError) as info:
+        local_regions(torch.zeros(8, 13), ShardSpec(0, 2, 1, (8, 13)))
+    assert str(info.value) == ("pretrained: cannot tell which part of a tensor of shape (8, 13) placed as "
+                               "(Shard(dim=0),) this rank holds (computed (4, 13), local (8, 13)); the placements "
+                               "read are Shard, _StridedShard, Replicate and Partial")
 
 
 @pytest.mark.parametrize("stored,loaded", [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16),
