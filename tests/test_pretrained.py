@@ -355,7 +355,7 @@ def _phi3_config():
     return family_config("phi3_gqa")  # q|k|v fused in blocks of unequal widths (fewer key/value heads)
 
 
-MESHLESS = {"llama": lambda: _llama_config(), "gpt2": lambda: _gpt2_config(), "phi3": _phi3_config}
+MESHLESS = {"llama": _llama_config, "gpt2": _gpt2_config, "phi3": _phi3_config}
 
 
 def _meshless_schedule(family, cfg=None, meta=True):
@@ -389,13 +389,9 @@ def _spawned_meshless(rank, world, root):
         sch, cfg = _meshless_schedule(family)
         specs = named_shard_specs(sch.mod)
         _RecordingHandle.original, _RecordingHandle.log = safetensors.safe_open, []
-        safetensors.safe_open = _RecordingHandle
-        try:
-            model, _ = schedlang.build(sch, pretrained=directory)
-        finally:
-            safetensors.safe_open = _RecordingHandle.original
-        reads = [how for _, _, how in _RecordingHandle.log]
-        read = sum(n for _, n, _ in _RecordingHandle.log)
+        safetensors.safe_open = _RecordingHandle  # put back before from_pretrained reads the files whole
+        model, _ = schedlang.build(sch, pretrained=directory)
+        safetensors.safe_open, log = _RecordingHandle.original, list(_RecordingHandle.log)
         reference = transformers.AutoModelForCausalLM.from_pretrained(directory)
         stored = reference.state_dict()
         want = _logits_of(reference, cfg.vocab_size)
@@ -409,8 +405,9 @@ def _spawned_meshless(rank, world, root):
                                 float(_loss(want, _tokens(cfg.vocab_size)[:, 1:]))),
                        "wrong": wrong, "sharded": sum(1 for n, _ in model.named_parameters() if n in specs),
                        "dtensors": sum(is_dtensor(p) for p in model.parameters()), "blocks": blocks,
-                       "read": read, "local": sum(p.numel() for p in _local_tensors(model)),
-                       "stored": sum(v.numel() for v in stored.values()), "whole_reads": reads.count("whole")}
+                       "read": sum(n for _, n, _ in log), "local": sum(p.numel() for p in _local_tensors(model)),
+                       "stored": sum(v.numel() for v in stored.values()),
+                       "whole_reads": sum(how == "whole" for _, _, how in log)}
         # load_pretrained into a built model with other (random) weights, and export_hf of the loaded model
         torch.manual_seed(rank + 7)
         sch, _ = _meshless_schedule(family, cfg, meta=False)
