@@ -42,7 +42,8 @@ def candidate_layouts(shape: ModelShape, world: int, global_batch: int, base: La
     and the pipeline schedule; ``fixed`` the choices the user made (``pp``, ``dp``, ``tp``, ``dp_mode``,
     ``dp_replicate``, ``dp_shard``, ``reshard``, ``reduce_dtype``, ``activation_checkpoint``, ``sp``,
     ``optimize``, ``microbatches``, ``float8``) that every candidate keeps, and what the trainer can run:
-    ``dp_modes`` and ``checkpoint_modes`` (all by default)."""
+    ``dp_modes`` and ``checkpoint_modes`` (all by default), ``selective_with_pipelines`` (False: selective
+    checkpointing on pp=1 layouts only)."""
     fixed = dict(fixed or {})
     per_node = gpus_per_node or world
     out = []
@@ -87,6 +88,8 @@ def candidate_layouts(shape: ModelShape, world: int, global_batch: int, base: La
                 checkpoints = ([fixed["activation_checkpoint"]] if fixed.get("activation_checkpoint")
                                else list(fixed.get("checkpoint_modes", CHECKPOINT_MODES)))
                 sps = [True] if fixed.get("sp") else ([False, True] if tp > 1 else [False])
+                if pp > 1 and fixed.get("selective_with_pipelines") is False:
+                    checkpoints = [c for c in checkpoints if c != "selective"]
                 for r in replicas:
                     for m in counts:
                         for reshard in reshards:

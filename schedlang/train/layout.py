@@ -117,8 +117,10 @@ def measure_link(device: torch.device, world: int, megabytes: Optional[int] = No
 
 
 # ------------------------------------------------------------------------------------------------ layouts
-#: the data-parallel engines and checkpointing modes the trainer runs (a dry run plans with every one)
-TRAINER_RUNS = {"dp_modes": ("fsdp", "hsdp", "ddp"), "checkpoint_modes": ("none", "full")}
+#: the data-parallel engines and checkpointing modes the trainer runs (a dry run plans with every one): selective
+#: checkpointing wraps the whole model's layers, so pp=1 only
+TRAINER_RUNS = {"dp_modes": ("fsdp", "hsdp", "ddp"), "checkpoint_modes": ("none", "selective", "full"),
+                "selective_with_pipelines": False}
 
 
 def base_layout(ns: argparse.Namespace) -> Layout:

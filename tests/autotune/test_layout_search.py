@@ -94,3 +94,11 @@ def test_the_fastest_fitting_layout_wins():
     fast = choose_layout(LLAMA3_70B, dataclasses.replace(_h100s(64), inter_bytes_per_s=400e9), 64, 64, 8192,
                          base=FAST, tp_sizes=TP)
     assert fast.best.step_s <= choice.best.step_s
+
+
+def test_a_launched_run_gets_selective_checkpointing_without_pipelines_only():
+    fixed = {"selective_with_pipelines": False}
+    layouts = candidate_layouts(LLAMA3_70B, 64, 64, FAST, TP, fixed, gpus_per_node=8)
+    assert any(l.activation_checkpoint == "selective" and l.pp == 1 for l in layouts)
+    assert not any(l.activation_checkpoint == "selective" and l.pp > 1 for l in layouts)
+    assert any(l.activation_checkpoint == "full" and l.pp > 1 for l in layouts)
