@@ -585,8 +585,8 @@ def load_pretrained(model: nn.Module, source: Union[str, os.PathLike, Sequence[U
                     strict: bool = True) -> Dict[str, Any]:
     """Load HF safetensors weights into a built model, each rank reading only the slices it holds.
 
-    ``model`` is what :func:`schedlang.build` returned (tensor parallel, FSDP2, pipeline stages, one
-    process) or any module. ``source``: a checkpoint directory (``model.safetensors`` or sharded files
+    ``model`` is what :func:`schedlang.build` returned (tensor parallel as DTensors or as plain local
+    shards, FSDP2, pipeline stages, one process) or any module. ``source``: a checkpoint directory (``model.safetensors`` or sharded files
     with ``model.safetensors.index.json``), a ``.safetensors`` file or a list of files. Every rank must
     call it. Names and shapes are checked on every rank first (see :mod:`schedlang.pretrained`);
     with ``strict=False`` names present on one side only are skipped with a warning (shapes must still
