@@ -41,13 +41,17 @@ def _torchrun_main(ns: argparse.Namespace, world: int) -> int:
     if _device_type(ns) == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     timeout = datetime.timedelta(seconds=ns.timeout)
-    # torchrun keeps one store for every attempt of a run: after a restart (--max-restarts), keys of the attempt
-    # before (where the killed ranks listened) would still be read, and gloo would connect to dead addresses
-    # (seen with torch 2.11). Each attempt's process group keys live under a prefix of their own.
     store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    dist.init_process_group(backend, store=dist.PrefixStore(f"schedlang-attempt-{attempt}", store), rank=rank,
-                            world_size=world, timeout=timeout)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # the workers share the agents' store, one for every attempt of a run: after a restart (--max-restarts),
+        # keys of the attempt before (where the killed ranks listened) would still be read, and gloo would connect
+        # to dead addresses (seen with torch 2.11). Each attempt's process group keys live under a prefix of
+        # their own. (The restart count is each agent's own: a node's agent started again after the node was
+        # lost counts from 0, so a run that replaces nodes sets TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, below.)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.PrefixStore(f"schedlang-attempt-{attempt}", store)
+    # else rank 0 hosts a new store at a new port for every rendezvous round: no key of an earlier round is there
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     try:
         train(ns, rank, world)
         return 0
