@@ -225,6 +225,9 @@ def test_a_rank_killed_mid_run_restarts_and_continues_exactly(tmp_path):
     assert len(starts) == 2 and starts[0].group(1) == "1", output
     resumed_at = int(starts[1].group(1)) - 1
     assert resumed_at % KILL_SAVE_EVERY == 0 and resumed_at <= killed_after, starts[1].group(0)
+    if resumed_at:  # and the restart named the checkpoint it continued from
+        assert (f"schedlang train: resumed from the checkpoint of step {resumed_at}, "
+                f"{tmp_path / 'ckpt' / f'step-{resumed_at:08d}'} (saved under pp=1 dp=2 tp=1") in output, output
     # the metrics read as one uninterrupted run: every step once, in order, with its loss
     records = _records(metrics)
     assert [r["step"] for r in records] == list(range(1, KILL_STEPS + 1))
