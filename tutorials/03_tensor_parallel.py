@@ -12,7 +12,7 @@ Run it as a plain script on CPU (it starts two gloo ranks itself)::
 
     python tutorials/03_tensor_parallel.py
 
-or on two GPUs (NCCL)::
+or on two GPUs (NCCL), or two CPU processes (gloo), started by torchrun::
 
     torchrun --nproc_per_node=2 tutorials/03_tensor_parallel.py
 """
@@ -20,21 +20,30 @@ or on two GPUs (NCCL)::
 # %%
 # Setup
 # -----
-# Every rank runs the same script. Under ``torchrun`` the process group comes from the
-# environment; as a plain script, ``main`` is started on two local gloo ranks by
-# :func:`schedlang.distributed.launch.run_distributed` (see the end of the file).
+# The work of each rank lives in functions; :func:`schedlang.launch` runs one on every rank
+# and returns what each rank returned. As a plain script (and on this page) it starts two local
+# gloo ranks for each call; under ``torchrun`` this process is one of the ranks and the function
+# runs here. A rank runs only this file's imports, functions and UPPER_CASE constants, so the
+# top-level code (the calls to ``launch``, the figures) runs once, in the launching process.
+# What rank 0 prints appears below each cell.
 
 import copy
-import os
 
-import torch
-import torch.distributed as dist
-from torch.distributed.tensor import DTensor
-from transformers import LlamaConfig, LlamaForCausalLM
+import matplotlib
 
-import schedlang
-from schedlang.distributed.collectives import all_gather_tensor
-from schedlang.models.llama import shard_llama
+matplotlib.use("Agg")  # no display needed: the gallery and CI render to files
+import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+import schedlang  # noqa: E402
+from schedlang.distributed.collectives import all_gather_tensor  # noqa: E402
+from schedlang.models.llama import shard_llama  # noqa: E402
+
+WORLD = 2
+STEPS = 6
 
 
 def tiny_llama_config():
@@ -51,27 +60,39 @@ def device_of_rank():
 
 
 def say(*args):
-    if dist.get_rank() == 0:
+    """Print once: on rank 0, or in the launching process (under torchrun, rank 0 is both)."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
         print(*args, flush=True)
 
 
-def main(rank, world):
+def model_and_batch():
+    """The same weights and token ids on every rank (seed 0)."""
     device = device_of_rank()
     torch.manual_seed(0)
     model = LlamaForCausalLM(tiny_llama_config()).to(device)
     ids = torch.randint(0, 512, (2, 32), device=device)
+    return model, ids
 
-    # %%
-    # The schedule, checked by Verify
-    # -------------------------------
-    # ``shard_llama`` writes the ``shard`` and ``sync`` steps of Megatron-LM's layout into the
-    # schedule: q/k/v and gate/up split along their outputs (column parallel), o_proj and
-    # down_proj along their inputs (row parallel) followed by an all-reduce, the input gradient
-    # of each block all-reduced in backward, the embedding and LM head split along the
-    # vocabulary. ``Verify`` runs the original and the scheduled model on the same inputs and
-    # compares outputs and every gradient (a shard's against the slice of the full gradient).
-    # The logits stay split over the vocabulary: the LM head's record says which slice each rank
-    # holds, and Verify compares it with that slice of the original's logits.
+
+def local(p):
+    """The part of a parameter this rank holds: a sharded parameter is a DTensor, whose shape is the
+    whole tensor's and whose local tensor is the rank's shard."""
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
+# %%
+# The schedule, checked by Verify
+# -------------------------------
+# ``shard_llama`` writes the ``shard`` and ``sync`` steps of Megatron-LM's layout into the
+# schedule: q/k/v and gate/up split along their outputs (column parallel), o_proj and
+# down_proj along their inputs (row parallel) followed by an all-reduce, the input gradient
+# of each block all-reduced in backward, the embedding and LM head split along the
+# vocabulary. ``Verify`` runs the original and the scheduled model on the same inputs and
+# compares outputs and every gradient (a shard's against the slice of the full gradient).
+# The logits stay split over the vocabulary: the LM head's record says which slice each rank
+# holds, and Verify compares it with that slice of the original's logits.
+def verify_the_schedule(rank, world):
+    model, ids = model_and_batch()
     sch = schedlang.create_schedule(model)
     with schedlang.Verify(sch, example_inputs=[ids]) as check:
         shard_llama(sch)
@@ -81,19 +102,26 @@ def main(rank, world):
     attn = sch["model.layers.0.self_attn"].mod
     say(f"each rank holds {attn.num_heads} of 8 query heads and {attn.num_key_value_heads} of 4 key/value heads")
 
-    # %%
-    # Training with split logits
-    # --------------------------
-    # Gathering the logits costs an all-gather of ``tokens x vocab`` values; the loss does not
-    # need it. By default ``shard_llama`` keeps the logits split along the vocabulary and
-    # replaces the model's loss by the vocabulary-parallel cross entropy (three all-reduces of
-    # one value per token). The loss equals the single-device model's.
+
+schedlang.launch(verify_the_schedule, world_size=WORLD)
+
+# %%
+# Training with split logits
+# --------------------------
+# Gathering the logits costs an all-gather of ``tokens x vocab`` values; the loss does not
+# need it. By default ``shard_llama`` keeps the logits split along the vocabulary and
+# replaces the model's loss by the vocabulary-parallel cross entropy (three all-reduces of
+# one value per token). Each rank trains the split model and, beside it, the whole model alone;
+# the losses agree step by step.
+def train_with_split_logits(rank, world):
+    model, ids = model_and_batch()
     sch = schedlang.create_schedule(model)
     shard_llama(sch)
     tp_model, opt = schedlang.build(sch, optimizer=torch.optim.AdamW, lr=1e-3)
     reference = copy.deepcopy(model)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
-    for step in range(3):
+    losses, ref_losses = [], []
+    for step in range(STEPS):
         out = tp_model(input_ids=ids, labels=ids)
         out.loss.backward()
         opt.step()
@@ -102,32 +130,59 @@ def main(rank, world):
         ref_loss.backward()
         ref_opt.step()
         ref_opt.zero_grad()
-        say(f"step {step}: loss {out.loss.item():.5f} (single device {ref_loss.item():.5f}); "
+        losses.append(out.loss.item())
+        ref_losses.append(ref_loss.item())
+        say(f"step {step}: loss {losses[-1]:.5f} (single device {ref_losses[-1]:.5f}); "
             f"logits per rank {tuple(out.logits.shape)}")
     full_logits = all_gather_tensor(out.logits.detach().contiguous(), axis=-1)
     say(f"gathered logits: {tuple(full_logits.shape)}")
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-4, atol=1e-4)
+    return losses, ref_losses
 
-    # %%
-    # Sequence parallelism
-    # --------------------
-    # Between the parallel regions the activations are the same on every rank. Sequence
-    # parallelism splits them along the sequence instead: the row-parallel outputs are
-    # reduce-scattered, the RMSNorms run on sequence shards (their weight gradients are summed
-    # over the ranks) and are all-gathered before the next projections. Same communication
-    # volume, ``1 / world`` of the norm work and activation memory.
+
+tp_losses, single_losses = schedlang.launch(train_with_split_logits, world_size=WORLD)[0]
+
+# %%
+# The two curves lie on each other: tensor parallelism changes where the work runs, not what it
+# computes.
+fig, ax = plt.subplots(figsize=(6, 3.2))
+ax.plot(range(STEPS), single_losses, "o-", color="0.6", linewidth=4, label="one process, whole model")
+ax.plot(range(STEPS), tp_losses, "x--", color="C3", label=f"tensor parallel, {WORLD} ranks, split logits")
+ax.set_xlabel("training step")
+ax.set_ylabel("loss")
+ax.set_title("Training loss: tensor parallel against one process")
+ax.legend()
+fig.tight_layout()
+plt.show()
+
+# %%
+# Sequence parallelism
+# --------------------
+# Between the parallel regions the activations are the same on every rank. Sequence
+# parallelism splits them along the sequence instead: the row-parallel outputs are
+# reduce-scattered, the RMSNorms run on sequence shards (their weight gradients are summed
+# over the ranks) and are all-gathered before the next projections. Same communication
+# volume, ``1 / world`` of the norm work and activation memory.
+def verify_sequence_parallel(rank, world):
+    model, ids = model_and_batch()
     sch = schedlang.create_schedule(model)
     with schedlang.Verify(sch, example_inputs=[ids]):
         shard_llama(sch, sequence_parallel=True, gather_logits=True)
     say("sequence parallelism: Verify passed;", sch["model.layers.0.input_layernorm"].mod.__class__.__name__)
 
-    # %%
-    # Only your shards in memory
-    # --------------------------
-    # A model created under ``schedlang.init_empty_weights()`` has no parameter memory. The
-    # same schedule is applied to it, and ``build`` allocates and initializes each rank's shards
-    # only, using the model's own (HF) initialization on a temporary full-size copy of one
-    # module at a time: the shards equal the slices of the unsharded model built with the same
-    # seed.
+
+schedlang.launch(verify_sequence_parallel, world_size=WORLD)
+
+# %%
+# Only your shards in memory
+# --------------------------
+# A model created under ``schedlang.init_empty_weights()`` has no parameter memory. The
+# same schedule is applied to it, and ``build`` allocates and initializes each rank's shards
+# only, using the model's own (HF) initialization on a temporary full-size copy of one
+# module at a time: the shards equal the slices of the unsharded model built with the same
+# seed.
+def only_this_ranks_shards(rank, world):
+    device = device_of_rank()
     with schedlang.init_empty_weights():
         meta = LlamaForCausalLM(tiny_llama_config())
     sch = schedlang.create_schedule(meta)
@@ -136,34 +191,28 @@ def main(rank, world):
     sharded, _ = schedlang.build(sch, device=device)
     torch.manual_seed(1)
     full, _ = schedlang.build(schedlang.create_schedule(meta), device=device)
-    # a sharded parameter is a DTensor: its shape is the whole tensor's, its local tensor the rank's shard
-    mib = [sum(local(p).numel() * p.element_size() for p in m.parameters()) / 2 ** 20 for m in (sharded, full)]
-    say(f"parameters per rank: {mib[0]:.2f} MiB of {mib[1]:.2f} MiB")
     q_shard = local(sharded.model.layers[0].self_attn.q_proj.weight)
     q_full = full.model.layers[0].self_attn.q_proj.weight
     torch.testing.assert_close(q_shard, q_full.chunk(world)[rank])
     say(f"this rank's q_proj shard {tuple(q_shard.shape)} equals its rows of the unsharded {tuple(q_full.shape)}")
+    mib = lambda m: sum(local(p).numel() * p.element_size() for p in m.parameters()) / 2 ** 20  # noqa: E731
+    return mib(sharded), mib(full)
 
 
-def local(p):
-    """The part of a parameter this rank holds."""
-    return p.to_local() if isinstance(p, DTensor) else p
-
+per_rank = schedlang.launch(only_this_ranks_shards, world_size=WORLD)
+say(f"parameters per rank: {', '.join(f'{mine:.2f} MiB' for mine, _ in per_rank)} of {per_rank[0][1]:.2f} MiB")
 
 # %%
-# Launching
-# ---------
-# Under ``torchrun`` (``RANK`` is set) every process joins the group and runs ``main``;
-# otherwise two local ranks are started.
-if __name__ == "__main__":
-    if "RANK" in os.environ:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend)
-        main(dist.get_rank(), dist.get_world_size())
-        dist.destroy_process_group()
-    else:
-        from schedlang.distributed.launch import run_distributed
-
-        run_distributed(main, world_size=2, timeout=300)
+# Each rank holds a little over half of the parameters: the norms are replicated, everything
+# else is split.
+fig, ax = plt.subplots(figsize=(6, 2.6))
+names = ["unsharded model"] + [f"rank {r}" for r in range(WORLD)]
+sizes = [per_rank[0][1]] + [mine for mine, _ in per_rank]
+ax.barh(names[::-1], sizes[::-1], color=["C0"] * WORLD + ["0.6"])
+for y, size in enumerate(sizes[::-1]):
+    ax.text(size, y, f" {size:.2f} MiB", va="center")
+ax.set_xlim(0, max(sizes) * 1.3)
+ax.set_xlabel("parameter memory (MiB)")
+ax.set_title("Parameters held by each rank")
+fig.tight_layout()
+plt.show()

@@ -21,7 +21,8 @@ then four (``dp=2 x tp=2``)::
 
     python tutorials/06_scale_out.py
 
-or on GPUs (NCCL), where the 1-D layouts use all the ranks and the 2-D one needs 4 of them::
+or under torchrun (NCCL on GPUs, gloo on CPUs), where the 1-D layouts use all the ranks and the 2-D
+one needs 4 of them or more::
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 torchrun --nproc_per_node=4 tutorials/06_scale_out.py
 """
@@ -36,20 +37,30 @@ or on GPUs (NCCL), where the 1-D layouts use all the ranks and the 2-D one needs
 # one, made once on the host. Everything runs in float32 here, so the layouts agree to
 # rounding; for real training ``fully_shard`` computes in bf16 with fp32 gradient reduction
 # (its default on a GPU).
+#
+# The work of each rank lives in functions; :func:`schedlang.launch` runs one on every rank and
+# returns what each returned: as a plain script (and on this page) on local gloo ranks, kept from
+# one call to the next; under ``torchrun``, on the ranks torchrun started. A rank runs only this
+# file's imports, functions and UPPER_CASE constants; the calls to ``launch`` and the figures run
+# once, in the launching process. What rank 0 prints appears below each cell.
 
 import os
 import shutil
 import tempfile
 
-import torch
-import torch.distributed as dist
-import torch.nn.functional as F
-from transformers import LlamaConfig, LlamaForCausalLM
+import matplotlib
 
-import schedlang
-from schedlang.distributed.cross_entropy import vocab_parallel_cross_entropy
-from schedlang.distributed.mesh import describe_mesh, make_mesh
-from schedlang.models import shard_model
+matplotlib.use("Agg")  # no display needed: the gallery and CI render to files
+import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+import schedlang  # noqa: E402
+from schedlang.distributed.cross_entropy import vocab_parallel_cross_entropy  # noqa: E402
+from schedlang.distributed.mesh import describe_mesh, make_mesh  # noqa: E402
+from schedlang.models import shard_model  # noqa: E402
 
 ROWS, SEQ, STEPS, LR = 8, 16, 3, 3e-3
 SHOWN = ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight",
@@ -70,7 +81,8 @@ def device_of_rank():
 
 
 def say(*args):
-    if dist.get_rank() == 0:
+    """Print once: on rank 0, or in the launching process (under torchrun, rank 0 is both)."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
         print(*args, flush=True)
 
 
@@ -212,7 +224,7 @@ def resume(device, dp, tp, ids, labels, checkpoint, reference, title):
     say(f"{title}: loaded step {info['step']} under {describe_mesh(mesh)}; step {info['step'] + 1} loss {loss:.5f} "
         f"(one process: {reference[info['step']]:.5f})")
     torch.testing.assert_close(loss, reference[info["step"]], rtol=1e-4, atol=1e-4)
-    return model
+    return loss
 
 
 # %%
@@ -223,15 +235,21 @@ def resume(device, dp, tp, ids, labels, checkpoint, reference, title):
 # reference's. The FSDP2 run then saves a checkpoint (weights and AdamW state, each rank its
 # own shards), which a tensor-parallel model, built empty, loads and trains one step further:
 # its loss is the reference's next one.
-def one_dimensional(rank, world, checkpoint):
+def one_dimensional(rank, world):
     device = device_of_rank()
     ids, labels = global_batch(device)
+    # the checkpoint's directory: made by rank 0, named to all (the launching process removes it at the end)
+    where = [tempfile.mkdtemp(prefix="schedlang-06-") if rank == 0 else None]
+    dist.broadcast_object_list(where)
+    checkpoint = os.path.join(where[0], "step")
     reference = one_process_reference(device, ids, labels, STEPS + 1)
     say(f"{world} ranks; global batch {ROWS} x {SEQ}\n")
     say(f"{'one process':34s} losses {', '.join(f'{x:.5f}' for x in reference[:STEPS])}, then {reference[STEPS]:.5f}")
+    curves = {"one process": reference}
 
     model, opt, mesh, losses = run_layout(device, world, 1, ids, labels, STEPS)
     report(f"FSDP2 ({describe_mesh(mesh)})", losses, reference)
+    curves[f"FSDP2 ({describe_mesh(mesh)})"] = losses
     show_parameters(model, "FSDP2: each rank holds 1/dp of the rows of every tensor")
     schedlang.save_checkpoint(checkpoint, model, opt, step=STEPS)
     say(f"  saved a checkpoint of step {STEPS} under FSDP2")
@@ -240,9 +258,30 @@ def one_dimensional(rank, world, checkpoint):
     report(f"TP ({describe_mesh(mesh)})", losses, reference)
     show_parameters(model, "TP: heads, MLP columns and vocabulary split; norms replicated")
 
-    resume(device, 1, world, ids, labels, checkpoint, reference, "\nFSDP2 checkpoint -> TP")
-    ddp_master_weights(device, ids, labels)
+    resumed = resume(device, 1, world, ids, labels, checkpoint, reference, "\nFSDP2 checkpoint -> TP")
+    curves[f"TP ({describe_mesh(mesh)}), then from the FSDP2 checkpoint"] = losses + [resumed]
+    return curves, where[0]
 
+
+WORLD = int(os.environ.get("WORLD_SIZE", 2))  # under torchrun, all its ranks; else two local ones
+curves, checkpoint_dir = schedlang.launch(one_dimensional, world_size=WORLD)[0]
+
+# %%
+# Every layout's global loss lies on the one-process curve, and so does the step the
+# tensor-parallel model trained after loading the FSDP2 checkpoint.
+fig, ax = plt.subplots(figsize=(6.5, 3.4))
+styles = {"one process": dict(color="0.6", linewidth=5, marker="o")}
+for i, (name, losses) in enumerate(curves.items()):
+    ax.plot(range(len(losses)), losses, label=name,
+            **styles.get(name, dict(linestyle="--", marker="x+."[i % 3], color=f"C{i}")))
+ax.axvline(STEPS - 0.5, color="0.8", linewidth=1)
+ax.text(STEPS - 0.45, max(curves["one process"]), " checkpoint", va="top", color="0.4")
+ax.set_xlabel("training step")
+ax.set_ylabel("global loss")
+ax.set_title(f"One model, three layouts on {WORLD} ranks")
+ax.legend(fontsize=8)
+fig.tight_layout()
+plt.show()
 
 # %%
 # DDP over master weights
@@ -256,7 +295,9 @@ def one_dimensional(rank, world, checkpoint):
 # reference is one process training the whole batch with master weights: the two differ only by
 # where the bf16 gradients are rounded (each rank's half, or the whole batch's), a few parts in
 # ten thousand.
-def ddp_master_weights(device, ids, labels):
+def ddp_master_weights(rank, world):
+    device = device_of_rank()
+    ids, labels = global_batch(device)
     alone, opt = schedlang.build(schedlang.create_schedule(tiny_llama(device)), optimizer="adamw", lr=LR,
                                  master_weights=True)
     # every rank trains the whole batch alone: the same losses on all of them
@@ -276,6 +317,10 @@ def ddp_master_weights(device, ids, labels):
         f"its master in the optimizer is {master.dtype}")
 
 
+schedlang.launch(ddp_master_weights, world_size=WORLD)
+
+
+
 # %%
 # A 2-D mesh
 # ----------
@@ -287,50 +332,19 @@ def two_dimensional(rank, world, checkpoint):
     device = device_of_rank()
     ids, labels = global_batch(device)
     reference = one_process_reference(device, ids, labels, STEPS + 1)
-    say(f"\n{world} ranks")
+    say(f"{world} ranks")
     model, opt, mesh, losses = run_layout(device, 2, world // 2, ids, labels, STEPS)
     report(f"2-D ({describe_mesh(mesh)})", losses, reference)
     show_parameters(model, "2-D: split along tp by the schedule, then along dp by FSDP2")
     resume(device, 2, world // 2, ids, labels, checkpoint, reference, "FSDP2 checkpoint -> 2-D")
 
 
-# %%
-# Launching
-# ---------
-# Under ``torchrun`` (``RANK`` is set) every process joins the group and runs both parts (the
-# 2-D one with 4 ranks or more, an even number). As a plain script, two local gloo ranks run the
-# first part, then four run the second; the checkpoint directory outlives the first group.
-def _torchrun():
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    where = [tempfile.mkdtemp(prefix="schedlang-06-") if rank == 0 else None]
-    dist.broadcast_object_list(where)
-    checkpoint = os.path.join(where[0], "step")
-    try:
-        one_dimensional(rank, world, checkpoint)
-        if world >= 4 and world % 2 == 0:
-            two_dimensional(rank, world, checkpoint)
-        else:
-            say(f"\n(the 2-D mesh needs 4 ranks or more; this run has {world})")
-        dist.barrier()
-    finally:
-        if rank == 0:
-            shutil.rmtree(where[0], ignore_errors=True)
-        dist.destroy_process_group()
+# the 2-D mesh takes four local ranks, or torchrun's if it started four or more (an even number)
+if "RANK" not in os.environ or (WORLD >= 4 and WORLD % 2 == 0):
+    schedlang.launch(two_dimensional, world_size=WORLD if "RANK" in os.environ else 4,
+                     args=(os.path.join(checkpoint_dir, "step"),))
+else:
+    say(f"\n(the 2-D mesh needs 4 ranks or more, an even number; this run has {WORLD})")
+shutil.rmtree(checkpoint_dir, ignore_errors=True)
 
 
-if __name__ == "__main__":
-    if "RANK" in os.environ:
-        _torchrun()
-    else:
-        from schedlang.distributed.launch import run_distributed
-
-        with tempfile.TemporaryDirectory(prefix="schedlang-06-") as tmp:
-            checkpoint = os.path.join(tmp, "step")
-            run_distributed(one_dimensional, world_size=2, args=(checkpoint,), backend="gloo", timeout=180)
-            run_distributed(two_dimensional, world_size=4, args=(checkpoint,), backend="gloo", timeout=180)

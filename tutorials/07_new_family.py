@@ -13,7 +13,7 @@ Run it as a plain script on CPU (it starts two gloo ranks itself)::
 
     python tutorials/07_new_family.py
 
-or on two GPUs::
+or on two GPUs (or two CPU processes) started by torchrun::
 
     torchrun --nproc_per_node=2 tutorials/07_new_family.py
 """
@@ -21,16 +21,26 @@ or on two GPUs::
 # %%
 # Setup
 # -----
-# A tiny OPT built from a config (random weights, no download). Every rank runs ``main``.
+# A tiny OPT built from a config (random weights, no download). The work of each rank lives in
+# functions; :func:`schedlang.launch` runs one on every rank (two local gloo ranks, kept from one
+# call to the next; under ``torchrun``, the ranks torchrun started) and returns what each returned.
+# A rank runs only this file's imports, functions and UPPER_CASE constants. What rank 0 prints
+# appears below each cell.
 
-import os
+import matplotlib
 
-import torch
-import torch.distributed as dist
-from transformers import OPTConfig, OPTForCausalLM
+matplotlib.use("Agg")  # no display needed: the gallery and CI render to files
+import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
+from transformers import OPTConfig, OPTForCausalLM  # noqa: E402
 
-import schedlang
-from schedlang.models import FAMILIES, register_family, shard_model
+import schedlang  # noqa: E402
+from schedlang.models import FAMILIES, register_family, shard_model  # noqa: E402
+from schedlang.models.auto import apply_tensor_parallel, plan_tensor_parallel  # noqa: E402
+
+WORLD = 2
 
 
 def tiny_opt_config():
@@ -41,8 +51,16 @@ def tiny_opt_config():
 
 
 def say(*args):
-    if dist.get_rank() == 0:
+    """Print once: on rank 0, or in the launching process (under torchrun, rank 0 is both)."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
         print(*args, flush=True)
+
+
+def model_and_batch():
+    """The same weights and token ids on every rank (seed 0)."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    torch.manual_seed(0)
+    return OPTForCausalLM(tiny_opt_config()).to(device), torch.randint(2, 256, (2, 16), device=device)
 
 
 # %%
@@ -97,108 +115,145 @@ def shard_opt(sch, gather_logits: bool = False):
     return sch
 
 
-def main(rank, world):
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-    torch.manual_seed(0)
-    model = OPTForCausalLM(tiny_opt_config()).to(device)
-    ids = torch.randint(2, 256, (2, 16), device=device)
 
-    # %%
-    # Step 3: verify
-    # --------------
-    # ``Verify`` runs the original and the scheduled model on the same inputs and compares the
-    # logits and every gradient (each shard against its slice of the full gradient).
+# %%
+# Step 3: verify
+# --------------
+# ``Verify`` runs the original and the scheduled model on the same inputs and compares the
+# logits and every gradient (each shard against its slice of the full gradient).
+def verify_the_hand_written_schedule(rank, world):
+    model, ids = model_and_batch()
     sch = schedlang.create_schedule(model)
     with schedlang.Verify(sch, example_inputs=[ids]):
         shard_opt(sch, gather_logits=True)
     attn = sch["model.decoder.layers.0.self_attn"].mod
     say(f"hand-written schedule verified on {world} ranks: {len(sch.plan)} steps, "
         f"{attn.num_heads} of {model.config.num_attention_heads} heads per rank")
+    return parameters_by_kind(model), parameters_by_kind(sch.mod)
 
-    # %%
-    # Step 4: register it
-    # -------------------
-    # ``register_family(prefix, fn)`` makes ``shard_model`` use ``fn`` for every model whose class
-    # name starts with ``prefix`` (``OPTForCausalLM``, ``OPTModel`` ...).
+
+def parameters_by_kind(model):
+    """How many parameters (of its own shards, on a sharded model) this rank holds, by kind of module."""
+    kinds = {"attention": ("self_attn.",), "MLP": ("fc1.", "fc2."), "embeddings": ("embed_",),
+             "norms": ("layer_norm.", "final_layer_norm.")}
+    counts = dict.fromkeys(kinds, 0)
+    for name, p in model.named_parameters():
+        for kind, marks in kinds.items():
+            if any(mark in name for mark in marks):
+                counts[kind] += (p.to_local() if isinstance(p, DTensor) else p).numel()
+                break
+    return counts
+
+
+full_counts, shard_counts = schedlang.launch(verify_the_hand_written_schedule, world_size=WORLD)[0]
+say(f"parameters on rank 0: {sum(shard_counts.values()):,} of {sum(full_counts.values()):,}")
+
+# %%
+# What each rank holds: half of every projection and of the vocabulary, the whole of every
+# LayerNorm (they are small, and replicated).
+fig, ax = plt.subplots(figsize=(6, 3))
+kinds = list(full_counts)
+ax.bar([i - 0.2 for i in range(len(kinds))], [full_counts[k] for k in kinds], width=0.4, color="0.6",
+       label="unsharded model")
+ax.bar([i + 0.2 for i in range(len(kinds))], [shard_counts[k] for k in kinds], width=0.4, color="C0",
+       label=f"one of {WORLD} ranks")
+ax.set_xticks(range(len(kinds)), kinds)
+ax.set_ylabel("parameters")
+ax.set_title("OPT under the hand-written schedule: parameters per rank")
+ax.legend()
+fig.tight_layout()
+plt.show()
+
+# %%
+# Step 4: register it
+# -------------------
+# ``register_family(prefix, fn)`` makes ``shard_model`` use ``fn`` for every model whose class
+# name starts with ``prefix`` (``OPTForCausalLM``, ``OPTModel`` ...).
+def shard_model_uses_the_registered_schedule(rank, world):
+    model, ids = model_and_batch()
     register_family("OPT", shard_opt)
-    sch = schedlang.create_schedule(model)
-    with schedlang.Verify(sch, example_inputs=[ids]):
-        plan = shard_model(sch, gather_logits=True)
+    try:
+        sch = schedlang.create_schedule(model)
+        with schedlang.Verify(sch, example_inputs=[ids]):
+            plan = shard_model(sch, gather_logits=True)
+    finally:
+        FAMILIES.pop("OPT")
     say(f"shard_model used the registered schedule: {plan.schedule} ({plan.steps} steps)")
 
-    # %%
-    # Step 5: or let shard_model find the plan
-    # ----------------------------------------
-    # Without a registered schedule, ``shard_model`` finds the layers, follows the dataflow of each
-    # block's forward (q/k/v feed out_proj, fc1 feeds fc2) and writes the same kind of plan. It
-    # returns a description of what it chose.
-    FAMILIES.pop("OPT")
+
+schedlang.launch(shard_model_uses_the_registered_schedule, world_size=WORLD)
+
+# %%
+# Step 5: or let shard_model find the plan
+# ----------------------------------------
+# Without a registered schedule, ``shard_model`` finds the layers, follows the dataflow of each
+# block's forward (q/k/v feed out_proj, fc1 feeds fc2) and writes the same kind of plan. It
+# returns a description of what it chose.
+def the_automatic_plan(rank, world):
+    model, ids = model_and_batch()
     sch = schedlang.create_schedule(model)
     with schedlang.Verify(sch, example_inputs=[ids]):
         plan = shard_model(sch, gather_logits=True)
     say("the automatic plan, verified:")
     say(plan)
 
-    # %%
-    # Step 6: sequence parallelism
-    # ----------------------------
-    # ``sequence_parallel=True`` also splits what runs between the blocks (norms, residuals, dropouts)
-    # along the sequence: the first layer keeps each rank's slice, every block all-gathers its input
-    # and reduce-scatters its output, and the norms' weight gradients are summed. The sequence length
-    # (16 here) must be divisible by the number of ranks.
+
+schedlang.launch(the_automatic_plan, world_size=WORLD)
+
+# %%
+# Step 6: sequence parallelism
+# ----------------------------
+# ``sequence_parallel=True`` also splits what runs between the blocks (norms, residuals, dropouts)
+# along the sequence: the first layer keeps each rank's slice, every block all-gathers its input
+# and reduce-scatters its output, and the norms' weight gradients are summed. The sequence length
+# (16 here) must be divisible by the number of ranks.
+def with_sequence_parallelism(rank, world):
+    model, ids = model_and_batch()
     sch = schedlang.create_schedule(model)
     with schedlang.Verify(sch, example_inputs=[ids]):
         plan = shard_model(sch, sequence_parallel=True, gather_logits=True)
     say(f"with sequence parallelism, verified: sequence_parallel={plan.sequence_parallel}, {plan.steps} steps")
 
-    # %%
-    # Overriding the automatic plan
-    # -----------------------------
-    # A family whose layout the dataflow cannot find, or that wants options of its own, changes the
-    # plan before applying it: ``plan_tensor_parallel`` finds it, ``apply_tensor_parallel`` writes it.
-    # This is all ``shard_llama`` does for ``grad_sync="norm"`` (the input gradients summed at the norm
-    # in front of each block); ``shard_bert`` names BERT's blocks with ``layer_plan``, since its
-    # attention spans two modules. Here every block sums its input gradient at each column projection
-    # (plain pre-hooks on the Linears) instead of on the block's input:
-    from schedlang.models.auto import apply_tensor_parallel, plan_tensor_parallel
 
-    def shard_opt_column_syncs(sch, gather_logits=False, sequence_parallel=False):
-        plan = plan_tensor_parallel(sch, gather_logits=gather_logits, sequence_parallel=sequence_parallel)
-        for block in plan.all_blocks:
-            block.grad_sync = "columns"
-        plan.schedule = "shard_opt_column_syncs"
-        return apply_tensor_parallel(sch, plan)
+schedlang.launch(with_sequence_parallelism, world_size=WORLD)
 
+# %%
+# Overriding the automatic plan
+# -----------------------------
+# A family whose layout the dataflow cannot find, or that wants options of its own, changes the
+# plan before applying it: ``plan_tensor_parallel`` finds it, ``apply_tensor_parallel`` writes it.
+# This is all ``shard_llama`` does for ``grad_sync="norm"`` (the input gradients summed at the norm
+# in front of each block); ``shard_bert`` names BERT's blocks with ``layer_plan``, since its
+# attention spans two modules. Here every block sums its input gradient at each column projection
+# (plain pre-hooks on the Linears) instead of on the block's input:
+def shard_opt_column_syncs(sch, gather_logits=False, sequence_parallel=False):
+    plan = plan_tensor_parallel(sch, gather_logits=gather_logits, sequence_parallel=sequence_parallel)
+    for block in plan.all_blocks:
+        block.grad_sync = "columns"
+    plan.schedule = "shard_opt_column_syncs"
+    return apply_tensor_parallel(sch, plan)
+
+
+def the_override(rank, world):
+    model, ids = model_and_batch()
     register_family("OPT", shard_opt_column_syncs)
-    sch = schedlang.create_schedule(model)
-    with schedlang.Verify(sch, example_inputs=[ids]):
-        plan = shard_model(sch, gather_logits=True)
-    FAMILIES.pop("OPT")
+    try:
+        sch = schedlang.create_schedule(model)
+        with schedlang.Verify(sch, example_inputs=[ids]):
+            plan = shard_model(sch, gather_logits=True)
+    finally:
+        FAMILIES.pop("OPT")
     say(f"the override, verified: {plan.schedule}")
     say(plan)
 
-    # %%
-    # When the generic rule cannot tell
-    # ---------------------------------
-    # If a module's forward reads an attribute whose meaning the generic rule cannot tell, or a
-    # fused projection's layout cannot be read, ``shard`` raises a ``ShardError`` naming the class
-    # and the attributes found. Register a rule for that class then: a
-    # ``schedlang.distributed.shard_rules.ShardRule`` subclass with ``module_type_names`` and the
-    # ``check_child_shard`` / ``after_child_shard`` hooks (see ``attention.py`` in that package).
 
+schedlang.launch(the_override, world_size=WORLD)
 
 # %%
-# Launching
-# ---------
-if __name__ == "__main__":
-    if "RANK" in os.environ:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend)
-        main(dist.get_rank(), dist.get_world_size())
-        dist.destroy_process_group()
-    else:
-        from schedlang.distributed.launch import run_distributed
-
-        run_distributed(main, world_size=2, timeout=300)
+# When the generic rule cannot tell
+# ---------------------------------
+# If a module's forward reads an attribute whose meaning the generic rule cannot tell, or a
+# fused projection's layout cannot be read, ``shard`` raises a ``ShardError`` naming the class
+# and the attributes found. Register a rule for that class then: a
+# ``schedlang.distributed.shard_rules.ShardRule`` subclass with ``module_type_names`` and the
+# ``check_child_shard`` / ``after_child_shard`` hooks (see ``attention.py`` in that package).
