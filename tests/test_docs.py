@@ -50,8 +50,8 @@ def _mini_docs(tmp_path, tutorials):
     for name, source in tutorials.items():
         (tmp_path / "tutorials" / name).write_text(textwrap.dedent(source))
     (tmp_path / "schedlang").symlink_to(ROOT / "schedlang")
-    return subprocess.run([sys.executable, "-m", "sphinx", "-W", "-b", "html", "-q", str(work), str(tmp_path / "_build")],
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    command = [sys.executable, "-m", "sphinx", "-W", "-b", "html", "-q", str(work), str(tmp_path / "_build")]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
 
 
 DRAWS = '''

@@ -165,7 +165,8 @@ class SideBySide:
         parts, x, height = [], 0.0, 0.0
         for caption, svg in self.drawings.items():
             width, h = (float(re.search(f'{key}="([0-9.]+)"', svg).group(1)) for key in ("width", "height"))
-            parts.append(f'<text x="{x + 12:.0f}" y="16" font-size="13" font-family="sans-serif">{html.escape(caption)}</text>')
+            parts.append(f'<text x="{x + 12:.0f}" y="16" font-size="13" font-family="sans-serif">'
+                         f'{html.escape(caption)}</text>')
             parts.append(svg.replace("<svg ", f'<svg x="{x:.0f}" y="24" ', 1))
             x, height = x + width, max(height, h + 24)
         return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{x:.0f}" height="{height:.0f}" '
