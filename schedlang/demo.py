@@ -143,7 +143,8 @@ def _train_step(model, ids):
     return step
 
 
-def _median_ms(step, device, repeats: int) -> float:
+def _step_times_ms(step, device, repeats: int) -> List[float]:
+    """The time of each of ``repeats`` steps (ms), after two untimed ones."""
     step()
     step()
     times = []
@@ -154,8 +155,68 @@ def _median_ms(step, device, repeats: int) -> float:
         step()
         if device.type == "cuda":
             torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2] * 1e3
+        times.append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def _median(times: List[float]) -> float:
+    return sorted(times)[len(times) // 2]
+
+
+MIN_STEPS_FOR_SPREAD = 3  # below this the timed steps say nothing about the noise
+
+
+def within_noise(times: List[float], original: List[float]) -> Optional[bool]:
+    """Whether ``times`` and the original's step times overlap (min to max of each): a difference of
+    medians inside that is no measured difference. None when too few steps were timed to tell."""
+    if min(len(times), len(original)) < MIN_STEPS_FOR_SPREAD:
+        return None
+    return min(times) <= max(original) and min(original) <= max(times)
+
+
+def speed_table(rows: List[tuple], tokens: int) -> List[str]:
+    """The closing table: one row per ``(name, step times in ms, parameters per rank, peak MiB or None)``,
+    the first row the original. Step ms is the median; spread its fastest and slowest step; speed the
+    original's median over the row's, marked ``~`` when the spreads overlap (within noise)."""
+    original = rows[0][1]
+    show_peak = any(peak is not None for *_, peak in rows)
+    header = f"{'':<44}{'step ms':>9}{'spread (min-max)':>19}{'tokens/s':>11}{'speed':>9}{'params/rank':>13}"
+    lines = [header + (f"{'peak MiB':>10}" if show_peak else "")]
+    for name, times, params, peak in rows:
+        ms = _median(times)
+        spread = f"{min(times):.1f}-{max(times):.1f}" if len(times) >= MIN_STEPS_FOR_SPREAD else "n/a"
+        noise = "~" if times is not original and within_noise(times, original) else " "
+        line = f"{name:<44}{ms:>9.1f}{spread:>19}{tokens / ms * 1e3:>11,.0f}{noise:>2}{_median(original) / ms:.2f}x"
+        line = f"{line}{params:>13,}"
+        lines.append(line + (f"{peak:>10,.0f}" if peak is not None else ""))
+    return lines
+
+
+def speed_verdict(rows: List[tuple], device: str) -> str:
+    """What the table measured, in words that agree with it: each schedule against the original, faster,
+    slower or within noise; and, for ranks on one CPU, what such a comparison does and does not show."""
+    original = rows[0][1]
+    counted = len(original)
+    if counted < MIN_STEPS_FOR_SPREAD:
+        return (f"Only {counted} step{'s' if counted != 1 else ''} of each model timed: too few to tell a difference "
+                f"from noise (run with --repeats {MIN_STEPS_FOR_SPREAD} or more).")
+    parts = []
+    for name, times, *_ in rows[1:]:
+        ratio = _median(original) / _median(times)
+        if within_noise(times, original):
+            parts.append(f"{name}: {ratio:.2f}x, within noise (its steps and the original's overlap)")
+        elif ratio > 1:
+            parts.append(f"{name}: {ratio:.2f}x, faster (its slowest timed step beat the original's fastest)")
+        else:
+            parts.append(f"{name}: {ratio:.2f}x, slower (its fastest timed step was slower than the original's "
+                         "slowest)")
+    text = f"Against the original's {counted} timed steps: " + "; ".join(parts) + "."
+    if device == "cpu" and any("ranks" in name for name, *_ in rows[1:]):
+        text += ("\nThe ranks share this CPU's cores, so the tensor-parallel row compares two ways of using the same "
+                 "cores (processes that each run 1/N of every layer, against one process running all of it), not "
+                 "more hardware; across GPUs each rank brings its own, and splitting is what lets a model too large "
+                 "for one device run.")
+    return text
 
 
 def _peak_mib(device) -> Optional[float]:
@@ -169,7 +230,8 @@ def _describe_schedule(sch, check, notes, seconds: float) -> List[str]:
 
     for path, module in sch.mod.named_modules():
         if isinstance(module, FusedSubgraph):
-            source = module.source.splitlines()
+            # the generated source keeps blank lines between its functions; printed here they only take room
+            source = [line for line in module.source.splitlines() if line.strip()]
             lines.append(f"* the fused kernel '{module.name}' at {path} ({module.compiler}; `schedlang report` shows "
                          f"all of it):")
             lines += ["    " + line for line in source[:10]] + (["    ..."] if len(source) > 10 else [])
@@ -200,11 +262,11 @@ def _scheduled_run(rank: int, world: int, opts: Dict) -> Dict:
     build_s = time.perf_counter() - started
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    ms = _median_ms(step, device, opts["repeats"])
+    times = _step_times_ms(step, device, opts["repeats"])
     if opts.get("report") and world > 1 or opts.get("report_single") and world == 1:
         sch.report(opts.get("report") or opts.get("report_single"), model=scheduled, verify=check,
                    title=f"schedlang demo: tiny LLaMA on {world} rank{'s' if world > 1 else ''}")
-    return {"lines": lines, "ms": ms, "build_s": build_s, "peak": _peak_mib(device),
+    return {"lines": lines, "times": times, "build_s": build_s, "peak": _peak_mib(device),
             "params": sum(getattr(p, "_local_tensor", p).numel() for p in scheduled.parameters())}
 
 
@@ -240,7 +302,7 @@ def run_demo(world_size: int = 2, device: str = "cpu", progress: Optional[Callab
     say(f"timing {opts['repeats']} training steps of the original model")
     torch.set_num_threads(cores)
     model.train()
-    eager_ms = _median_ms(_train_step(model, ids), dev, opts["repeats"])
+    eager_times = _step_times_ms(_train_step(model, ids), dev, opts["repeats"])
     eager_peak = _peak_mib(dev)
     params_full = sum(p.numel() for p in model.parameters())
     del model
@@ -251,8 +313,8 @@ def run_demo(world_size: int = 2, device: str = "cpu", progress: Optional[Callab
         "then timing it")
     single = _scheduled_run(0, 1, single_opts)
     rows = [(f"original (1 process, {cores if device == 'cpu' else 1} {'cores' if device == 'cpu' else 'GPU'})",
-             eager_ms, params_full, eager_peak),
-            ("schedlang, 1 process", single["ms"], single["params"], single["peak"])]
+             eager_times, params_full, eager_peak),
+            ("schedlang, 1 process", single["times"], single["params"], single["peak"])]
     shown = single
     if world_size > 1:
         from .distributed.launch import run_distributed
@@ -261,21 +323,15 @@ def run_demo(world_size: int = 2, device: str = "cpu", progress: Optional[Callab
             f"({'nccl' if device == 'cuda' else 'gloo'})")
         tp = run_distributed(_tp_rank, world_size=world_size, args=(opts,),
                              backend="nccl" if device == "cuda" else "gloo", timeout=600)[0]
-        rows.append((f"schedlang, tensor parallel over {world_size} ranks", tp["ms"], tp["params"], tp["peak"]))
+        rows.append((f"schedlang, tensor parallel over {world_size} ranks", tp["times"], tp["params"], tp["peak"]))
         shown = tp
     out += shown["lines"]
     tokens = opts["batch"] * opts["seq"]
     out.append(f"\n== One training step, batch {opts['batch']} x {opts['seq']} tokens (build and compile took "
                f"{shown['build_s']:.1f} s) ==")
-    header = f"{'':<44}{'step ms':>9}{'tokens/s':>11}{'speed':>8}{'params/rank':>13}"
-    header += f"{'peak MiB':>10}" if eager_peak is not None else ""
-    out.append(header)
-    for name, ms, params, peak in rows:
-        line = f"{name:<44}{ms:>9.1f}{tokens / ms * 1e3:>11,.0f}{eager_ms / ms:>7.2f}x{params:>13,}"
-        out.append(line + (f"{peak:>10,.0f}" if peak is not None else ""))
-    if world_size > 1 and device == "cpu":
-        out.append("\nOn one CPU the ranks share its cores, so tensor parallelism only splits the same work (and adds "
-                   "all-reduces); it pays off across GPUs, and it is what lets a model too large for one device run.")
+    out += speed_table(rows, tokens)
+    out.append("(~: within noise, the row's timed steps overlap the original's; spread: fastest and slowest timed step)")
+    out.append("\n" + speed_verdict(rows, device))
     out.append("\nWhat to try next:\n"
                "  schedlang train --model llama --config tiny --nproc 2 --tp 2 --steps 20   (train on any layout)\n"
                "  schedlang report --out report.html                                      (this schedule, as a page)\n"

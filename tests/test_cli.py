@@ -13,11 +13,12 @@ TINY = ["--layers", "2", "--hidden", "64", "--heads", "4", "--batch", "2", "--se
 
 
 def _table(out):
-    """{row name: {"ms", "speed", "params"}} of the demo's closing table (columns: step ms, tokens/s,
-    speed, params/rank and, where measured, peak MiB)."""
+    """{row name: {"ms", "speed", "params"}} of the demo's closing table (columns: step ms, spread,
+    tokens/s, speed, params/rank and, where measured, peak MiB)."""
     rows = {}
     for line in out.splitlines():
-        m = re.match(r"^((?:original|schedlang).*?)\s+([\d.]+)\s+[\d,]+\s+([\d.]+)x\s+([\d,]+)(?:\s+[\d,]+)?$", line)
+        m = re.match(r"^((?:original|schedlang).*?)\s+([\d.]+)\s+(?:[\d.]+-[\d.]+|n/a)\s+[\d,]+\s+~?([\d.]+)x"
+                     r"\s+([\d,]+)(?:\s+[\d,]+)?$", line)
         if m:
             rows[m.group(1).strip()] = {"ms": float(m.group(2)), "speed": float(m.group(3)),
                                         "params": int(m.group(4).replace(",", ""))}
