@@ -16,7 +16,9 @@ The pieces:
 * :mod:`.input_agreement`: every rank passes inputs and a model of the same shapes, checked before any broadcast;
 * :mod:`.rng`: the caller's random streams kept, the models' streams mirrored and compared;
 * :mod:`.split_outputs`: outputs the schedule leaves split on purpose (vocabulary-parallel logits), compared slice
-  by slice.
+  by slice;
+* :mod:`.uniform_factor`: the hint when every gradient is the original's times one factor (the world size: a
+  gradient summed over ranks twice), with the sync steps that could do it.
 """
 
 from ..errors import VerificationError

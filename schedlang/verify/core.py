@@ -43,6 +43,7 @@ from .input_agreement import check_inputs_agree
 from .locate import ModuleRecorder, attention_hint, first_divergence, flatten_outputs, split_input_hint
 from .rng import fresh_forked_streams, rng_preserved, rng_state
 from .split_outputs import SplitOutputs, split_heads
+from .uniform_factor import GradientScales
 
 __all__ = ["Verify", "VerifyReport", "ExampleInputError", "VerifyWarning"]
 
@@ -352,6 +353,9 @@ class Verify:
                         else:
                             report.notes.append("training mode not checked: eval mode already differs")
                 pass_.compare_buffers(base_buffers, initial_buffers)
+            hint = pass_.scales.hint(len(report.mismatches), groups.world_size(group), self.sch.plan)
+            if hint:
+                report.localization.append(f"hint: {hint}")
             del keep_alive
         self._finish(report, group)
         return report
@@ -420,13 +424,16 @@ class _Pass:
         self.args, self.kwargs = args, kwargs
         self.heads = split_heads(scheduled)  # outputs the schedule leaves split: the vocabulary-parallel logits
         self.split: Optional[SplitOutputs] = None
+        self.scales = GradientScales()  # eval mode's gradients against the original's: one common factor?
 
     # -------------------------------------------------------------- helpers
-    def _compare(self, what: str, actual, expected) -> None:
+    def _compare(self, what: str, actual, expected, gradient: bool = False) -> None:
         self.report.compared.append(what)
         msg = compare_tensors(what, actual, expected, self.tol_for(expected.dtype))
         if msg:
             self.report.mismatches.append(msg)
+        if gradient:
+            self.scales.add(what, actual, expected, self.tol_for(expected.dtype).norm_rtol, msg is not None)
 
     def _run_scheduled(self, mode: str) -> Tuple[Optional[_Run], ModuleRecorder]:
         with ModuleRecorder(self.scheduled) as recorder:
@@ -460,7 +467,7 @@ class _Pass:
             report.mismatches.append(f"{prefix}{len(actual.input_grads)} input gradients, the original has "
                                      f"{len(expected.input_grads)}")
         for (name, exp), (_, act) in zip(expected.input_grads, actual.input_grads):
-            self._compare(prefix + name, act, exp)
+            self._compare(prefix + name, act, exp, gradient=not prefix)
         self._compare_parameters(prefix, warn)
 
     def _compare_parameters(self, prefix: str, warn: bool) -> None:
@@ -504,6 +511,8 @@ class _Pass:
                 msg = compare_tensors(what, got, expected, self.tol_for(expected.dtype))
                 if msg:
                     report.mismatches.append(msg)
+                if not prefix:
+                    self.scales.add(what, got, expected, self.tol_for(expected.dtype).norm_rtol, msg is not None)
         if warn:
             for name in finder.unclaimed():
                 report.warnings.append(f"parameter '{name}' of the original model has no counterpart in the scheduled "
