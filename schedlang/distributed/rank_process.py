@@ -124,7 +124,11 @@ def _next_job(spec: dict, job: int) -> Optional[str]:
 
 
 def rank_main(spec: dict) -> None:
+    from ..quiet_imports import quiet_torchao_import
+
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    # a rank imports transformers (and with it torchao) afresh: keep that import's noise out of what it prints
+    quiet_torchao_import()
     import torch
     import torch.distributed as dist
 
