@@ -266,15 +266,14 @@ def resolve_cluster(ns: argparse.Namespace, world: int) -> int:
         else:
             nodes = ns.nodes
         cluster = nodes * per_node
-        how = f"--nodes {nodes} x --gpus-per-node {per_node} = {cluster} ranks"
         if ns.dry_run and ns.nproc is not None and ns.nproc != cluster:
-            _fail(f"{how}, but --nproc is {ns.nproc}; drop --nproc (a dry run plans for the cluster) or make them "
-                  "agree")
+            _fail(f"--nodes {nodes} x --gpus-per-node {per_node} = {cluster} ranks, but --nproc is {ns.nproc}; drop "
+                  "--nproc (a dry run plans for the cluster) or make them agree")
         if not ns.dry_run and cluster != world:
             launched = f"--nproc {ns.nproc}" if ns.nproc is not None else (
                 f"WORLD_SIZE={world} (torchrun)" if _world_from_env() is not None else "a single process")
-            _fail(f"{how}, but the run has {world} ({launched}); launch {cluster} ranks, or use --dry-run to plan "
-                  "for a cluster that is not here")
+            _fail(f"--nodes {nodes} x --gpus-per-node {per_node} = {cluster} ranks, but the run has {world} "
+                  f"({launched}); launch {cluster} ranks, or use --dry-run to plan for a cluster that is not here")
         ns.nodes, ns.gpus_per_node = nodes, per_node
         return cluster
     if local is not None:
