@@ -17,6 +17,7 @@ from . import framework_dialect  # noqa: E402,F401  (registers build(target=...)
 from .captured_step import CapturedStep
 from .distributed.agreement import RankFailureError
 from .distributed.launch import launch
+from .distributed.context_parallel import context_parallel_loss, gather_sequence as gather_context_parallel
 from .checkpoint import export_hf, load_checkpoint, save_checkpoint
 from .errors import (ArgumentTypeError, CheckpointError, DistributedError, LoweringError, MissingDependencyError,
                      NotTracedError, PatternError, PipelineError, PlanError, PlanMismatchError, PlanSerializationError,
@@ -38,7 +39,7 @@ _register_torch_logs()  # TORCH_LOGS=+schedlang, as for PyTorch's own components
 
 __all__ = [
     "Schedule", "create_schedule", "Plan", "Step", "replay", "CapturedStep", "list_primitives", "get_primitive", "register_primitive",
-    "build", "Verify", "launch",
+    "build", "Verify", "launch", "context_parallel_loss", "gather_context_parallel",
     "init_empty_weights", "call_module", "PH", "distributed", "env", "primitives",
     "SchedlangError", "ScheduleKeyError", "ScheduleValueError", "ScheduleTypeError", "ShardError", "SyncError",
     "PlanError", "PlanSerializationError", "PlanMismatchError", "ArgumentTypeError", "TraceError", "NotTracedError",

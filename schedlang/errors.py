@@ -20,6 +20,7 @@ __all__ = [
     "ArgumentTypeError",
     "ShardError",
     "SyncError",
+    "UnsupportedModelError",
     "PlanError",
     "PlanSerializationError",
     "PlanMismatchError",
@@ -68,6 +69,11 @@ class ShardError(ScheduleValueError):
 
 class SyncError(ScheduleValueError):
     """A synchronization point is invalid (mode, op, axis)."""
+
+
+class UnsupportedModelError(ScheduleTypeError):
+    """A primitive cannot treat a part of the model correctly (``shard_model``, ``context_parallel``);
+    raised before any step is written."""
 
 
 class PlanError(SchedlangError, ValueError):

@@ -535,6 +535,14 @@ class Schedule(ScheduleQueries):
     @_primitive_method
     def replicate(self, mp_policy: Any = None): ...
 
+    # ------------------------------------------------------------------ expert parallelism
+    @_primitive_method
+    def expert_parallel(self, group: Any = None): ...
+
+    # ------------------------------------------------------------------ context parallelism
+    @_primitive_method
+    def context_parallel(self): ...
+
     # ------------------------------------------------------------------ pipeline parallelism
     @_primitive_method
     def cut_pipeline_stage(self): ...

@@ -11,6 +11,9 @@ dimension             used by
 ``"dp_replicate"``    with ``"dp_shard"``: hybrid sharded data parallelism (HSDP): parameters
 ``"dp_shard"``        are sharded within ``dp_shard`` and replicated across ``dp_replicate``
 ``"pp"``              pipeline stages cut by ``cut_pipeline_stage``
+``"cp"``              ``context_parallel``: the sequence split over these ranks; data
+                      parallelism (FSDP2 / DDP) runs on the data dimensions and ``cp``
+                      flattened, since each ``cp`` rank's gradient holds only its tokens'
 ====================  ======================================================================
 
 Any subset of the names, in any order; a dimension may have size 1. ``group=`` (a process group)
@@ -32,12 +35,12 @@ from ..errors import ScheduleTypeError, ScheduleValueError
 from .groups import SINGLE_RANK, default_device, is_distributed, set_group_timeout
 
 __all__ = ["MESH_DIMS", "DATA_DIMS", "make_mesh", "check_mesh", "tp_group", "dim_size", "data_parallel_mesh",
-           "pipeline_mesh", "tensor_parallel_mesh", "mesh_from_group", "describe_mesh"]
+           "pipeline_mesh", "tensor_parallel_mesh", "context_parallel_mesh", "mesh_from_group", "describe_mesh"]
 
 logger = logging.getLogger("schedlang.distributed.mesh")
 
 #: every dimension name a schedule understands, outermost first (the order make_mesh uses)
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "dp", "tp")
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "dp", "cp", "tp")
 #: the names of data-parallel dimensions
 DATA_DIMS = ("dp_replicate", "dp_shard", "dp")
 
@@ -47,8 +50,9 @@ def _default_device_type() -> str:
 
 
 def make_mesh(pp: int = 1, dp: int = 1, tp: int = 1, dp_replicate: int = 1, device_type: Optional[str] = None,
-              timeout=None):
-    """A ``DeviceMesh`` over the world with dimensions ``("pp", "dp", "tp")`` (sizes may be 1).
+              timeout=None, cp: int = 1):
+    """A ``DeviceMesh`` over the world with dimensions ``("pp", "dp", "tp")`` (sizes may be 1), and
+    ``"cp"`` (context parallelism) between ``dp`` and ``tp`` when ``cp > 1``.
 
     With ``dp_replicate > 1`` the data dimension is split in two for HSDP: ``("pp", "dp_replicate",
     "dp_shard", "tp")``, where ``dp`` is the shard size. torch.distributed must be initialized and
@@ -62,7 +66,7 @@ def make_mesh(pp: int = 1, dp: int = 1, tp: int = 1, dp_replicate: int = 1, devi
     """
     from torch.distributed.device_mesh import init_device_mesh
 
-    sizes = {"pp": pp, "dp": dp, "tp": tp, "dp_replicate": dp_replicate}
+    sizes = {"pp": pp, "dp": dp, "tp": tp, "dp_replicate": dp_replicate, "cp": cp}
     for name, size in sizes.items():
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ScheduleValueError(f"make_mesh: {name} must be a positive int, got {size!r}")
@@ -72,15 +76,20 @@ def make_mesh(pp: int = 1, dp: int = 1, tp: int = 1, dp_replicate: int = 1, devi
     import torch.distributed as dist
 
     world = dist.get_world_size()
-    total = pp * dp * tp * dp_replicate
+    total = pp * dp * cp * tp * dp_replicate
     if total != world:
         raise ScheduleValueError(
-            f"make_mesh: pp={pp} x dp_replicate={dp_replicate} x dp={dp} x tp={tp} = {total} ranks, but the world has "
-            f"{world}; choose sizes whose product is {world}")
+            f"make_mesh: pp={pp} x dp_replicate={dp_replicate} x dp={dp} x cp={cp} x tp={tp} = {total} ranks, but the "
+            f"world has {world}; choose sizes whose product is {world}")
     if dp_replicate > 1:
-        shape, names = (pp, dp_replicate, dp, tp), ("pp", "dp_replicate", "dp_shard", "tp")
+        shape, names = (pp, dp_replicate, dp), ("pp", "dp_replicate", "dp_shard")
     else:
-        shape, names = (pp, dp, tp), ("pp", "dp", "tp")
+        shape, names = (pp, dp), ("pp", "dp")
+    # cp sits inside the data dimensions and outside tp: tp's traffic (every layer, twice) stays on the
+    # closest ranks, cp's K/V all-gather (once a layer) on the next ones
+    if cp > 1:
+        shape, names = shape + (cp,), names + ("cp",)
+    shape, names = shape + (tp,), names + ("tp",)
     from .groups import pg_timeout
 
     pg_timeout(timeout)  # a bad value fails before any group is created
@@ -88,6 +97,9 @@ def make_mesh(pp: int = 1, dp: int = 1, tp: int = 1, dp_replicate: int = 1, devi
     # DeviceMesh creates its sub-groups with PyTorch's default timeout (30 minutes)
     for i in range(mesh.ndim):
         set_group_timeout(mesh.get_group(i), timeout)
+    if cp > 1:
+        # made here, while every rank builds the mesh together (flattening is a collective step)
+        set_group_timeout(data_parallel_mesh(mesh).get_group(), timeout)
     return mesh
 
 
@@ -137,15 +149,30 @@ def tp_group(mesh):
 
 
 def data_parallel_mesh(mesh):
-    """The submesh data parallelism runs on: ``dp`` (1-D) or ``(dp_replicate, dp_shard)`` (2-D, HSDP); None if none."""
+    """The submesh data parallelism runs on: ``dp`` (1-D) or ``(dp_replicate, dp_shard)`` (2-D, HSDP); None if none.
+
+    With a ``cp`` dimension, ``cp`` is flattened into the (innermost) data dimension: ``dp_cp`` or
+    ``(dp_replicate, dp_shard_cp)``. Each ``cp`` rank's gradient covers only its tokens, so gradients are
+    averaged over ``cp`` as over data-parallel ranks, and parameters are sharded over both."""
     if mesh is None:
         return None
     names = mesh.mesh_dim_names
+    if "cp" in names:
+        inner = "dp" if "dp" in names else "dp_shard" if "dp_shard" in names else None
+        flat = mesh[inner, "cp"]._flatten(f"{inner}_cp") if inner else mesh["cp"]
+        if "dp_replicate" in names:
+            return mesh["dp_replicate", "dp_shard_cp"]
+        return flat
     if "dp" in names:
         return mesh["dp"]
     if "dp_replicate" in names:
         return mesh["dp_replicate", "dp_shard"]
     return None
+
+
+def context_parallel_mesh(mesh):
+    """The 1-D ``cp`` submesh, or None."""
+    return mesh["cp"] if mesh is not None and "cp" in mesh.mesh_dim_names else None
 
 
 def pipeline_mesh(mesh):

@@ -26,7 +26,7 @@ from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple
 from torch import nn
 
 from ..distributed.shard_rules.forward_code import is_conv1d
-from ..errors import ScheduleTypeError
+from ..errors import UnsupportedModelError
 
 __all__ = ["UnsupportedModelError", "BlockFindings", "block_findings", "refusal_parts", "probe_parts",
            "KEEP_WHOLE_RECIPE"]
@@ -34,10 +34,6 @@ __all__ = ["UnsupportedModelError", "BlockFindings", "block_findings", "refusal_
 #: the recipe a refusal gives to keep the refused blocks whole and split the rest
 KEEP_WHOLE_RECIPE = ("plan = plan_tensor_parallel(sch); plan.all_blocks = [b for b in plan.all_blocks if not "
                      "b.unsupported]; apply_tensor_parallel(sch, plan)")
-
-
-class UnsupportedModelError(ScheduleTypeError):
-    """``shard_model`` cannot split a part of the model correctly; raised before any step is written."""
 
 
 @dataclasses.dataclass
