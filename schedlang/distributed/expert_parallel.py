@@ -1,0 +1,199 @@
+"""Expert parallelism: each rank of a group holds a contiguous slice of a mixture-of-experts block's experts.
+
+transformers 5.x keeps a block's experts as 3-D tensors in one module (``gate_up_proj`` [E, 2I, H],
+``down_proj`` [E, H, I], see :mod:`schedlang.distributed.shard_rules.experts`) whose forward receives the
+tokens, the router's top-k expert indices and its top-k weights. Under expert parallelism over a group of
+``ep`` ranks, rank r keeps experts ``[r*E/ep, (r+1)*E/ep)`` and its experts module is replaced by
+:class:`ExpertParallelExperts`, whose forward
+
+1. lists every (token, choice) pair and sorts the pairs by expert (stably, so a token's choices keep
+   their order), which also orders them by the rank holding the expert;
+2. exchanges the number of pairs per expert with every rank (an all-to-all of counts), so each rank knows
+   how many rows it will receive from each rank for each of its experts;
+3. sends the tokens' hidden states to the ranks holding their experts (:func:`all_to_all`: an all-to-all
+   with variable splits, its backward the same exchange the other way);
+4. regroups the received rows by local expert and runs the local experts with the family's own expert
+   forward (its activation, layout and biases, unchanged) with every routing weight set to 1, so that the
+   expert computation is exactly the family's;
+5. sends the results back, multiplies each by its routing weight on the rank the token came from, and
+   sums a token's choices.
+
+Nothing is dropped (no capacity limit). The router, its top-k and normalisation, and a shared expert
+stay as the family wrote them and run on each rank's own tokens.
+
+Gradient contract (expert parallelism carved from data-parallel ranks, each rank its own tokens): the
+gradient of a local expert's weights, after backward, is the gradient of the *sum* of the group's losses
+(every rank's tokens that chose the expert sent their gradient back to it); every other parameter (the
+router, a shared expert, attention) holds the gradient of this rank's loss only and needs the ordinary
+data-parallel reduction. So: sum the non-expert gradients over the data-parallel ranks as usual, never
+reduce expert gradients over the expert-parallel group (its ranks hold different experts), sum them over
+the ranks holding the *same* experts (data-parallel ranks outside the group, if any), and scale both
+alike (divide by the data-parallel size for a mean). :func:`is_expert_parameter` tells them apart.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import groups
+
+__all__ = ["all_to_all", "exchange_counts", "route_to_experts", "ExpertParallelExperts", "is_expert_parameter",
+           "expert_slice"]
+
+logger = logging.getLogger("schedlang.distributed.expert_parallel")
+
+#: attribute set on each expert weight of an expert-parallel block: ``(ep_size, ep_rank, full_shape)``
+EXPERT_SLICE_ATTR = "_schedlang_expert_slice"
+
+
+def is_expert_parameter(param: torch.Tensor) -> bool:
+    """Whether ``param`` is a rank's slice of expert weights under expert parallelism (see the module
+    docstring for how its gradient differs from a replicated parameter's)."""
+    return getattr(param, EXPERT_SLICE_ATTR, None) is not None
+
+
+def expert_slice(param: torch.Tensor) -> Optional[Tuple[int, int, Tuple[int, ...]]]:
+    """``(ep_size, ep_rank, full_shape)`` of an expert weight slice; None for any other tensor."""
+    return getattr(param, EXPERT_SLICE_ATTR, None)
+
+
+class _AllToAll(torch.autograd.Function):
+    """All-to-all with variable splits along dim 0; its backward sends the gradients back the same way."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group):
+        ctx.splits = (out_splits, in_splits)
+        ctx.group = group
+        out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), list(out_splits), list(in_splits), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        back = grad.new_empty((sum(in_splits),) + tuple(grad.shape[1:]))
+        dist.all_to_all_single(back, grad.contiguous(), list(in_splits), list(out_splits), group=ctx.group)
+        return back, None, None, None
+
+
+def all_to_all(x: torch.Tensor, out_splits: List[int], in_splits: List[int], group) -> torch.Tensor:
+    """Rows ``x`` split by ``in_splits`` go to the group's ranks in order; returns the rows received, by source
+    rank (``out_splits`` of them from each). Differentiable. A group of one rank returns ``x``."""
+    if groups.world_size(group) == 1:
+        return x
+    return _AllToAll.apply(x, tuple(int(s) for s in out_splits), tuple(int(s) for s in in_splits), group)
+
+
+def exchange_counts(send_counts: torch.Tensor, group) -> torch.Tensor:
+    """``send_counts`` [ep, L]: rows this rank sends to each rank's L local experts; returns [ep, L], the rows
+    each rank sends to this rank's experts."""
+    if groups.world_size(group) == 1:
+        return send_counts
+    received = torch.empty_like(send_counts)
+    dist.all_to_all_single(received, send_counts.contiguous(), group=group)
+    return received
+
+
+def route_to_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                     num_experts: int, local_experts, group) -> torch.Tensor:
+    """The weighted sum, per token, of its top-k experts' outputs, the experts spread over ``group``.
+
+    ``hidden`` [T, H]; ``top_k_index`` [T, k] global expert ids (an id outside [0, num_experts) is a choice
+    left out, as transformers' padding value ``num_experts``); ``top_k_weights`` [T, k].
+    ``local_experts(rows, local_ids)`` runs this rank's experts (``num_experts / ep`` of them, ids local)
+    on rows sorted by local id and returns their outputs, unweighted, in the same order.
+    """
+    ep = groups.world_size(group)
+    local = num_experts // ep
+    tokens, k = top_k_index.shape
+    expert = top_k_index.reshape(-1)
+    weight = top_k_weights.reshape(-1)
+    token = torch.arange(tokens, device=hidden.device).repeat_interleave(k)
+    kept = (expert >= 0) & (expert < num_experts)
+    if not bool(kept.all()):
+        expert, weight, token = expert[kept], weight[kept], token[kept]
+    with torch.no_grad():
+        order = torch.argsort(expert, stable=True)
+        per_expert = torch.bincount(expert, minlength=num_experts)
+        send_counts = per_expert.view(ep, local)
+        recv_counts = exchange_counts(send_counts, group)
+        in_splits = send_counts.sum(1).tolist()
+        out_splits = recv_counts.sum(1).tolist()
+        # received rows come by source rank, each source's rows by local expert: regroup them by expert
+        local_ids = torch.arange(local, device=hidden.device).repeat(ep).repeat_interleave(recv_counts.reshape(-1))
+        by_expert = torch.argsort(local_ids, stable=True)
+        back_order = torch.argsort(by_expert)
+    token_sorted = token[order]
+    received = all_to_all(hidden.index_select(0, token_sorted), out_splits, in_splits, group)
+    computed = local_experts(received.index_select(0, by_expert), local_ids[by_expert])
+    returned = all_to_all(computed.index_select(0, back_order), in_splits, out_splits, group)
+    weighted = returned * weight[order].unsqueeze(-1).to(returned.dtype)
+    out = torch.zeros_like(hidden)
+    return out.index_add(0, token_sorted, weighted.to(out.dtype))
+
+
+class ExpertParallelExperts(nn.Module):
+    """A block's experts module under expert parallelism: holds this rank's slice of the expert weights
+    (the family's tensor names, the experts along dim 0) and routes tokens over ``ep_group``.
+
+    Made by :meth:`from_experts` from the family's module, whose attributes (config, activation, layout
+    flags) it keeps; the family's class is kept as ``family_class`` and its forward computes the local
+    experts. ``num_experts`` stays the block's total.
+    """
+
+    @classmethod
+    def from_experts(cls, experts: nn.Module, group, weight_names: List[str]) -> "ExpertParallelExperts":
+        from ..module_record import copy_module_as
+
+        ep, rank = groups.world_size(group), groups.rank(group)
+        total = int(experts._parameters[weight_names[0]].shape[0])
+        new = copy_module_as(experts, cls, remember_class=True)
+        local = total // ep
+        for name in weight_names:
+            full = experts._parameters[name]
+            piece = nn.Parameter(full.detach()[rank * local:(rank + 1) * local].clone(),
+                                 requires_grad=full.requires_grad)
+            setattr(piece, EXPERT_SLICE_ATTR, (ep, rank, tuple(full.shape)))
+            new._parameters[name] = piece
+        new.__dict__["family_class"] = type(experts)
+        new.__dict__["ep_group"] = group
+        new.__dict__["ep_size"] = ep
+        new.__dict__["ep_rank"] = rank
+        new.__dict__["total_experts"] = total
+        new.__dict__["local_experts"] = local
+        return new
+
+    def _family_view(self) -> nn.Module:
+        # the family's forward, run on an object of its class that shares this module's tables, sees
+        # only the local experts
+        view = object.__new__(self.family_class)
+        view.__dict__.update(self.__dict__)
+        if "num_experts" in view.__dict__:
+            view.__dict__["num_experts"] = self.local_experts
+        return view
+
+    def run_local(self, rows: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+        """This rank's experts on ``rows`` (``local_ids`` the local expert of each), unweighted."""
+        if rows.shape[0] == 0:
+            # no token for any local expert: the output must still depend on the received rows, so that the
+            # backward of the all-to-all that brought them runs here as on every other rank (it is a
+            # collective), and on the weights, so that their gradient is zero rather than missing
+            anchor = sum(p.reshape(-1)[:1].sum() for p in self._parameters.values() if p is not None)
+            return rows * 0 + 0 * anchor.to(rows.dtype)
+        view = self._family_view()
+        ones = torch.ones(rows.shape[0], 1, dtype=rows.dtype, device=rows.device)
+        return self.family_class.forward(view, rows, local_ids.unsqueeze(-1), ones)
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        return route_to_experts(hidden_states, top_k_index, top_k_weights, self.total_experts, self.run_local,
+                                self.ep_group)
+
+    def extra_repr(self) -> str:
+        return (f"{self.family_class.__name__}, experts {self.ep_rank * self.local_experts}.."
+                f"{(self.ep_rank + 1) * self.local_experts - 1} of {self.total_experts} on rank {self.ep_rank} "
+                f"of {self.ep_size}")

@@ -1,0 +1,146 @@
+"""Expert parallelism on gloo: the token all-to-all against a dense reference, and four transformers
+families whose ranks each run their own batch against one process running every batch."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from schedlang.distributed.expert_parallel import is_expert_parameter, route_to_experts
+from tests.helpers.distributed import run_distributed
+from tests.helpers.moe_models import FAMILIES, rank_batches, tiny_model
+
+pytest.importorskip("transformers")
+
+TOL = dict(rtol=1e-4, atol=1e-5)
+
+
+def _dense_route(hidden, index, weights, expert_weights):
+    """Every token's weighted sum of its experts' outputs, one token at a time (ids out of range skipped)."""
+    out = torch.zeros_like(hidden)
+    for t in range(hidden.shape[0]):
+        for j in range(index.shape[1]):
+            e = int(index[t, j])
+            if 0 <= e < expert_weights.shape[0]:
+                out[t] += weights[t, j] * torch.tanh(hidden[t] @ expert_weights[e])
+    return out
+
+
+def _route_case(rank: int, world: int, experts: int = 8):
+    """Rank ``rank``'s tokens and choices; experts 1 and 6 chosen by no token anywhere, and one choice
+    the padding id ``experts``."""
+    g = torch.Generator().manual_seed(10 + rank)
+    tokens = 3 + 4 * rank
+    allowed = torch.tensor([0, 2, 3, 4, 5, 7])
+    index = allowed[torch.randint(0, len(allowed), (tokens, 2), generator=g)]
+    index[0, 1] = experts
+    hidden = torch.randn(tokens, 12, generator=g)
+    weights = torch.rand(tokens, 2, generator=g)
+    expert_weights = torch.randn(experts, 12, 12, generator=torch.Generator().manual_seed(99))
+    return hidden, index, weights, expert_weights
+
+
+def _check_route(rank: int, world: int, group=None):
+    hidden, index, weights, full = _route_case(rank, world)
+    hidden.requires_grad_(True)
+    weights.requires_grad_(True)
+    local = full.shape[0] // world
+    mine = full[rank * local:(rank + 1) * local].clone().requires_grad_(True)
+
+    def run_local(rows, ids):
+        out = torch.zeros(rows.shape, dtype=rows.dtype)
+        for e in range(local):
+            at = (ids == e).nonzero().flatten()
+            out = out.index_add(0, at, torch.tanh(rows[at] @ mine[e]))
+        return out + 0 * mine.sum()
+
+    got = route_to_experts(hidden, index, weights, full.shape[0], run_local, group)
+    grad_out = torch.randn(got.shape, generator=torch.Generator().manual_seed(5 + rank))
+    (got * grad_out).sum().backward()
+    ref_hidden, ref_weights = hidden.detach().clone().requires_grad_(True), weights.detach().clone().requires_grad_(True)
+    ref_full = full.clone().requires_grad_(True)
+    ref = _dense_route(ref_hidden, index, ref_weights, ref_full)
+    (ref * grad_out).sum().backward()
+    torch.testing.assert_close(got, ref, **TOL)
+    torch.testing.assert_close(hidden.grad, ref_hidden.grad, **TOL)
+    torch.testing.assert_close(weights.grad, ref_weights.grad, **TOL)
+    return mine.grad, ref_full.grad
+
+
+def test_route_to_experts_one_rank_matches_dense_reference():
+    expert_grad, ref_grad = _check_route(0, 1)
+    torch.testing.assert_close(expert_grad, ref_grad, **TOL)
+    assert not ref_grad[1].any() and not ref_grad[6].any()  # the experts no token chose
+
+
+# ------------------------------------------------------------------------------------------ spawned ranks
+
+def _losses_and_grads(model, batch):
+    out = model(batch, labels=batch)
+    out.loss.backward()
+    aux = getattr(out, "aux_loss", None)
+    return out.loss.detach(), (aux.detach() if aux is not None else None)
+
+
+def _family_errors(rank: int, world: int, family: str):
+    import torch.distributed as dist
+
+    import schedlang
+
+    original = tiny_model(family)
+    batches = rank_batches(world)
+    reference = copy.deepcopy(original)
+    ref_losses = [_losses_and_grads(reference, b) for b in batches]  # gradients summed over every rank's batch
+    sch = schedlang.create_schedule(original)
+    sch.expert_parallel()
+    model = sch.mod
+    loss, aux = _losses_and_grads(model, batches[rank])
+    errors = []
+
+    def check(what, actual, expected):
+        try:
+            torch.testing.assert_close(actual, expected, **TOL)
+        except AssertionError as e:
+            errors.append(f"{family} rank {rank}: {what}: {str(e).splitlines()[0]}")
+
+    check("loss", loss, ref_losses[rank][0])
+    if ref_losses[rank][1] is not None:
+        check("router aux loss", aux, ref_losses[rank][1])
+    ref_params = dict(reference.named_parameters())
+    expert_count = 0
+    for name, p in model.named_parameters():
+        ref = ref_params[name].grad
+        if is_expert_parameter(p):
+            expert_count += 1
+            local = p.shape[0]
+            check(f"{name} (this rank's experts)", p.grad, ref[rank * local:(rank + 1) * local])
+            check(f"{name} weights untouched", p.detach(), ref_params[name].detach()[rank * local:(rank + 1) * local])
+        else:
+            grad = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+            dist.all_reduce(grad)
+            check(f"{name} (summed over ranks)", grad, ref if ref is not None else torch.zeros_like(p))
+    if not expert_count:
+        errors.append(f"{family}: no expert weight was spread")
+    for name, p in original.named_parameters():  # the user's model keeps its full experts
+        if p.shape != ref_params[name].shape:
+            errors.append(f"{family}: the user's {name} changed shape to {tuple(p.shape)}")
+    return errors
+
+
+def _worker(rank: int, world: int):
+    import torch.distributed as dist
+
+    _check_route(rank, world, dist.group.WORLD)
+    errors = []
+    for family in FAMILIES:
+        errors += _family_errors(rank, world, family)
+    return errors
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_expert_parallel_families_match_one_process(world):
+    results = run_distributed(_worker, world_size=world, timeout=170)
+    errors = [e for per_rank in results for e in per_rank]
+    assert not errors, "\n".join(errors)
