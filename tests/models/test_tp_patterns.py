@@ -17,6 +17,7 @@ At world 2 on gloo, inside Verify (outputs and every gradient against the unspli
   does not make Verify's cross-rank check fail.
 """
 
+import inspect
 import re
 
 import pytest
@@ -59,8 +60,11 @@ def _alibi():
     for name, changes in (("bloom", {}), ("falcon", {"alibi": True})):
         sch, plan, report = _verified(name, **changes)
         attn = next(m for p, m in sch.mod.named_modules() if p.endswith("0.self_attention"))
+        takes = inspect.signature(type(attn).forward).parameters
         out[name] = {"hooks": [repr(h) for h in attn._forward_pre_hooks.values() if isinstance(h, HeadBiasSlice)],
-                     "compared": len(report.compared)}
+                     "compared": len(report.compared),
+                     # Falcon before transformers 5.25 passes alibi beside the mask, from 5.25 on inside it
+                     "bias_arguments": [n for n in ("alibi", "attention_mask") if n in takes]}
     return out
 
 
@@ -167,8 +171,9 @@ def test_alibi_biases_are_cut_to_each_ranks_heads(world2):
     for rank, r in enumerate(T.value(world2, "alibi")):
         for name in ("bloom", "falcon"):
             first, last = 2 * rank, 2 * rank + 2
-            assert r[name]["hooks"] == [f"HeadBiasSlice('alibi', heads {first}..{last} of 4)",
-                                        f"HeadBiasSlice('attention_mask', heads {first}..{last} of 4)"], r[name]
+            assert "attention_mask" in r[name]["bias_arguments"]
+            assert r[name]["hooks"] == [f"HeadBiasSlice({argument!r}, heads {first}..{last} of 4)"
+                                        for argument in r[name]["bias_arguments"]], r[name]
             assert r[name]["compared"] > 0
 
 
@@ -284,6 +289,21 @@ def test_per_head_bias_arguments_are_read_from_the_signature():
 
     assert head_bias_arguments(bloom.BloomAttention) == [("alibi", 2), ("attention_mask", 3)]
     assert head_bias_arguments(llama.LlamaAttention) == []
+    assert head_bias_arguments(llama.LlamaAttention, folds_alibi=True) == [("attention_mask", 2)]
+
+
+@pytest.mark.parametrize("alibi", [True, False])
+def test_an_alibi_model_whose_attention_takes_only_the_mask_gets_the_mask_cut(alibi):
+    # Falcon from transformers 5.25 on adds ALiBi to the mask before its layers; its config says so
+    from schedlang.distributed.shard_rules.per_head_bias import folds_alibi_into_mask
+
+    model, _ = _model("falcon", alibi=alibi)
+    attention = model.transformer.h[0].self_attention
+    assert folds_alibi_into_mask(attention) is alibi
+    names = [name for name, _ in head_bias_arguments(type(attention), folds_alibi_into_mask(attention))]
+    # before 5.25 Falcon's attention takes an alibi argument (None without ALiBi), and the mask beside it
+    takes_alibi = "alibi" in inspect.signature(type(attention).forward).parameters
+    assert ("attention_mask" in names) is (alibi or takes_alibi)
 
 
 def test_every_family_of_the_patterns_is_in_transformers_causal_lm_mapping():

@@ -9,9 +9,9 @@ adds the wrong heads' slopes).
 
 The slopes of ALiBi depend on the total number of heads, so the bias cannot be rebuilt for the
 local heads; it is cut instead. :func:`head_bias_arguments` finds such arguments from the
-forward's signature (and, beside one, the attention mask, which a model may have folded such a
-bias into: Falcon's is then ``(batch, heads, queries, keys)``), and :class:`HeadBiasSlice` is the
-forward pre-hook the generic attention rule installs when it splits the heads: it takes this
+forward's signature (and, beside one or where the model's config says ALiBi, the attention mask, which a
+model may have folded such a bias into: Falcon's is then ``(batch, heads, queries, keys)``), and
+:class:`HeadBiasSlice` is the forward pre-hook the generic attention rule installs when it splits the heads: it takes this
 rank's heads out of the argument, along the head axis, whatever layout the model uses:
 
 * ``(heads, ...)``: the heads lead;
@@ -38,16 +38,25 @@ HEAD_BIAS_ARGUMENTS = ("alibi", "position_bias", "alibi_bias", "attn_bias")
 HEAD_MASK_ARGUMENTS = ("attention_mask",)
 
 
-def head_bias_arguments(klass: type) -> List[Tuple[str, int]]:
-    """``(name, position)`` of the per-head bias arguments of ``klass.forward`` (position counts after ``self``)."""
+def head_bias_arguments(klass: type, folds_alibi: bool = False) -> List[Tuple[str, int]]:
+    """``(name, position)`` of the per-head bias arguments of ``klass.forward`` (position counts after ``self``).
+    The mask counts beside a bias argument, or when ``folds_alibi`` (:func:`folds_alibi_into_mask`)."""
     try:
         parameters = list(inspect.signature(klass.forward).parameters.values())[1:]
     except (TypeError, ValueError):  # a forward without a signature takes no such argument by name
         return []
-    names = HEAD_BIAS_ARGUMENTS + (HEAD_MASK_ARGUMENTS if any(p.name in HEAD_BIAS_ARGUMENTS for p in parameters)
-                                   else ())
+    with_mask = folds_alibi or any(p.name in HEAD_BIAS_ARGUMENTS for p in parameters)
+    names = HEAD_BIAS_ARGUMENTS + (HEAD_MASK_ARGUMENTS if with_mask else ())
     return [(p.name, i) for i, p in enumerate(parameters)
             if p.name in names and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+
+def folds_alibi_into_mask(module: nn.Module) -> bool:
+    """Whether ``module``'s config says the model uses ALiBi, which reaches an attention that takes no bias
+    argument only through its mask (transformers' Falcon from 5.25 on adds it to the mask before the layers)."""
+    config = getattr(module, "config", None)
+    return bool(getattr(config, "alibi", False) is True or getattr(config, "use_alibi", False) is True
+                or getattr(config, "position_embedding_type", None) == "alibi")
 
 
 def _slice_heads(bias: torch.Tensor, heads: int, rank: int, world: int, where: str, mask: bool = False) -> torch.Tensor:
@@ -105,7 +114,7 @@ def install_head_bias_slices(module: nn.Module, heads: int, rank: int, world: in
     returns the names of the arguments sliced."""
     names = []
     present = installed(module)
-    for name, position in head_bias_arguments(type(module)):
+    for name, position in head_bias_arguments(type(module), folds_alibi_into_mask(module)):
         if name not in present:
             module.register_forward_pre_hook(HeadBiasSlice(name, position, heads, rank, world), with_kwargs=True)
         names.append(name)
