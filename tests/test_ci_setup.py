@@ -3,6 +3,8 @@ what CI tested. Under CI (``SCHEDLANG_REQUIRE_PINNED=1``, set by ci/test.sh) the
 checked against the pins too."""
 
 import os
+import shutil
+import subprocess
 from importlib import metadata
 from pathlib import Path
 
@@ -68,3 +70,62 @@ def test_ci_runs_on_the_pinned_versions():
         if not pin.specifier.contains(Version(installed), prereleases=True):
             wrong.append(f"{name} {installed} (pinned {pin.specifier})")
     assert not wrong, wrong
+
+
+# ---------------------------------------------------------------------------------------------- the newest lane
+NEWEST_LANE = ROOT / "ci" / "test-newest.sh"
+
+
+def _pip_install_commands(script: Path):
+    """Each ``pip install`` command of a shell script, its continued lines joined."""
+    text = script.read_text().replace("\\\n", " ")
+    return [line for line in text.splitlines() if "pip install" in line and not line.lstrip().startswith("#")]
+
+
+def test_the_newest_lane_installs_the_newest_releases_with_no_constraints():
+    commands = _pip_install_commands(NEWEST_LANE)
+    assert commands, "ci/test-newest.sh installs nothing"
+    for command in commands:
+        words = command.split()
+        # a constraints or requirements file, here or in the environment, would pin the lane without anyone seeing
+        assert not {"-c", "--constraint", "-r", "--requirement"} & set(words), command
+        assert "constraints" not in command and "PIP_CONSTRAINT" not in NEWEST_LANE.read_text(), command
+    (install,) = [c for c in commands if "-e" in c.split()]
+    assert "--upgrade" in install.split() and '"torch==2.13.0"' in install, install
+    named = [w.strip('"') for w in install.split()[install.split().index("install") + 1:] if not w.startswith("-")]
+    # torch is the only release named (its CPU build, see the script); the rest is whatever is newest
+    assert [w for w in named if "==" in w or "<" in w or ">" in w] == ["torch==2.13.0"], named
+    for package in ("transformers", "tokenizers", "huggingface_hub", "torchao", "safetensors", "pytest"):
+        assert package in named, (package, named)
+
+
+def test_ci_runs_the_newest_lane_and_fails_when_only_it_fails(tmp_path):
+    """.ci/run, with each lane replaced by a stub: it runs all three and reports and fails on the newest's code."""
+    (tmp_path / ".ci").mkdir()
+    shutil.copy(ROOT / ".ci" / "run", tmp_path / ".ci" / "run")
+    (tmp_path / "ci").mkdir()
+    for name, code in (("test.sh", 0), ("test-oldest.sh", 0), ("test-newest.sh", 3)):
+        (tmp_path / "ci" / name).write_text(f"echo ran {name} >> lanes.txt\nexit {code}\n")
+    env = {**os.environ, "SCHEDLANG_CI_VENV": str(tmp_path / "venv")}
+    done = subprocess.run(["bash", str(tmp_path / ".ci" / "run")], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode != 0, done.stdout + done.stderr
+    assert (tmp_path / "lanes.txt").read_text().split("\n")[:-1] == [
+        "ran test.sh", "ran test-oldest.sh", "ran test-newest.sh"]
+    assert ("ci: main suite exit 0, oldest-versions lane exit 0, newest-releases lane exit 3"
+            in done.stdout.splitlines()), done.stdout
+
+
+def _installed_release(name):
+    return Version(metadata.version(name)).release
+
+
+@pytest.mark.skipif(not os.environ.get("SCHEDLANG_REQUIRE_NEWEST"), reason="the newest-releases lane checks its own "
+                    "install (SCHEDLANG_REQUIRE_NEWEST=1, set by ci/test-newest.sh)")
+def test_the_newest_lane_runs_on_releases_no_older_than_the_pins():
+    older = []
+    for name in ("transformers", "tokenizers", "huggingface-hub", "safetensors", "torchao", "torch"):
+        (pinned,) = [Version(spec.version) for spec in _pins()[name].specifier]
+        if _installed_release(name) < pinned.release:
+            older.append(f"{name} {metadata.version(name)} (pinned {pinned})")
+    assert not older, older
