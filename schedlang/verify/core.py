@@ -42,7 +42,7 @@ from .counterparts import CounterpartFinder
 from .input_agreement import check_inputs_agree
 from .locate import ModuleRecorder, attention_hint, first_divergence, flatten_outputs, split_input_hint
 from .rng import fresh_forked_streams, rng_preserved, rng_state
-from .split_outputs import SplitOutputs, split_heads
+from .split_outputs import SplitOutputs, sequence_split, split_heads, sum_over_sequence_split
 from .uniform_factor import GradientScales
 
 __all__ = ["Verify", "VerifyReport", "ExampleInputError", "VerifyWarning"]
@@ -253,6 +253,8 @@ class Verify:
                 finally:
                     if recorder is not None:
                         recorder.recomputing = False
+                sum_over_sequence_split(model, [a for a in list(args) + list(kwargs.values())
+                                                if isinstance(a, torch.Tensor)])
         grads = [(f"input[{i}] gradient", a.grad) for i, a in enumerate(args)
                  if isinstance(a, torch.Tensor) and a.grad is not None]
         grads += [(f"input '{k}' gradient", v.grad) for k, v in kwargs.items()
@@ -457,8 +459,7 @@ class _Pass:
         for (name, exp), (_, act) in zip(expected.outputs, actual.outputs):
             head = self.split.head_for(name, act.shape) if self.split is not None else None
             if head is not None:
-                note = (f"{name}: split over the vocabulary ({head.path} is vocabulary-parallel), compared as this "
-                        f"rank's slice {head.describe()} of the original's; its output gradient likewise")
+                note = head.note(name)
                 if note not in report.notes:
                     report.notes.append(note)
                 exp = head.take(exp)
@@ -561,7 +562,8 @@ class _Pass:
         self.reference.eval()
         self.scheduled.eval()
         expected, ref_rec = self.v._run_reference(self.reference, self.args, self.kwargs, self.device, "eval")
-        self.split = SplitOutputs(self.heads, {n: tuple(t.shape) for n, t in expected.outputs})
+        self.split = SplitOutputs(self.heads, {n: tuple(t.shape) for n, t in expected.outputs},
+                                  sequence_split(self.scheduled))
         actual, rec = self._run_scheduled("eval")
         if actual is None:
             return None
@@ -580,7 +582,8 @@ class _Pass:
         forked = fresh_forked_streams(self.scheduled, self.reference)
         torch.manual_seed(self.v.seed)
         expected, ref_rec = self.v._run_reference(self.reference, self.args, self.kwargs, self.device, "training")
-        self.split = SplitOutputs(self.heads, {n: tuple(t.shape) for n, t in expected.outputs})
+        self.split = SplitOutputs(self.heads, {n: tuple(t.shape) for n, t in expected.outputs},
+                                  sequence_split(self.scheduled))
         torch.manual_seed(self.v.seed)
         actual, rec = self._run_scheduled("training")
         same_draws = actual is not None and len(actual.rng_after_forward) == len(expected.rng_after_forward) and all(
