@@ -487,3 +487,47 @@ def test_no_reshard_and_bf16_reduction_reach_fsdp2():
         assert policies == {(torch.bfloat16, torch.bfloat16)}
         assert kept == {True}  # no post-forward resharding
         assert layout == "pp=1 dp=2 tp=1 (fsdp no-reshard bf16-reduce)"
+
+
+def _gradient_all_reduces_per_step(rank, world, microbatches):
+    """On each rank: the all-reduces of gradient buffers (more than one element: not the loss or the gradient
+    norm) in one DDP step of ``microbatches`` accumulation steps, and the number of data-parallel units."""
+    from unittest import mock
+
+    import torch.distributed as dist
+
+    from schedlang.distributed.data_parallel import set_gradient_sync
+    from schedlang.train.flags import build_parser, validate
+    from schedlang.train.run import _Run
+
+    ns = build_parser("schedlang train").parse_args(
+        COMMON + ["--dp", "2", "--dp-mode", "ddp", "--microbatches", str(microbatches), "--global-batch", "8"])
+    validate(ns, world)
+    run = _Run(ns, rank, world, torch.device("cpu"))
+    run.make_mesh()
+    run.build()
+    sizes = []
+    real = dist.all_reduce
+
+    def counting(tensor, *args, **kwargs):
+        if tensor.numel() > 1:
+            sizes.append(tensor.numel())
+        return real(tensor, *args, **kwargs)
+
+    tokens = torch.randint(0, run.dims.vocab, (ns.global_batch, ns.seq + 1), generator=torch.Generator().manual_seed(0))
+    with mock.patch.object(dist, "all_reduce", counting):
+        float(run.step(1, tokens)["loss"])
+    units = set_gradient_sync(run.model, True)
+    return sizes, units, sum(p.numel() for p in run.model.parameters())
+
+
+@pytest.mark.parametrize("microbatches", [1, 4])
+def test_ddp_accumulation_all_reduces_the_gradients_once_per_step(microbatches):
+    """DDP with --microbatches m sums the gradients over the replicas after the last microbatch only: one
+    all-reduce per unit and step, of the whole gradient, whatever m (the per-microbatch ones are skipped)."""
+    from tests.helpers.distributed import run_distributed
+
+    for sizes, units, params in run_distributed(_gradient_all_reduces_per_step, world_size=2, timeout=300,
+                                                args=(microbatches,)):
+        assert units == 1  # the trainer replicates the root
+        assert sizes == [params]

@@ -35,7 +35,7 @@ from torch import nn
 from ..errors import ScheduleTypeError, ScheduleValueError
 
 __all__ = ["normalize_mp_policy", "make_mp_policy", "apply_data_parallel", "DATA_PARALLEL_PRIMITIVES",
-           "ReduceState", "reduce_in_dtype", "DDP_BUCKET_CAP_MB"]
+           "ReduceState", "reduce_in_dtype", "DDP_BUCKET_CAP_MB", "set_gradient_sync"]
 
 logger = logging.getLogger("schedlang.distributed.data_parallel")
 
@@ -274,6 +274,28 @@ def _replicate_with_ddp(module: nn.Module, dp_mesh, spec, compute_dtype: torch.d
         options["device_id"] = device
     ddp_replicate(module, **options)
     module.register_comm_hook(ReduceState(dp_mesh.get_group(), reduce_dtype), reduce_in_dtype)
+
+
+def set_gradient_sync(model: nn.Module, on: bool) -> int:
+    """Turn the gradient reduction of every ``replicate`` / ``fully_shard`` unit in ``model`` on or off.
+
+    Off, a backward leaves each rank's gradients local and the next backward adds to them; the backward run
+    with it on reduces the sum once. Gradient accumulation sets it off for all but its last microbatch, so
+    the replicas communicate once per step instead of once per microbatch. Both ``replicate`` engines (the
+    FSDP-based one, an ``FSDPModule``, and the DDP-based one) take the same switch; the DDP one reads it at its
+    next forward. Returns the number of units switched.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    switched = 0
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_requires_gradient_sync(on, recurse=False)
+            switched += 1
+        elif callable(getattr(module, "set_requires_gradient_sync", None)):
+            module.set_requires_gradient_sync(on)  # torch's DDP-based composable replicate
+            switched += 1
+    return switched
 
 
 def data_parallel_step_args(sch, primitive: str, mp_policy: Any) -> Dict[str, Any]:

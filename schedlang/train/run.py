@@ -222,6 +222,8 @@ class _Run:
             for k, (x, y) in enumerate(zip(inputs.chunk(m), labels.chunk(m))):
                 if ns.dp_mode == "hsdp" and m > 1:  # the replicas sum their gradient shards after the last only
                     self._all_reduce_replicas(k == m - 1)
+                if ns.dp_mode == "ddp" and ns.dp > 1 and m > 1:  # the replicas sum the gradients after the last only
+                    self._sync_gradients(k == m - 1)
                 loss = self.forward_loss(x, y) / m
                 loss.backward()
                 local_loss += loss.detach().float()
@@ -229,6 +231,13 @@ class _Run:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return {"loss": self._global_loss(local_loss), "lr": lr, "grad_norm": grad_norm}
+
+    def _sync_gradients(self, on: bool) -> None:
+        """DDP under accumulation: the earlier microbatches' gradients stay local (summed into the unsharded
+        gradients) and the last one's backward all-reduces the total once, as the step estimate counts it."""
+        from ..distributed.data_parallel import set_gradient_sync
+
+        set_gradient_sync(self.model, on)
 
     def _all_reduce_replicas(self, on: bool) -> None:
         from torch.distributed.fsdp import FSDPModule
