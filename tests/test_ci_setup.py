@@ -99,21 +99,39 @@ def test_the_newest_lane_installs_the_newest_releases_with_no_constraints():
         assert package in named, (package, named)
 
 
-def test_ci_runs_the_newest_lane_and_fails_when_only_it_fails(tmp_path):
-    """.ci/run, with each lane replaced by a stub: it runs all three and reports and fails on the newest's code."""
+def _run_ci_with_stub_lanes(tmp_path, codes):
+    """.ci/run with each lane replaced by a stub exiting with its code: the lanes it ran, and its output."""
     (tmp_path / ".ci").mkdir()
     shutil.copy(ROOT / ".ci" / "run", tmp_path / ".ci" / "run")
     (tmp_path / "ci").mkdir()
-    for name, code in (("test.sh", 0), ("test-oldest.sh", 0), ("test-newest.sh", 3)):
+    for name, code in codes.items():
         (tmp_path / "ci" / name).write_text(f"echo ran {name} >> lanes.txt\nexit {code}\n")
     env = {**os.environ, "SCHEDLANG_CI_VENV": str(tmp_path / "venv")}
     done = subprocess.run(["bash", str(tmp_path / ".ci" / "run")], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=300)
+    return (tmp_path / "lanes.txt").read_text().split("\n")[:-1], done
+
+
+LANES = ("test.sh", "docs.sh", "test-oldest.sh", "test-newest.sh")
+
+
+@pytest.mark.parametrize("failing", ["docs.sh", "test-newest.sh"])
+def test_ci_runs_every_lane_and_fails_when_only_one_fails(tmp_path, failing):
+    """The main suite, the executed docs build, the oldest and the newest lane all run, whichever fails; CI
+    reports each exit code and fails on any."""
+    ran, done = _run_ci_with_stub_lanes(tmp_path, {name: 3 if name == failing else 0 for name in LANES})
     assert done.returncode != 0, done.stdout + done.stderr
-    assert (tmp_path / "lanes.txt").read_text().split("\n")[:-1] == [
-        "ran test.sh", "ran test-oldest.sh", "ran test-newest.sh"]
-    assert ("ci: main suite exit 0, oldest-versions lane exit 0, newest-releases lane exit 3"
+    assert ran == [f"ran {name}" for name in LANES]
+    codes = {name: 3 if name == failing else 0 for name in LANES}
+    assert (f"ci: main suite exit {codes['test.sh']}, docs exit {codes['docs.sh']}, oldest-versions lane exit "
+            f"{codes['test-oldest.sh']}, newest-releases lane exit {codes['test-newest.sh']}"
             in done.stdout.splitlines()), done.stdout
+
+
+def test_ci_passes_when_every_lane_passes(tmp_path):
+    ran, done = _run_ci_with_stub_lanes(tmp_path, {name: 0 for name in LANES})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert ran == [f"ran {name}" for name in LANES]
 
 
 def _installed_release(name):
