@@ -131,6 +131,10 @@ def route_to_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weig
     token_sorted = token[order]
     received = all_to_all(hidden.index_select(0, token_sorted), out_splits, in_splits, group)
     computed = local_experts(received.index_select(0, by_expert), local_ids[by_expert])
+    # the backward of the all-to-all that brought the rows is a collective: it must run on every rank, also
+    # where the local experts' output does not depend on the rows (none received); adding the sum of no rows
+    # (0) ties it to the output whatever ``local_experts`` does
+    computed = computed + received[:0].sum()
     returned = all_to_all(computed.index_select(0, back_order), in_splits, out_splits, group)
     weighted = returned * weight[order].unsqueeze(-1).to(returned.dtype)
     out = torch.zeros_like(hidden)

@@ -132,6 +132,8 @@ def _family_errors(rank: int, world: int, family: str):
 def _worker(rank: int, world: int):
     import torch.distributed as dist
 
+    torch.set_num_threads(1)  # the ranks share the machine's cores
+
     _check_route(rank, world, dist.group.WORLD)
     errors = []
     for family in FAMILIES:
