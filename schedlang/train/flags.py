@@ -86,7 +86,7 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     m.add_argument("--float8", action="store_true",
                    help="train the decoder layers' Linears in float8 (torchao, tensorwise scales; H100-class GPUs): "
                         "the estimate runs their GEMMs at twice the bf16 rate")
-    lay = p.add_argument_group("layout (world size = pp x dp x tp; dp = dp-replicate x dp-shard)")
+    lay = p.add_argument_group("layout (world size = pp x dp x cp x tp; dp = dp-replicate x dp-shard)")
     lay.add_argument("--layout", default=None, choices=["auto"],
                      help="auto: choose pp x dp x tp, FSDP2 or DDP, resharding, the reduce dtype and activation "
                           "checkpointing from the model's size, the GPUs' memory and the measured interconnect "
@@ -96,6 +96,9 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     lay.add_argument("--dp", type=int, default=None, help="data-parallel ranks (default 1 unless --layout auto)")
     lay.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks (default 1 unless --layout auto)")
     lay.add_argument("--pp", type=int, default=None, help="pipeline stages (ranks) (default 1 unless --layout auto)")
+    lay.add_argument("--cp", type=int, default=None,
+                     help="context-parallel ranks: each holds 1/cp of every sequence (load-balanced for causal "
+                          "attention) and all-gathers keys and values per layer; --seq must be a multiple of 2 x cp")
     lay.add_argument("--sp", action="store_true", help="sequence parallelism on the tp ranks")
     lay.add_argument("--dp-mode", default=None, choices=["fsdp", "hsdp", "ddp"],
                      help="FSDP2 (fully_shard), HSDP (FSDP2 sharded over --dp-shard ranks, replicated over "
@@ -225,7 +228,7 @@ def _resolve_init_from(ns: argparse.Namespace) -> None:
 
 
 def layout_given(ns: argparse.Namespace) -> bool:
-    return any(getattr(ns, k, None) is not None for k in ("dp", "tp", "pp", "dp_replicate", "dp_shard"))
+    return any(getattr(ns, k, None) is not None for k in ("dp", "tp", "pp", "cp", "dp_replicate", "dp_shard"))
 
 
 def _positive(ns: argparse.Namespace, *flags: str) -> None:
@@ -297,7 +300,7 @@ def _resolve_data_parallel(ns: argparse.Namespace, world: int) -> None:
     if hybrid and ns.dp_mode not in (None, "hsdp"):
         _fail(f"--dp-replicate / --dp-shard describe HSDP, but --dp-mode is {ns.dp_mode}; use --dp-mode hsdp (or "
               "drop it)")
-    rest = (ns.tp or 1) * (ns.pp or 1)
+    rest = (ns.tp or 1) * (ns.pp or 1) * (getattr(ns, "cp", None) or 1)
     implied = world // rest if world % rest == 0 else None
     if hybrid:
         dp = ns.dp if ns.dp is not None else (implied if implied is not None or not (ns.dp_replicate and ns.dp_shard)
@@ -366,8 +369,8 @@ def validate(ns: argparse.Namespace, world: int) -> int:
     if ns.stop_after is not None and not 1 <= ns.stop_after <= ns.steps:
         _fail(f"--stop-after must be a step of the run, 1..{ns.steps} (--steps), got {ns.stop_after}")
     if ns.layout == "auto" and layout_given(ns):
-        given = " ".join(f"--{k.replace('_', '-')} {getattr(ns, k)}" for k in ("dp", "tp", "pp", "dp_replicate",
-                                                                                "dp_shard")
+        given = " ".join(f"--{k.replace('_', '-')} {getattr(ns, k)}" for k in ("dp", "tp", "pp", "cp",
+                                                                                "dp_replicate", "dp_shard")
                          if getattr(ns, k) is not None)
         _fail(f"--layout auto chooses --dp, --tp and --pp itself, but {given} was given; drop {given} or "
               "--layout auto")
@@ -408,8 +411,8 @@ def validate(ns: argparse.Namespace, world: int) -> int:
     if ns.checkpoint_dir:  # every rank writes its shards there
         _check_writable_directory("--checkpoint-dir", ns.checkpoint_dir)
     if ns.layout == "manual":
-        for flag in ("dp", "tp", "pp"):
-            if getattr(ns, flag) is None:
+        for flag in ("dp", "tp", "pp", "cp"):
+            if getattr(ns, flag, None) is None:
                 setattr(ns, flag, 1)
         validate_layout(ns, world)
     return world
@@ -433,12 +436,19 @@ def resolve_speed_defaults(ns: argparse.Namespace) -> None:
 
 def validate_layout(ns: argparse.Namespace, world: int) -> None:
     """The checks of a layout (given, or chosen by --layout auto) against the run and the other flags."""
-    layout = ns.dp * ns.tp * ns.pp
+    if getattr(ns, "cp", None) is None:  # --layout auto keeps the sequence whole
+        ns.cp = 1
+    if ns.cp < 1:
+        _fail(f"--cp must be at least 1, got {ns.cp}")
+    layout = ns.dp * ns.tp * ns.pp * ns.cp
     if layout != world:
         how = f"--nproc {ns.nproc}" if ns.nproc is not None else (
             f"WORLD_SIZE={world} (torchrun)" if _world_from_env() is not None else "a single process")
-        _fail(f"--dp {ns.dp} x --tp {ns.tp} x --pp {ns.pp} = {layout} ranks, but the run has {world} ({how}); "
+        cp = f" x --cp {ns.cp}" if ns.cp > 1 else ""
+        _fail(f"--dp {ns.dp} x --tp {ns.tp} x --pp {ns.pp}{cp} = {layout} ranks, but the run has {world} ({how}); "
               f"launch {layout} ranks (--nproc {layout} or torchrun --nproc_per_node={layout}) or change the layout")
+    if ns.cp > 1:
+        _validate_context_parallel(ns)
     if ns.dp_mode is None:
         ns.dp_mode = "fsdp"
     if ns.reduce_dtype is None:
@@ -489,6 +499,22 @@ def validate_layout(ns: argparse.Namespace, world: int) -> None:
               f"{ns.microbatches} = {ns.dp * ns.microbatches} (each dp rank splits its rows into microbatches)")
     if ns.pp > 1 and ns.pp_schedule in ("Interleaved1F1B", "ZeroBubble") and ns.microbatches % ns.pp:
         _fail(f"--pp-schedule {ns.pp_schedule} needs --microbatches divisible by --pp {ns.pp}, got {ns.microbatches}")
+
+
+def _validate_context_parallel(ns: argparse.Namespace) -> None:
+    """--cp against the other flags: no pipeline, a sequence that cuts into 2 x cp chunks, the plain loss."""
+    if ns.pp > 1:
+        _fail(f"--cp {ns.cp} with --pp {ns.pp}: context parallelism and pipeline stages do not go together yet; "
+              f"drop --pp or --cp")
+    if ns.seq % (2 * ns.cp):
+        lower = ns.seq - ns.seq % (2 * ns.cp)
+        _fail(f"--seq {ns.seq} does not split over --cp {ns.cp}: each sequence is cut into 2 x cp = {2 * ns.cp} "
+              f"equal chunks (rank r holds chunks r and {2 * ns.cp - 1} - r), so --seq must be a multiple of "
+              f"{2 * ns.cp}, e.g. {lower or 2 * ns.cp} or {lower + 2 * ns.cp}")
+    if ns.optimize:  # given (its default is decided after this check)
+        _fail("--optimize fuses the head with a loss inside the model, which would see only this rank's tokens under "
+              "--cp; drop --optimize or --cp")
+    ns.optimize = False
 
 
 def _check_tensorboard() -> None:

@@ -32,6 +32,7 @@ class _Run:
         self.dp_rank = 0
         self.tp_group = None
         self.pipelined = ns.pp > 1
+        self.cp = getattr(ns, "cp", None) or 1
 
     # -- layout
     def make_mesh(self) -> None:
@@ -42,7 +43,7 @@ class _Run:
         ns = self.ns
         replicas = getattr(ns, "dp_replicate", None) or 1  # HSDP: dp = replicas x shard ranks
         self.mesh = make_mesh(pp=ns.pp, dp=ns.dp // replicas, tp=ns.tp, dp_replicate=replicas,
-                              device_type=self.device.type)
+                              cp=self.cp, device_type=self.device.type)
         if replicas > 1:  # the rows of a replica's shard group follow one another
             self.dp_rank = self.mesh.get_local_rank("dp_replicate") * (ns.dp // replicas) + \
                 self.mesh.get_local_rank("dp_shard")
@@ -53,7 +54,7 @@ class _Run:
 
     def layout(self) -> str:
         ns = self.ns
-        s = f"pp={ns.pp} dp={ns.dp} tp={ns.tp}"
+        s = f"pp={ns.pp} dp={ns.dp} tp={ns.tp}" + (f" cp={self.cp}" if self.cp > 1 else "")
         extras = []
         if ns.sp:
             extras.append("sp")
@@ -85,6 +86,8 @@ class _Run:
         del model
         if ns.tp > 1:
             shard_model(sch, sequence_parallel=ns.sp, gather_logits=False)
+        if self.cp > 1:  # each cp rank runs its part of every sequence; build averages the gradients over cp
+            sch.context_parallel()
         if getattr(ns, "float8", False) and not ns.optimize:  # after shard: float8 checks the shards' shapes
             for i in range(self.dims.layers):
                 sch[f"{layers}.{i}"].float8(recipe="tensorwise")
@@ -197,6 +200,13 @@ class _Run:
         autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast)
         with autocast:  # with the fused loss the labels go in aligned with the inputs: no shift inside
             out = (self.model(input_ids=inputs, labels=labels, shift_labels=labels, use_cache=False)
+        if self.cp > 1:
+            # the model keeps this rank's tokens of the inputs; the labels (aligned, so shifted on the full
+            # sequence) follow the same split. Every cp rank holds as many tokens (no label is ignored), so
+            # its mean averaged over cp, as the gradients are, is the mean over the whole sequence
+            from ..distributed.context_parallel import split_sequence
+
+            labels = split_sequence(labels, 1, self.cp, self.mesh.get_local_rank("cp"))
                    if self.fused_loss else self.model(input_ids=inputs, use_cache=False))
         return out.loss if self.fused_loss else self._loss(out.logits, labels)
 
@@ -284,7 +294,8 @@ class _Run:
             return local_loss
         import torch.distributed as dist
 
-        holders = self.ns.dp * self.ns.tp  # tp ranks hold the same value: each counted 1 / tp
+        # tp ranks hold the same value: each counted 1 / tp; cp ranks each the mean of their tokens
+        holders = self.ns.dp * self.ns.tp * self.cp
         value = local_loss / holders if (local_loss is not None and self._holds_loss()) else None
         buf = value.reshape(1).to(self.device) if value is not None else torch.zeros(1, device=self.device)
         dist.all_reduce(buf)
