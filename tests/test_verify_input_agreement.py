@@ -82,7 +82,8 @@ def test_inputs_of_different_shapes_raise_on_every_rank_naming_ranks_and_shapes(
             "Verify: the example inputs differ across ranks:",
             "  input[0]: rank 0: tensor (4, 8) float32; rank 1: tensor (3, 8) float32"], message
         assert "every rank must pass example inputs of the same shapes and dtypes" in message
-        assert r["rows"]["seconds"] < 20, r["rows"]
+        # raised by the agreement, not by a collective timing out (120 s): far below that even on a loaded machine
+        assert r["rows"]["seconds"] < 90, r["rows"]
         assert r["rows"]["steps"] == 0  # the block is undone
 
 
