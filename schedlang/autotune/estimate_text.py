@@ -57,7 +57,7 @@ def layout_json(e: StepEstimate) -> Dict:
     """The layout's degrees as integers and its options, as ``--json`` writes them."""
     lay = e.layout
     rows = e.global_batch // max(1, lay.dp * lay.microbatches) if e.global_batch else None
-    return {"pp": lay.pp, "dp_replicate": lay.replicas, "dp_shard": lay.dp_shard, "tp": lay.tp, "cp": 1, "ep": 1,
+    return {"pp": lay.pp, "dp_replicate": lay.replicas, "dp_shard": lay.dp_shard, "tp": lay.tp, "cp": lay.cp, "ep": 1,
             "dp": lay.dp, "dp_mode": lay.dp_mode, "sp": lay.sp, "microbatches": lay.microbatches,
             "accumulation_steps": lay.microbatches if lay.pp == 1 else 1, "local_batch": rows,
             "stages_per_rank": lay.stages_per_rank, "pp_schedule": lay.pp_schedule if lay.pp > 1 else None,

@@ -166,6 +166,8 @@ class Layout:
     optimizer: str = "adamw"
     dp_replicate: int = 1
     float8: bool = False
+    #: context-parallel ranks: each holds ``1 / cp`` of every sequence; FSDP shards over ``dp x cp``
+    cp: int = 1
 
     def __post_init__(self):
         # True / False of the time when checkpointing was on or off
@@ -189,7 +191,7 @@ class Layout:
         return self.activation_checkpoint != "none"
 
     def mesh_sizes(self) -> Dict[str, int]:
-        return {"pp": self.pp, "dp_replicate": self.replicas, "dp_shard": self.dp_shard, "cp": 1, "tp": self.tp}
+        return {"pp": self.pp, "dp_replicate": self.replicas, "dp_shard": self.dp_shard, "cp": self.cp, "tp": self.tp}
 
     def describe(self) -> str:
         extras = []
@@ -210,7 +212,8 @@ class Layout:
             extras.append("selective activation checkpointing")
         if self.float8:
             extras.append("float8")
-        return f"pp={self.pp} dp={self.dp} tp={self.tp}" + (f" ({', '.join(extras)})" if extras else "")
+        return (f"pp={self.pp} dp={self.dp} tp={self.tp}" + (f" cp={self.cp}" if self.cp > 1 else "")
+                + (f" ({', '.join(extras)})" if extras else ""))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -428,12 +431,13 @@ def _layers_in_flight(layout: Layout, layers: int) -> float:
 
 def estimate_step(shape: ModelShape, layout: Layout, hw: Hardware, global_batch: int, seq: int) -> StepEstimate:
     """Memory per rank, collectives and time of one step of ``global_batch`` sequences of ``seq`` tokens."""
-    pp, dp, tp = layout.pp, layout.dp, layout.tp
-    world = pp * dp * tp
+    pp, dp, tp, cp = layout.pp, layout.dp, layout.tp, layout.cp
+    world = pp * dp * cp * tp
     stage = _stage_params(shape, pp) / tp
     layers = math.ceil(shape.layers / pp)
     sharded = dp > 1 and layout.dp_mode in ("fsdp", "hsdp")
-    shard = layout.dp_shard if sharded else 1
+    # FSDP runs on the data dimension and cp flattened (each cp rank's gradient covers its tokens only)
+    shard = layout.dp_shard * cp if sharded else 1
     local = stage / shard
     compute_bytes = _bytes(layout.dtype)
     reduce_bytes = 2 if layout.reduce_dtype == "bf16" else 4
@@ -456,7 +460,7 @@ def estimate_step(shape: ModelShape, layout: Layout, hw: Hardware, global_batch:
     if layout.float8:  # a layer's float8 weight and its transpose, cast for its matmuls
         gathered += 2 * per_layer
     rows_per_rank = global_batch / dp
-    microbatch_tokens = rows_per_rank / layout.microbatches * seq
+    microbatch_tokens = rows_per_rank / layout.microbatches * seq / cp  # this rank's share of each sequence
     per_token = _activation_bytes_per_token(shape, layout)
     saved = saved_bytes_per_token(shape, layout)
     acts = microbatch_tokens * _layers_in_flight(layout, layers) * saved
@@ -536,6 +540,21 @@ def estimate_step(shape: ModelShape, layout: Layout, hw: Hardware, global_batch:
             add("tensor-parallel activations", "all-reduce", "tp", "tp", calls, activation,
                 calls * 2 * share * activation)
         tp_comm = sum(c.seconds for c in collectives if c.group == "tp")
+    cp_comm = 0.0
+    if cp > 1:
+        # each layer all-gathers K and V over cp in the forward (again when it is recomputed) and reduce-scatters
+        # their gradients in the backward: the whole sequence's K/V of this rank's kv heads
+        kv = microbatch_tokens * cp * 2 * shape.kv_heads * shape.head_dim / tp * compute_bytes
+        forwards = (2 if layout.activation_checkpoint == "full" else 1) * layers * m
+        share = (cp - 1) / cp
+        add("context-parallel keys and values", "all-gather", "cp", "cp", forwards, kv, forwards * share * kv)
+        add("context-parallel key and value gradients", "reduce-scatter", "cp", "cp", layers * m, kv,
+            layers * m * share * kv)
+        if not sharded:  # no FSDP: a hook averages the replicated gradients over cp once per step
+            payload = stage * reduce_bytes
+            add("context-parallel gradients", "all-reduce", "cp", "cp", 1, payload, 2 * share * payload)
+        cp_comm = sum(c.seconds for c in collectives if c.group == "cp")
+        working += kv  # one layer's gathered keys and values
     bubble = 0.0
     pp_comm = 0.0
     if pp > 1:
@@ -547,11 +566,11 @@ def estimate_step(shape: ModelShape, layout: Layout, hw: Hardware, global_batch:
         pp_comm = collectives[-1].seconds
     step_bytes_per_param = 28 if layout.optimizer != "sgd" else 16  # read p, g, m, v; write p, m, v
     optimizer = local * (step_bytes_per_param + 12) / hw.memory_bandwidth  # + the gradient norm and clipping
-    comm = dp_comm + tp_comm + pp_comm
+    comm = dp_comm + tp_comm + pp_comm + cp_comm
     return StepEstimate(layout=layout, params_bytes=params_bytes, grads_bytes=grads_bytes,
                         optimizer_bytes=optimizer_bytes, gathered_bytes=gathered, activation_bytes=acts,
                         other_bytes=other, working_bytes=working, grads_in_forward=grads_in_forward,
                         collectives=collectives, compute_s=compute, comm_s=comm,
-                        comm_exposed_s=dp_exposed + tp_comm + pp_comm, bubble_s=bubble, optimizer_s=optimizer,
+                        comm_exposed_s=dp_exposed + tp_comm + pp_comm + cp_comm, bubble_s=bubble, optimizer_s=optimizer,
                         tokens=tokens, memory_limit=USABLE_MEMORY * hw.memory_bytes, logits_bytes=logits,
                         global_batch=global_batch, seq=seq)

@@ -161,7 +161,7 @@ def layout_of(ns: argparse.Namespace) -> Layout:
                                dp_replicate=getattr(ns, "dp_replicate", None) or 1, reshard=not ns.no_reshard,
                                reduce_dtype=ns.reduce_dtype, activation_checkpoint=ns.activation_checkpoint or "none",
                                sp=ns.sp, microbatches=ns.microbatches, stages_per_rank=ns.stages_per_rank,
-                               optimize=bool(ns.optimize))
+                               optimize=bool(ns.optimize), cp=getattr(ns, "cp", None) or 1)
 
 
 def choose(ns: argparse.Namespace, facts: ModelFacts, hw: Hardware, world: int) -> Choice:

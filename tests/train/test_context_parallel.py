@@ -67,3 +67,39 @@ def test_cp2_beside_tp2_trains_like_one_process(reference, work):
 def test_flags_that_cannot_work_are_named(flags, message, capsys):
     assert trainer.main(COMMON + flags) == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_planner_splits_activations_over_cp_and_counts_the_kv_exchange_on_its_link():
+    from schedlang.autotune.training_cost import Hardware, Layout, ModelShape, estimate_step, layout_json
+
+    shape = ModelShape(layers=4, hidden=256, heads=8, kv_heads=2, head_dim=32, intermediate=512, vocab=1000,
+                       params=3_000_000, flops_params=2_500_000, embedding_params=512_000)
+    hw = Hardware.nominal("cuda", memory_gib=80, world=8, gpus_per_node=4)
+    whole = estimate_step(shape, Layout(dp=2, tp=2), hw, global_batch=4, seq=4096)
+    split = estimate_step(shape, Layout(dp=2, tp=2, cp=2), hw, global_batch=4, seq=4096)
+    assert split.activation_bytes == pytest.approx(whole.activation_bytes / 2)
+    kv = [c for c in split.collectives if c.group == "cp"]
+    assert [c.what for c in kv] == ["context-parallel keys and values", "context-parallel key and value gradients"]
+    full_kv = 2 * 4096 * 2 * 2 * 32 / 2 * 2  # rows x seq x (K, V) x kv heads x head dim / tp x bf16 bytes
+    assert kv[0].count == 4 and kv[0].bytes_each == pytest.approx(full_kv)
+    assert kv[0].wire_bytes == pytest.approx(4 * full_kv / 2)
+    # cp inside dp, outside tp: with 4 GPUs a node, cp's group (stride tp=2, 2 ranks) stays in the node; FSDP's
+    # group (dp x cp) spans both nodes
+    from schedlang.autotune.cluster import NETWORK, NVLINK
+
+    assert kv[0].link == NVLINK
+    wide = estimate_step(shape, Layout(dp=1, tp=2, cp=4), hw, global_batch=4, seq=4096)
+    assert {c.link for c in wide.collectives if c.group == "cp"} == {NETWORK}  # 4 cp ranks 2 apart: two nodes
+    assert layout_json(split)["cp"] == 2 and layout_json(whole)["cp"] == 1
+    assert "cp=2" in split.layout.describe()
+    # without FSDP the replicated gradients are averaged over cp once per step
+    alone = estimate_step(shape, Layout(cp=2), hw, global_batch=4, seq=4096)
+    assert any(c.what == "context-parallel gradients" and c.op == "all-reduce" for c in alone.collectives)
+
+
+def test_dry_run_json_has_the_real_cp(tmp_path):
+    out = tmp_path / "plan.json"
+    assert trainer.main(["--model", "llama", "--config", "tiny", "--seq", "64", "--global-batch", "4", "--dry-run",
+                         "--nodes", "1", "--gpus-per-node", "4", "--dp", "2", "--cp", "2", "--json", str(out)]) == 0
+    layout = json.loads(out.read_text())["layout"]
+    assert layout["cp"] == 2 and layout["dp"] == 2 and "cp=2" in layout["describe"]
