@@ -149,8 +149,8 @@ full_counts, shard_counts = schedlang.launch(verify_the_hand_written_schedule, w
 say(f"parameters on rank 0: {sum(shard_counts.values()):,} of {sum(full_counts.values()):,}")
 
 # %%
-# What each rank holds: half of every projection and of the vocabulary, the whole of every
-# LayerNorm (they are small, and replicated).
+# What each rank holds: half of every projection and of the token embedding (its vocabulary
+# rows), and whole copies of the small rest: the learned position embeddings and every LayerNorm.
 fig, ax = plt.subplots(figsize=(6, 3))
 kinds = list(full_counts)
 ax.bar([i - 0.2 for i in range(len(kinds))], [full_counts[k] for k in kinds], width=0.4, color="0.6",
