@@ -275,11 +275,14 @@ for i, (name, losses) in enumerate(curves.items()):
     ax.plot(range(len(losses)), losses, label=name,
             **styles.get(name, dict(linestyle="--", marker="x+."[i % 3], color=f"C{i}")))
 ax.axvline(STEPS - 0.5, color="0.8", linewidth=1)
-ax.text(STEPS - 0.45, max(curves["one process"]), " checkpoint", va="top", color="0.4")
+ax.text(STEPS - 0.45, max(curves["one process"]), "after the checkpoint", va="top", color="0.4", fontsize=8)
+ax.set_xticks(range(STEPS + 1))
 ax.set_xlabel("training step")
 ax.set_ylabel("global loss")
-ax.set_title(f"One model, three layouts on {WORLD} ranks")
-ax.legend(fontsize=8)
+ax.set_title(f"FSDP2 and tensor parallelism on {WORLD} ranks against one process")
+low, high = min(min(c) for c in curves.values()), max(max(c) for c in curves.values())
+ax.set_ylim(low - 0.6 * (high - low), high + 0.05 * (high - low))  # room for the legend under the curves
+ax.legend(fontsize=8, loc="lower left")
 fig.tight_layout()
 plt.show()
 
