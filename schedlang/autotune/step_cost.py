@@ -197,7 +197,7 @@ class Layout:
         extras = []
         if self.sp:
             extras.append("sp")
-        if self.dp > 1:
+        if self.dp * self.cp > 1:
             mode = (f"hsdp {self.dp_replicate}x{self.dp_shard}" if self.dp_mode == "hsdp" else self.dp_mode)
             extras.append(mode + ("" if self.reshard or self.dp_mode == "ddp" else " no-reshard")
                           + (" bf16-reduce" if self.reduce_dtype == "bf16" else ""))
@@ -252,7 +252,8 @@ class StepEstimate:
     optimizer_s: float
     tokens: int
     memory_limit: float
-    #: the logits, their fp32 copy and their gradient (part of ``activation_bytes``)
+    #: the logits, their fp32 copy and their gradient (part of ``activation_bytes``); 0 for a pipeline whose peak
+    #: rank is the first, which holds no logits
     logits_bytes: float = 0.0
     global_batch: int = 0
     seq: int = 0
@@ -331,7 +332,7 @@ def _stage_params(shape: ModelShape, pp: int) -> float:
 
 def _residual_bytes(layout: Layout) -> int:
     # the residual stream: bf16 when FSDP2 computes in bf16, fp32 under autocast (fp32 weights) or in fp32
-    return 2 if layout.dtype == "bf16" and layout.dp > 1 and layout.dp_mode in ("fsdp", "hsdp") else 4
+    return 2 if layout.dtype == "bf16" and layout.dp * layout.cp > 1 and layout.dp_mode in ("fsdp", "hsdp") else 4
 
 
 def _activation_bytes_per_token(shape: ModelShape, layout: Layout) -> float:
@@ -413,20 +414,25 @@ def _gathers_per_step(layout: Layout, layers: int) -> Tuple[int, int]:
     return (m + 1 if layout.reshard else 1), 1
 
 
-def _layers_in_flight(layout: Layout, layers: int) -> float:
-    """Layer-microbatches whose activations the first pipeline rank (the one holding the most) keeps at once.
+def _layers_in_flight(layout: Layout, layers: int, pp_rank: int = 0) -> float:
+    """Layer-microbatches whose activations pipeline rank ``pp_rank`` keeps at once (``layers`` per rank).
 
-    GPipe runs every forward before any backward. 1F1B's first rank runs ``pp`` forwards before its first
-    backward. The interleaved schedule's first rank warms up with ``(v - 1) pp + 2 (pp - 1)`` forwards of a
-    stage (``layers / v`` layers each) and one more before its first backward."""
+    GPipe runs every forward before any backward, on every rank. torch's 1F1B warms rank ``r`` up with
+    ``pp - 1 - r`` forwards and runs one more before its first backward: ``pp`` microbatches on the first rank,
+    one on the last. The interleaved schedule warms rank ``r`` up with ``(v - 1) pp + 2 (pp - 1 - r)`` forwards of
+    a stage (``layers / v`` layers each) and runs one more before its first backward. A steady phase pairs each
+    forward with a backward, so the count before the first backward is the rank's peak. torch takes the
+    microbatches in rounds of ``m // max(1, m // pp)`` (``pp`` where ``pp`` divides ``m``), which replace ``pp``
+    in the interleaved warm-up."""
     pp, v, m = layout.pp, layout.stages_per_rank, layout.microbatches
     if pp == 1:
         return layers
     if layout.pp_schedule == "GPipe":
         return m * layers
     if v == 1:
-        return min(m, pp) * layers
-    return min(m * v, (v - 1) * pp + 2 * (pp - 1) + 1) * layers / v
+        return min(m, pp - pp_rank) * layers
+    per_round = m // max(1, m // pp)
+    return min(m * v, (v - 1) * per_round + 2 * (pp - 1 - pp_rank) + 1) * layers / v
 
 
 def estimate_step(shape: ModelShape, layout: Layout, hw: Hardware, global_batch: int, seq: int) -> StepEstimate:
@@ -435,14 +441,16 @@ def estimate_step(shape: ModelShape, layout: Layout, hw: Hardware, global_batch:
     world = pp * dp * cp * tp
     stage = _stage_params(shape, pp) / tp
     layers = math.ceil(shape.layers / pp)
-    sharded = dp > 1 and layout.dp_mode in ("fsdp", "hsdp")
-    # FSDP runs on the data dimension and cp flattened (each cp rank's gradient covers its tokens only)
+    # data parallelism runs on the data dimension and cp flattened (each cp rank's gradient covers its tokens
+    # only): FSDP shards over both, DDP all-reduces over both
+    data = dp * cp
+    sharded = data > 1 and layout.dp_mode in ("fsdp", "hsdp")
     shard = layout.dp_shard * cp if sharded else 1
     local = stage / shard
     compute_bytes = _bytes(layout.dtype)
     reduce_bytes = 2 if layout.reduce_dtype == "bf16" else 4
     params_bytes = 4 * local
-    grads_bytes = 4 * local + (stage * reduce_bytes if dp > 1 and not sharded else 0)  # DDP's gradient buckets
+    grads_bytes = 4 * local + (stage * reduce_bytes if data > 1 and not sharded else 0)  # DDP's gradient buckets
     optimizer_bytes = (8 if layout.optimizer != "sgd" else 4) * local
     gathered = 0.0
     per_layer = (stage - shape.embedding_params / tp) / max(1, layers)
@@ -464,12 +472,21 @@ def estimate_step(shape: ModelShape, layout: Layout, hw: Hardware, global_batch:
     per_token = _activation_bytes_per_token(shape, layout)
     saved = saved_bytes_per_token(shape, layout)
     acts = microbatch_tokens * _layers_in_flight(layout, layers) * saved
-    if layout.recomputes:  # one layer's activations while it is recomputed
-        acts += microbatch_tokens * per_token
     logits = 0.0
     if not layout.optimize or tp > 1:  # the logits, their fp32 copy and their gradient
         logits = microbatch_tokens * shape.vocab / tp * (compute_bytes + 8)
-    acts += logits
+    if pp > 1:
+        # the logits live on the last pipeline rank, which keeps the fewest microbatches in flight; the first rank
+        # keeps the most and no logits: the rank with the larger sum sets the peak (the stages are equal in size)
+        last = microbatch_tokens * _layers_in_flight(layout, layers, pp_rank=pp - 1) * saved + logits
+        if last <= acts:
+            logits = 0.0
+        else:
+            acts = last
+    else:
+        acts += logits
+    if layout.recomputes:  # one layer's activations while it is recomputed
+        acts += microbatch_tokens * per_token
     working = microbatch_tokens * per_token
     if layout.float8:  # the float8 copies of a layer's matmul inputs
         working += microbatch_tokens * sum(a / (tp if row else 1) for a, _, row in _layer_matmuls(shape))
@@ -519,12 +536,12 @@ def estimate_step(shape: ModelShape, layout: Layout, hw: Hardware, global_batch:
             piece = stage * reduce_bytes / shard
             add("HSDP gradient shards", "all-reduce", "dp_replicate", "dp_replicate", layers, piece / layers,
                 2 * (r - 1) / r * piece)
-    elif dp > 1:  # DDP: the gradients summed once per step (accumulating microbatches skip it)
+    elif data > 1:  # DDP: the gradients summed once per step (accumulating microbatches skip it)
         payload = stage * reduce_bytes
-        add("DDP gradients", "all-reduce", "dp_replicate", "dp", 1, payload, 2 * (dp - 1) / dp * payload)
+        add("DDP gradients", "all-reduce", "dp_replicate", "dp", 1, payload, 2 * (data - 1) / data * payload)
     dp_comm = sum(c.seconds for c in collectives)
     # hidden behind the layers' compute, but for the first gather and the last reduction, and the SMs it takes
-    dp_exposed = max(0.0, dp_comm - 0.8 * compute) + _CONTENTION * dp_comm + dp_comm / max(1, layers) if dp > 1 else 0
+    dp_exposed = max(0.0, dp_comm - 0.8 * compute) + _CONTENTION * dp_comm + dp_comm / max(1, layers) if data > 1 else 0
     tp_comm = 0.0
     if tp > 1:
         activation = microbatch_tokens * shape.hidden * compute_bytes  # one microbatch's activations
@@ -550,9 +567,6 @@ def estimate_step(shape: ModelShape, layout: Layout, hw: Hardware, global_batch:
         add("context-parallel keys and values", "all-gather", "cp", "cp", forwards, kv, forwards * share * kv)
         add("context-parallel key and value gradients", "reduce-scatter", "cp", "cp", layers * m, kv,
             layers * m * share * kv)
-        if not sharded:  # no FSDP: a hook averages the replicated gradients over cp once per step
-            payload = stage * reduce_bytes
-            add("context-parallel gradients", "all-reduce", "cp", "cp", 1, payload, 2 * share * payload)
         cp_comm = sum(c.seconds for c in collectives if c.group == "cp")
         working += kv  # one layer's gathered keys and values
     bubble = 0.0

@@ -111,3 +111,81 @@ def test_float8_halves_only_the_layers_matmul_time():
     cpu = Hardware.nominal("cpu", world=8)
     assert estimate_step(LLAMA3_8B, Layout(dp=8, float8=True), cpu, 16, 8192).compute_s == pytest.approx(
         estimate_step(LLAMA3_8B, Layout(dp=8), cpu, 16, 8192).compute_s)
+
+
+def _torch_interleaved_peak(pp: int, v: int, m: int, rank: int) -> int:
+    """Stage-microbatches rank ``rank`` holds at most in torch's own Interleaved 1F1B order (forwards run, not yet
+    differentiated), read from the schedule's op list without building stages."""
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
+
+    schedule = ScheduleInterleaved1F1B.__new__(ScheduleInterleaved1F1B)
+    schedule.pp_group_size, schedule.n_local_stages, schedule._n_microbatches = pp, v, m
+    schedule.number_of_rounds = max(1, m // pp)
+    schedule.microbatches_per_round = m // schedule.number_of_rounds
+    held = peak = 0
+    for action in schedule._calculate_single_rank_operations(rank):
+        if action is None:
+            continue
+        if action.computation_type == _ComputationType.FORWARD:
+            held += 1
+        elif action.computation_type in (_ComputationType.FULL_BACKWARD, _ComputationType.BACKWARD_INPUT):
+            held -= 1
+        peak = max(peak, held)
+    return peak
+
+
+@pytest.mark.parametrize("pp,v,m", [(8, 2, 16), (8, 2, 32), (4, 2, 8), (4, 3, 4), (4, 2, 2), (2, 2, 2)])
+def test_interleaved_microbatches_in_flight_follow_torchs_schedule(pp, v, m):
+    from schedlang.autotune.step_cost import _layers_in_flight
+
+    layout = Layout(pp=pp, stages_per_rank=v, microbatches=m, pp_schedule="Interleaved1F1B")
+    for rank in range(pp):
+        # with v layers per rank, one per stage: the layer-microbatches are the stage-microbatches
+        assert _layers_in_flight(layout, v, pp_rank=rank) == _torch_interleaved_peak(pp, v, m, rank), rank
+
+
+def test_1f1b_and_gpipe_microbatches_in_flight():
+    """torch's Schedule1F1B runs min(m, pp - rank) forwards before rank's first backward; GPipe all of them."""
+    from schedlang.autotune.step_cost import _layers_in_flight
+
+    assert [_layers_in_flight(Layout(pp=4, microbatches=8), 1, pp_rank=r) for r in range(4)] == [4, 3, 2, 1]
+    assert [_layers_in_flight(Layout(pp=4, microbatches=2), 1, pp_rank=r) for r in range(4)] == [2, 2, 2, 1]
+    assert _layers_in_flight(Layout(pp=4, microbatches=8, pp_schedule="GPipe"), 3, pp_rank=3) == 24
+
+
+def test_a_pipeline_counts_the_logits_on_its_last_rank_only():
+    """The first rank keeps the most microbatches and no logits; the last keeps one microbatch and the logits.
+    The peak is the larger of the two ranks' activations, with the logits reported only where they are in it."""
+    tokens = 8192  # one row of 8192 per microbatch
+    deep = Layout(pp=4, microbatches=8, activation_checkpoint="full", compiled=True)  # 20 layers per rank
+    e = estimate_step(LLAMA3_70B, deep, HW64, 8, 8192)
+    layer_input = saved_bytes_per_token(LLAMA3_70B, deep)
+    logits = tokens * LLAMA3_70B.vocab * (2 + 8)  # the bf16 logits, their fp32 copy and the fp32 log-softmax
+    first, last = tokens * 4 * 20 * layer_input, tokens * 1 * 20 * layer_input + logits
+    assert first > last  # the first rank's 4 microbatches win
+    assert e.logits_bytes == 0
+    assert e.activation_bytes == pytest.approx(first + e.working_bytes)  # + one layer's while it is recomputed
+    wide = dataclasses.replace(LLAMA3_70B, vocab=4 * LLAMA3_70B.vocab)  # a vocabulary large enough to tip it
+    e = estimate_step(wide, deep, HW64, 8, 8192)
+    logits = tokens * wide.vocab * (2 + 8)
+    first, last = tokens * 4 * 20 * layer_input, tokens * 1 * 20 * layer_input + logits
+    assert first < last
+    assert e.logits_bytes == pytest.approx(logits)
+    assert e.activation_bytes == pytest.approx(last + e.working_bytes)
+
+
+def test_405b_1f1b_with_one_microbatch_per_stage_peaks_above_interleaved():
+    """torchtitan's published LLaMA-3.1-405B runs (FSDP 8 x TP 8 x PP 8, local batch 32, full AC) split the rows
+    into one microbatch per stage by default: 8 of 4 rows under 1F1B, 16 of 2 rows under Interleaved 1F1B (v=2);
+    1F1B's first rank then keeps 8 x 16 layer inputs of 4 rows, more than interleaved's 23 x 8 of 2 rows."""
+    from .shapes import LLAMA3_405B
+
+    hw = Hardware.nominal("cuda", "NVIDIA H100", memory_gib=80, world=512)
+    base = Layout(pp=8, dp=8, tp=8, sp=True, activation_checkpoint="full", compiled=True)
+    one = estimate_step(LLAMA3_405B, dataclasses.replace(base, microbatches=8), hw, 256, 8192)
+    inter = estimate_step(LLAMA3_405B, dataclasses.replace(base, microbatches=16, stages_per_rank=2,
+                                                            pp_schedule="Interleaved1F1B"), hw, 256, 8192)
+    assert one.total_bytes > inter.total_bytes
+    layer_input = saved_bytes_per_token(LLAMA3_405B, base)
+    assert one.activation_bytes - one.working_bytes == pytest.approx(8 * 16 * 4 * 8192 * layer_input)
+    assert inter.activation_bytes - inter.working_bytes == pytest.approx(23 * 8 * 2 * 8192 * layer_input)
