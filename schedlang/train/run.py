@@ -101,7 +101,7 @@ class _Run:
                 sch[f"{layers}.{cut}"].cut_pipeline_stage()
             pipeline = {"schedule": ns.pp_schedule, "n_microbatches": ns.microbatches, "loss_fn": self._pipeline_loss}
         bf16 = ns.dtype == "bf16"
-        if ns.dp > 1:
+        if ns.dp * self.cp > 1:  # under cp, FSDP / DDP run on dp and cp flattened (see distributed.mesh)
             policy = "bf16" if bf16 else "fp32"
             if ns.reduce_dtype == "bf16":  # the bf16 gradients summed as they are, with no casts
                 policy = {"param_dtype": "bfloat16", "reduce_dtype": "bfloat16"}

@@ -92,9 +92,11 @@ def test_the_planner_splits_activations_over_cp_and_counts_the_kv_exchange_on_it
     assert {c.link for c in wide.collectives if c.group == "cp"} == {NETWORK}  # 4 cp ranks 2 apart: two nodes
     assert layout_json(split)["cp"] == 2 and layout_json(whole)["cp"] == 1
     assert "cp=2" in split.layout.describe()
-    # without FSDP the replicated gradients are averaged over cp once per step
+    # cp alone: FSDP shards over the cp ranks, as the trainer does
     alone = estimate_step(shape, Layout(cp=2), hw, global_batch=4, seq=4096)
-    assert any(c.what == "context-parallel gradients" and c.op == "all-reduce" for c in alone.collectives)
+    whole_alone = estimate_step(shape, Layout(), hw, global_batch=4, seq=4096)
+    assert alone.params_bytes == pytest.approx(whole_alone.params_bytes / 2)
+    assert any(c.op == "reduce-scatter" and c.group == "dp" for c in alone.collectives)
 
 
 def test_dry_run_json_has_the_real_cp(tmp_path):
