@@ -252,7 +252,8 @@ class StepEstimate:
     optimizer_s: float
     tokens: int
     memory_limit: float
-    #: the logits, their fp32 copy and their gradient (part of ``activation_bytes``)
+    #: the logits, their fp32 copy and their gradient (part of ``activation_bytes``); 0 for a pipeline whose peak
+    #: rank is the first, which holds no logits
     logits_bytes: float = 0.0
     global_batch: int = 0
     seq: int = 0
@@ -413,20 +414,25 @@ def _gathers_per_step(layout: Layout, layers: int) -> Tuple[int, int]:
     return (m + 1 if layout.reshard else 1), 1
 
 
-def _layers_in_flight(layout: Layout, layers: int) -> float:
-    """Layer-microbatches whose activations the first pipeline rank (the one holding the most) keeps at once.
+def _layers_in_flight(layout: Layout, layers: int, pp_rank: int = 0) -> float:
+    """Layer-microbatches whose activations pipeline rank ``pp_rank`` keeps at once (``layers`` per rank).
 
-    GPipe runs every forward before any backward. 1F1B's first rank runs ``pp`` forwards before its first
-    backward. The interleaved schedule's first rank warms up with ``(v - 1) pp + 2 (pp - 1)`` forwards of a
-    stage (``layers / v`` layers each) and one more before its first backward."""
+    GPipe runs every forward before any backward, on every rank. torch's 1F1B warms rank ``r`` up with
+    ``pp - 1 - r`` forwards and runs one more before its first backward: ``pp`` microbatches on the first rank,
+    one on the last. The interleaved schedule warms rank ``r`` up with ``(v - 1) pp + 2 (pp - 1 - r)`` forwards of
+    a stage (``layers / v`` layers each) and runs one more before its first backward. A steady phase pairs each
+    forward with a backward, so the count before the first backward is the rank's peak. torch takes the
+    microbatches in rounds of ``m // max(1, m // pp)`` (``pp`` where ``pp`` divides ``m``), which replace ``pp``
+    in the interleaved warm-up."""
     pp, v, m = layout.pp, layout.stages_per_rank, layout.microbatches
     if pp == 1:
         return layers
     if layout.pp_schedule == "GPipe":
         return m * layers
     if v == 1:
-        return min(m, pp) * layers
-    return min(m * v, (v - 1) * pp + 2 * (pp - 1) + 1) * layers / v
+        return min(m, pp - pp_rank) * layers
+    per_round = m // max(1, m // pp)
+    return min(m * v, (v - 1) * per_round + 2 * (pp - 1 - pp_rank) + 1) * layers / v
 
 
 def estimate_step(shape: ModelShape, layout: Layout, hw: Hardware, global_batch: int, seq: int) -> StepEstimate:
@@ -466,12 +472,21 @@ def estimate_step(shape: ModelShape, layout: Layout, hw: Hardware, global_batch:
     per_token = _activation_bytes_per_token(shape, layout)
     saved = saved_bytes_per_token(shape, layout)
     acts = microbatch_tokens * _layers_in_flight(layout, layers) * saved
-    if layout.recomputes:  # one layer's activations while it is recomputed
-        acts += microbatch_tokens * per_token
     logits = 0.0
     if not layout.optimize or tp > 1:  # the logits, their fp32 copy and their gradient
         logits = microbatch_tokens * shape.vocab / tp * (compute_bytes + 8)
-    acts += logits
+    if pp > 1:
+        # the logits live on the last pipeline rank, which keeps the fewest microbatches in flight; the first rank
+        # keeps the most and no logits: the rank with the larger sum sets the peak (the stages are equal in size)
+        last = microbatch_tokens * _layers_in_flight(layout, layers, pp_rank=pp - 1) * saved + logits
+        if last <= acts:
+            logits = 0.0
+        else:
+            acts = last
+    else:
+        acts += logits
+    if layout.recomputes:  # one layer's activations while it is recomputed
+        acts += microbatch_tokens * per_token
     working = microbatch_tokens * per_token
     if layout.float8:  # the float8 copies of a layer's matmul inputs
         working += microbatch_tokens * sum(a / (tp if row else 1) for a, _, row in _layer_matmuls(shape))
