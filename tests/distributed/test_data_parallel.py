@@ -275,3 +275,51 @@ def test_single_process_without_torch_distributed_skips_data_parallel_steps():
     built, _ = schedlang.build(sch)
     x = torch.randn(3, 4)
     torch.testing.assert_close(built(x), model(x))
+
+
+def _accumulated_gradients(rank, world, master_weights):
+    """On each rank: two microbatches of this rank's rows with the replicas' gradient sync off for the first
+    (``set_gradient_sync``); the gradient all-reduces the step issued, the units switched, and the gradients."""
+    from unittest import mock
+
+    from schedlang.distributed.data_parallel import set_gradient_sync
+
+    sch = schedlang.create_schedule(_model(), mesh=make_mesh(dp=world, device_type="cpu"))
+    sch.replicate()
+    if master_weights:  # torch's DDP-based replicate over the optimizer's bf16 copies
+        model, _ = schedlang.build(sch, optimizer="adamw", master_weights=True, lr=LR)
+    else:  # the FSDP-based replicate
+        model, _ = schedlang.build(sch, optimizer=torch.optim.AdamW, lr=LR)
+    tokens = _batches()[0][rank * BATCH // world:(rank + 1) * BATCH // world]
+    reductions = []
+    real = dist.all_reduce
+
+    def counting(tensor, *args, **kwargs):
+        if tensor.numel() > 1:
+            reductions.append(tensor.numel())
+        return real(tensor, *args, **kwargs)
+
+    units = []
+    with mock.patch.object(dist, "all_reduce", counting):
+        for k, rows in enumerate(tokens.chunk(2)):
+            units.append(set_gradient_sync(model, k == 1))
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=master_weights):  # bf16 weights: bf16 matmuls
+                loss = model(input_ids=rows[:, :-1], labels=rows[:, 1:], use_cache=False).loss / 2
+            loss.backward()
+    grads = {n: _full(p.grad).detach().float().clone() for n, p in model.named_parameters()}
+    return reductions, units, grads
+
+
+@pytest.mark.parametrize("master_weights", [False, True], ids=["fsdp-replicate", "ddp-replicate"])
+def test_gradient_sync_off_defers_the_reduction_to_the_last_microbatch(master_weights):
+    """Both replicate engines skip the all-reduce of a microbatch run with the sync off and reduce the summed
+    gradients with the last one: the ranks end with the same gradients, after one reduction per bucket."""
+    results = run_distributed(_accumulated_gradients, world_size=2, timeout=300, args=(master_weights,))
+    for reductions, units, _ in results:
+        assert units == [1, 1]  # one unit, at the root, switched off then on
+        assert len(reductions) >= 1
+        # one step's buckets, each reduced once: the gradient elements reduced are the parameters' count
+        assert sum(reductions) == sum(g.numel() for g in results[0][2].values())
+    (_, _, first), (_, _, second) = results
+    for name in first:
+        torch.testing.assert_close(first[name], second[name], rtol=0, atol=0, msg=name)
