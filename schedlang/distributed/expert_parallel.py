@@ -28,13 +28,13 @@ router, a shared expert, attention) holds the gradient of this rank's loss only 
 data-parallel reduction. So: sum the non-expert gradients over the data-parallel ranks as usual, never
 reduce expert gradients over the expert-parallel group (its ranks hold different experts), sum them over
 the ranks holding the *same* experts (data-parallel ranks outside the group, if any), and scale both
-alike (divide by the data-parallel size for a mean). :func:`is_expert_parameter` tells them apart.
+alike (divide by the data-parallel size for a mean). :func:`expert_parameters` tells them apart.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import List, Optional, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -42,24 +42,20 @@ from torch import nn
 
 from . import groups
 
-__all__ = ["all_to_all", "exchange_counts", "route_to_experts", "ExpertParallelExperts", "is_expert_parameter",
-           "expert_slice"]
+__all__ = ["all_to_all", "exchange_counts", "route_to_experts", "ExpertParallelExperts", "expert_parameters"]
 
 logger = logging.getLogger("schedlang.distributed.expert_parallel")
 
-#: attribute set on each expert weight of an expert-parallel block: ``(ep_size, ep_rank, full_shape)``
-EXPERT_SLICE_ATTR = "_schedlang_expert_slice"
-
-
-def is_expert_parameter(param: torch.Tensor) -> bool:
-    """Whether ``param`` is a rank's slice of expert weights under expert parallelism (see the module
-    docstring for how its gradient differs from a replicated parameter's)."""
-    return getattr(param, EXPERT_SLICE_ATTR, None) is not None
-
-
-def expert_slice(param: torch.Tensor) -> Optional[Tuple[int, int, Tuple[int, ...]]]:
-    """``(ep_size, ep_rank, full_shape)`` of an expert weight slice; None for any other tensor."""
-    return getattr(param, EXPERT_SLICE_ATTR, None)
+def expert_parameters(model: nn.Module) -> Dict[str, Tuple[int, int, Tuple[int, ...]]]:
+    """Name -> ``(ep_size, ep_rank, full_shape)`` of every parameter of ``model`` that is a rank's slice of
+    expert weights (see the module docstring for how their gradients differ from the others'). Read from
+    the expert-parallel modules, so it holds for copies of the model too."""
+    found = {}
+    for path, module in model.named_modules():
+        if isinstance(module, ExpertParallelExperts):
+            for name, full_shape in module.expert_weight_shapes.items():
+                found[f"{path}.{name}" if path else name] = (module.ep_size, module.ep_rank, full_shape)
+    return found
 
 
 class _AllToAll(torch.autograd.Function):
@@ -141,6 +137,17 @@ def route_to_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weig
     return out.index_add(0, token_sorted, weighted.to(out.dtype))
 
 
+class _GroupHandle:
+    """The expert-parallel process group as a module attribute: a copy of the model (``copy.deepcopy``, as
+    ``Verify`` and ``build`` make) shares the group, which cannot be copied."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def __deepcopy__(self, memo):
+        return self
+
+
 class ExpertParallelExperts(nn.Module):
     """A block's experts module under expert parallelism: holds this rank's slice of the expert weights
     (the family's tensor names, the experts along dim 0) and routes tokens over ``ep_group``.
@@ -160,17 +167,21 @@ class ExpertParallelExperts(nn.Module):
         local = total // ep
         for name in weight_names:
             full = experts._parameters[name]
-            piece = nn.Parameter(full.detach()[rank * local:(rank + 1) * local].clone(),
-                                 requires_grad=full.requires_grad)
-            setattr(piece, EXPERT_SLICE_ATTR, (ep, rank, tuple(full.shape)))
-            new._parameters[name] = piece
+            new._parameters[name] = nn.Parameter(full.detach()[rank * local:(rank + 1) * local].clone(),
+                                                 requires_grad=full.requires_grad)
+        new.__dict__["expert_weight_shapes"] = {name: tuple(experts._parameters[name].shape) for name in weight_names}
         new.__dict__["family_class"] = type(experts)
-        new.__dict__["ep_group"] = group
+        new.__dict__["_ep_group"] = _GroupHandle(group)
         new.__dict__["ep_size"] = ep
         new.__dict__["ep_rank"] = rank
         new.__dict__["total_experts"] = total
         new.__dict__["local_experts"] = local
         return new
+
+    @property
+    def ep_group(self):
+        """The expert-parallel process group (None: the world)."""
+        return self._ep_group.group
 
     def _family_view(self) -> nn.Module:
         # the family's forward, run on an object of its class that shares this module's tables, sees

@@ -8,13 +8,23 @@ import copy
 import pytest
 import torch
 
-from schedlang.distributed.expert_parallel import is_expert_parameter, route_to_experts
+from schedlang.distributed.expert_parallel import expert_parameters, route_to_experts
 from tests.helpers.distributed import run_distributed
 from tests.helpers.moe_models import FAMILIES, rank_batches, tiny_model
 
 pytest.importorskip("transformers")
 
 TOL = dict(rtol=1e-4, atol=1e-5)
+TOLS = {torch.float32: TOL, torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+
+
+def _close(actual, expected, dtype):
+    """float32: tight; bfloat16: each rounding of a product or sum is off by up to 2^-8 of the values it
+    combines, so the absolute error is bounded relative to the tensor's largest magnitude."""
+    tol = dict(TOLS[dtype])
+    if dtype == torch.bfloat16:
+        tol["atol"] = tol["atol"] * max(1.0, float(expected.detach().abs().max()))
+    torch.testing.assert_close(actual.float(), expected, **tol)
 
 
 def _dense_route(hidden, index, weights, expert_weights):
@@ -42,8 +52,9 @@ def _route_case(rank: int, world: int, experts: int = 8):
     return hidden, index, weights, expert_weights
 
 
-def _check_route(rank: int, world: int, group=None):
-    hidden, index, weights, full = _route_case(rank, world)
+def _check_route(rank: int, world: int, group=None, dtype=torch.float32):
+    """``route_to_experts`` in ``dtype`` against the dense reference in float32 on the same rounded values."""
+    hidden, index, weights, full = (t.to(dtype) if t.is_floating_point() else t for t in _route_case(rank, world))
     hidden.requires_grad_(True)
     weights.requires_grad_(True)
     local = full.shape[0] // world
@@ -57,21 +68,24 @@ def _check_route(rank: int, world: int, group=None):
         return out + 0 * mine.sum()
 
     got = route_to_experts(hidden, index, weights, full.shape[0], run_local, group)
-    grad_out = torch.randn(got.shape, generator=torch.Generator().manual_seed(5 + rank))
+    assert got.dtype == dtype
+    grad_out = torch.randn(got.shape, generator=torch.Generator().manual_seed(5 + rank)).to(dtype)
     (got * grad_out).sum().backward()
-    ref_hidden, ref_weights = hidden.detach().clone().requires_grad_(True), weights.detach().clone().requires_grad_(True)
-    ref_full = full.clone().requires_grad_(True)
+    ref_hidden = hidden.detach().float().requires_grad_(True)
+    ref_weights = weights.detach().float().requires_grad_(True)
+    ref_full = full.float().requires_grad_(True)
     ref = _dense_route(ref_hidden, index, ref_weights, ref_full)
-    (ref * grad_out).sum().backward()
-    torch.testing.assert_close(got, ref, **TOL)
-    torch.testing.assert_close(hidden.grad, ref_hidden.grad, **TOL)
-    torch.testing.assert_close(weights.grad, ref_weights.grad, **TOL)
-    return mine.grad, ref_full.grad
+    (ref * grad_out.float()).sum().backward()
+    _close(got, ref, dtype)
+    _close(hidden.grad, ref_hidden.grad, dtype)
+    _close(weights.grad, ref_weights.grad, dtype)
+    return mine.grad.float(), ref_full.grad
 
 
-def test_route_to_experts_one_rank_matches_dense_reference():
-    expert_grad, ref_grad = _check_route(0, 1)
-    torch.testing.assert_close(expert_grad, ref_grad, **TOL)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_route_to_experts_one_rank_matches_dense_reference(dtype):
+    expert_grad, ref_grad = _check_route(0, 1, dtype=dtype)
+    _close(expert_grad, ref_grad, dtype)
     assert not ref_grad[1].any() and not ref_grad[6].any()  # the experts no token chose
 
 
@@ -95,7 +109,8 @@ def _family_errors(rank: int, world: int, family: str):
     ref_losses = [_losses_and_grads(reference, b) for b in batches]  # gradients summed over every rank's batch
     sch = schedlang.create_schedule(original)
     sch.expert_parallel()
-    model = sch.mod
+    model, _ = schedlang.build(sch)
+    model = copy.deepcopy(model)  # a copy shares the group (Verify and build copy models)
     loss, aux = _losses_and_grads(model, batches[rank])
     errors = []
 
@@ -110,9 +125,12 @@ def _family_errors(rank: int, world: int, family: str):
         check("router aux loss", aux, ref_losses[rank][1])
     ref_params = dict(reference.named_parameters())
     expert_count = 0
+    spread = expert_parameters(model)
     for name, p in model.named_parameters():
         ref = ref_params[name].grad
-        if is_expert_parameter(p):
+        if name in spread:
+            if spread[name] != (world, rank, tuple(ref_params[name].shape)):
+                errors.append(f"{family} rank {rank}: {name} recorded as {spread[name]}")
             expert_count += 1
             local = p.shape[0]
             check(f"{name} (this rank's experts)", p.grad, ref[rank * local:(rank + 1) * local])
@@ -134,11 +152,31 @@ def _worker(rank: int, world: int):
 
     torch.set_num_threads(1)  # the ranks share the machine's cores
 
-    _check_route(rank, world, dist.group.WORLD)
+    for dtype in TOLS:
+        expert_grad, ref_grad = _check_route(rank, world, dist.group.WORLD, dtype)
+        dist.all_reduce(ref_grad)  # a local expert's gradient comes from every rank's tokens
+        local = expert_grad.shape[0]
+        _close(expert_grad, ref_grad[rank * local:(rank + 1) * local], dtype)
     errors = []
     for family in FAMILIES:
         errors += _family_errors(rank, world, family)
+    if world == 4:
+        errors += _uneven_refused(rank)
     return errors
+
+
+def _uneven_refused(rank: int):
+    import schedlang
+    from schedlang.errors import ShardError
+
+    sch = schedlang.create_schedule(tiny_model("qwen3_moe", experts=6))
+    try:
+        sch.expert_parallel()
+    except ShardError as e:
+        want = ("model.layers.0.mlp.experts: cannot spread 6 experts over an expert-parallel group of 4 ranks: valid "
+                "group sizes divide 6 (1, 2, 3, 6)")
+        return [] if str(e) == want and len(sch.plan) == 0 else [f"rank {rank}: uneven refusal said {e}"]
+    return [f"rank {rank}: 6 experts over 4 ranks were not refused"]
 
 
 @pytest.mark.parametrize("world", [2, 4])

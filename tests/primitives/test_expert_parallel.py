@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import schedlang
-from schedlang.distributed.expert_parallel import ExpertParallelExperts, is_expert_parameter
+from schedlang.distributed.expert_parallel import ExpertParallelExperts, expert_parameters
 from schedlang.errors import ScheduleValueError, UnsupportedModelError
 from tests.helpers.moe_models import FAMILIES, rank_batches, tiny_model
 
@@ -43,7 +43,9 @@ def test_one_rank_keeps_the_family_numerics(family):
     assert got_grads.keys() == want_grads.keys()
     for name, grad in want_grads.items():
         torch.testing.assert_close(got_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
-    assert any(is_expert_parameter(p) for p in sch.mod.parameters())
+    spread_weights = expert_parameters(sch.mod)
+    assert spread_weights["model.layers.1.mlp.experts.down_proj"][:2] == (1, 0)
+    assert set(spread_weights) == {n for n in want_grads if ".experts." in n and "shared" not in n}
 
 
 def test_plan_replays_from_json():
