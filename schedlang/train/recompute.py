@@ -6,6 +6,13 @@ keep their outputs (q, v, the MLP's gate and its down projection in a LLaMA laye
 are kept; every other op (the remaining matmuls, norms, rotary embeddings, the activation function) is
 recomputed in the backward. This is the op-level policy torchtitan calls selective, and what the planner
 (:mod:`schedlang.autotune.step_cost`) counts for it.
+
+A compiled layer must be checkpointed *before* it is compiled: ``torch.compile`` then traces the checkpoint
+with its policy, so the compiler's partitioner saves exactly the policy's outputs and recomputes the rest
+inside the compiled backward. The other order (a checkpoint around already compiled code) saves nothing the
+policy names and, in the backward, replays the whole layer *uncompiled* (the checkpoint disables the compiler
+for its recomputation): slower than full checkpointing for about its memory. :func:`checkpoint_selectively`
+refuses a compiled forward for that reason.
 """
 
 from __future__ import annotations
@@ -17,7 +24,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-__all__ = ["selective_policy", "checkpoint_selectively"]
+from ..errors import ScheduleValueError
+
+__all__ = ["selective_policy", "checkpoint_selectively", "trace_checkpoints_whole"]
 
 _aten = torch.ops.aten
 #: the ops a Linear runs as (2-D matmul, with or without its bias)
@@ -50,9 +59,16 @@ def _contexts():
     return create_selective_checkpoint_contexts(selective_policy())
 
 
-def checkpoint_selectively(layer: nn.Module) -> None:
-    """Run ``layer``'s forward under selective checkpointing (where gradients are recorded)."""
+def checkpoint_selectively(layer: nn.Module, where: str = "layer") -> None:
+    """Run ``layer``'s forward under selective checkpointing (where gradients are recorded); compile the layer
+    afterwards, if at all. ``where`` names the layer in errors (its path in the model)."""
     forward = layer.forward
+    if getattr(forward, "_torchdynamo_orig_callable", None) is not None:
+        raise ScheduleValueError(
+            f"{where}: selective checkpointing got an already compiled forward; a checkpoint around compiled "
+            "code recomputes the whole layer uncompiled in the backward and saves none of the "
+            "policy's outputs; checkpoint the layer first, then torch.compile it (compile_layers after "
+            "checkpoint_selectively)")
 
     @functools.wraps(forward)
     def checkpointed(*args, **kwargs):
@@ -61,3 +77,24 @@ def checkpoint_selectively(layer: nn.Module) -> None:
         return checkpoint(forward, *args, use_reentrant=False, context_fn=_contexts, **kwargs)
 
     layer.forward = checkpointed
+
+
+
+def trace_checkpoints_whole(layer: nn.Module) -> None:
+    """Run ``layer``'s compiled forward (checkpointed, then compiled) with the compiler allowed to trace a
+    checkpoint whose forward sets state outside itself. transformers' attention, where the ``kernels`` package is
+    installed, sets and resets a context variable in its forward; the compiler refuses that inside a checkpoint
+    (it could not replay the set in the recomputation), breaks the layer's graph there and runs the checkpoint
+    eagerly, so the layer would recompute uncompiled in the backward. The variable is reset before the forward
+    returns: not replaying the set changes nothing. The setting holds during the layer's calls only (where the
+    compiler traces and recompiles), not process-wide."""
+    if not hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+        return  # a torch without the setting: the graph break stays, the numerics are the same
+    forward = layer.forward
+
+    @functools.wraps(forward)
+    def traced_whole(*args, **kwargs):
+        with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+            return forward(*args, **kwargs)
+
+    layer.forward = traced_whole

@@ -116,7 +116,8 @@ class _Run:
         if ns.optimize:
             from ..models import optimize_model
 
-            optimize_model(sch, compile="layers" if ns.compile else None,
+            # selective checkpointing wraps the built layers, and must do so before they are compiled (recompute.py)
+            optimize_model(sch, compile="layers" if ns.compile and ns.activation_checkpoint != "selective" else None,
                            selective_checkpoint="all" if ns.activation_checkpoint == "full" else None,
                            float8="tensorwise" if getattr(ns, "float8", False) else None)
             applied = sch.metadata["optimize"]["applied"]
@@ -134,12 +135,18 @@ class _Run:
         if ns.activation_checkpoint == "selective":  # pp=1 (checked): the layers are the model's
             from .recompute import checkpoint_selectively
 
-            for layer in self.model.get_submodule(layers):
-                checkpoint_selectively(layer)
-        if ns.compile and not ns.optimize:  # optimize_model compiled the layers already
+            for i, layer in enumerate(self.model.get_submodule(layers)):
+                checkpoint_selectively(layer, where=f"{layers}.{i}")
+        # optimize_model compiled the layers already, unless they are checkpointed selectively
+        if ns.compile and (not ns.optimize or ns.activation_checkpoint == "selective"):
             for module in self._modules():
                 if any(isinstance(m, torch.nn.ModuleList) for m in module.modules()):  # a stage may hold no layer
                     compile_layers(module)
+            if ns.activation_checkpoint == "selective":
+                from .recompute import trace_checkpoints_whole
+
+                for layer in self.model.get_submodule(layers):
+                    trace_checkpoints_whole(layer)
         logger.info("rank %d: built %s (%d parameters) as %s", self.rank, type(self.model).__name__, self.n_params,
                     self.layout())
 
