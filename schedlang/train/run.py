@@ -205,8 +205,6 @@ class _Run:
     def forward_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The mean token loss of ``inputs`` against ``labels`` (aligned), through the run's model (pp=1)."""
         autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast)
-        with autocast:  # with the fused loss the labels go in aligned with the inputs: no shift inside
-            out = (self.model(input_ids=inputs, labels=labels, shift_labels=labels, use_cache=False)
         if self.cp > 1:
             # the model keeps this rank's tokens of the inputs; the labels (aligned, so shifted on the full
             # sequence) follow the same split. Every cp rank holds as many tokens (no label is ignored), so
@@ -214,6 +212,8 @@ class _Run:
             from ..distributed.context_parallel import split_sequence
 
             labels = split_sequence(labels, 1, self.cp, self.mesh.get_local_rank("cp"))
+        with autocast:  # with the fused loss the labels go in aligned with the inputs: no shift inside
+            out = (self.model(input_ids=inputs, labels=labels, shift_labels=labels, use_cache=False)
                    if self.fused_loss else self.model(input_ids=inputs, use_cache=False))
         return out.loss if self.fused_loss else self._loss(out.logits, labels)
 
