@@ -42,7 +42,8 @@ from torch import nn
 
 from . import groups
 
-__all__ = ["all_to_all", "exchange_counts", "route_to_experts", "ExpertParallelExperts", "expert_parameters"]
+__all__ = ["all_to_all", "exchange_counts", "route_to_experts", "ExpertParallelExperts", "expert_parameters",
+           "reduce_gradients"]
 
 logger = logging.getLogger("schedlang.distributed.expert_parallel")
 
@@ -212,3 +213,25 @@ class ExpertParallelExperts(nn.Module):
         return (f"{self.family_class.__name__}, experts {self.ep_rank * self.local_experts}.."
                 f"{(self.ep_rank + 1) * self.local_experts - 1} of {self.total_experts} on rank {self.ep_rank} "
                 f"of {self.ep_size}")
+
+
+def reduce_gradients(model: nn.Module, dp_group=None, replica_group=None, average: bool = True) -> None:
+    """The data-parallel gradient reduction of a model with expert-parallel blocks, in place.
+
+    Every gradient that is not an expert slice's is summed over ``dp_group`` (None: the world). An expert
+    slice's gradient already holds the sum over its expert-parallel group's losses: it is summed over
+    ``replica_group`` only, the ranks holding the same experts in the other expert-parallel groups (None
+    where the expert-parallel group is the whole data-parallel group). With ``average`` every gradient is
+    then divided by the data-parallel size, the gradient of the mean of the ranks' losses.
+    """
+    dp = groups.world_size(dp_group)
+    spread = expert_parameters(model)
+    for name, param in model.named_parameters():
+        if param.grad is None:
+            continue
+        group = replica_group if name in spread else dp_group
+        if name not in spread or replica_group is not None:
+            if groups.world_size(group) > 1:
+                dist.all_reduce(param.grad, group=group)
+        if average and dp > 1:
+            param.grad.div_(dp)

@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from schedlang.distributed.expert_parallel import expert_parameters, route_to_experts
+from schedlang.distributed.expert_parallel import expert_parameters, reduce_gradients, route_to_experts
 from tests.helpers.distributed import run_distributed
 from tests.helpers.moe_models import FAMILIES, rank_batches, tiny_model
 
@@ -160,8 +160,57 @@ def _worker(rank: int, world: int):
     errors = []
     for family in FAMILIES:
         errors += _family_errors(rank, world, family)
+    errors += _training_errors(rank, world, ep=world)
     if world == 4:
+        errors += _training_errors(rank, world, ep=2)
         errors += _uneven_refused(rank)
+    return errors
+
+
+def _training_errors(rank: int, world: int, ep: int, steps: int = 3):
+    """Data parallelism over the world with experts spread over groups of ``ep`` ranks: SGD steps give the
+    losses and weights of one process stepping on the mean of every rank's loss."""
+    import torch.distributed as dist
+
+    import schedlang
+
+    ep_groups = [dist.new_group(list(range(g, g + ep))) for g in range(0, world, ep)]
+    replica_groups = [dist.new_group(list(range(r, world, ep))) for r in range(ep)] if ep < world else None
+    ep_group = ep_groups[rank // ep]
+    replica_group = replica_groups[rank % ep] if replica_groups else None
+    original = tiny_model("qwen3_moe", seed=3)
+    reference = copy.deepcopy(original)
+    batches = rank_batches(world)
+    sch = schedlang.create_schedule(original)
+    sch.expert_parallel(ep_group)
+    model = sch.mod
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    errors = []
+    for step in range(steps):
+        ref_opt.zero_grad()
+        ref_loss = sum(reference(b, labels=b).loss for b in batches) / world
+        ref_loss.backward()
+        ref_opt.step()
+        opt.zero_grad()
+        loss = model(batches[rank], labels=batches[rank]).loss
+        loss.backward()
+        reduce_gradients(model, None, replica_group)
+        opt.step()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        if not torch.allclose(mean / world, ref_loss.detach(), **TOL):
+            errors.append(f"ep {ep} rank {rank} step {step}: mean loss {float(mean) / world} != {float(ref_loss)}")
+    ref_params = dict(reference.named_parameters())
+    ep_rank = rank % ep
+    for name, p in model.named_parameters():
+        want = ref_params[name].detach()
+        if name in expert_parameters(model):
+            local = p.shape[0]
+            want = want[ep_rank * local:(ep_rank + 1) * local]
+        if not torch.allclose(p.detach(), want, **TOL):
+            errors.append(f"ep {ep} rank {rank}: {name} after {steps} steps differs by "
+                          f"{float((p.detach() - want).abs().max())}")
     return errors
 
 
