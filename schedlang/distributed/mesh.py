@@ -99,7 +99,8 @@ def make_mesh(pp: int = 1, dp: int = 1, tp: int = 1, dp_replicate: int = 1, devi
         set_group_timeout(mesh.get_group(i), timeout)
     if cp > 1:
         # made here, while every rank builds the mesh together (flattening is a collective step)
-        set_group_timeout(data_parallel_mesh(mesh).get_group(), timeout)
+        flat = data_parallel_mesh(mesh)
+        set_group_timeout(flat.get_group(flat.ndim - 1), timeout)  # (dp_replicate, dp_shard_cp): the second
     return mesh
 
 

@@ -1,6 +1,6 @@
 """Context parallelism on gloo: loss, logits (gathered to global order) and every parameter gradient equal
 a single process's, for LLaMA (GQA), Qwen3, Mistral (sliding window) and Gemma-2 (sliding layers, soft-capped
-scores), with cp alone, and with tensor parallelism and FSDP2 beside it."""
+scores), with cp alone, and with tensor parallelism, FSDP2 and HSDP beside it."""
 
 import copy
 
@@ -63,8 +63,12 @@ def _case(family, mesh_sizes, length, tp=False, fsdp=False):
             sch[f"model.layers.{i}"].fully_shard(mp_policy="fp32")
         sch.fully_shard(mp_policy="fp32")
     model, _ = schedlang.build(sch, optimizer=torch.optim.SGD, lr=0.1)
-    data_rank = mesh["dp"].get_local_rank()
-    data_ranks = mesh["dp"].size()
+    if "dp_replicate" in mesh.mesh_dim_names:  # HSDP: the replicas' rows follow one another
+        shard = mesh["dp_shard"].size()
+        data_rank = mesh["dp_replicate"].get_local_rank() * shard + mesh["dp_shard"].get_local_rank()
+        data_ranks = mesh["dp_replicate"].size() * shard
+    else:
+        data_rank, data_ranks = mesh["dp"].get_local_rank(), mesh["dp"].size()
     torch.manual_seed(1)
     tokens = torch.randint(0, 128, (2 * data_ranks, length))
     rows = slice(2 * data_rank, 2 * data_rank + 2)
@@ -109,9 +113,10 @@ def test_cp_alone_world2_four_families():
     assert results[0]["llama"]["local_len"] == 6
 
 
-def test_cp_world4_alone_with_tp_and_with_fsdp():
+def test_cp_world4_alone_and_beside_tp_fsdp_hsdp():
     cases = {"cp4": ("mistral", {"cp": 4}, 24),
              "cp2_tp2": ("qwen3", {"cp": 2, "tp": 2}, 12, True),
              "dp2_cp2_fsdp": ("gemma2", {"cp": 2, "dp": 2}, 20, False, True),
-             "cp2_tp2_fsdp": ("llama", {"cp": 2, "tp": 2}, 12, True, True)}
+             "cp2_tp2_fsdp": ("llama", {"cp": 2, "tp": 2}, 12, True, True),
+             "hsdp2_cp2": ("llama", {"dp_replicate": 2, "cp": 2}, 20, False, True)}
     _check(run_distributed(_worker, world_size=4, args=(cases,), timeout=300))
