@@ -417,9 +417,8 @@ def _gathers_per_step(layout: Layout, layers: int) -> Tuple[int, int]:
 def _layers_in_flight(layout: Layout, layers: int, pp_rank: int = 0) -> float:
     """Layer-microbatches whose activations pipeline rank ``pp_rank`` keeps at once (``layers`` per rank).
 
-    GPipe runs every forward before any backward, on every rank. torch's 1F1B warms rank ``r`` up with
-    ``pp - 1 - r`` forwards and runs one more before its first backward: ``pp`` microbatches on the first rank,
-    one on the last. The interleaved schedule warms rank ``r`` up with ``(v - 1) pp + 2 (pp - 1 - r)`` forwards of
+    GPipe runs every forward before any backward, on every rank. torch's 1F1B runs ``pp - r`` forwards on rank
+    ``r`` before its first backward: ``pp`` microbatches on the first rank, one on the last. The interleaved schedule warms rank ``r`` up with ``(v - 1) pp + 2 (pp - 1 - r)`` forwards of
     a stage (``layers / v`` layers each) and runs one more before its first backward. A steady phase pairs each
     forward with a backward, so the count before the first backward is the rank's peak. torch takes the
     microbatches in rounds of ``m // max(1, m // pp)`` (``pp`` where ``pp`` divides ``m``), which replace ``pp``
