@@ -112,6 +112,10 @@ class ExpertParallel(Primitive):
             raise UnsupportedModelError(
                 f"{where}: expert_parallel supports experts kept as 3-D tensors in one module (transformers 5.x); "
                 f"{', '.join(lists)} is an nn.ModuleList of separate expert MLPs")
+        spread = [_join(sch.path, sub) for sub, m in sch.mod.named_modules() if isinstance(m, ExpertParallelExperts)]
+        if not found and spread:
+            raise ScheduleValueError(f"{where}: expert_parallel: the experts under {type(sch.mod).__name__} are spread "
+                                     f"already ({', '.join(spread)}); a block's experts are spread once")
         if not found:
             raise ScheduleValueError(f"{where}: expert_parallel found no mixture-of-experts block under "
                                      f"{type(sch.mod).__name__}: valid targets hold an experts module with 3-D "

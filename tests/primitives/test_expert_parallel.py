@@ -90,3 +90,16 @@ def test_refuses_a_mesh_dimension_without_a_mesh():
                                                  r"schedule's mesh; valid dimension names: none \(the schedule was "
                                                  r"made without mesh=\)"):
         sch.expert_parallel("ep")
+
+
+def test_one_layer_then_the_rest_then_nothing_left():
+    sch = schedlang.create_schedule(tiny_model("olmoe"))
+    sch["model.layers.1"].expert_parallel()
+    spread = [p for p, m in sch.mod.named_modules() if isinstance(m, ExpertParallelExperts)]
+    assert spread == ["model.layers.1.mlp.experts"]
+    sch.expert_parallel()  # finds the block not spread yet
+    with pytest.raises(ScheduleValueError, match=r"<root>: expert_parallel: the experts under OlmoeForCausalLM are "
+                                                 r"spread already \(model.layers.0.mlp.experts, "
+                                                 r"model.layers.1.mlp.experts\); a block's experts are spread once"):
+        sch.expert_parallel()
+    assert [s.primitive for s in sch.plan.steps] == ["expert_parallel", "expert_parallel"]
