@@ -241,7 +241,12 @@ def _payload(fn: Callable, args: Sequence[Any], caller: str) -> bytes:
     if not callable(fn) or not qualname or "<locals>" in qualname or "<lambda>" in qualname:
         raise ScheduleValueError(f"{caller}: the function to run on the ranks must be defined at module level "
                                  f"(the ranks find it by name), got {qualname or fn!r}")
-    if getattr(fn, "__module__", None) == "__main__":
+    main_spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if getattr(fn, "__module__", None) == "__main__" and getattr(main_spec, "name", "__main__") != "__main__":
+        # the main script is a module run with ``python -m package.module``: the ranks import it by that name, so
+        # its relative imports resolve (loaded as a file, it would have no package)
+        how, where = "module", (main_spec.name, qualname)
+    elif getattr(fn, "__module__", None) == "__main__":
         path = getattr(getattr(fn, "__code__", None), "co_filename", "") or getattr(sys.modules["__main__"], "__file__", "")
         path = os.path.abspath(path) if path else path
         if not path or not os.path.isfile(path):

@@ -96,6 +96,11 @@ def _load_work(path: str) -> Tuple[Callable, tuple]:
             _loaded_files[file] = run_definitions(file)
         sys.modules["__main__"] = _loaded_files[file]
         fn = find_definition(_loaded_files[file], qualname)
+    elif how == "module":
+        import importlib
+
+        module_name, qualname = where
+        fn = find_definition(importlib.import_module(module_name), qualname)
     else:
         fn = pickle.loads(where)
     return fn, pickle.loads(args_blob)

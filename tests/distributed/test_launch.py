@@ -184,6 +184,21 @@ def test_a_script_run_by_python_launches_its_own_functions(tmp_path):
     assert done.stdout.splitlines() == ["rank 0 saw [0, 1]", "results [2, 4]"]
 
 
+def test_a_module_run_with_python_m_launches_its_own_functions_with_relative_imports(tmp_path):
+    # ``python -m package.module``: the ranks import the module by its name, so its relative imports resolve
+    package = tmp_path / "launching_package"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "constants.py").write_text("FACTOR = 2\n")
+    (package / "main.py").write_text(SCRIPT.replace("FACTOR = 2", "from .constants import FACTOR").replace(
+        "results = schedlang.launch", 'if __name__ == "__main__":\n    results = schedlang.launch').replace(
+        'print("results"', '    print("results"'))
+    done = subprocess.run([sys.executable, "-m", "launching_package.main"], capture_output=True, text=True,
+                          timeout=240, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines() == ["rank 0 saw [0, 1]", "results [2, 4]"]
+
+
 def test_a_script_executed_like_sphinx_gallery_launches_its_own_functions(tmp_path):
     # Sphinx-gallery compiles each block with the file's name, runs it in a stand-in __main__ module
     # that has no __file__ and no path to import it by
