@@ -108,8 +108,9 @@ def group_of(model_or_group) -> ContextParallelGroup:
             if found is not None:
                 break
     if found is None:
-        raise ScheduleValueError(f"context parallel: {type(model_or_group).__name__} is neither a model "
-                                 f"context_parallel was applied to nor a ContextParallelGroup")
+        raise ScheduleValueError(f"context_parallel: {type(model_or_group).__name__} is neither a model "
+                                 f"context_parallel was applied to nor a ContextParallelGroup; pass the model the "
+                                 f"primitive was applied to, or its group")
     return found
 
 
@@ -145,7 +146,8 @@ def context_parallel_attention(module, query, key, value, attention_mask, dropou
     padding, and causality (and the window) come from global positions."""
     cp_group: ContextParallelGroup = module._schedlang_context_parallel
     if kwargs.get("s_aux") is not None:
-        raise ScheduleValueError(f"{type(module).__name__}: context-parallel attention has no attention sinks")
+        raise ScheduleValueError(f"{type(module).__name__}: context-parallel attention has no attention sinks; "
+                                 f"only attention without sinks (s_aux=None) is supported")
     local = query.shape[2]
     length = local * cp_group.size
     keys = gather_sequence(key, 2, cp_group)

@@ -74,7 +74,8 @@ class ContextParallel(Primitive):
         config = getattr(module, "config", None)
         impl = getattr(config, "_attn_implementation", None)
         if impl == cp_engine.ATTENTION_NAME:
-            raise ScheduleValueError(f"{where}: context_parallel was already applied to this model")
+            raise ScheduleValueError(f"{where}: context_parallel was already applied to this model; call it "
+                                     f"once, on the model's root")
         if config is None or impl not in SUPPORTED_ATTENTION:
             raise _refuse(where, f"its attention implementation is {impl!r}; context parallelism reproduces "
                                  f"{' or '.join(map(repr, SUPPORTED_ATTENTION))} (set config._attn_implementation)")

@@ -124,7 +124,8 @@ class ExpertParallel(Primitive):
             if getattr(module, "has_post_expert_norm", False) or any(
                     True for child in module.children() for _weight in child.parameters()):
                 raise UnsupportedModelError(f"{path}: expert_parallel cannot spread {type(module).__name__}: a module "
-                                            "with weights runs inside its experts (a norm after each expert)")
+                                            "with weights runs inside its experts (a norm after each expert); only "
+                                            "experts of 3-D gate_up_proj/down_proj tensors alone are supported")
             total = int(module._parameters["down_proj"].shape[0])
             if total % ep:
                 valid = ", ".join(str(d) for d in range(1, total + 1) if total % d == 0)

@@ -114,4 +114,5 @@ def test_refusals_and_the_recorded_step_on_a_one_rank_cp_mesh():
     assert found["padding"] == ("<root>: context_parallel does not support padding: attention_mask has zeros; pass "
                                 "sequences without padding (attention_mask=None or all ones)")
     assert found["odd"].startswith("<root>: a sequence of 9 tokens does not split over cp=1 ranks")
-    assert found["twice"] == "<root>: context_parallel was already applied to this model"
+    assert found["twice"] == ("<root>: context_parallel was already applied to this model; call it once, on the "
+                              "model's root")

@@ -355,7 +355,8 @@ class SchedlangTracer(ExampleValues, TracerBase):
         mark.rewind(self.metas)
         out = self._inline_forward(m)(*args, **kwargs)
         if node_codes(mark.nodes_after()) != in_other_mode:
-            raise TraceError(f"{self.where()}: the operations of {type(m).__qualname__} depend on its training mode")
+            raise TraceError(f"{self.where()}: the operations of {type(m).__qualname__} depend on its training "
+                             f"mode; it is called as one opaque function instead")
         return out
 
     def _keep_foreign_whole(self, m: nn.Module) -> bool:
