@@ -18,6 +18,13 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(DOCS / "_ext"))  # gallery_svg, named below by module path: Sphinx caches the config
 os.environ.setdefault("TRITON_INTERPRET", "1")  # tutorials that launch Triton kernels run on CPU builders too
 
+# transformers imports torchao whenever it is installed; on a CPU build of torch torchao logs that its CUDA
+# extensions failed to load, which the gallery would capture into the pages of every tutorial that builds an HF
+# model. The same filters as `schedlang train` and the launched ranks use (kept at debug).
+from schedlang.quiet_imports import quiet_torchao_import  # noqa: E402
+
+quiet_torchao_import()
+
 project = "schedlang"
 author = "schedlang developers"
 copyright = "2026, schedlang developers"
