@@ -43,6 +43,8 @@ _EFFICIENCY = {"optimize": 0.48, "compile": 0.42, "eager": 0.33}
 _CONTENTION = 0.1
 #: bytes a CUDA rank holds besides the tensors counted here (cuBLAS workspace, allocator slack)
 _CUDA_ALLOWANCE = 0.5 * GIB
+#: the share of a GPU's peak that a forward bf16 GEMM of a layer's size reaches (H100: ~0.7 at hidden 2048 and up)
+_FORWARD_GEMM_EFFICIENCY = 0.7
 #: the part of a device's memory a layout may plan to use
 USABLE_MEMORY = 0.9
 #: NVLink 4 (H100 / H200 SXM) per direction, as NCCL's bus bandwidth reaches it on 8 GPUs
@@ -378,7 +380,10 @@ def _selective_bytes_per_token(shape: ModelShape, layout: Layout) -> float:
     """What op-level selective checkpointing keeps per token and layer: the layer's input, every other matmul's
     output (the first, third ...; a row-parallel one's whole partial sum), attention's output and log-sum-exp."""
     c, tp = _bytes(layout.dtype), layout.tp
-    saved = sum(out / (1 if row else tp) for k, (_, out, row) in enumerate(_layer_matmuls(shape)) if k % 2 == 0)
+    # a compiled layer does not keep a row-parallel matmul's output (o, down): only the residual add reads it, and
+    # its backward needs none of it; eager checkpointing's cache keeps every output the policy names
+    saved = sum(out / (1 if row else tp) for k, (_, out, row) in enumerate(_layer_matmuls(shape))
+                if k % 2 == 0 and not (row and layout.compiled))
     attention = shape.heads * shape.head_dim * c / tp + 4 * shape.heads / tp
     return _layer_input_bytes(shape, layout) + saved * c + attention
 
@@ -396,6 +401,18 @@ def saved_bytes_per_token(shape: ModelShape, layout: Layout) -> float:
     if layout.activation_checkpoint == "selective":
         return _selective_bytes_per_token(shape, layout)
     return _activation_bytes_per_token(shape, layout)
+
+
+def _recompute_flops_per_token(shape: ModelShape, layout: Layout, seq: int) -> float:
+    """Forward flops per token that checkpointing runs again in the backward. Full: every layer's forward but its
+    last matmul (down or fc2), whose output no backward reads, so the recomputation stops before it; attention's
+    forward at its causal cost (flash attention skips the masked half). Selective: the policy's recomputed
+    matmuls (the norms, rotary embeddings and the activation are elementwise: no flops worth counting)."""
+    if layout.activation_checkpoint == "full":
+        last_in, last_out, _ = _layer_matmuls(shape)[-1]
+        attention = 2 * shape.layers * shape.hidden * seq
+        return 2 * (_layer_gemm_params(shape) - shape.layers * last_in * last_out) + attention
+    return 2 * _layer_gemm_params(shape) * selective_recompute_share(shape)
 
 
 def _layer_gemm_params(shape: ModelShape) -> float:
@@ -497,17 +514,17 @@ def estimate_step(shape: ModelShape, layout: Layout, hw: Hardware, global_batch:
     tokens = global_batch * seq
     flops_per_token = 6 * shape.flops_params + 12 * shape.layers * shape.hidden * seq
     gemm = 6 * _layer_gemm_params(shape)  # the layers' matmuls: what float8 speeds up
-    if layout.activation_checkpoint == "full":  # the forward once more
-        flops_per_token *= 4 / 3
-        gemm *= 4 / 3
-    elif layout.activation_checkpoint == "selective":
-        extra = 2 * _layer_gemm_params(shape) * selective_recompute_share(shape)
-        flops_per_token += extra
+    efficiency = _EFFICIENCY["optimize" if layout.optimize and layout.compiled else
+                             "compile" if layout.compiled else "eager"] if hw.device == "cuda" else 1.0
+    if layout.recomputes:
+        extra = _recompute_flops_per_token(shape, layout, seq)
+        # recomputation is forward matmuls (and flash attention's forward), which run at a plain GEMM's rate, not
+        # at the step's average rate (which the backward's attention and the elementwise kernels pull down)
+        rate = max(efficiency, _FORWARD_GEMM_EFFICIENCY) if hw.device == "cuda" else 1.0
+        flops_per_token += extra * efficiency / rate
         gemm += extra
     if layout.float8 and hw.device == "cuda" and any(k in hw.name for k in FLOAT8_DEVICES):
         flops_per_token -= gemm / 2  # float8 GEMMs at twice the bf16 rate
-    efficiency = _EFFICIENCY["optimize" if layout.optimize and layout.compiled else
-                             "compile" if layout.compiled else "eager"] if hw.device == "cuda" else 1.0
     compute = tokens * flops_per_token / (world * hw.peak_flops * efficiency)
     sizes = layout.mesh_sizes()
     collectives: List[Collective] = []

@@ -189,3 +189,26 @@ def test_405b_1f1b_with_one_microbatch_per_stage_peaks_above_interleaved():
     layer_input = saved_bytes_per_token(LLAMA3_405B, base)
     assert one.activation_bytes - one.working_bytes == pytest.approx(8 * 16 * 4 * 8192 * layer_input)
     assert inter.activation_bytes - inter.working_bytes == pytest.approx(23 * 8 * 2 * 8192 * layer_input)
+
+
+def test_a_compiled_layer_under_selective_checkpointing_keeps_no_row_parallel_output():
+    """The compiler saves what a backward reads: o's and down's outputs feed only the residual add, so a compiled
+    layer keeps q, v and gate of the policy's q, v, gate and down (eager checkpointing's cache keeps all four)."""
+    h, kv, i = 4096, 1024, 14336
+    compiled = Layout(dp=8, activation_checkpoint="selective", compiled=True, optimize=True)
+    assert saved_bytes_per_token(LLAMA3_8B, compiled) == 2 * (h + (h + kv + i) + h) + 4 * 32
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_recomputation_costs_its_forward_flops_at_a_forward_gemms_rate(mode):
+    """Full: every layer's forward but its last matmul (down), with attention's causal forward; selective: the
+    policy's recomputed matmuls (k, o, up). Both run at a plain forward GEMM's rate (0.7 of the peak)."""
+    hw = Hardware.nominal("cuda", "NVIDIA H100", world=8)
+    h, kv, i, layers, seq, tokens = 4096, 1024, 14336, 32, 8192, 16 * 8192
+    none, checkpointed = (estimate_step(LLAMA3_8B, Layout(dp=8, activation_checkpoint=m, compiled=True,
+                                                          optimize=True), hw, 16, seq) for m in ("none", mode))
+    if mode == "full":
+        flops = 2 * layers * (2 * h * h + 2 * h * kv + 2 * h * i) + 2 * layers * h * seq
+    else:
+        flops = 2 * layers * (h * kv + h * h + h * i)
+    assert checkpointed.compute_s - none.compute_s == pytest.approx(tokens * flops / (8 * hw.peak_flops * 0.7))
