@@ -335,5 +335,6 @@ def run_demo(world_size: int = 2, device: str = "cpu", progress: Optional[Callab
     out.append("\nWhat to try next:\n"
                "  schedlang train --model llama --config tiny --nproc 2 --tp 2 --steps 20   (train on any layout)\n"
                "  schedlang report --out report.html                                      (this schedule, as a page)\n"
-               "  the tutorials in tutorials/ (python tutorials/01_quickstart.py), rendered by python -m sphinx -W -b html docs docs/_build")
+               "  the tutorials in tutorials/ (python tutorials/01_quickstart.py), rendered by\n"
+               "    python -m sphinx -W -b html docs docs/_build")
     return "\n".join(out)
