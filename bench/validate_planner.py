@@ -94,7 +94,70 @@ def run() -> Dict:
             "transformers": transformers.__version__, "schedlang": getattr(schedlang, "__version__", ""),
             "tolerance_pct": 100 * TOLERANCE, "common_flags": COMMON, "rows": rows,
             "reserve_measured": {"file": str(newest_reserve().relative_to(ROOT)),
-                                 "rows": json.loads(newest_reserve().read_text())["rows"]}}
+                                 "rows": json.loads(newest_reserve().read_text())["rows"]},
+            "measured": measured_rows()}
+
+
+#: the goals of the rows measured on our own GPUs: memory within 10%, step time within 15%
+MEASURED_MEMORY_TOLERANCE, MEASURED_STEP_TOLERANCE = 0.10, 0.15
+
+
+def measured_files() -> List[Path]:
+    """Every run of bench/planner_measured.py, oldest first (by the date it records, then by name)."""
+    found = sorted(RESULTS.glob("*-planner-measured-*.json"), key=lambda p: (json.loads(p.read_text())["date"], p.name))
+    if not found:
+        raise SystemExit("validate_planner: no bench/results/*-planner-measured-*.json; run bench/planner_measured.py "
+                         "on a GPU machine")
+    return found
+
+
+def estimate_measured(flags: List[str], gpus: int) -> Dict:
+    """The dry-run plan, on this code, of a command line that bench/planner_measured.py ran on ``gpus`` GPUs."""
+    from schedlang import train as trainer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "plan.json"
+        code = trainer.main(["--dry-run", "--nodes", "1", "--gpus-per-node", str(gpus), "--gpu-memory-gib", "80",
+                             *flags, "--json", str(out)])
+        if code != 0:
+            raise SystemExit(f"validate_planner: the dry run of {flags} failed (exit {code})")
+        return json.loads(out.read_text())
+
+
+def measured_rows() -> Dict:
+    """The trainer's measured peak memory and step time on our GPUs beside the planner's estimate of today: each
+    row of bench/planner_measured.py from the newest run that measured it."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("planner_measured", ROOT / "bench" / "planner_measured.py")
+    planner_measured = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(planner_measured)
+    newest: Dict[str, tuple] = {}
+    for path in measured_files():
+        data = json.loads(path.read_text())
+        for row in data["rows"]:
+            if "error" not in row:
+                newest[row["name"]] = (path, data, row)
+    rows, devices = [], set()
+    for wanted in planner_measured.ROWS:
+        if wanted["name"] not in newest:
+            continue
+        path, data, row = newest[wanted["name"]]
+        devices.add(data["device"])
+        plan = estimate_measured(row["flags"], row["gpus"])
+        peak, step = plan["peak_gib"] / row["measured_peak_gib"] - 1, plan["step_ms"] / row["measured_step_ms"] - 1
+        rows.append({"name": row["name"], "gpus": row["gpus"], "flags": row["flags"], "device": data["device"],
+                     "file": str(path.relative_to(ROOT)), "git_sha": data["git_sha"], "versions": data["versions"],
+                     "measured_peak_gib": round(row["measured_peak_gib"], 2),
+                     "estimated_peak_gib": round(plan["peak_gib"], 2), "peak_error_pct": round(100 * peak, 1),
+                     "measured_step_ms": round(row["measured_step_ms"], 1),
+                     "measured_step_ms_min_max": [round(t, 1) for t in row["measured_step_ms_min_max"]],
+                     "estimated_step_ms": round(plan["step_ms"], 1), "step_error_pct": round(100 * step, 1),
+                     "within_tolerance": (abs(peak) <= MEASURED_MEMORY_TOLERANCE
+                                          and abs(step) <= MEASURED_STEP_TOLERANCE)})
+    return {"devices": sorted(devices), "rows": rows,
+            "not_measured": [f"{w['name']} ({w['gpus']} GPUs)" for w in planner_measured.ROWS
+                             if w["name"] not in newest]}
 
 
 def newest_results() -> Path:
@@ -217,6 +280,7 @@ def render(data: Dict) -> str:
                   f"     - ``{row['layout']}``"]
     lines += ["", "Error = estimated / published - 1. The flags of each row are in the JSON (``flags``, after "
               "``common_flags``); every row runs ``schedlang train`` with them.", "", ASSUMPTIONS, _remaining(data)]
+    lines += _measured_section(data["measured"])
     missed = [r for r in data["rows"] if not r["within_tolerance"]]
     if missed:
         lines += ["Rows outside the goal", "---------------------", ""]
@@ -225,6 +289,33 @@ def render(data: Dict) -> str:
                          f"{r['published_gib']:.1f} GiB). {r.get('why_missed', '')}".rstrip())
         lines.append("")
     return "\n".join(lines)
+
+
+def _measured_section(measured: Dict) -> List[str]:
+    title = "Against our own runs"
+    lines = [title, "-" * len(title), "",
+             f"The trainer's measured peak memory (``torch.cuda.max_memory_allocated``) and median step time (steps "
+             f"after the first four; the fastest and slowest in brackets) on {', '.join(measured['devices'])}, beside "
+             f"the planner's estimate of the same command line on this commit. Goal: memory within "
+             f"{100 * MEASURED_MEMORY_TOLERANCE:.0f}%, step time within {100 * MEASURED_STEP_TOLERANCE:.0f}%. Measured "
+             f"by ``bench/planner_measured.py``; each row's file, commit and versions are in the results JSON "
+             f"(``measured``).", "",
+             ".. list-table::", "   :header-rows: 1", "",
+             "   * - Run", "     - Peak measured (GiB)", "     - Estimated", "     - Error",
+             "     - Step measured (ms)", "     - Estimated", "     - Error"]
+    for row in measured["rows"]:
+        lines += [f"   * - {row['name']}", f"     - {row['measured_peak_gib']:.1f}",
+                  f"     - {row['estimated_peak_gib']:.1f}", f"     - {row['peak_error_pct']:+.1f}%"
+                  + ("" if abs(row["peak_error_pct"]) <= 100 * MEASURED_MEMORY_TOLERANCE else " (outside the goal)"),
+                  f"     - {row['measured_step_ms']:.0f} ({row['measured_step_ms_min_max'][0]:.0f}-"
+                  f"{row['measured_step_ms_min_max'][1]:.0f})",
+                  f"     - {row['estimated_step_ms']:.0f}", f"     - {row['step_error_pct']:+.1f}%"
+                  + ("" if abs(row["step_error_pct"]) <= 100 * MEASURED_STEP_TOLERANCE else " (outside the goal)")]
+    lines.append("")
+    if measured["not_measured"]:
+        lines += ["Not measured yet (no machine of that many GPUs was lent so far): "
+                  + "; ".join(measured["not_measured"]) + ".", ""]
+    return lines
 
 
 def main(argv=None) -> int:

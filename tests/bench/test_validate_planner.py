@@ -42,3 +42,23 @@ def test_each_rows_error_is_what_the_json_says_and_the_estimates_are_current(val
         # the planner as it is now gives the same estimate (the results are regenerated with the model)
         assert validate.estimate(spec)["peak_gib"] == pytest.approx(row["estimated_gib"], abs=0.01), row["name"]
     assert data["git_sha"] and data["torch"] and data["transformers"]
+
+
+def test_our_measured_runs_sit_beside_their_estimates_of_today(validate):
+    data = json.loads(validate.newest_results().read_text())
+    page = validate.PAGE.read_text()
+    measured = data["measured"]
+    assert measured["rows"], "no measured row"
+    for row in measured["rows"]:
+        assert row["name"] in page
+        assert row["peak_error_pct"] == pytest.approx(100 * (row["estimated_peak_gib"] / row["measured_peak_gib"] - 1),
+                                                      abs=0.06)
+        assert row["step_error_pct"] == pytest.approx(100 * (row["estimated_step_ms"] / row["measured_step_ms"] - 1),
+                                                      abs=0.06)
+        # the estimate is the planner's as it is now
+        plan = validate.estimate_measured(row["flags"], row["gpus"])
+        assert plan["peak_gib"] == pytest.approx(row["estimated_peak_gib"], abs=0.01), row["name"]
+        assert plan["step_ms"] == pytest.approx(row["estimated_step_ms"], abs=0.1), row["name"]
+    # the layouts no lent machine could run are listed as not measured, not left out
+    for name in measured["not_measured"]:
+        assert name.split(" (")[0] in page
