@@ -57,8 +57,13 @@ def load_results(directory: Path) -> List[dict]:
             continue
         if not isinstance(data, dict) or not isinstance(data.get("rows"), list) or not data.get("gpus"):
             continue
+        # the harness names each row's work; other results that keep rows (the planner's measured runs) are not
+        # benchmark rows and have pages of their own
+        rows = [r for r in data["rows"] if isinstance(r, dict) and r.get("work")]
+        if not rows:
+            continue
         header = {k: v for k, v in data.items() if k != "rows"}
-        out.append({"path": path, "header": header, "rows": data["rows"]})
+        out.append({"path": path, "header": header, "rows": rows})
     # newest last: by date, then the time a run wrote its file (files of older runs have none), then name
     out.sort(key=lambda f: (str(f["header"].get("date", "")), str(f["header"].get("time", "")), f["path"].name))
     return out
