@@ -76,6 +76,16 @@ class _Agents:
             _agent_command(self.port, self.run_id, node, self.flags, self.max_restarts), env=self.env,
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
+    def start_both(self):
+        self.start(0)
+        time.sleep(1)  # node 0 hosts the rendezvous store
+        self.start(1)
+
+    def run_to_end(self):
+        self.start_both()
+        codes = self.wait(time.monotonic() + 600)
+        assert codes == {0: 0, 1: 0}, self.output()
+
     def kill(self, node: int):
         """The node is lost: its agent and every process under it at once (torchrun starts each worker in a
         session of its own, so the agent's process group alone would leave the workers running)."""
@@ -148,11 +158,7 @@ def test_two_nodes_of_two_ranks_train_with_the_losses_of_one_process(tmp_path, r
     metrics = tmp_path / "two-nodes.jsonl"
     flags = COMMON + ["--steps", str(STEPS), "--dp", "4", "--metrics", str(metrics)]
     with _Agents(tmp_path, flags) as agents:
-        agents.start(0)
-        time.sleep(1)  # node 0 hosts the rendezvous store
-        agents.start(1)
-        codes = agents.wait(time.monotonic() + 600)
-        assert codes == {0: 0, 1: 0}, agents.output()
+        agents.run_to_end()
     _assert_same_losses(_records(metrics), reference)
 
 
@@ -168,11 +174,7 @@ def test_a_run_saved_on_one_node_resumes_on_two(tmp_path, reference):
     flags = COMMON + ["--steps", str(STEPS), "--dp", "4", "--metrics", str(metrics), "--checkpoint-dir", str(ckpt),
                       "--resume"]
     with _Agents(tmp_path, flags) as agents:
-        agents.start(0)
-        time.sleep(1)  # node 0 hosts the rendezvous store
-        agents.start(1)
-        codes = agents.wait(time.monotonic() + 600)
-        assert codes == {0: 0, 1: 0}, agents.output()
+        agents.run_to_end()
     second = _records(metrics)
     assert [r["step"] for r in second] == list(range(half + 1, STEPS + 1)), agents.output()
     _assert_same_losses(first + second, reference)
@@ -191,9 +193,7 @@ def test_a_lost_node_rejoins_and_the_run_continues_from_its_checkpoint(tmp_path,
     # forever (seen with torch 2.13); the docs' multi-node commands set this too
     env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     with _Agents(tmp_path, flags, max_restarts=2, env=env) as agents:
-        agents.start(0)
-        time.sleep(1)  # node 0 hosts the rendezvous store
-        agents.start(1)
+        agents.start_both()
         deadline = time.monotonic() + 900
         while True:  # lose node 1 once a checkpoint exists and the run has gone past it
             assert agents.procs[0].poll() is None and agents.procs[1].poll() is None, agents.output()
