@@ -97,13 +97,15 @@ def exchange_counts(send_counts: torch.Tensor, group) -> torch.Tensor:
 
 
 def route_to_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                     num_experts: int, local_experts, group) -> torch.Tensor:
+                     num_experts: int, local_experts, group, on_counts=None) -> torch.Tensor:
     """The weighted sum, per token, of its top-k experts' outputs, the experts spread over ``group``.
 
     ``hidden`` [T, H]; ``top_k_index`` [T, k] global expert ids (an id outside [0, num_experts) is a choice
     left out, as transformers' padding value ``num_experts``); ``top_k_weights`` [T, k].
     ``local_experts(rows, local_ids)`` runs this rank's experts (``num_experts / ep`` of them, ids local)
     on rows sorted by local id and returns their outputs, unweighted, in the same order.
+    ``on_counts``, if given, is called with the number of rows each local expert received from the whole
+    group in this call (a tensor of ``num_experts / ep`` integers, outside autograd).
     """
     ep = groups.world_size(group)
     local = num_experts // ep
@@ -125,6 +127,8 @@ def route_to_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weig
         local_ids = torch.arange(local, device=hidden.device).repeat(ep).repeat_interleave(recv_counts.reshape(-1))
         by_expert = torch.argsort(local_ids, stable=True)
         back_order = torch.argsort(by_expert)
+        if on_counts is not None:
+            on_counts(recv_counts.sum(0))
     token_sorted = token[order]
     received = all_to_all(hidden.index_select(0, token_sorted), out_splits, in_splits, group)
     computed = local_experts(received.index_select(0, by_expert), local_ids[by_expert])
@@ -177,6 +181,7 @@ class ExpertParallelExperts(nn.Module):
         new.__dict__["ep_rank"] = rank
         new.__dict__["total_experts"] = total
         new.__dict__["local_experts"] = local
+        new.__dict__["tokens_per_expert"] = None
         return new
 
     @property
@@ -205,9 +210,15 @@ class ExpertParallelExperts(nn.Module):
         ones = torch.ones(rows.shape[0], 1, dtype=rows.dtype, device=rows.device)
         return self.family_class.forward(view, rows, local_ids.unsqueeze(-1), ones)
 
+    def _record_counts(self, counts: torch.Tensor) -> None:
+        # a plain attribute, not a buffer: it is a reading of the last forward, not state to save or copy
+        self.__dict__["tokens_per_expert"] = counts
+
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        """The block's expert output for its tokens; afterwards ``tokens_per_expert`` holds the rows each
+        local expert received from the whole group in this call (``local_experts`` integers)."""
         return route_to_experts(hidden_states, top_k_index, top_k_weights, self.total_experts, self.run_local,
-                                self.ep_group)
+                                self.ep_group, on_counts=self._record_counts)
 
     def extra_repr(self) -> str:
         return (f"{self.family_class.__name__}, experts {self.ep_rank * self.local_experts}.."

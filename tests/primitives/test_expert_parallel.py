@@ -18,6 +18,11 @@ from tests.helpers.moe_models import FAMILIES, rank_batches, tiny_model
 pytest.importorskip("transformers")
 
 
+def _top_k(model) -> int:
+    config = model.config
+    return int(getattr(config, "num_experts_per_tok", None) or getattr(config, "num_experts_per_token", None))
+
+
 def _run(model, batch):
     model.zero_grad(set_to_none=True)
     out = model(batch, labels=batch)
@@ -45,6 +50,10 @@ def test_one_rank_keeps_the_family_numerics(family):
         torch.testing.assert_close(got_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
     spread_weights = expert_parameters(sch.mod)
     assert spread_weights["model.layers.1.mlp.experts.down_proj"][:2] == (1, 0)
+    # each block counts the (token, choice) rows its experts received: the router's own choices, counted
+    for block in spread:
+        assert block.tokens_per_expert is not None and block.tokens_per_expert.shape == (block.total_experts,)
+        assert int(block.tokens_per_expert.sum()) == batch.numel() * _top_k(sch.mod)
     assert set(spread_weights) == {n for n in want_grads if ".experts." in n and "shared" not in n}
 
 
