@@ -1,5 +1,6 @@
-"""The trainer with ``--cp``: the losses and gradient norms of one process, with cp alone and beside tensor
-parallelism; a checkpoint saved at cp=2 resumes exactly under dp=2; flags that cannot work are named."""
+"""The trainer with ``--cp``: the losses and gradient norms of one process, with cp alone, beside tensor
+parallelism and beside data parallelism (FSDP and DDP); a checkpoint saved at cp=2 resumes exactly under
+dp=2; flags that cannot work are named."""
 
 from __future__ import annotations
 
@@ -53,6 +54,14 @@ def test_cp2_trains_like_one_process_and_resumes_under_dp2(reference, work):
 
 def test_cp2_beside_tp2_trains_like_one_process(reference, work):
     _assert_same(_run(work, "cp2-tp2", "--nproc", "4", "--cp", "2", "--tp", "2"), reference)
+
+
+@pytest.mark.parametrize("mode", ["fsdp", "ddp"])
+def test_cp2_beside_dp2_trains_like_one_process(reference, work, mode):
+    # the data-parallel reduction runs over dp and cp flattened: each of the four ranks holds a quarter of
+    # the step's tokens (half the batch, half of each sequence)
+    _assert_same(_run(work, f"cp2-dp2-{mode}", "--nproc", "4", "--cp", "2", "--dp", "2", "--dp-mode", mode),
+                 reference)
 
 
 @pytest.mark.parametrize("flags, message", [
