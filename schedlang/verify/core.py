@@ -39,6 +39,7 @@ from ..plan import Plan, apply_steps
 from . import ranks, slapo_arguments
 from .compare import compare_tensors, nonfinite_summary, reduction_size_of, tolerance_for
 from .counterparts import CounterpartFinder
+from .expert_split import ExpertSplit
 from .input_agreement import check_inputs_agree
 from .locate import ModuleRecorder, attention_hint, first_divergence, flatten_outputs, split_input_hint
 from .rng import fresh_forked_streams, rng_preserved, rng_state
@@ -315,6 +316,9 @@ class Verify:
             with agreement(group, phase="verify: replaying the plan"):
                 apply_steps(replayed, Plan(self.sch.plan.steps))
             scheduled = replayed._state.module
+            experts = ExpertSplit(scheduled)  # expert parallelism: each rank its own tokens, where it can
+            args, kwargs = experts.own_tokens(args, kwargs)
+            report.notes += [experts.note()] if experts.spread else []
             size = self.reduction_size or reduction_size_of(reference, list(args) + list(kwargs.values()))
             from ..primitives.float8 import is_float8
 
@@ -324,7 +328,8 @@ class Verify:
                                     "0.3), not element by element")
             tol_for = functools.partial(tolerance_for, rtol=self.rtol, atol=self.atol, reduction_size=size,
                                         float8=float8)
-            pass_ = _Pass(self, report, reference, scheduled, base_params, tol_for, group, device, args, kwargs)
+            pass_ = _Pass(self, report, reference, scheduled, base_params, tol_for, group, device, args, kwargs,
+                          experts)
             only = _mode_fixed_graphs(scheduled)  # graphs with a branch on the mode run in their traced mode alone
             with agreement(group, phase="verify: running the original and the scheduled model"):
                 if only["training"] and only["eval"]:
@@ -417,7 +422,7 @@ class _Pass:
     """The comparisons of one verification, shared by the eval and the training pass."""
 
     def __init__(self, verify: Verify, report: VerifyReport, reference: nn.Module, scheduled: nn.Module,
-                 base_params: Dict[int, str], tol_for, group, device, args, kwargs):
+                 base_params: Dict[int, str], tol_for, group, device, args, kwargs, experts: ExpertSplit):
         self.v, self.report = verify, report
         self.reference, self.scheduled = reference, scheduled
         self.base_params = base_params
@@ -427,6 +432,8 @@ class _Pass:
         self.heads = split_heads(scheduled)  # outputs the schedule leaves split: the vocabulary-parallel logits
         self.split: Optional[SplitOutputs] = None
         self.scales = GradientScales()  # eval mode's gradients against the original's: one common factor?
+        self.experts = experts
+        self.group_summed: Dict[str, Optional[torch.Tensor]] = {}  # the original's expert gradients, summed over ep
 
     # -------------------------------------------------------------- helpers
     def _compare(self, what: str, actual, expected, gradient: bool = False) -> None:
@@ -474,7 +481,7 @@ class _Pass:
     def _compare_parameters(self, prefix: str, warn: bool) -> None:
         report = self.report
         ref_params = dict(self.reference.named_parameters())
-        finder = CounterpartFinder("parameter", self.base_params, ref_params)
+        finder = CounterpartFinder("parameter", self.base_params, ref_params, experts=self.experts)
         for name, p in self.scheduled.named_parameters():
             parts = finder.find(name, p)
             if parts is None:
@@ -500,7 +507,8 @@ class _Pass:
                     continue
                 what = f"{prefix}gradient of {part.description}"
                 got = None if p.grad is None else part.take_local(p.grad)
-                expected = None if ref.grad is None else part.take_reference(ref.grad)
+                ref_grad = self.group_summed.get(part.reference_name) if part.summed_over_group else ref.grad
+                expected = None if ref_grad is None else part.take_reference(ref_grad)
                 report.compared.append(what)
                 if got is None and expected is None:
                     continue
@@ -562,6 +570,7 @@ class _Pass:
         self.reference.eval()
         self.scheduled.eval()
         expected, ref_rec = self.v._run_reference(self.reference, self.args, self.kwargs, self.device, "eval")
+        self.group_summed = self.experts.summed_gradients(self.reference) if self.v.check_backward else {}
         self.split = SplitOutputs(self.heads, {n: tuple(t.shape) for n, t in expected.outputs},
                                   sequence_split(self.scheduled))
         actual, rec = self._run_scheduled("eval")
@@ -582,6 +591,7 @@ class _Pass:
         forked = fresh_forked_streams(self.scheduled, self.reference)
         torch.manual_seed(self.v.seed)
         expected, ref_rec = self.v._run_reference(self.reference, self.args, self.kwargs, self.device, "training")
+        self.group_summed = self.experts.summed_gradients(self.reference) if self.v.check_backward else {}
         self.split = SplitOutputs(self.heads, {n: tuple(t.shape) for n, t in expected.outputs},
                                   sequence_split(self.scheduled))
         torch.manual_seed(self.v.seed)
@@ -614,7 +624,7 @@ class _Pass:
                     rec: ModuleRecorder, replicated_paths: Optional[List[str]]) -> None:
         """Every replicated tensor of the training pass must agree across ranks (a cross-rank step:
         every rank calls it, even one whose run failed)."""
-        if groups.world_size(self.group) <= 1:
+        if groups.world_size(self.group) <= 1 or self.experts.distinct_inputs:  # no tensor replicated: nothing to do
             if actual is not None and not streams_match:
                 self.report.warnings.append(f"training mode: {why}; training outputs and gradients could not be "
                                             f"compared with the original's (only recomputed regions were checked)")

@@ -8,7 +8,9 @@ The scheduled model is the plan replayed on a copy (``base``) of the reference, 
 * a replaced module holds new tensors: one with the name of an original tensor and its value,
   or whose value equals exactly one tensor of the original (the replacement was built from
   the original's weights), is matched by value. Values are those before the models ran
-  (running statistics change as they run).
+  (running statistics change as they run);
+* an expert-parallel block's weights are this rank's slice of its experts (``expert_parallel``, see
+  :mod:`schedlang.verify.expert_split`), matched by name.
 
 Anything else has no counterpart and is reported, never skipped in silence.
 """
@@ -38,6 +40,8 @@ class Counterpart:
     take_local: Callable[[torch.Tensor], torch.Tensor]
     take_reference: Callable[[torch.Tensor], torch.Tensor]
     whole: bool  # the scheduled tensor is the whole original tensor (not a shard or a part)
+    # an expert-parallel rank's slice of experts: its gradient is that of the group's summed losses
+    summed_over_group: bool = False
 
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
@@ -53,7 +57,8 @@ class CounterpartFinder:
     """
 
     def __init__(self, kind: str, base_tensors: Dict[int, str], reference_tensors: Dict[str, torch.Tensor],
-                 initial_values: Optional[Dict[str, torch.Tensor]] = None):
+                 initial_values: Optional[Dict[str, torch.Tensor]] = None, experts=None):
+        self.experts = experts  # the scheduled model's ExpertSplit, if any
         self.kind = kind
         self.base_tensors = base_tensors
         self.reference = reference_tensors
@@ -73,6 +78,13 @@ class CounterpartFinder:
             self.claimed.add(ref)
             what = f"{label} (shard {spec.rank}/{spec.world_size} along axis {spec.axis} of '{ref}')"
             return [Counterpart(what, ref, _identity, spec.slice_of, whole=False)]
+        spread = self.experts.counterpart_of(name, self.reference) if self.experts is not None else None
+        if spread is not None:
+            ref, start, count, rank, size = spread
+            self.claimed.add(ref)
+            what = (f"{label} (experts {start}..{start + count - 1} of '{ref}', expert-parallel rank {rank} of {size})")
+            return [Counterpart(what, ref, _identity, lambda full: full.narrow(0, start, count), whole=False,
+                                summed_over_group=size > 1)]
         from ..graph.passes.horizontal import fused_sources
 
         pieces = fused_sources(t)
