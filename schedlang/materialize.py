@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 
 from .distributed.sharding import shard_tensor
 from .errors import ScheduleValueError
-from .module_record import original_view, shard_specs
+from .module_record import expert_slice_specs, original_view, shard_specs
 
 __all__ = ["DEFAULT_INIT", "Materializer", "default_inits"]
 
@@ -65,8 +65,14 @@ def _own_tensors(module: nn.Module):
             if t is not None]
 
 
+def _spec(module: nn.Module, name: str):
+    """How ``module``'s tensor ``name`` was cut from the unsharded one: a tensor-parallel shard or a rank's slice
+    of experts (None: whole)."""
+    return shard_specs(module).get(name) or expert_slice_specs(module).get(name)
+
+
 def _full_shape(module: nn.Module, name: str, tensor: torch.Tensor) -> Tuple[int, ...]:
-    spec = shard_specs(module).get(name)
+    spec = _spec(module, name)
     return tuple(spec.full_shape) if spec is not None else tuple(tensor.shape)
 
 
@@ -97,7 +103,7 @@ def _new_tensor(shape, like: torch.Tensor, is_param: bool, device) -> torch.Tens
 
 
 def _cut(module: nn.Module, name: str, full: torch.Tensor) -> torch.Tensor:
-    spec = shard_specs(module).get(name)
+    spec = _spec(module, name)
     if spec is None:
         return full.detach()
     return shard_tensor(full, spec.axis, spec.rank, spec.world_size, getattr(spec, "groups", 1),

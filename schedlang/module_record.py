@@ -35,7 +35,7 @@ from torch import nn
 from .shard_spec import ShardSpec
 
 __all__ = ["ModuleRecord", "SyncSpec", "RECORD_ATTR", "module_record", "has_record", "update_record", "shard_specs",
-           "record_shard", "record_sync", "sync_specs", "remember_original", "original_view",
+           "record_shard", "expert_slice_specs", "record_expert_slice", "record_sync", "sync_specs", "remember_original", "original_view",
            "copy_module_as"]
 
 #: the one attribute of a module that holds its record
@@ -73,7 +73,11 @@ class ModuleRecord:
     * ``checkpointed`` / ``checkpoint_options``: the forward runs under activation checkpointing;
     * ``fused``: the module is a kernel made by ``fuse`` (opaque to tracing and pattern search);
     * ``annotations``: parameter name -> ``{key: value}`` set by ``annotate`` (``build`` sets them again
-      on the parameters it makes).
+      on the parameters it makes);
+    * ``expert_slices``: name of an own parameter -> the ``ShardSpec`` of the experts (along dim 0) that this
+      rank holds under expert parallelism (``expert_parallel``); unlike ``shards`` the slice is over the
+      expert-parallel group, not the tensor-parallel one, and stays a plain tensor at build. ``build``
+      initializes the full tensor and keeps the slice; checkpoints and export gather it back.
     """
 
     shards: Mapping[str, "ShardSpec"] = dataclasses.field(default_factory=dict)
@@ -85,6 +89,7 @@ class ModuleRecord:
     checkpoint_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     fused: bool = False
     annotations: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
+    expert_slices: Mapping[str, "ShardSpec"] = dataclasses.field(default_factory=dict)
 
     def is_empty(self) -> bool:
         return self == ModuleRecord()
@@ -122,6 +127,16 @@ def shard_specs(module: nn.Module) -> Dict[str, "ShardSpec"]:
 def record_shard(module: nn.Module, name: str, spec: "ShardSpec") -> None:
     """Record that ``module``'s tensor ``name`` is now the shard ``spec`` describes."""
     update_record(module, shards={**module_record(module).shards, name: spec})
+
+
+def expert_slice_specs(module: nn.Module) -> Dict[str, "ShardSpec"]:
+    """The expert-parallel slices of ``module``'s own tensors (name -> spec along dim 0)."""
+    return dict(module_record(module).expert_slices)
+
+
+def record_expert_slice(module: nn.Module, name: str, spec: "ShardSpec") -> None:
+    """Record that ``module``'s tensor ``name`` is this rank's slice of experts ``spec`` describes."""
+    update_record(module, expert_slices={**module_record(module).expert_slices, name: spec})
 
 
 # --------------------------------------------------------------------------- syncs

@@ -130,7 +130,7 @@ def apply_data_parallel(model: nn.Module, steps: Iterable[Tuple[str, str, Dict[s
     """
     steps = list(steps)
     ordered = sorted(steps, key=lambda s: (-(s[1].count(".") + 1 if s[1] else 0), s[1]))
-    done = []
+    done = _spread_experts_data_parallel(model, steps, dp_mesh, device, master_weights)
     for primitive, path, args in ordered:
         module = _submodule(model, path)
         if module is None:
@@ -166,6 +166,51 @@ def apply_data_parallel(model: nn.Module, steps: Iterable[Tuple[str, str, Dict[s
         else:
             _replicate(module, dp_mesh, policy)
         logger.info("%s: %s on %s", path or "<root>", primitive, dp_mesh)
+        done.append(path)
+    return done
+
+
+def _spread_experts_data_parallel(model: nn.Module, steps, dp_mesh, device: torch.device,
+                                  master_weights: Optional[torch.dtype]) -> List[str]:
+    """The data parallelism of expert-parallel experts (their own unit, before the enclosing ones take the rest).
+
+    Ranks of an expert-parallel group hold different experts, so the experts' gradients must not be reduced
+    over the data-parallel mesh: they run FSDP2 (or replicate) on their expert mesh's ``ep_replicate`` ranks,
+    which hold the same experts. Each arrives holding the sum over its expert-parallel group's losses (see
+    :mod:`schedlang.distributed.expert_parallel`); summed over the replicas it is the sum over every
+    data-parallel rank's loss, so it is divided by the whole data-parallel size, as every other gradient is."""
+    from .expert_parallel import ExpertParallelExperts, expert_mesh_of
+
+    if not steps:
+        return []
+    done = []
+    for path, module in model.named_modules():
+        if not isinstance(module, ExpertParallelExperts):
+            continue
+        mesh2d = expert_mesh_of(module)
+        if mesh2d is None:
+            raise ScheduleValueError(
+                f"{path}: the experts are spread over a process group without an expert mesh, so which ranks hold "
+                "the same experts (the ranks their data parallelism runs on) is unknown; spread them with "
+                "expert_parallel(expert_mesh(mesh, ep)) (schedlang.distributed.expert_mesh)")
+        primitive, _, args = steps[0]
+        if master_weights is not None and primitive == "replicate":
+            raise ScheduleValueError(f"{path}: replicate with fp32 master weights runs on DDP, which cannot leave the "
+                                     "expert-parallel experts to their own replicas; use fully_shard, or an "
+                                     "optimizer without master weights")
+        policy = make_mp_policy(args.get("mp_policy"), device)
+        replicas = mesh2d["ep_replicate"]
+        if primitive == "fully_shard":
+            from torch.distributed.fsdp import fully_shard
+
+            fully_shard(module, mesh=replicas, mp_policy=policy)
+        else:
+            from torch.distributed._composable.replicate_with_fsdp import replicate
+
+            replicate(module, mesh=replicas, mp_policy=policy)
+        module.set_gradient_divide_factor(float(dp_mesh.size()))
+        logger.info("%s: %s of the experts on their %d replica(s), gradients divided by %d", path, primitive,
+                    replicas.size(), dp_mesh.size())
         done.append(path)
     return done
 

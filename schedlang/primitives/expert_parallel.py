@@ -10,7 +10,9 @@ docstring in :mod:`schedlang.distributed.expert_parallel` gives the gradient con
 the group's summed gradient; everything else: this rank's, reduced as data parallelism does).
 
 ``group`` is the expert-parallel group: None (the world), the name of a dimension of the schedule's
-mesh (``"ep"``, ``"dp"``), a 1-D ``DeviceMesh``, or a process group (a process group or mesh cannot be
+mesh (``"ep"``, ``"dp"``), a 1-D ``DeviceMesh``, an expert mesh ``("ep", "ep_replicate")`` (see
+:mod:`schedlang.distributed.expert_mesh`: the experts spread over ``ep`` and their data parallelism on
+``ep_replicate``, as the trainer's ``--ep`` does), or a process group (a process group or mesh cannot be
 written to a plan's JSON; replay such a plan in the same process).
 
 Example (each rank its own batch, the experts spread over the world)::
@@ -27,7 +29,10 @@ from typing import Any, List, Tuple
 from torch import nn
 
 from ..distributed import groups
-from ..distributed.expert_parallel import ExpertParallelExperts
+from ..distributed.expert_mesh import is_expert_mesh
+from ..distributed.expert_parallel import ExpertParallelExperts, attach_expert_mesh
+from ..module_record import record_expert_slice
+from ..shard_spec import ShardSpec
 from ..distributed.shard_rules.experts import is_experts
 from ..errors import ScheduleValueError, ShardError, UnsupportedModelError
 from .base import Param, Primitive, install_in_place_of, register_primitive
@@ -58,10 +63,12 @@ def _resolve_group(sch, group: Any) -> Any:
                                      f"mesh; valid dimension names: {valid}; or pass a process group or None (the "
                                      "world)")
         return mesh[group].get_group()
+    if is_expert_mesh(group):
+        return group["ep"].get_group()
     if hasattr(group, "get_group") and hasattr(group, "mesh_dim_names"):  # a DeviceMesh
         if group.ndim != 1:
             raise ScheduleValueError(f"{where}: expert_parallel group is a {group.ndim}-D DeviceMesh "
-                                     f"{tuple(group.mesh_dim_names or ())}; pass one dimension of it (mesh['ep'])")
+                                     f"{tuple(group.mesh_dim_names or ())}; pass one dimension of it (mesh['ep']), or an expert mesh ('ep', 'ep_replicate')")
         return group.get_group()
     return group
 
@@ -138,6 +145,11 @@ class ExpertParallel(Primitive):
         for path in _blocks:
             old = sch.root[path].mod
             new = ExpertParallelExperts.from_experts(old, _group, _expert_weights(old))
+            # build initializes the full experts and keeps this rank's slice; checkpoints and export gather it
+            for name, full_shape in new.expert_weight_shapes.items():
+                record_expert_slice(new, name, ShardSpec(0, new.ep_size, new.ep_rank, tuple(full_shape)))
+            if is_expert_mesh(group):
+                attach_expert_mesh(new, group)
             install_in_place_of(sch, old, new)
             logger.info("%s: experts %d..%d of %d on expert-parallel rank %d of %d", path,
                         new.ep_rank * new.local_experts, (new.ep_rank + 1) * new.local_experts - 1, new.total_experts,

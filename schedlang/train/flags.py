@@ -99,6 +99,10 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     lay.add_argument("--cp", type=int, default=None,
                      help="context-parallel ranks: each holds 1/cp of every sequence (load-balanced for causal "
                           "attention) and all-gathers keys and values per layer; --seq must be a multiple of 2 x cp")
+    lay.add_argument("--ep", type=int, default=None,
+                     help="expert-parallel ranks, carved from the data-parallel ones (--dp, x --cp): each holds "
+                          "1/ep of every mixture-of-experts block's experts, tokens reach them by all-to-all; "
+                          "must divide --dp x --cp and the number of experts (default 1)")
     lay.add_argument("--sp", action="store_true", help="sequence parallelism on the tp ranks")
     lay.add_argument("--dp-mode", default=None, choices=["fsdp", "hsdp", "ddp"],
                      help="FSDP2 (fully_shard), HSDP (FSDP2 sharded over --dp-shard ranks, replicated over "
@@ -449,6 +453,9 @@ def validate_layout(ns: argparse.Namespace, world: int) -> None:
               f"launch {layout} ranks (--nproc {layout} or torchrun --nproc_per_node={layout}) or change the layout")
     if ns.cp > 1:
         _validate_context_parallel(ns)
+    from .experts import validate_expert_flags
+
+    validate_expert_flags(ns)
     if ns.dp_mode is None:
         ns.dp_mode = "fsdp"
     if ns.reduce_dtype is None:

@@ -17,6 +17,7 @@ import torch
 from ..autotune.training_cost import (GIB, Choice, Hardware, Layout, ModelShape, StepEstimate, choose_layout,
                                       estimate_json, estimate_step, format_estimate)
 from .configs import Dims, build_meta_model, head_dim, model_config, model_dims, valid_tp_sizes, validate_model
+from .experts import check_expert_counts, count_experts
 from .flags import TOY_GLOBAL_BATCH, TOY_SEQ, _device_type, _fail, validate_layout
 from .structure import decoder_layers, embedding_params, flops_params, is_tied, tensor_parallel_problem
 
@@ -33,6 +34,8 @@ class ModelFacts:
     layers_path: str
     n_params: int
     tp_problem: Optional[str] = None
+    #: experts per mixture-of-experts block (None: a dense model), for --ep
+    experts: Optional[int] = None
 
 
 def model_facts(ns: argparse.Namespace, check_tensor_parallel: bool = False) -> ModelFacts:
@@ -58,12 +61,13 @@ def model_facts(ns: argparse.Namespace, check_tensor_parallel: bool = False) -> 
                        params=n_params, flops_params=flops_params(meta), embedding_params=embedding_params(meta),
                        gated_mlp=gated, tied=is_tied(meta))
     problem = tensor_parallel_problem(meta) if check_tensor_parallel else None
-    return ModelFacts(cfg, dims, shape, path, n_params, problem)
+    return ModelFacts(cfg, dims, shape, path, n_params, problem, count_experts(meta))
 
 
 def check_model_layout(ns: argparse.Namespace, facts: ModelFacts) -> None:
     """The layout of ``ns`` against the model: every refusal before a weight is allocated."""
     validate_model(ns, facts.dims, facts.cfg)
+    check_expert_counts(ns, facts.experts)
     if ns.tp > 1 and facts.tp_problem:
         _fail(f"--tp {ns.tp}: {facts.cfg.model_type} models cannot be split by tensor parallelism here: "
               f"{facts.tp_problem}; use --tp 1 (data or pipeline parallelism)")

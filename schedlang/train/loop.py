@@ -21,6 +21,7 @@ import torch
 
 from .data import open_data
 from .flags import TrainError, _device_type, _fail
+from .experts import load_text
 from .layout import (apply_layout, choice_block, choose, estimate, hardware, measure_link, model_facts, plan_block,
                      probe_candidates)
 from .resume import finish_saves
@@ -156,6 +157,7 @@ def train(ns: argparse.Namespace, rank: int = 0, world: int = 1) -> Optional[Dic
         rec = {"step": step, "loss": loss, "tokens_per_s": tps, "mfu": tps * flops_per_token / peak,
                "mem_gib": float(item["mem"]), "mem_estimated_gib": estimated_gib, "lr": out["lr"],
                "grad_norm": float(out["grad_norm"]), "step_time_s": dt, "layout": layout}
+        rec.update({k: out[k] for k in ("tokens_per_expert_min", "tokens_per_expert_max") if k in out})
         if item.get("eval") is not None:
             rec["eval_loss"] = float(item["eval"])
         history.append(rec)
@@ -164,7 +166,7 @@ def train(ns: argparse.Namespace, rank: int = 0, world: int = 1) -> Optional[Dic
             evaluated = f"  eval loss {rec['eval_loss']:.4f}" if "eval_loss" in rec else ""
             _progress(f"step {step:>{len(str(ns.steps))}}/{ns.steps}  loss {loss:.4f}{evaluated}  lr {rec['lr']:.2e}  "
                       f"{tps:,.0f} tok/s{_mfu_text(rec['mfu'], device, '  ')}  mem {rec['mem_gib']:.2f} GiB  "
-                      f"{1e3 * dt:.0f} ms")
+                      f"{1e3 * dt:.0f} ms{load_text(rec)}")
         if not math.isfinite(loss):
             raise TrainError(f"train: the loss is {loss} at step {step}; lower --lr or use --dtype fp32")
 

@@ -3,6 +3,7 @@ parallelism), the optimizer, one training step with its loss and gradient clippi
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from pathlib import Path
@@ -13,6 +14,8 @@ import torch
 from .configs import _model_class, build_meta_model, model_config, model_dims, validate_model
 from .structure import decoder_layers, flops_params, stage_cuts, tied_names
 from .data import _mix, lr_at
+from .experts import check_expert_counts, count_experts, expert_load, make_expert_mesh, spread_experts, \
+    weigh_expert_gradients
 from .flags import TrainError
 
 try:
@@ -33,6 +36,9 @@ class _Run:
         self.tp_group = None
         self.pipelined = ns.pp > 1
         self.cp = getattr(ns, "cp", None) or 1
+        self.expert_mesh = None  # --ep: the ("ep", "ep_replicate") mesh (train/experts.py)
+        #: where build allocates the weights and the optimizer: here, or in a FakeTensorMode (--trace-memory)
+        self.materialize_mode = contextlib.nullcontext()
 
     # -- layout
     def make_mesh(self) -> None:
@@ -51,10 +57,12 @@ class _Run:
             self.dp_rank = self.mesh.get_local_rank("dp")
         self.tp_group = self.mesh["tp"].get_group() if ns.tp > 1 else None
         self.pp_rank = self.mesh.get_local_rank("pp")
+        make_expert_mesh(self)
 
     def layout(self) -> str:
         ns = self.ns
-        s = f"pp={ns.pp} dp={ns.dp} tp={ns.tp}" + (f" cp={self.cp}" if self.cp > 1 else "")
+        s = f"pp={ns.pp} dp={ns.dp} tp={ns.tp}" + (f" cp={self.cp}" if self.cp > 1 else "") + (
+            f" ep={ns.ep}" if (getattr(ns, "ep", None) or 1) > 1 else "")
         extras = []
         if ns.sp:
             extras.append("sp")
@@ -81,6 +89,7 @@ class _Run:
         self.flops_params = flops_params(model)
         tied = tied_names(model)
         self.n_params = sum(p.numel() for p in model.parameters())
+        check_expert_counts(ns, count_experts(model))
         sch = schedlang.create_schedule(model, mesh=self.mesh) if self.mesh is not None else \
             schedlang.create_schedule(model)
         del model
@@ -88,6 +97,7 @@ class _Run:
             shard_model(sch, sequence_parallel=ns.sp, gather_logits=False)
         if self.cp > 1:  # each cp rank runs its part of every sequence; build averages the gradients over cp
             sch.context_parallel()
+        spread_experts(self, sch)  # before the data-parallel steps: the experts get their own (train/experts.py)
         if getattr(ns, "float8", False) and not ns.optimize:  # after shard: float8 checks the shards' shapes
             for i in range(self.dims.layers):
                 sch[f"{layers}.{i}"].float8(recipe="tensorwise")
@@ -128,10 +138,12 @@ class _Run:
         self.autocast = bf16 and ns.dp == 1
         opt_cls, opt_kw = self._optimizer()
         torch.manual_seed(ns.seed)  # build initializes from the default generator: the same weights on every layout
-        self.model, self.optimizer = schedlang.build(sch, optimizer=opt_cls, device=self.device, pipeline=pipeline,
-                                                     pretrained=ns.init_from, **opt_kw)
+        with self.materialize_mode:
+            self.model, self.optimizer = schedlang.build(sch, optimizer=opt_cls, device=self.device,
+                                                         pipeline=pipeline, pretrained=ns.init_from, **opt_kw)
         self.sch = sch
         self.grad_weight = self._tied_weights(tied) if self.pipelined and tied else {}
+        weigh_expert_gradients(self)
         if ns.activation_checkpoint == "selective":  # pp=1 (checked): the layers are the model's
             from .recompute import checkpoint_selectively
 
@@ -200,7 +212,9 @@ class _Run:
         if self.device.type == "cuda":
             local = local.pin_memory()
         local = local.to(self.device, non_blocking=True)
-        return self.train_step(step, local[:, :-1], local[:, 1:])
+        out = self.train_step(step, local[:, :-1], local[:, 1:])
+        out.update(expert_load(self))  # the step's expert load (--ep), over every expert of every block
+        return out
 
     def forward_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The mean token loss of ``inputs`` against ``labels`` (aligned), through the run's model (pp=1)."""

@@ -11,7 +11,8 @@ logger = logging.getLogger("schedlang.train")
 
 #: metric -> TensorBoard tag
 TENSORBOARD_TAGS = {"loss": "train/loss", "eval_loss": "eval/loss", "tokens_per_s": "perf/tokens_per_s",
-                    "mfu": "perf/mfu", "mem_gib": "memory/peak_gib", "lr": "train/lr", "grad_norm": "train/grad_norm"}
+                    "mfu": "perf/mfu", "mem_gib": "memory/peak_gib", "lr": "train/lr", "grad_norm": "train/grad_norm",
+                    "tokens_per_expert_min": "experts/tokens_min", "tokens_per_expert_max": "experts/tokens_max"}
 
 
 class Sinks:
