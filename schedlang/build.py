@@ -98,6 +98,22 @@ def _parallelize(root, model: nn.Module, pipeline: Optional[Dict[str, Any]],
     return model
 
 
+def _already_there(model: nn.Module, device, dtype: Optional[torch.dtype]) -> bool:
+    """Every tensor of ``model`` already on ``device`` with ``dtype`` (floating-point ones): ``model.to`` would
+    change nothing. Then it is not called: on fake tensors (a traced build) it would swap every parameter, which
+    fails for those a shard index holds a weak reference to."""
+    want = torch.device(device) if device is not None else None
+    index = want.index if want is not None else None
+    if want is not None and index is None and want.type == "cuda":
+        return False  # the current device decides: leave it to model.to
+    for t in list(model.parameters()) + list(model.buffers()):
+        if want is not None and (t.device.type != want.type or (index is not None and t.device.index != index)):
+            return False
+        if dtype is not None and (t.is_floating_point() or t.is_complex()) and t.dtype != dtype:
+            return False
+    return True
+
+
 def _agreement_group(root):
     """The ranks that build this schedule together: the mesh's, else the schedule's group (None: the world)."""
     return root.mesh if root.mesh is not None else root.group
@@ -309,7 +325,7 @@ def build(sch, init_weights: Union[None, bool, Callable[[nn.Module], None]] = No
         elif callable(init_weights) and weights is None:
             with torch.no_grad():
                 model.apply(init_weights)
-        if device is not None or dtype is not None:
+        if (device is not None or dtype is not None) and not _already_there(model, device, dtype):
             model.to(device=device, dtype=dtype)
         from .primitives.annotate import apply_annotations
 

@@ -120,6 +120,8 @@ def _group_ranks(group) -> Optional[List[int]]:
     is nothing to agree with (no torch.distributed, or a single rank)."""
     if not groups.is_distributed() or isinstance(group, groups.SingleRankGroup):
         return None
+    if dist.get_backend() == "fake":  # torch's fake process group: one rank of a world that is not there
+        return None
     if group is None:
         ranks = list(range(dist.get_world_size()))
     elif hasattr(group, "mesh") and hasattr(group, "mesh_dim_names"):  # a DeviceMesh

@@ -157,8 +157,16 @@ def main(argv: Optional[Sequence[str]] = None, prog: Optional[str] = None) -> in
                   f"{latest_checkpoint(ns.checkpoint_dir).name}); pass --resume to continue it, or give another "
                   "--checkpoint-dir to start a new run")
         if ns.dry_run:
+            traced = None
+            if ns.trace_memory and is_main:  # before the plan block, whose --json takes the traced peak
+                from .trace_memory import trace_peak
+
+                traced = trace_peak(ns, facts, world)
+                ns._traced_peak_gib = traced.peak_bytes / 2**30
             if is_main:
                 print(plan_block(ns, facts, hardware(ns, world), world), file=sys.stderr)
+                if traced is not None:
+                    print(f"schedlang train: {traced.line()}", file=sys.stderr)
             return 0
     except SchedlangError as e:
         if is_main:

@@ -200,6 +200,10 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     io.add_argument("--json", default=None, metavar="FILE",
                     help="with --dry-run: write the plan as JSON here (layout degrees, peak GiB of the largest rank, "
                          "step time, tokens/s, the collectives with bytes and link, the runners-up)")
+    io.add_argument("--trace-memory", action="store_true",
+                    help="with --dry-run: also build the peak rank of the run on fake tensors with a fake process "
+                         "group of the planned world, run two real training steps under torch's memory tracker and "
+                         "print the traced peak beside the formula's (no GPU, nothing allocated)")
     return p
 
 
@@ -336,6 +340,9 @@ def validate(ns: argparse.Namespace, world: int) -> int:
     _resolve_init_from(ns)
     if ns.json and not ns.dry_run:
         _fail("--json writes the plan of --dry-run; add --dry-run (a launched run writes --metrics)")
+    if getattr(ns, "trace_memory", False) and not ns.dry_run:
+        _fail("--trace-memory traces the plan of --dry-run on fake tensors; add --dry-run (a launched run reports "
+              "its measured peak memory in its metrics)")
     # the smoke-test sizes stand in where none were given; a plan for a large model warns about them
     ns.toy_defaults = [flag for flag, value in (("--global-batch", ns.global_batch), ("--seq", ns.seq))
                        if value is None]
