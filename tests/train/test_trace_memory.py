@@ -1,0 +1,111 @@
+"""--dry-run --trace-memory: one rank of the planned job built by the trainer's code on fake tensors and a fake
+process group, its traced peak beside the cost model's formula (schedlang.autotune.step_cost)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from schedlang import train as trainer
+from schedlang.train.flags import TrainError, build_parser, validate
+from schedlang.train.layout import check_model_layout, model_facts
+from schedlang.train.trace_memory import TraceMemoryError, trace_peak
+
+#: a small LLaMA (grouped-query attention, untied head): big enough that activations, weights and logits all count
+SMALL_LLAMA = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 688, "num_attention_heads": 8,
+               "num_key_value_heads": 4, "num_hidden_layers": 4, "vocab_size": 1000, "max_position_embeddings": 512,
+               "tie_word_embeddings": False}
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory):
+    path = tmp_path_factory.mktemp("trace") / "config.json"
+    path.write_text(json.dumps(SMALL_LLAMA))
+    return str(path)
+
+
+def _flags(config, *layout):
+    return ["--dry-run", "--config", str(config), "--device", "cpu", "--dtype", "bf16", "--global-batch", "64",
+            "--seq", "128", *layout]
+
+
+def _trace(config, *layout):
+    ns = build_parser().parse_args(_flags(config, *layout))
+    world = validate(ns, ns.nproc or 1)
+    facts = model_facts(ns, check_tensor_parallel=world > 1)
+    check_model_layout(ns, facts)
+    return trace_peak(ns, facts, world)
+
+
+# world sizes 8 and 64: FSDP2 on dp only, HSDP, tp + dp with sequence parallelism, the first stage of pp=2, full
+# activation checkpointing with and without a pipeline
+GRID = {
+    "fsdp-8": ("--nproc", "8", "--dp", "8"),
+    "hsdp-64": ("--nodes", "8", "--gpus-per-node", "8", "--dp-replicate", "8", "--dp-shard", "8"),
+    "tp-sp-64": ("--nodes", "8", "--gpus-per-node", "8", "--dp", "32", "--tp", "2", "--sp"),
+    "pp2-ac-full-64": ("--nodes", "8", "--gpus-per-node", "8", "--dp", "32", "--pp", "2",
+                       "--activation-checkpoint", "full"),
+    # measured: formula 0.0690 GiB, traced 0.0610 GiB (the formula 11.6% above the trace)
+    "pp2-8": pytest.param(("--nproc", "8", "--dp", "4", "--pp", "2"), marks=pytest.mark.xfail(
+        strict=True, raises=AssertionError, reason="pp=2 without checkpointing: the formula is 11.6% above the traced first stage")),
+    # measured: formula 0.0412 GiB, traced 0.0284 GiB: the formula counts a recomputed layer's activations on top
+    # of one layer's working set at the turn to the backward, when no layer is being recomputed yet
+    "fsdp-ac-full-8": pytest.param(("--nproc", "8", "--dp", "8", "--activation-checkpoint", "full"),
+                                   marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason="full checkpointing, pp=1: the formula "
+                                                           "is 31% above the trace")),
+}
+
+
+@pytest.mark.parametrize("layout", list(GRID.values()), ids=list(GRID))
+def test_the_formula_is_within_ten_percent_of_the_trace(config, layout):
+    traced = _trace(config, *layout)
+    assert traced.tensor_bytes > 0 and traced.allowance_bytes == 0  # a CPU plan allows nothing beyond tensors
+    assert abs(traced.gap) <= 0.10, traced.line()
+
+
+def test_the_trace_counts_what_the_layout_shards(config):
+    """Independent of the formula: the traced peak falls as FSDP2 shards the weights and state over more ranks,
+    and the sharded parameters it saw are the model's fp32 bytes over the shard count."""
+    eight = _trace(config, "--nproc", "8", "--dp", "8", "--global-batch", "8")
+    sixty_four = _trace(config, "--nodes", "8", "--gpus-per-node", "8", "--dp", "64", "--global-batch", "64")
+    assert sixty_four.peak_bytes < eight.peak_bytes
+    params = sum(v for k, v in eight.by_kind.items() if k == "Sharded Param")
+    n = 256 * 1000 * 2 + 4 * (4 * 256 * 256 - 2 * 256 * 128 + 3 * 256 * 688 + 2 * 256) + 256
+    assert params == pytest.approx(4 * n / 8, rel=0.01)
+
+
+def test_the_cli_prints_the_traced_line_and_leaves_no_state(config, capsys):
+    rng = torch.random.get_rng_state()
+    code = trainer.main(_flags(config, "--nproc", "8", "--dp", "8", "--trace-memory"))
+    err = capsys.readouterr().err
+    assert code == 0, err
+    line = next(l for l in err.splitlines() if "peak per rank: formula" in l)
+    assert line.startswith("schedlang train: peak per rank: formula ") and " GiB, traced " in line and "%)" in line
+    assert not dist.is_initialized()  # the fake process group is gone
+    assert torch.equal(torch.random.get_rng_state(), rng)  # the trainer's seeding did not leak
+
+
+def test_json_has_the_traced_peak(config, tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert trainer.main(_flags(config, "--nproc", "8", "--dp", "8", "--trace-memory", "--json", str(out))) == 0
+    data = json.loads(out.read_text())
+    line = next(l for l in capsys.readouterr().err.splitlines() if "peak per rank" in l)
+    traced = float(line.split("traced ")[1].split(" GiB")[0])
+    assert data["traced_peak_gib"] == pytest.approx(traced, rel=0.01)
+    assert trainer.main(_flags(config, "--nproc", "8", "--dp", "8", "--json", str(out))) == 0
+    assert "traced_peak_gib" not in json.loads(out.read_text())
+
+
+def test_refusals_name_the_flag(config, capsys):
+    ns = build_parser().parse_args(["--config", config, "--trace-memory"])
+    with pytest.raises(TrainError, match="--trace-memory traces the plan of --dry-run"):
+        validate(ns, 1)
+    with pytest.raises(TraceMemoryError, match="--trace-memory with --float8: .*drop --float8"):
+        _trace(config, "--nproc", "8", "--dp", "8", "--float8")
+    with pytest.raises(TraceMemoryError, match="--pp-schedule Interleaved1F1B: .*1F1B or GPipe"):
+        _trace(config, "--nproc", "8", "--dp", "4", "--pp", "2", "--pp-schedule", "Interleaved1F1B",
+               "--microbatches", "4", "--global-batch", "64")
+    assert not dist.is_initialized()
