@@ -12,9 +12,13 @@ tokens, the router's top-k expert indices and its top-k weights. Under expert pa
    how many rows it will receive from each rank for each of its experts;
 3. sends the tokens' hidden states to the ranks holding their experts (:func:`all_to_all`: an all-to-all
    with variable splits, its backward the same exchange the other way);
-4. regroups the received rows by local expert and runs the local experts with the family's own expert
-   forward (its activation, layout and biases, unchanged) with every routing weight set to 1, so that the
-   expert computation is exactly the family's;
+4. regroups the received rows by local expert and runs the local experts unweighted: where the family's
+   experts are in transformers' standard layout (``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I],
+   ``act_fn(gate) * up``, no biases: Qwen3-MoE, Mixtral, OLMoE, DeepSeek-V3) with two grouped matrix
+   products (:func:`schedlang.kernels.grouped_gemm_experts.grouped_experts_forward`: one Triton or
+   ``torch._grouped_mm`` launch for all local experts on a GPU, the family's per-expert ``F.linear`` on CPU);
+   otherwise (GPT-OSS's biases and clamped activation, a custom experts class) with the family's own expert
+   forward, every routing weight set to 1, so that the expert computation is exactly the family's;
 5. sends the results back, multiplies each by its routing weight on the rank the token came from, and
    sums a token's choices.
 
@@ -198,14 +202,49 @@ class ExpertParallelExperts(nn.Module):
             view.__dict__["num_experts"] = self.local_experts
         return view
 
+    #: run the local experts with grouped matrix products where the family's experts are in the standard layout
+    #: (see the module docstring); False on an instance keeps the family's own expert loop
+    grouped_gemm = True
+
+    def grouped_layout(self) -> bool:
+        """Whether :meth:`run_local` may use the grouped products: the family's experts are in transformers'
+        standard layout and the kernels import (decided once per module)."""
+        known = self.__dict__.get("_grouped_layout")
+        if known is None:
+            try:
+                from ..kernels.grouped_gemm_experts import standard_layout_mismatch
+            except ImportError as e:  # no Triton: the family's loop
+                reason = f"the grouped-product kernels do not import ({e})"
+            else:
+                reason = standard_layout_mismatch(self, self.family_class)
+            if reason is not None:
+                logger.debug("expert parallelism keeps %s's own expert loop: %s", self.family_class.__name__, reason)
+            known = self.__dict__["_grouped_layout"] = reason is None
+        return known
+
+    def _use_grouped(self, rows: torch.Tensor) -> bool:
+        # F.linear under autocast casts the rows to the weights' dtype, which grouped_mm would refuse: autocast
+        # and mixed dtypes keep the family's loop, as do weights that are tensor subclasses (a DTensor outside
+        # FSDP's unsharded forward), whose per-expert slices the family's loop already handles
+        if not self.grouped_gemm or not self.grouped_layout():
+            return False
+        weights = (self.gate_up_proj, self.down_proj)
+        return (all(type(w) in (torch.Tensor, nn.Parameter) and w.dtype == rows.dtype for w in weights)
+                and not torch.is_autocast_enabled(rows.device.type))
+
     def run_local(self, rows: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
-        """This rank's experts on ``rows`` (``local_ids`` the local expert of each), unweighted."""
+        """This rank's experts on ``rows`` (``local_ids`` the local expert of each, sorted), unweighted."""
         if rows.shape[0] == 0:
             # no token for any local expert: the output must still depend on the received rows, so that the
             # backward of the all-to-all that brought them runs here as on every other rank (it is a
             # collective), and on the weights, so that their gradient is zero rather than missing
             anchor = sum(p.reshape(-1)[:1].sum() for p in self._parameters.values() if p is not None)
             return rows * 0 + 0 * anchor.to(rows.dtype)
+        if self._use_grouped(rows):
+            from ..kernels.grouped_gemm_experts import grouped_experts_forward
+
+            counts = torch.bincount(local_ids, minlength=self.local_experts)
+            return grouped_experts_forward(self, rows, counts)
         view = self._family_view()
         ones = torch.ones(rows.shape[0], 1, dtype=rows.dtype, device=rows.device)
         return self.family_class.forward(view, rows, local_ids.unsqueeze(-1), ones)
