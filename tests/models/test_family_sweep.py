@@ -136,3 +136,23 @@ def test_an_unknown_family_is_refused_naming_valid_ones():
                                                        r"keys of transformers' MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, e\.g\. "
                                                        r"llama, gpt2, mixtral$"):
         S.run_sweep(["nosuch"])
+
+
+def test_the_expert_parallel_column_reads_back_and_its_structural_part_is_checked(tmp_path):
+    results = [S.FamilyResult("qwen3_moe", "Qwen3MoeForCausalLM", "passes", "split", expert_parallel="passes (ep=2)"),
+               S.FamilyResult("llama", "LlamaForCausalLM", "passes", "split"),
+               S.FamilyResult("x", "X", "refused", "why", expert_parallel="refused: UnsupportedModelError: a list")]
+    S.write_table(tmp_path / "t.rst", results, date="2026-11-28", expert_parallel_date="2026-12-06")
+    table = S.read_table(tmp_path / "t.rst")
+    assert table["rows"] == {r.model_type: r for r in results} and table["date"] == "2026-11-28"
+    assert "the expert-parallel column on 2026-12-06; expert parallelism passes on 1" in (tmp_path / "t.rst").read_text()
+    # the structural pass says only whether it applies: a verified "passes" agrees with "applies", a refusal
+    # must be the same refusal, a family that gained or lost its experts is named
+    now = [S.FamilyResult("qwen3_moe", "Qwen3MoeForCausalLM", "accepted", "split", expert_parallel="applies"),
+           S.FamilyResult("llama", "LlamaForCausalLM", "accepted", "split", expert_parallel="applies"),
+           S.FamilyResult("x", "X", "refused", "why", expert_parallel="refused: UnsupportedModelError: other")]
+    assert S.differences(table["rows"], now) == [
+        "llama: the table's expert-parallel column says —; now applies",
+        "x: the table's expert-parallel column says refused: UnsupportedModelError: a list; now refused: "
+        "UnsupportedModelError: other",
+    ]
