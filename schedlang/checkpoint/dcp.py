@@ -17,6 +17,7 @@ from ..distributed.dtensor_params import rank_major_specs
 from ..distributed.float8_fsdp import clear_precomputed_scales
 from .commit import MANIFEST, clear_staging, commit, manifest_problem, replaced_path, staging_path
 from .ranks import _agree, _all_gather, _capped, _dist, _names, _rank, _world
+from .experts import expert_views, full_shape_view
 from .state import (_STATE, _dcp_ready, _is_dtensor, _model_state, _OptimView, _optimizer_is_empty, _options,
                     _reset_optimizer, _restore_strided, _stages, _zero_step)
 
@@ -243,7 +244,8 @@ def _begin_save(path, model, optimizer, step, extra, extra_files) -> _SaveState:
     _agree(problem)  # also keeps every rank from writing before the staging directory is ready
 
     rank_major = rank_major_specs(_stages(model))
-    model_state, _ = _dcp_ready(_model_state(model), rank_major)
+    experts = expert_views(_stages(model))
+    model_state, _ = _dcp_ready(_model_state(model), rank_major, experts)
     state: Dict[str, Any] = {_MODEL: model_state, _META: blob}
     was_empty = _optimizer_is_empty(optimizer)
     save = _SaveState(path, state, optimizer, was_empty, started, step)
@@ -254,7 +256,7 @@ def _begin_save(path, model, optimizer, step, extra, extra_files) -> _SaveState:
                 # the state torch just created stands for "no step taken yet": save it so (see _reset_optimizer)
                 optim_state = {k: _zero_step(v) if k.startswith(_STATE) and k.endswith(".step") else v
                                for k, v in optim_state.items()}
-            state[_OPTIM], _ = _dcp_ready(optim_state, rank_major)
+            state[_OPTIM], _ = _dcp_ready(optim_state, rank_major, experts)
     except BaseException:
         save.release()
         raise
@@ -482,7 +484,8 @@ def load_checkpoint(path, model: nn.Module, optimizer: Optional[torch.optim.Opti
 
     stage_keys: List[List[str]] = []
     model_state = _model_state(model, stage_keys)
-    problems = _check_tensors("model", model_state, md, _MODEL + ".", path)
+    experts = expert_views(_stages(model))  # expert slices: checked and read as the full weights
+    problems = _check_tensors("model", full_shape_view(model_state, experts), md, _MODEL + ".", path)
     was_empty = _optimizer_is_empty(optimizer)
     view, optim_read, skipped, optim_state, stateless = None, {}, [], {}, set()
     try:
@@ -494,8 +497,8 @@ def load_checkpoint(path, model: nn.Module, optimizer: Optional[torch.optim.Opti
                 view = _OptimView(model)
                 optim_state = view.fetch(optimizer)
                 optim_read, skipped, stateless = _optim_template(optim_state, md)
-                problems += _check_tensors("optimizer state", {k: v for k, v in optim_read.items()
-                                                               if k.startswith(_STATE)}, md, _OPTIM + ".", path)
+                problems += _check_tensors("optimizer state", full_shape_view(
+                    {k: v for k, v in optim_read.items() if k.startswith(_STATE)}, experts), md, _OPTIM + ".", path)
         # names in the checkpoint that no rank's model holds (each pipeline rank holds some)
         everyone = set().union(*_all_gather(sorted(k for k, v in model_state.items() if isinstance(v, torch.Tensor))))
         unexpected = {k for k in ckpt_model if _tensor_meta(md, f"{_MODEL}.{k}") is not None} - everyone
@@ -516,13 +519,13 @@ def load_checkpoint(path, model: nn.Module, optimizer: Optional[torch.optim.Opti
                     len(skipped), _names(skipped))
     rank_major = rank_major_specs(_stages(model))
     model_read, model_strided = _dcp_ready({k: v for k, v in model_state.items() if f"{_MODEL}.{k}" in ckpt_keys},
-                                           rank_major)
+                                           rank_major, experts)
     # DCP reads into staging tensors, not into the model's and the optimizer's own: a read that fails midway
     # (a corrupt file) must leave both as they were; they receive the values once every rank read everything
     state: Dict[str, Any] = {_MODEL: _staging(model_read, model_strided)}
     optim_strided = {}
     if view is not None:
-        optim_read, optim_strided = _dcp_ready(optim_read, rank_major)
+        optim_read, optim_strided = _dcp_ready(optim_read, rank_major, experts)
         state[_OPTIM] = _staging(optim_read, optim_strided)
     try:
         _dcp_load(state, path)

@@ -249,14 +249,23 @@ def _to_contiguous_shards(t, spec=None):
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=full.shape, stride=full.stride())
 
 
-def _dcp_ready(state: Dict[str, Any], rank_major: Optional[Dict[str, Any]] = None
+def _dcp_ready(state: Dict[str, Any], rank_major: Optional[Dict[str, Any]] = None, experts=None
                ) -> Tuple[Dict[str, Any], Dict[str, Any]]:
     """``state`` with strided and rank-major DTensors re-laid for DCP (a checkpoint holds every tensor in its
     unsharded layout, whatever layout saved it), and ``{key: (original, spec or None)}`` of those entries.
 
-    ``rank_major``: ``{parameter name: ShardSpec}`` of the rank-major parameters (``rank_major_specs``)."""
+    ``rank_major``: ``{parameter name: ShardSpec}`` of the rank-major parameters (``rank_major_specs``).
+    ``experts``: ``{parameter name: ExpertView}`` of expert-parallel slices (:mod:`.experts`): re-laid as
+    DTensors of the full weights."""
+    from .experts import expert_view_of, relay_expert_entry
+
     out, originals = {}, {}
     for key, value in state.items():
+        view = expert_view_of(key, value, experts)
+        if view is not None:
+            originals[key] = (value, view)
+            out[key] = relay_expert_entry(value, view)
+            continue
         spec = _spec_of_key(key, rank_major, value)
         if spec is not None or _strided(value):
             originals[key] = (value, spec)
@@ -269,7 +278,13 @@ def _restore_strided(state: Dict[str, Any], originals: Dict[str, Any]) -> None:
     """Put what DCP read into the contiguous chunks back in the original tensors' layouts, in place."""
     from ..distributed.dtensor_params import local_part, to_rank_major
 
+    from .experts import ExpertView, restore_expert_entry
+
     for key, (like, spec) in originals.items():
+        if isinstance(spec, ExpertView):
+            restore_expert_entry(like, state[key])
+            state[key] = like
+            continue
         full = state[key].full_tensor()
         if spec is not None:
             full = to_rank_major(full, spec)
