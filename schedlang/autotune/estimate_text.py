@@ -39,6 +39,8 @@ def format_estimate(e: StepEstimate, hw: Hardware, header: str = "", extras: str
             if forward else f"at the end of the backward; activations {_size(e.activation_bytes)} before it")
     lines.append(f"  per rank    {mem} = peak {_size(e.total_bytes)} of {_size(hw.memory_bytes)} ({when})"
                  + ("" if e.fits else "  (DOES NOT FIT)"))
+    if e.moe:
+        lines.append(f"  experts     {moe_text(e.moe)}")
     if e.collectives:
         for i, c in enumerate(e.collectives):
             lines.append(f"  {'per step' if i == 0 else '':<11} {c.op} over {c.group}: {c.what}, {c.count} x "
@@ -53,11 +55,22 @@ def format_estimate(e: StepEstimate, hw: Hardware, header: str = "", extras: str
     return "\n".join(lines)
 
 
+def moe_text(moe: Dict) -> str:
+    """A mixture of experts' line of the plan: the experts, how many each rank holds, the imbalance assumed."""
+    text = (f"{moe['experts']} routed experts, top-{moe['top_k']}, in {moe['moe_layers']} layer(s): flops count the "
+            f"{moe['active_expert_params'] / 1e6:,.0f}M of {moe['expert_params'] / 1e6:,.0f}M expert parameters a "
+            f"token uses; ep={moe['ep']}: {moe['experts_per_rank']} expert(s) per rank")
+    if moe["ep"] > 1:
+        text += (f"; assumes the busiest expert-parallel rank receives {moe['load_imbalance']:.2f}x the mean tokens "
+                 "(its expert compute, activations and all-to-all bytes scaled by it)")
+    return text
+
+
 def layout_json(e: StepEstimate) -> Dict:
     """The layout's degrees as integers and its options, as ``--json`` writes them."""
     lay = e.layout
     rows = e.global_batch // max(1, lay.dp * lay.microbatches) if e.global_batch else None
-    return {"pp": lay.pp, "dp_replicate": lay.replicas, "dp_shard": lay.dp_shard, "tp": lay.tp, "cp": lay.cp, "ep": 1,
+    return {"pp": lay.pp, "dp_replicate": lay.replicas, "dp_shard": lay.dp_shard, "tp": lay.tp, "cp": lay.cp, "ep": lay.ep,
             "dp": lay.dp, "dp_mode": lay.dp_mode, "sp": lay.sp, "microbatches": lay.microbatches,
             "accumulation_steps": lay.microbatches if lay.pp == 1 else 1, "local_batch": rows,
             "stages_per_rank": lay.stages_per_rank, "pp_schedule": lay.pp_schedule if lay.pp > 1 else None,
@@ -89,7 +102,7 @@ def estimate_json(e: StepEstimate, hw: Hardware, runners_up: Optional[List] = No
                  "memory_gib": hw.memory_bytes / GIB, "intra_node_gbps": hw.link_bytes_per_s / 1e9,
                  "inter_node_gbps": hw.network_bytes_per_s / 1e9, "intra_node_source": hw.link_source,
                  "inter_node_source": hw.inter_source},
-        global_batch=e.global_batch, seq=e.seq,
+        global_batch=e.global_batch, seq=e.seq, moe=e.moe,
         runners_up=[dict(_estimate_summary(r.estimate), why=r.why) for r in (runners_up or [])])
     if extra:
         out.update(extra)

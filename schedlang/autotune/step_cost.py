@@ -27,6 +27,7 @@ import math
 from typing import Dict, List, Optional, Tuple
 
 from .cluster import NETWORK, NVLINK, spans_nodes
+from .moe_cost import LOAD_IMBALANCE, MoEShape, all_to_all_bytes, mean_mlp_width
 
 GIB = 2 ** 30
 #: devices' dense bf16 peak and memory bandwidth, by name (the first match wins)
@@ -60,7 +61,9 @@ DP_MODES = ("fsdp", "hsdp", "ddp")
 @dataclasses.dataclass(frozen=True)
 class ModelShape:
     """The sizes of a decoder-only transformer. ``params`` counts tied weights once; ``flops_params`` leaves out
-    the embedding lookups; ``embedding_params`` is the token embedding and the output head (once when tied)."""
+    the embedding lookups and, in a mixture of experts, counts only the routed experts a token uses (``top_k`` of
+    them); ``embedding_params`` is the token embedding and the output head (once when tied); ``moe`` the experts
+    (:class:`~schedlang.autotune.moe_cost.MoEShape`; None: a dense model)."""
 
     layers: int
     hidden: int
@@ -74,6 +77,7 @@ class ModelShape:
     embedding_params: int
     gated_mlp: bool = True
     tied: bool = False
+    moe: Optional[MoEShape] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,6 +140,13 @@ class Hardware:
             return NETWORK, self.network_bytes_per_s
         return NVLINK, self.link_bytes_per_s
 
+    def link_of_group(self, size: int, inner: int) -> Tuple[str, float]:
+        """``(name, bytes/s)`` of the link a group of ``size`` ranks ``inner`` apart runs on (expert parallelism's
+        group: neighbouring data-parallel ranks, the tp ranks inside them)."""
+        if size > 1 and size * inner > self.gpus_per_node:
+            return NETWORK, self.network_bytes_per_s
+        return NVLINK, self.link_bytes_per_s
+
     def describe_links(self) -> str:
         unit = "GPU(s)" if self.device == "cuda" else "rank(s)"
         return (f"{self.nodes} node(s) x {self.gpus_per_node} {unit}; intra-node {self.link_bytes_per_s / 1e9:,.1f} "
@@ -170,6 +181,8 @@ class Layout:
     float8: bool = False
     #: context-parallel ranks: each holds ``1 / cp`` of every sequence; FSDP shards over ``dp x cp``
     cp: int = 1
+    #: expert-parallel ranks, carved from ``dp x cp``: each holds ``1 / ep`` of every MoE layer's experts
+    ep: int = 1
 
     def __post_init__(self):
         # True / False of the time when checkpointing was on or off
@@ -215,6 +228,7 @@ class Layout:
         if self.float8:
             extras.append("float8")
         return (f"pp={self.pp} dp={self.dp} tp={self.tp}" + (f" cp={self.cp}" if self.cp > 1 else "")
+                + (f" ep={self.ep}" if self.ep > 1 else "")
                 + (f" ({', '.join(extras)})" if extras else ""))
 
 
@@ -259,6 +273,8 @@ class StepEstimate:
     logits_bytes: float = 0.0
     global_batch: int = 0
     seq: int = 0
+    #: a mixture of experts' facts and the load-imbalance assumption (None: a dense model)
+    moe: Optional[Dict] = None
 
     @property
     def forward_peak_bytes(self) -> float:
@@ -297,7 +313,7 @@ class StepEstimate:
                                              "other_bytes", "compute_s", "comm_s", "comm_exposed_s", "bubble_s",
                                              "optimizer_s")}
         out.update(total_bytes=self.total_bytes, step_s=self.step_s, tokens_per_s=self.tokens_per_s,
-                   layout=self.layout.describe(), fits=self.fits,
+                   layout=self.layout.describe(), fits=self.fits, moe=self.moe,
                    collectives=[dataclasses.asdict(c) for c in self.collectives])
         return out
 
@@ -353,7 +369,10 @@ def _activation_bytes_per_token(shape: ModelShape, layout: Layout) -> float:
     # gated: gate and up (the activation's and the product's inputs), act(gate) and the product (down's input);
     # a compiled layer recomputes the activation in the backward. Plain: fc1's output and the activation's.
     mlp_tensors = (3 if layout.compiled else 4) if shape.gated_mlp else 2
-    mlp = norm + h * c + mlp_tensors * shape.intermediate * c / tp
+    imbalance = LOAD_IMBALANCE if layout.ep > 1 else 1.0
+    mlp = norm + h * c + mlp_tensors * mean_mlp_width(shape.layers, shape.intermediate, shape.moe, imbalance) * c / tp
+    if shape.moe is not None:  # a MoE layer's routed copies of its input and its experts' outputs before the sum
+        mlp += 2 * shape.moe.top_k * imbalance * h * c * shape.moe.moe_layers / shape.layers
     per_token = attention + mlp
     if layout.sp:
         # the norms' inputs (the residual stream) are split along the sequence; the normed inputs of q/k/v and of
@@ -369,7 +388,7 @@ def _layer_input_bytes(shape: ModelShape, layout: Layout) -> float:
 
 def _layer_matmuls(shape: ModelShape) -> List[Tuple[int, int, bool]]:
     """``(in, out, row_parallel)`` of a layer's matmuls in call order (q, k, v, o, then gate, up, down or fc1, fc2)."""
-    h, i = shape.hidden, shape.intermediate
+    h, i = shape.hidden, mean_mlp_width(shape.layers, shape.intermediate, shape.moe)
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     attention = [(h, q, False), (h, kv, False), (h, kv, False), (q, h, True)]
     mlp = [(h, i, False), (h, i, False), (i, h, True)] if shape.gated_mlp else [(h, i, False), (i, h, True)]
@@ -453,16 +472,21 @@ def _layers_in_flight(layout: Layout, layers: int, pp_rank: int = 0) -> float:
 
 def estimate_step(shape: ModelShape, layout: Layout, hw: Hardware, global_batch: int, seq: int) -> StepEstimate:
     """Memory per rank, collectives and time of one step of ``global_batch`` sequences of ``seq`` tokens."""
-    pp, dp, tp, cp = layout.pp, layout.dp, layout.tp, layout.cp
+    pp, dp, tp, cp, ep = layout.pp, layout.dp, layout.tp, layout.cp, layout.ep
     world = pp * dp * cp * tp
-    stage = _stage_params(shape, pp) / tp
+    moe = shape.moe
+    ep = ep if moe is not None else 1
     layers = math.ceil(shape.layers / pp)
     # data parallelism runs on the data dimension and cp flattened (each cp rank's gradient covers its tokens
     # only): FSDP shards over both, DDP all-reduces over both
     data = dp * cp
     sharded = data > 1 and layout.dp_mode in ("fsdp", "hsdp")
     shard = layout.dp_shard * cp if sharded else 1
-    local = stage / shard
+    # the routed experts: 1 / ep of them per rank, sharded by FSDP over the shard group's other ranks
+    experts = moe.expert_params / pp / tp if moe is not None else 0.0
+    expert_shard = max(1, shard // ep)
+    stage = _stage_params(shape, pp) / tp - experts + experts / ep  # what one rank holds before FSDP shards it
+    local = (stage - experts / ep) / shard + experts / ep / expert_shard
     compute_bytes = _bytes(layout.dtype)
     reduce_bytes = 2 if layout.reduce_dtype == "bf16" else 4
     params_bytes = 4 * local
@@ -525,6 +549,8 @@ def estimate_step(shape: ModelShape, layout: Layout, hw: Hardware, global_batch:
         gemm += extra
     if layout.float8 and hw.device == "cuda" and any(k in hw.name for k in FLOAT8_DEVICES):
         flops_per_token -= gemm / 2  # float8 GEMMs at twice the bf16 rate
+    if ep > 1:  # the step waits for the rank whose experts received the most tokens
+        flops_per_token += 6 * moe.active_expert_params * (LOAD_IMBALANCE - 1)
     compute = tokens * flops_per_token / (world * hw.peak_flops * efficiency)
     sizes = layout.mesh_sizes()
     collectives: List[Collective] = []
@@ -538,18 +564,24 @@ def estimate_step(shape: ModelShape, layout: Layout, hw: Hardware, global_batch:
         gathers, reductions = _gathers_per_step(layout, layers)
         engine = "HSDP" if layout.dp_mode == "hsdp" else "FSDP2"
         group = "dp_shard" if layout.dp_mode == "hsdp" else "dp"
-        if shard > 1:
-            share = (shard - 1) / shard
-            weights = stage * compute_bytes
-            add(f"{engine} weights", "all-gather", "dp_shard", group, gathers * layers, weights / layers,
+        # the routed experts' shards live on the shard group's ranks outside their expert-parallel group
+        parts = [("", stage - experts / ep, shard)] if ep > 1 else [("", stage, shard)]
+        if ep > 1:
+            parts.append((" of the experts", experts / ep, expert_shard))
+        for what, params, ranks in parts:
+            if ranks < 2:
+                continue
+            share = (ranks - 1) / ranks
+            weights = params * compute_bytes
+            add(f"{engine} weights{what}", "all-gather", "dp_shard", group, gathers * layers, weights / layers,
                 gathers * share * weights)
-            grads = stage * reduce_bytes
-            add(f"{engine} gradients", "reduce-scatter", "dp_shard", group, reductions * layers, grads / layers,
-                reductions * share * grads)
+            grads = params * reduce_bytes
+            add(f"{engine} gradients{what}", "reduce-scatter", "dp_shard", group, reductions * layers,
+                grads / layers, reductions * share * grads)
         if layout.dp_mode == "hsdp" and layout.dp_replicate > 1:
             # the gradient shards summed over the replicas once per step (accumulating microbatches skip it)
             r = layout.dp_replicate
-            piece = stage * reduce_bytes / shard
+            piece = local * reduce_bytes
             add("HSDP gradient shards", "all-reduce", "dp_replicate", "dp_replicate", layers, piece / layers,
                 2 * (r - 1) / r * piece)
     elif data > 1:  # DDP: the gradients summed once per step (accumulating microbatches skip it)
@@ -585,6 +617,19 @@ def estimate_step(shape: ModelShape, layout: Layout, hw: Hardware, global_batch:
             layers * m * share * kv)
         cp_comm = sum(c.seconds for c in collectives if c.group == "cp")
         working += kv  # one layer's gathered keys and values
+    ep_comm = 0.0
+    if ep > 1:
+        # each MoE layer sends its routed tokens to their experts' ranks and the outputs back (dispatch, combine),
+        # and the gradients the same way in the backward (again in a full checkpoint's recomputation); the busiest
+        # rank's share is LOAD_IMBALANCE x the mean. Nothing overlaps it: the experts wait for their tokens
+        moe_layers = math.ceil(moe.moe_layers / pp)
+        calls = (6 if layout.activation_checkpoint == "full" else 4) * moe_layers * m
+        each = all_to_all_bytes(microbatch_tokens, moe, shape.hidden, compute_bytes) * LOAD_IMBALANCE
+        link, speed = hw.link_of_group(ep, tp)
+        wire = calls * (ep - 1) / ep * each
+        collectives.append(Collective("expert-parallel token dispatch and combine", "all-to-all", "ep", calls, each,
+                                      wire, link, wire / speed))
+        ep_comm = wire / speed
     bubble = 0.0
     pp_comm = 0.0
     if pp > 1:
@@ -596,11 +641,17 @@ def estimate_step(shape: ModelShape, layout: Layout, hw: Hardware, global_batch:
         pp_comm = collectives[-1].seconds
     step_bytes_per_param = 28 if layout.optimizer != "sgd" else 16  # read p, g, m, v; write p, m, v
     optimizer = local * (step_bytes_per_param + 12) / hw.memory_bandwidth  # + the gradient norm and clipping
-    comm = dp_comm + tp_comm + pp_comm + cp_comm
+    comm = dp_comm + tp_comm + pp_comm + cp_comm + ep_comm
+    moe_facts = None
+    if moe is not None:
+        moe_facts = {"experts": moe.experts, "top_k": moe.top_k, "moe_layers": moe.moe_layers,
+                     "expert_params": moe.expert_params, "active_expert_params": moe.active_expert_params,
+                     "ep": ep, "experts_per_rank": moe.experts // ep,
+                     "load_imbalance": LOAD_IMBALANCE if ep > 1 else 1.0}
     return StepEstimate(layout=layout, params_bytes=params_bytes, grads_bytes=grads_bytes,
                         optimizer_bytes=optimizer_bytes, gathered_bytes=gathered, activation_bytes=acts,
                         other_bytes=other, working_bytes=working, grads_in_forward=grads_in_forward,
                         collectives=collectives, compute_s=compute, comm_s=comm,
-                        comm_exposed_s=dp_exposed + tp_comm + pp_comm + cp_comm, bubble_s=bubble, optimizer_s=optimizer,
-                        tokens=tokens, memory_limit=USABLE_MEMORY * hw.memory_bytes, logits_bytes=logits,
-                        global_batch=global_batch, seq=seq)
+                        comm_exposed_s=dp_exposed + tp_comm + pp_comm + cp_comm + ep_comm, bubble_s=bubble,
+                        optimizer_s=optimizer, tokens=tokens, memory_limit=USABLE_MEMORY * hw.memory_bytes,
+                        logits_bytes=logits, global_batch=global_batch, seq=seq, moe=moe_facts)

@@ -14,6 +14,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from ..autotune.moe_cost import count_expert_params, moe_shape
 from ..autotune.training_cost import (GIB, Choice, Hardware, Layout, ModelShape, StepEstimate, choose_layout,
                                       estimate_json, estimate_step, format_estimate)
 from .configs import Dims, build_meta_model, head_dim, model_config, model_dims, valid_tp_sizes, validate_model
@@ -56,10 +57,14 @@ def model_facts(ns: argparse.Namespace, check_tensor_parallel: bool = False) -> 
     gated = sum(1 for m in first.modules() if isinstance(m, torch.nn.Linear)) >= 7 or any(
         "gate" in n for n, _ in first.named_modules())
     n_params = sum(p.numel() for p in meta.parameters())
+    moe = moe_shape(cfg, dims.layers, count_expert_params(meta))
+    used = flops_params(meta)
+    if moe is not None:  # a token's matmuls use top_k of the routed experts
+        used = used - moe.expert_params + round(moe.active_expert_params)
     shape = ModelShape(layers=dims.layers, hidden=dims.hidden, heads=dims.heads, kv_heads=dims.kv_heads,
                        head_dim=head_dim(cfg, dims), intermediate=dims.intermediate, vocab=dims.vocab,
-                       params=n_params, flops_params=flops_params(meta), embedding_params=embedding_params(meta),
-                       gated_mlp=gated, tied=is_tied(meta))
+                       params=n_params, flops_params=used, embedding_params=embedding_params(meta),
+                       gated_mlp=gated, tied=is_tied(meta), moe=moe)
     problem = tensor_parallel_problem(meta) if check_tensor_parallel else None
     return ModelFacts(cfg, dims, shape, path, n_params, problem, count_experts(meta))
 
@@ -154,6 +159,10 @@ def fixed_choices(ns: argparse.Namespace) -> Dict[str, Any]:
         fixed["microbatches"] = ns.microbatches
     if getattr(ns, "float8", False):
         fixed["float8"] = True
+    if getattr(ns, "ep", None):
+        fixed["ep"] = ns.ep
+    elif not ns.dry_run and not hasattr(ns, "ep"):  # a trainer without expert parallelism runs ep=1 only
+        fixed["ep"] = 1
     if not ns.dry_run:  # a launched run chooses among what the trainer runs
         fixed.update(TRAINER_RUNS)
     return fixed
@@ -165,7 +174,8 @@ def layout_of(ns: argparse.Namespace) -> Layout:
                                dp_replicate=getattr(ns, "dp_replicate", None) or 1, reshard=not ns.no_reshard,
                                reduce_dtype=ns.reduce_dtype, activation_checkpoint=ns.activation_checkpoint or "none",
                                sp=ns.sp, microbatches=ns.microbatches, stages_per_rank=ns.stages_per_rank,
-                               optimize=bool(ns.optimize), cp=getattr(ns, "cp", None) or 1)
+                               optimize=bool(ns.optimize), cp=getattr(ns, "cp", None) or 1,
+                               ep=getattr(ns, "ep", None) or 1)
 
 
 def choose(ns: argparse.Namespace, facts: ModelFacts, hw: Hardware, world: int) -> Choice:
@@ -186,7 +196,9 @@ def choose(ns: argparse.Namespace, facts: ModelFacts, hw: Hardware, world: int) 
 
 def apply_layout(ns: argparse.Namespace, layout: Layout, world: int) -> None:
     """Write a chosen layout into the flags and check it as a given one would be."""
-    ns.pp, ns.dp, ns.tp = layout.pp, layout.dp, layout.tp
+    ns.pp, ns.dp, ns.tp, ns.cp = layout.pp, layout.dp, layout.tp, layout.cp
+    if layout.ep > 1 or hasattr(ns, "ep"):
+        ns.ep = layout.ep
     ns.dp_mode = layout.dp_mode
     ns.dp_replicate, ns.dp_shard = (layout.dp_replicate, layout.dp_shard) if layout.dp_mode == "hsdp" else (None, None)
     ns.no_reshard = layout.dp > 1 and layout.dp_mode in ("fsdp", "hsdp") and not layout.reshard
