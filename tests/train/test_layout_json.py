@@ -54,3 +54,20 @@ def test_the_json_plan_of_a_given_layout(tmp_path):
     links = {(c["group"], c["op"]): c["link"] for c in data["collectives"]}
     assert links == {("dp_shard", "all-gather"): "intra-node", ("dp_shard", "reduce-scatter"): "intra-node",
                      ("dp_replicate", "all-reduce"): "inter-node"}
+
+
+def test_a_mixture_of_experts_dry_run_with_ep_shows_the_experts_and_the_imbalance(tmp_path, capsys):
+    from transformers import AutoConfig
+
+    config = tmp_path / "moe"
+    AutoConfig.for_model("qwen3_moe", hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                         num_experts=16, num_experts_per_tok=4, vocab_size=1000).save_pretrained(config)
+    data = _plan(tmp_path, "--nproc", "8", "--dp", "8", "--ep", "4", "--config", str(config), "--global-batch", "8",
+                 "--seq", "512")
+    assert data["layout"]["ep"] == 4 and data["moe"]["experts_per_rank"] == 4 and data["moe"]["top_k"] == 4
+    assert data["moe"]["load_imbalance"] > 1
+    a2a = [c for c in data["collectives"] if c["op"] == "all-to-all"]
+    assert len(a2a) == 1 and a2a[0]["group"] == "ep" and a2a[0]["link"] == "intra-node"
+    err = capsys.readouterr().err
+    assert "ep=4: 4 expert(s) per rank" in err and "the mean tokens" in err
