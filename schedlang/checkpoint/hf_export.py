@@ -15,6 +15,7 @@ from torch import nn
 
 from ..distributed.dtensor_params import _to_dtensor, rank_major_specs
 from .ranks import _NAMES_SHOWN, _agree, _all_gather, _dist, _names, _rank
+from .experts import expert_view_of, expert_views, relay_expert_entry
 from .state import _is_dtensor, _model_state, _stages, full_tensor, plain_shard_mesh, plain_shard_specs
 
 logger = logging.getLogger("schedlang.checkpoint")
@@ -40,6 +41,7 @@ def _full_state_on_rank0(model: nn.Module) -> Dict[str, torch.Tensor]:
     local = _model_state(model)
     rank_major = rank_major_specs(_stages(model))  # tensors laid out rank-major: put back in their order
     plain = plain_shard_specs(model, local)
+    experts = expert_views(_stages(model))  # expert-parallel slices: gathered over their expert mesh
     mesh, problem = None, None
     if plain:
         device_type = next(local[k].device.type for k in plain)
@@ -56,6 +58,9 @@ def _full_state_on_rank0(model: nn.Module) -> Dict[str, torch.Tensor]:
         value = local[key]
         if key in plain:
             value = _to_dtensor(value, plain[key], mesh, is_param=False)
+        view = expert_view_of(key, value, experts)
+        if view is not None:
+            value = relay_expert_entry(value, view)
         if _is_dtensor(value):
             value = full_tensor(value, rank_major.get(key))  # every rank of the tensor's mesh takes part
         if owner[key] == me:
