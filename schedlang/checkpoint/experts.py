@@ -60,9 +60,13 @@ def expert_view_of(key: str, value, views: Optional[Dict[str, ExpertView]]) -> O
     return view
 
 
-def _local(value: torch.Tensor) -> torch.Tensor:
-    from .state import _is_dtensor
+def _is_dtensor(t) -> bool:
+    from torch.distributed.tensor import DTensor
 
+    return isinstance(t, DTensor)
+
+
+def _local(value: torch.Tensor) -> torch.Tensor:
     return value._local_tensor if _is_dtensor(value) else value
 
 
@@ -70,7 +74,6 @@ def relay_expert_entry(value: torch.Tensor, view: ExpertView):
     """A copy of ``value`` (a rank's slice, plain or a DTensor over its replicas) as a DTensor of the full weight
     on the expert mesh."""
     from ..distributed.expert_mesh import expert_dtensor
-    from .state import _is_dtensor
 
     if _is_dtensor(value):
         if value.device_mesh.ndim != 1:  # pragma: no cover - the trainer's experts are on their 1-D replica mesh

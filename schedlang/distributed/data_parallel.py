@@ -209,7 +209,8 @@ def _spread_experts_data_parallel(model: nn.Module, steps, dp_mesh, device: torc
 
             replicate(module, mesh=replicas, mp_policy=policy)
         module.set_gradient_divide_factor(float(dp_mesh.size()))
-        if replicas.device_type == "cpu" and primitive == "fully_shard":  # gloo has no pre-multiplied sum
+        if replicas.device_type == "cpu" and primitive == "fully_shard" and replicas.size() > 1:
+            # gloo has no pre-multiplied sum: sum, then divide
             module.set_force_sum_reduction_for_comms(True)
         logger.info("%s: %s of the experts on their %d replica(s), gradients divided by %d", path, primitive,
                     replicas.size(), dp_mesh.size())

@@ -46,33 +46,6 @@ def check_expert_counts(ns: argparse.Namespace, experts: Optional[int]) -> None:
               f"divide {experts} and --dp x --cp = {ns.dp * ns.cp}: valid {valid}")
 
 
-def validate_expert_flags(ns: argparse.Namespace) -> None:
-    """``--ep`` against the other layout flags (called by ``validate_layout``)."""
-    if getattr(ns, "ep", None) is None:
-        ns.ep = 1
-    ep = ns.ep
-    if ep < 1:
-        _fail(f"--ep must be at least 1, got {ep}")
-    if ep == 1:
-        return
-    data = ns.dp * ns.cp
-    if data % ep:
-        valid = ", ".join(str(d) for d in range(1, data + 1) if data % d == 0)
-        _fail(f"--ep {ep}: expert parallelism is carved from the data-parallel ranks, --dp {ns.dp}"
-              + (f" x --cp {ns.cp}" if ns.cp > 1 else "") + f" = {data}, which {ep} does not divide; valid --ep: "
-              f"{valid}")
-    if ns.tp > 1:
-        _fail(f"--ep {ep} with --tp {ns.tp}: expert parallelism beside tensor parallelism is not supported yet "
-              "(the experts would be split by both); drop --tp or --ep")
-    if ns.pp > 1:
-        _fail(f"--ep {ep} with --pp {ns.pp}: expert parallelism with pipeline stages is not supported yet; drop --pp "
-              "or --ep")
-    if ns.optimize:  # given (its default is decided after this check)
-        _fail(f"--optimize with --ep {ep}: optimize_model's rewrites are not checked against spread experts yet; "
-              "drop --optimize or --ep")
-    ns.optimize = False
-
-
 def make_expert_mesh(run) -> None:
     """The run's expert mesh (collective: every rank, once the trainer's mesh exists); None without --ep."""
     run.expert_mesh = None

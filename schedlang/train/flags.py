@@ -460,9 +460,7 @@ def validate_layout(ns: argparse.Namespace, world: int) -> None:
               f"launch {layout} ranks (--nproc {layout} or torchrun --nproc_per_node={layout}) or change the layout")
     if ns.cp > 1:
         _validate_context_parallel(ns)
-    from .experts import validate_expert_flags
-
-    validate_expert_flags(ns)
+    _validate_expert_parallel(ns)
     if ns.dp_mode is None:
         ns.dp_mode = "fsdp"
     if ns.reduce_dtype is None:
@@ -528,6 +526,33 @@ def _validate_context_parallel(ns: argparse.Namespace) -> None:
     if ns.optimize:  # given (its default is decided after this check)
         _fail("--optimize fuses the head with a loss inside the model, which would see only this rank's tokens under "
               "--cp; drop --optimize or --cp")
+    ns.optimize = False
+
+
+def _validate_expert_parallel(ns: argparse.Namespace) -> None:
+    """``--ep`` against the other layout flags (see train/experts.py)."""
+    if getattr(ns, "ep", None) is None:
+        ns.ep = 1
+    ep = ns.ep
+    if ep < 1:
+        _fail(f"--ep must be at least 1, got {ep}")
+    if ep == 1:
+        return
+    data = ns.dp * ns.cp
+    if data % ep:
+        valid = ", ".join(str(d) for d in range(1, data + 1) if data % d == 0)
+        _fail(f"--ep {ep}: expert parallelism is carved from the data-parallel ranks, --dp {ns.dp}"
+              + (f" x --cp {ns.cp}" if ns.cp > 1 else "") + f" = {data}, which {ep} does not divide; valid --ep: "
+              f"{valid}")
+    if ns.tp > 1:
+        _fail(f"--ep {ep} with --tp {ns.tp}: expert parallelism beside tensor parallelism is not supported yet "
+              "(the experts would be split by both); drop --tp or --ep")
+    if ns.pp > 1:
+        _fail(f"--ep {ep} with --pp {ns.pp}: expert parallelism with pipeline stages is not supported yet; drop --pp "
+              "or --ep")
+    if ns.optimize:  # given (its default is decided after this check)
+        _fail(f"--optimize with --ep {ep}: optimize_model's rewrites are not checked against spread experts yet; "
+              "drop --optimize or --ep")
     ns.optimize = False
 
 
