@@ -438,10 +438,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if installed != (table["torch"], table["transformers"]):
             from ..errors import ScheduleValueError
 
-            raise ScheduleValueError(f"family_sweep --expert-parallel-only: {args.expert_parallel_only} was swept with "
+            raise ScheduleValueError(f"--expert-parallel-only {args.expert_parallel_only}: the table was swept with "
                                      f"torch {table['torch']}, transformers {table['transformers']}, this is torch "
                                      f"{installed[0]}, transformers {installed[1]}; run the full sweep (--write) "
-                                     "or install the table's versions")
+                                     "or install the table's versions (valid: the same torch and transformers)")
         rows = table["rows"]
         swept = {r.model_type: r.expert_parallel
                  for r in run_sweep(families or list(rows), verify="expert_parallel", progress=progress)}
