@@ -7,7 +7,9 @@ built by the trainer's ``_Run`` and every step after the first is the trainer's 
 gradient norm, learning rate, the loss averaged over the ranks), so the row times what users run. Three
 things are the harness's: the model's config is the work's (written to a config.json the trainer reads),
 the weights are the work's HF initialization from seed 0, loaded into the built model, and the
-optimizer's numbers are the harness's (weight decay, betas, no clipping), so that the row passes the
+optimizer's numbers are the harness's (weight decay, betas, no clipping) and the layout has no pipeline
+stages (``--layout auto`` chooses among the layouts of one stage: a pipeline's step gives no loss to check on
+every rank), so that the row passes the
 same loss and gradient-direction checks as the others (the trainer's own initialization draws the
 same distribution in another order). The learning rate is the run's
 (``--lr``) and constant, as the other rows'.
@@ -28,8 +30,8 @@ def make_trainer_default(ctx: B.Context, cfg, global_batch: int, seq: int) -> B.
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     from schedlang.train.flags import build_parser, validate
-    from schedlang.train.layout import (apply_layout, check_model_layout, choice_block, choose, hardware,
-                                        measure_link, model_facts)
+    from schedlang.train.layout import (apply_layout, check_model_layout, choice_block, choose, fixed_choices,
+                                        hardware, measure_link, model_facts)
     from schedlang.train.run import _Run
 
     if ctx.cuda and ctx.args.optimizer != "schedlang-fused":
@@ -51,6 +53,10 @@ def make_trainer_default(ctx: B.Context, cfg, global_batch: int, seq: int) -> B.
         facts = model_facts(ns, check_tensor_parallel=world > 1)
         reason = None
         if ns.layout == "auto":
+            # the harness's first step is checked against the eager model's loss, which a pipeline's step cannot
+            # give: the layout is chosen among those without stages (on a loaded CPU host the measured link is
+            # slow enough for the planner to prefer two stages of a tiny model)
+            ns._auto_fixed = dict(fixed_choices(ns), pp=1)
             link = measure_link(ctx.device, world) if world > 1 and ns.link_gbps is None else None
             choice = choose(ns, facts, hardware(ns, world, link), world)
             apply_layout(ns, choice.best.layout, world)
@@ -58,9 +64,6 @@ def make_trainer_default(ctx: B.Context, cfg, global_batch: int, seq: int) -> B.
             if rank == 0:
                 print(reason, flush=True)
         check_model_layout(ns, facts)
-        if ns.pp > 1:
-            raise B.NotAvailable(f"the trainer chose pp={ns.pp}: a pipeline step cannot run the harness's first, "
-                                 "checked step")
         run = _Run(ns, rank, world, ctx.device)
         run.make_mesh()
         run.build()
