@@ -167,12 +167,14 @@ SCRIPT = textwrap.dedent('''
         parts = [torch.zeros(1) for _ in range(world)]
         dist.all_gather(parts, t)
         if rank == 0:
-            print("rank 0 saw", [int(p.item()) for p in parts])
+            print(f"rank 0 saw {[int(p.item()) for p in parts]}", flush=True)
         return FACTOR * (rank + 1)
 
 
     results = schedlang.launch(gather_ranks, world_size=2, timeout=120)
-    print("results", results)
+    # one write per line: under torchrun both ranks print into one pipe, and print's separate writes of
+    # "results", " " and the list interleave between them
+    print(f"results {results}", flush=True)
 ''')
 
 
