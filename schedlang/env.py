@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 from typing import Optional
 
 import torch
@@ -13,12 +12,6 @@ import torch.distributed as dist
 from .errors import ScheduleValueError
 
 __all__ = ["setup"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def setup(rank: int = 0, world_size: int = 1, backend: Optional[str] = None, timeout_s: float = 600.0) -> None:
@@ -40,13 +33,16 @@ def setup(rank: int = 0, world_size: int = 1, backend: Optional[str] = None, tim
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend not in ("nccl", "gloo", "mpi", "ucc"):
         raise ScheduleValueError(f"env.setup: unknown backend {backend!r}: valid backends are nccl, gloo, mpi, ucc")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    timeout = datetime.timedelta(seconds=timeout_s)
     if "MASTER_PORT" not in os.environ:
         if world_size > 1:
             raise ScheduleValueError("env.setup: several ranks need a common MASTER_PORT (set it, or launch with "
                                      "torchrun)")
-        os.environ["MASTER_PORT"] = str(_free_port())
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    dist.init_process_group(backend, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+        # one process needs no rendezvous: an in-process store, not a port that another process on the
+        # host may take between choosing it and listening on it
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        return
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)

@@ -22,11 +22,16 @@ def _fresh_process(rank, world):
 
     os.environ.pop("MASTER_PORT", None)
     schedlang.env.setup(rank=0, world_size=1, backend="gloo")
-    return dist.get_world_size(), dist.get_backend()
+    import torch
+
+    total = torch.tensor([3.0])
+    dist.all_reduce(total)
+    # one process rendezvouses in memory: it claims no port that a process beside it could race for
+    return dist.get_world_size(), dist.get_backend(), total.item(), "MASTER_PORT" in os.environ
 
 
 def test_setup_single_process_like_slapo():
-    assert run_distributed(_fresh_process, world_size=1, timeout=60) == [(1, "gloo")]
+    assert run_distributed(_fresh_process, world_size=1, timeout=60) == [(1, "gloo", 3.0, False)]
 
 
 @pytest.mark.parametrize("kwargs,message", [

@@ -194,7 +194,7 @@ def test_a_module_run_with_python_m_launches_its_own_functions_with_relative_imp
     (package / "constants.py").write_text("FACTOR = 2\n")
     (package / "main.py").write_text(SCRIPT.replace("FACTOR = 2", "from .constants import FACTOR").replace(
         "results = schedlang.launch", 'if __name__ == "__main__":\n    results = schedlang.launch').replace(
-        'print("results"', '    print("results"'))
+        'print(f"results', '    print(f"results'))
     done = subprocess.run([sys.executable, "-m", "launching_package.main"], capture_output=True, text=True,
                           timeout=240, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert done.returncode == 0, done.stderr[-3000:]
