@@ -157,6 +157,11 @@ class _GroupHandle:
         return self
 
 
+#: where a module kept whole under sequence parallelism holds the group over which its weights' gradients are
+#: summed (``schedlang.models._common.gradient_summed``: each tp rank runs its own sequence slice through it)
+_SUMMED_OVER_TP = "_schedlang_tensor_parallel_grad_group"
+
+
 class ExpertParallelExperts(nn.Module):
     """A block's experts module under expert parallelism: holds this rank's slice of the expert weights
     (the family's tensor names, the experts along dim 0) and routes tokens over ``ep_group``.
@@ -164,6 +169,11 @@ class ExpertParallelExperts(nn.Module):
     Made by :meth:`from_experts` from the family's module, whose attributes (config, activation, layout
     flags) it keeps; the family's class is kept as ``family_class`` and its forward computes the local
     experts. ``num_experts`` stays the block's total.
+
+    Beside tensor and sequence parallelism the experts module arrives kept whole, its weights' gradients summed
+    over the tp ranks (each runs its own sequence slice through it); the spread module keeps that sum
+    (``tp_group``): the expert-parallel group then holds the ranks of one tp rank, and a slice's gradient is
+    the sum over the tokens of every rank of the group and every tp rank.
     """
 
     @classmethod
@@ -173,14 +183,20 @@ class ExpertParallelExperts(nn.Module):
         ep, rank = groups.world_size(group), groups.rank(group)
         total = int(experts._parameters[weight_names[0]].shape[0])
         new = copy_module_as(experts, cls, remember_class=True)
+        family = type(experts)
+        summed = new.__dict__.pop(_SUMMED_OVER_TP, None)
+        if summed is not None:  # the family's class under the wrapper; the spread module sums the gradients itself
+            family = family.__mro__[1]
         local = total // ep
         for name in weight_names:
             full = experts._parameters[name]
             new._parameters[name] = nn.Parameter(full.detach()[rank * local:(rank + 1) * local].clone(),
                                                  requires_grad=full.requires_grad)
         new.__dict__["expert_weight_shapes"] = {name: tuple(experts._parameters[name].shape) for name in weight_names}
-        new.__dict__["family_class"] = type(experts)
+        new.__dict__["family_class"] = family
         new.__dict__["_ep_group"] = _GroupHandle(group)
+        new.__dict__["_tp_group"] = _GroupHandle(summed.group if summed is not None else None)
+        new.__dict__["sums_over_tp"] = summed is not None
         new.__dict__["ep_size"] = ep
         new.__dict__["ep_rank"] = rank
         new.__dict__["total_experts"] = total
@@ -192,6 +208,11 @@ class ExpertParallelExperts(nn.Module):
     def ep_group(self):
         """The expert-parallel process group (None: the world)."""
         return self._ep_group.group
+
+    @property
+    def tp_group(self):
+        """The tp ranks over which the weights' gradients are summed (only where ``sums_over_tp``)."""
+        return self._tp_group.group
 
     def _family_view(self) -> nn.Module:
         # the family's forward, run on an object of its class that shares this module's tables, sees
@@ -256,8 +277,21 @@ class ExpertParallelExperts(nn.Module):
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         """The block's expert output for its tokens; afterwards ``tokens_per_expert`` holds the rows each
         local expert received from the whole group in this call (``local_experts`` integers)."""
-        return route_to_experts(hidden_states, top_k_index, top_k_weights, self.total_experts, self.run_local,
-                                self.ep_group, on_counts=self._record_counts)
+        if not self.sums_over_tp:
+            return route_to_experts(hidden_states, top_k_index, top_k_weights, self.total_experts, self.run_local,
+                                    self.ep_group, on_counts=self._record_counts)
+        from .collectives import reduce_backward
+
+        # the weights are read through an identity whose backward sums their gradients over the tp ranks, for the
+        # duration of this call (FSDP2's unsharded weights, if any, are those in place now)
+        own = self.__dict__["_parameters"]
+        self.__dict__["_parameters"] = {n: (reduce_backward(p, self.tp_group) if p is not None and p.requires_grad
+                                            else p) for n, p in own.items()}
+        try:
+            return route_to_experts(hidden_states, top_k_index, top_k_weights, self.total_experts, self.run_local,
+                                    self.ep_group, on_counts=self._record_counts)
+        finally:
+            self.__dict__["_parameters"] = own
 
     def extra_repr(self) -> str:
         return (f"{self.family_class.__name__}, experts {self.ep_rank * self.local_experts}.."
@@ -310,11 +344,16 @@ def tokens_per_expert_range(modules, group=None) -> Tuple[int, int]:
     """The fewest and the most rows any expert of ``modules`` (spread experts modules) received in their last
     forward, over every block and every expert of the group: each rank's ``tokens_per_expert`` counts the rows
     its own experts got from the whole expert-parallel group, so the all-gather over ``group`` (the
-    expert-parallel group; None: the world) sees every expert once per group. ``(0, 0)`` before a forward."""
-    counts = [m.tokens_per_expert for m in modules if m.tokens_per_expert is not None]
-    if not counts:
+    expert-parallel group; None: the world) sees every expert once per group. Beside sequence parallelism each tp
+    rank routed its own sequence slice: the counts are first summed over the tp ranks. ``(0, 0)`` before a
+    forward."""
+    read = [m for m in modules if m.tokens_per_expert is not None]
+    if not read:
         return 0, 0
-    mine = torch.cat([c.reshape(-1).to(torch.int64) for c in counts])
+    mine = torch.cat([m.tokens_per_expert.reshape(-1).to(torch.int64) for m in read])
+    tp_group = next((m.tp_group for m in read if m.sums_over_tp), None)
+    if any(m.sums_over_tp for m in read) and groups.world_size(tp_group) > 1:
+        dist.all_reduce(mine, group=tp_group)
     if groups.world_size(group) > 1:
         everyone = [torch.empty_like(mine) for _ in range(groups.world_size(group))]
         dist.all_gather(everyone, mine, group=group)
