@@ -199,6 +199,11 @@ What the estimate counts, per GPU (``schedlang.autotune.step_cost``), and what e
   stage-microbatches of ``layers / v`` layers (23 on the first rank, 9 on the last). Each rank is taken to hold
   ``126 / 8`` layers and the embedding, as schedlang's trainer splits them (16, 16, 15, 16, 16, 15, 16, 16
   layers: the first rank holds 16 and the embedding). Its activations count ``ceil(126 / 8) = 16`` layers.
+  Each stage-microbatch in flight also keeps the stage's output (a layer's input in size) until its backward,
+  and torch's stage keeps one receive buffer for that output's gradient per stage-microbatch of the step. The
+  gradients, zeroed after each step, come with a rank's first backward: where the rank ran every microbatch's
+  forward before it (1F1B's first rank, 8 microbatches of 8 stages), they are whole only once that backward has
+  freed its microbatch, so the peak counts 7 microbatches beside every gradient.
 * **Logits and loss**: the bf16 logits, their fp32 copy and the fp32 log-softmax (10 bytes per vocabulary
   entry and token, over the tp ranks), for vocabulary 128,256. Under pipelining they live on the last rank only,
   which holds the fewest microbatches: the peak rank is the first or the last, whichever holds more (the first,
@@ -224,12 +229,12 @@ works the other way; neither is fitted:
   rank 15 layers and the embedding, and its middle ranks 16 layers with one microbatch fewer in flight. A layer
   here is 0.4 B parameters per GPU at 8 bytes each (its share of the sharded weights, gradients and AdamW state,
   its gathered bf16 weights and its unsharded fp32 gradient), about 3 GiB, so against torchtitan's own split the
-  two 405B estimates would be 2 to 3 GiB lower (about 72.9 and 64.3 GiB, worked by hand from these terms), about
-  11.5% under the published
-  figures: outside the goal, the allocator's reserve being the gap that remains.
+  two 405B estimates would be 2 to 3 GiB lower (about 72.8 and 67.7 GiB, worked by hand from these terms), about
+  11.8% and 6.9% under the published figures: the first outside the goal, the allocator's reserve being the gap
+  that remains.
 
-Not modelled either, and smaller: the 405B runs' asynchronous tensor parallelism (its symmetric-memory buffers),
-the pipeline's send and receive buffers and torch.compile's own buffers.
+Not modelled either, and smaller: the 405B runs' asynchronous tensor parallelism (its symmetric-memory buffers)
+and torch.compile's own buffers.
 """
 
 

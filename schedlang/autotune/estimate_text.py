@@ -27,16 +27,26 @@ def format_estimate(e: StepEstimate, hw: Hardware, header: str = "", extras: str
     lines = [header] if header else []
     lines.append(f"  layout      {lay.describe()}{'; ' + extras if extras else ''}")
     forward = e.forward_peak_bytes >= e.backward_peak_bytes
-    held = (f" + grads {_size(e.grads_bytes)}" if not forward or e.grads_in_forward else "")
+    grads = e.grads_bytes if not forward else e.turn_grads_bytes
+    held = f" + grads {_size(grads)}" if grads else ""
     mem = (f"params {_size(e.params_bytes)} + optimizer {_size(e.optimizer_bytes)}"
            + (f" + gathered/cast weights {_size(e.gathered_bytes)}" if e.gathered_bytes else "")
            + held
            + (f" + activations {_size(e.activation_bytes)}" if forward else "")
            + f" + one layer's working set {_size(e.working_bytes)}"
            + (f" + workspace {_size(e.other_bytes)}" if e.other_bytes else ""))
-    when = ("at the turn to the backward" + ("" if e.grads_in_forward else
-                                             f"; grads {_size(e.grads_bytes)} come after the activations go")
-            if forward else f"at the end of the backward; activations {_size(e.activation_bytes)} before it")
+    if not forward:
+        when = f"at the end of the backward; activations {_size(e.activation_bytes)} before it"
+    elif not e.grads_in_forward:
+        when = f"at the turn to the backward; grads {_size(e.grads_bytes)} come after the activations go"
+    elif e.freed_before_grads_bytes and not e.turn_grads_bytes:
+        when = (f"at the first backward, which frees {_size(e.freed_before_grads_bytes)} of activations before "
+                f"the grads {_size(e.grads_bytes)} are whole")
+    elif e.freed_before_grads_bytes:
+        when = (f"at the end of the first backward: it freed {_size(e.freed_before_grads_bytes)} of the "
+                f"activations, the grads {_size(e.grads_bytes)} are whole")
+    else:
+        when = "at the turn to the backward"
     lines.append(f"  per rank    {mem} = peak {_size(e.total_bytes)} of {_size(hw.memory_bytes)} ({when})"
                  + ("" if e.fits else "  (DOES NOT FIT)"))
     if e.moe:

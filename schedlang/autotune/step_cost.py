@@ -275,13 +275,25 @@ class StepEstimate:
     seq: int = 0
     #: a mixture of experts' facts and the load-imbalance assumption (None: a dense model)
     moe: Optional[Dict] = None
+    #: the activations the peak rank frees before its gradients are whole: one microbatch's where it runs every
+    #: microbatch's forward before its first backward (the gradients, zeroed after the last step, come with that
+    #: backward); 0 where a step's gradients are whole while the rank still holds all it holds at the turn
+    freed_before_grads_bytes: float = 0.0
+
+    @property
+    def turn_grads_bytes(self) -> float:
+        """The gradients counted with the activations: none where they are zeroed to None after each step; where
+        they outlive a microbatch (accumulation, a pipeline), all of them, less the activations the first
+        backward frees before they are whole (the larger of the two moments: its start, its end)."""
+        if not self.grads_in_forward:
+            return 0.0
+        return max(0.0, self.grads_bytes - self.freed_before_grads_bytes)
 
     @property
     def forward_peak_bytes(self) -> float:
         """At the turn from forward to backward: saved activations, one layer's working set, the gradients only
         where they outlive the step (zeroed to None after each step otherwise)."""
-        return (self.gathered_bytes + self.activation_bytes + self.working_bytes
-                + (self.grads_bytes if self.grads_in_forward else 0.0))
+        return self.gathered_bytes + self.activation_bytes + self.working_bytes + self.turn_grads_bytes
 
     @property
     def backward_peak_bytes(self) -> float:
@@ -470,6 +482,24 @@ def _layers_in_flight(layout: Layout, layers: int, pp_rank: int = 0) -> float:
     return min(m * v, (v - 1) * per_round + 2 * (pp - 1 - pp_rank) + 1) * layers / v
 
 
+def _pipeline_rank_bytes(layout: Layout, layers: int, per_layer: float, boundary: float,
+                         pp_rank: int) -> Tuple[float, float]:
+    """``(held, freed before the gradients)`` of pipeline rank ``pp_rank`` at its first backward: the saved
+    activations of its layer-microbatches in flight (``per_layer`` bytes each) and, for each stage-microbatch in
+    flight whose output goes to the next rank, that output (``boundary`` bytes), which torch's stage keeps for
+    the backward, plus one gradient receive buffer per stage-microbatch, which it allocates once and keeps.
+    Where every stage-microbatch runs its forward before the first backward (GPipe; 1F1B with ``m <= pp -
+    rank``), the gradients come with that backward, and are whole once it has freed its stage-microbatch."""
+    pp, v, m = layout.pp, layout.stages_per_rank, layout.microbatches
+    in_flight = _layers_in_flight(layout, layers, pp_rank)
+    stage_microbatches = in_flight * v / layers
+    # the stages whose output goes on: all of a rank's but the last rank's last (the model's end)
+    sending = 1.0 if pp_rank < pp - 1 else (v - 1) / v
+    held = in_flight * per_layer + sending * boundary * (stage_microbatches + m * v)
+    freed = per_layer * layers / v + sending * boundary if stage_microbatches >= m * v else 0.0
+    return held, freed
+
+
 def estimate_step(shape: ModelShape, layout: Layout, hw: Hardware, global_batch: int, seq: int) -> StepEstimate:
     """Memory per rank, collectives and time of one step of ``global_batch`` sequences of ``seq`` tokens."""
     pp, dp, tp, cp, ep = layout.pp, layout.dp, layout.tp, layout.cp, layout.ep
@@ -512,17 +542,24 @@ def estimate_step(shape: ModelShape, layout: Layout, hw: Hardware, global_batch:
     per_token = _activation_bytes_per_token(shape, layout)
     saved = saved_bytes_per_token(shape, layout)
     acts = microbatch_tokens * _layers_in_flight(layout, layers) * saved
+    freed = 0.0
     logits = 0.0
     if not layout.optimize or tp > 1:  # the logits, their fp32 copy and their gradient
         logits = microbatch_tokens * shape.vocab / tp * (compute_bytes + 8)
+    # gradients outlive the forward when microbatches accumulate into them (and in a pipeline's schedule)
+    grads_in_forward = layout.microbatches > 1 or pp > 1
     if pp > 1:
         # the logits live on the last pipeline rank, which keeps the fewest microbatches in flight; the first rank
         # keeps the most and no logits: the rank with the larger sum sets the peak (the stages are equal in size)
-        last = microbatch_tokens * _layers_in_flight(layout, layers, pp_rank=pp - 1) * saved + logits
-        if last <= acts:
+        boundary = microbatch_tokens * shape.hidden * _residual_bytes(layout) / (tp if layout.sp else 1)
+        per_layer = microbatch_tokens * saved
+        acts, freed = _pipeline_rank_bytes(layout, layers, per_layer, boundary, 0)
+        last, last_freed = _pipeline_rank_bytes(layout, layers, per_layer, boundary, pp - 1)
+        last += logits
+        if last + max(0.0, grads_bytes - last_freed) <= acts + max(0.0, grads_bytes - freed):
             logits = 0.0
         else:
-            acts = last
+            acts, freed = last, last_freed
     else:
         acts += logits
     if layout.recomputes:  # one layer's activations while it is recomputed
@@ -530,8 +567,6 @@ def estimate_step(shape: ModelShape, layout: Layout, hw: Hardware, global_batch:
     working = microbatch_tokens * per_token
     if layout.float8:  # the float8 copies of a layer's matmul inputs
         working += microbatch_tokens * sum(a / (tp if row else 1) for a, _, row in _layer_matmuls(shape))
-    # gradients outlive the forward when microbatches accumulate into them (and in a pipeline's schedule)
-    grads_in_forward = layout.microbatches > 1 or pp > 1
     other = _CUDA_ALLOWANCE if hw.device == "cuda" else 0.0
 
     # -- time
@@ -654,4 +689,5 @@ def estimate_step(shape: ModelShape, layout: Layout, hw: Hardware, global_batch:
                         collectives=collectives, compute_s=compute, comm_s=comm,
                         comm_exposed_s=dp_exposed + tp_comm + pp_comm + cp_comm + ep_comm, bubble_s=bubble,
                         optimizer_s=optimizer, tokens=tokens, memory_limit=USABLE_MEMORY * hw.memory_bytes,
-                        logits_bytes=logits, global_batch=global_batch, seq=seq, moe=moe_facts)
+                        logits_bytes=logits, global_batch=global_batch, seq=seq, moe=moe_facts,
+                        freed_before_grads_bytes=freed)

@@ -161,17 +161,44 @@ def test_a_pipeline_counts_the_logits_on_its_last_rank_only():
     e = estimate_step(LLAMA3_70B, deep, HW64, 8, 8192)
     layer_input = saved_bytes_per_token(LLAMA3_70B, deep)
     logits = tokens * LLAMA3_70B.vocab * (2 + 8)  # the bf16 logits, their fp32 copy and the fp32 log-softmax
-    first, last = tokens * 4 * 20 * layer_input, tokens * 1 * 20 * layer_input + logits
+    # the first rank also keeps each in-flight microbatch's output (fp32 residual stream: no FSDP here) and one
+    # gradient receive buffer per microbatch; the last rank sends nothing on
+    boundary = tokens * LLAMA3_70B.hidden * 4
+    first, last = tokens * 4 * 20 * layer_input + (4 + 8) * boundary, tokens * 1 * 20 * layer_input + logits
     assert first > last  # the first rank's 4 microbatches win
     assert e.logits_bytes == 0
     assert e.activation_bytes == pytest.approx(first + e.working_bytes)  # + one layer's while it is recomputed
     wide = dataclasses.replace(LLAMA3_70B, vocab=4 * LLAMA3_70B.vocab)  # a vocabulary large enough to tip it
     e = estimate_step(wide, deep, HW64, 8, 8192)
     logits = tokens * wide.vocab * (2 + 8)
-    first, last = tokens * 4 * 20 * layer_input, tokens * 1 * 20 * layer_input + logits
+    first, last = tokens * 4 * 20 * layer_input + (4 + 8) * boundary, tokens * 1 * 20 * layer_input + logits
     assert first < last
     assert e.logits_bytes == pytest.approx(logits)
     assert e.activation_bytes == pytest.approx(last + e.working_bytes)
+
+
+def test_a_rank_that_runs_every_forward_first_has_no_gradients_at_its_first_backward():
+    """Zeroed after the last step, a pipeline's gradients come with a rank's first backward. Where 1F1B runs
+    every microbatch's forward before it (m <= pp - rank) they are whole only once that backward has freed its
+    microbatch: the peak is the larger of its start (every microbatch, no gradients) and its end (one microbatch
+    fewer, every gradient). With more microbatches, the steady phase's forwards refill what it freed: all count."""
+    tokens = 8192
+    for m, freed_expected in ((4, True), (8, False)):
+        layout = Layout(pp=4, microbatches=m, activation_checkpoint="full", compiled=True)
+        e = estimate_step(LLAMA3_70B, layout, HW64, m, 8192)
+        one_microbatch = tokens * 20 * saved_bytes_per_token(LLAMA3_70B, layout) + tokens * LLAMA3_70B.hidden * 4
+        if freed_expected:
+            assert e.freed_before_grads_bytes == pytest.approx(one_microbatch)
+            assert e.turn_grads_bytes == pytest.approx(max(0.0, e.grads_bytes - one_microbatch))
+        else:
+            assert e.freed_before_grads_bytes == 0 and e.turn_grads_bytes == e.grads_bytes
+        assert e.forward_peak_bytes == pytest.approx(e.gathered_bytes + e.working_bytes + max(
+            e.activation_bytes, e.activation_bytes - e.freed_before_grads_bytes + e.grads_bytes))
+    # GPipe runs every forward first whatever the count; gradient accumulation without a pipeline never does
+    gpipe = estimate_step(LLAMA3_70B, Layout(pp=4, microbatches=8, pp_schedule="GPipe"), HW64, 8, 8192)
+    accumulated = estimate_step(LLAMA3_70B, Layout(dp=8, microbatches=4), HW64, 64, 8192)
+    assert gpipe.freed_before_grads_bytes > 0
+    assert accumulated.freed_before_grads_bytes == 0 and accumulated.turn_grads_bytes == accumulated.grads_bytes
 
 
 def test_405b_1f1b_with_one_microbatch_per_stage_peaks_above_interleaved():
@@ -187,8 +214,14 @@ def test_405b_1f1b_with_one_microbatch_per_stage_peaks_above_interleaved():
                                                             pp_schedule="Interleaved1F1B"), hw, 256, 8192)
     assert one.total_bytes > inter.total_bytes
     layer_input = saved_bytes_per_token(LLAMA3_405B, base)
-    assert one.activation_bytes - one.working_bytes == pytest.approx(8 * 16 * 4 * 8192 * layer_input)
-    assert inter.activation_bytes - inter.working_bytes == pytest.approx(23 * 8 * 2 * 8192 * layer_input)
+    # a stage's output is a layer's input in size: one per stage-microbatch in flight, one receive buffer for its
+    # gradient per stage-microbatch of the step
+    assert one.activation_bytes - one.working_bytes == pytest.approx((8 * 16 + 8 + 8) * 4 * 8192 * layer_input)
+    assert inter.activation_bytes - inter.working_bytes == pytest.approx((23 * 8 + 23 + 32) * 2 * 8192 * layer_input)
+    # 1F1B's first rank runs all 8 forwards before its first backward: the gradients are whole once it has freed
+    # one microbatch (16 layer inputs and its output); interleaved's steady phase refills what it frees
+    assert one.freed_before_grads_bytes == pytest.approx(17 * 4 * 8192 * layer_input)
+    assert inter.freed_before_grads_bytes == 0
 
 
 def test_a_compiled_layer_under_selective_checkpointing_keeps_no_row_parallel_output():
