@@ -51,11 +51,17 @@ GRID = {
     # two microbatches, both forward before the first stage's first backward: its gradients come with that
     # backward, and are whole once it has freed its microbatch (the formula's freed_before_grads_bytes)
     "pp2-8": ("--nproc", "8", "--dp", "4", "--pp", "2"),
-    # measured: formula 0.0412 GiB, traced 0.0284 GiB: the formula counts a recomputed layer's activations on top
-    # of one layer's working set at the turn to the backward, when no layer is being recomputed yet
-    "fsdp-ac-full-8": pytest.param(("--nproc", "8", "--dp", "8", "--activation-checkpoint", "full"),
-                                   marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason="full checkpointing, pp=1: the formula "
-                                                           "is 31% above the trace")),
+    # formula 0.0412 GiB, traced 0.0284 GiB. The traced peak is not at the turn but in the backward of a recomputed
+    # layer (its MLP): the layers' saved inputs 1.7 MiB, the recomputed layer with its gradients 15.7 MiB, the root
+    # and two layers gathered 3.7 MiB, one layer's fp32 gradient for the reduce-scatter 2.8 MiB; the logits
+    # (9.8 MiB) are gone by then. The formula adds the logits, the recomputed layer and a layer's working set
+    # (10.9 MiB each) together. Counting the larger of the logits and the recomputed layer gives -10.2% here, but
+    # drops torchtitan's 70B full-checkpointing row (published, reserved memory; logits 19.6 GiB) from -9.4% to -20%
+    "fsdp-ac-full-8": pytest.param(
+        ("--nproc", "8", "--dp", "8", "--activation-checkpoint", "full"),
+        marks=pytest.mark.xfail(strict=True, raises=AssertionError,
+                                reason="full checkpointing, pp=1: the formula counts the logits and the recomputed "
+                                       "layer together: 31% above the trace")),
 }
 
 
