@@ -16,8 +16,9 @@ what HF's causal LMs are. Activation checkpointing has two modes:
   (norms, rotary embeddings, the activation function) are recomputed.
 
 The memory is the step's peak, the larger of two moments: the turn from forward to backward (every layer's
-activations, one layer's working set, and the gradients only where they outlive a step: accumulation over
-microbatches) and the end of the backward (every gradient, one layer's working set).
+activations, one layer's working set, and the gradients only where they outlive a microbatch: accumulation, a
+pipeline, where a rank that runs every forward first has them whole once its first backward freed a microbatch)
+and the end of the backward (every gradient, one layer's working set).
 """
 
 from __future__ import annotations
