@@ -79,15 +79,63 @@ def weigh_expert_gradients(run) -> None:
             run.grad_weight[id(param)] = run.grad_weight.get(id(param), 1.0) * ep
 
 
+def track_expert_load(run) -> None:
+    """Count, for the step's metrics, the rows every local expert receives in each forward of the step: all the
+    microbatches of an accumulated or pipelined step, not only the last (a spread experts module keeps the
+    counts of its last forward only). A forward run again inside the backward (activation checkpointing's
+    recomputation) routes the same tokens a second time and is not counted. ``run.expert_counts`` holds each
+    block's readings of the step, one per forward."""
+    run.expert_counts = {}
+    if getattr(run, "expert_mesh", None) is None:
+        return
+    from ..distributed.expert_parallel import expert_modules
+
+    def counted(path):
+        def hook(module, args, output):
+            if module.tokens_per_expert is None or torch._C._current_graph_task_id() != -1:
+                return
+            run.expert_counts.setdefault(path, []).append(module.tokens_per_expert.detach().to(torch.int64))
+        return hook
+
+    for path, module in expert_modules(run.model).items():
+        module.register_forward_hook(counted(path))
+
+
+def start_expert_load(run) -> None:
+    """A new step: its expert load counts from zero (see :func:`track_expert_load`)."""
+    run.expert_counts = {}
+
+
 def expert_load(run) -> Dict[str, int]:
-    """``{"tokens_per_expert_min": ..., "tokens_per_expert_max": ...}`` of the last forward over every expert of
-    every block (empty without expert parallelism). Collective over the expert-parallel group."""
+    """``{"tokens_per_expert_min": ..., "tokens_per_expert_max": ...}`` of the step so far, over every expert of
+    every block (empty without expert parallelism): the rows each expert received in all of the step's forwards.
+    Collective over the expert-parallel group and, under pipelining, the pipeline (each stage holds its own
+    blocks' experts)."""
     if getattr(run, "expert_mesh", None) is None:
         return {}
-    from ..distributed.expert_parallel import expert_modules, tokens_per_expert_range
+    import torch.distributed as dist
 
-    low, high = tokens_per_expert_range(list(expert_modules(run.model).values()), run.expert_mesh["ep"].get_group())
-    return {"tokens_per_expert_min": low, "tokens_per_expert_max": high}
+    # a step forwards each block once per microbatch. A pipeline stage's first step may forward one more, first:
+    # torch's pipelining infers the shapes a stage sends by running it before the schedule (torch 2.13), on
+    # inputs that are not the step's, so the step's reading is its last ``microbatches`` forwards
+    m = run.ns.microbatches
+    counts = [torch.stack(readings[-m:]).sum(0).reshape(-1)
+              for _, readings in sorted(getattr(run, "expert_counts", {}).items())]
+    group = run.expert_mesh["ep"].get_group()
+    if counts:
+        # every rank of an expert-parallel group holds the same blocks (one pipeline stage), so the same count
+        mine = torch.cat(counts)
+        everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(everyone, mine, group=group)
+        mine = torch.cat(everyone)
+        low_high = torch.stack([-mine.min(), mine.max()])
+    else:  # no forward yet, or a stage without a mixture-of-experts block: no reading
+        low_high = torch.full((2,), torch.iinfo(torch.int64).min, dtype=torch.int64, device=run.device)
+    if run.pipelined:  # the fewest and the most over every stage's blocks: one MAX of (-min, max)
+        dist.all_reduce(low_high, op=dist.ReduceOp.MAX, group=run.mesh["pp"].get_group())
+    if int(low_high[1]) == torch.iinfo(torch.int64).min:
+        return {"tokens_per_expert_min": 0, "tokens_per_expert_max": 0}
+    return {"tokens_per_expert_min": int(-low_high[0]), "tokens_per_expert_max": int(low_high[1])}
 
 
 def load_text(record: Dict[str, int]) -> str:

@@ -547,9 +547,6 @@ def _validate_expert_parallel(ns: argparse.Namespace) -> None:
     if ns.tp > 1:
         _fail(f"--ep {ep} with --tp {ns.tp}: expert parallelism beside tensor parallelism is not supported yet "
               "(the experts would be split by both); drop --tp or --ep")
-    if ns.pp > 1:
-        _fail(f"--ep {ep} with --pp {ns.pp}: expert parallelism with pipeline stages is not supported yet; drop --pp "
-              "or --ep")
     if ns.optimize:  # given (its default is decided after this check)
         _fail(f"--optimize with --ep {ep}: optimize_model's rewrites are not checked against spread experts yet; "
               "drop --optimize or --ep")

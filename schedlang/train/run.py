@@ -15,7 +15,7 @@ from .configs import _model_class, build_meta_model, model_config, model_dims, v
 from .structure import decoder_layers, flops_params, stage_cuts, tied_names
 from .data import _mix, lr_at
 from .experts import check_expert_counts, count_experts, expert_load, make_expert_mesh, spread_experts, \
-    weigh_expert_gradients
+    start_expert_load, track_expert_load, weigh_expert_gradients
 from .flags import TrainError
 
 try:
@@ -144,6 +144,7 @@ class _Run:
         self.sch = sch
         self.grad_weight = self._tied_weights(tied) if self.pipelined and tied else {}
         weigh_expert_gradients(self)
+        track_expert_load(self)
         if ns.activation_checkpoint == "selective":  # pp=1 (checked): the layers are the model's
             from .recompute import checkpoint_selectively
 
@@ -212,6 +213,7 @@ class _Run:
         if self.device.type == "cuda":
             local = local.pin_memory()
         local = local.to(self.device, non_blocking=True)
+        start_expert_load(self)
         out = self.train_step(step, local[:, :-1], local[:, 1:])
         out.update(expert_load(self))  # the step's expert load (--ep), over every expert of every block
         return out

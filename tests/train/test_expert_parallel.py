@@ -55,8 +55,17 @@ def reference(work):
     return _run(work, "single")
 
 
-def test_ep2_trains_like_one_process_resumes_under_ep1_and_exports(reference, work):
-    records = _run(work, "ep2", "--nproc", "2", "--dp", "2", "--ep", "2", "--export-hf", str(work / "hf"))
+@pytest.fixture(scope="module")
+def ep2(work):
+    return _run(work, "ep2", "--nproc", "2", "--dp", "2", "--ep", "2", "--export-hf", str(work / "hf"))
+
+
+def _load(records):
+    return [(r["tokens_per_expert_min"], r["tokens_per_expert_max"]) for r in records]
+
+
+def test_ep2_trains_like_one_process_resumes_under_ep1_and_exports(reference, ep2, work):
+    records = ep2
     _assert_same(records, reference)
     assert "tokens_per_expert_min" not in reference[0]
     for r in records:  # 4 x 15 tokens, 2 choices each, over 2 blocks of 8 experts: every count within [0, 120]
@@ -100,14 +109,24 @@ def test_dp4_ep2_trains_like_one_process(reference, work, mode):
                  reference)
 
 
+def test_the_load_counts_every_microbatch_and_every_stage_once(reference, ep2, work):
+    # the same tokens routed by the same weights: the step's counts do not depend on how the step is cut into
+    # microbatches, on pipeline stages holding one block each, nor on checkpointing's second forward
+    accumulated = _run(work, "ep2-mb2-ac", "--nproc", "2", "--dp", "2", "--ep", "2", "--microbatches", "2",
+                       "--activation-checkpoint", "full")
+    _assert_same(accumulated, reference)
+    assert _load(accumulated) == _load(ep2)
+    staged = _run(work, "pp2-ep2", "--nproc", "4", "--dp", "2", "--pp", "2", "--ep", "2", "--microbatches", "2")
+    _assert_same(staged, reference)
+    assert _load(staged) == _load(ep2)
+
+
 @pytest.mark.parametrize("flags,message", [
     (["--nproc", "4", "--dp", "4", "--ep", "3"],
      "--ep 3: expert parallelism is carved from the data-parallel ranks, --dp 4 = 4, which 3 does not divide; "
      "valid --ep: 1, 2, 4"),
     (["--nproc", "4", "--dp", "2", "--tp", "2", "--ep", "2"],
      "--ep 2 with --tp 2: expert parallelism beside tensor parallelism is not supported yet"),
-    (["--nproc", "4", "--dp", "2", "--pp", "2", "--ep", "2"],
-     "--ep 2 with --pp 2: expert parallelism with pipeline stages is not supported yet"),
     (["--nproc", "2", "--dp", "2", "--ep", "0"], "--ep must be at least 1, got 0"),
 ])
 def test_flags_that_cannot_work_are_named(work, flags, message, capsys):
