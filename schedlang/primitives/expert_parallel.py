@@ -15,6 +15,11 @@ mesh (``"ep"``, ``"dp"``), a 1-D ``DeviceMesh``, an expert mesh ``("ep", "ep_rep
 ``ep_replicate``, as the trainer's ``--ep`` does), or a process group (a process group or mesh cannot be
 written to a plan's JSON; replay such a plan in the same process).
 
+Beside tensor parallelism the experts must be whole on every tp rank: ``shard_model(sch,
+sequence_parallel=True)`` keeps them so (each tp rank routes its own sequence slice, their gradients summed
+over the tp ranks) and the group is then the data-parallel ranks of one tp rank (the expert mesh carves it
+so); experts split along their intermediate width by tensor parallelism are refused.
+
 Example (each rank its own batch, the experts spread over the world)::
 
     sch = schedlang.create_schedule(model)
@@ -31,7 +36,7 @@ from torch import nn
 from ..distributed import groups
 from ..distributed.expert_mesh import is_expert_mesh
 from ..distributed.expert_parallel import ExpertParallelExperts, attach_expert_mesh
-from ..module_record import record_expert_slice
+from ..module_record import record_expert_slice, shard_specs
 from ..shard_spec import ShardSpec
 from ..distributed.shard_rules.experts import is_experts
 from ..errors import ScheduleValueError, ShardError, UnsupportedModelError
@@ -133,6 +138,14 @@ class ExpertParallel(Primitive):
                 raise UnsupportedModelError(f"{path}: expert_parallel cannot spread {type(module).__name__}: a module "
                                             "with weights runs inside its experts (a norm after each expert); only "
                                             "experts of 3-D gate_up_proj/down_proj tensors alone are supported")
+            split = sorted(shard_specs(module))
+            if split:
+                # a tp shard along the intermediate width cut again along the experts: build would initialize and
+                # checkpoints would address only one of the two splits
+                raise ShardError(f"{path}: expert_parallel cannot spread experts that tensor parallelism split already "
+                                 f"({', '.join(split)} sharded): keep them whole on every tp rank, as "
+                                 "shard_model(sch, sequence_parallel=True) does (each tp rank then routes its own "
+                                 "sequence slice), or spread them without tensor parallelism")
             total = int(module._parameters["down_proj"].shape[0])
             if total % ep:
                 valid = ", ".join(str(d) for d in range(1, total + 1) if total % d == 0)
