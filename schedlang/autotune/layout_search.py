@@ -136,6 +136,10 @@ def candidate_layouts(shape: ModelShape, world: int, global_batch: int, base: La
                         for reduce in reduces:
                             for ckpt in checkpoints:
                                 for sp in sps:
+                                    if e > 1 and tp > 1 and not sp:
+                                        # spread experts run on each tp rank's sequence slice: ep beside tp
+                                        # needs sequence parallelism
+                                        continue
                                     out.append(dataclasses.replace(
                                         base, pp=pp, dp=dp, tp=tp, dp_mode=mode, dp_replicate=r, reshard=reshard,
                                         reduce_dtype=reduce, activation_checkpoint=ckpt, sp=sp, microbatches=m,

@@ -147,6 +147,17 @@ def test_layout_auto_picks_expert_parallelism_for_a_qwen3_30b_a3b_on_64_gpus():
     assert any(r.estimate.layout.ep == 1 and r.why.startswith("slower by") for r in choice.runners_up)
 
 
+
+def test_expert_parallel_candidates_compose_with_pipelines_and_with_tp_under_sp_only():
+    # the trainer spreads experts beside pipeline stages, and beside tensor parallelism when each tp rank routes
+    # its own sequence slice (--sp): the search offers those and never ep with tp on the same tokens
+    ranked = choose_layout(QWEN3_30B_A3B, HW64, 64, 128, 8192, base=FAST, tp_sizes=TP).ranked
+    spread = [e.layout for e in ranked if e.layout.ep > 1]
+    assert any(lay.pp > 1 for lay in spread) and any(lay.tp > 1 for lay in spread)
+    assert all(lay.sp for lay in spread if lay.tp > 1)
+    assert any(not e.layout.sp for e in ranked if e.layout.tp > 1 and e.layout.ep == 1)
+
+
 HW8 = Hardware.nominal("cuda", "NVIDIA H100", memory_gib=80, world=8, gpus_per_node=8)
 
 
