@@ -272,11 +272,16 @@ class ExpertParallelExperts(nn.Module):
 
     def _record_counts(self, counts: torch.Tensor) -> None:
         # a plain attribute, not a buffer: it is a reading of the last forward, not state to save or copy
+        if self.sums_over_tp and groups.world_size(self.tp_group) > 1:
+            # each tp rank routed its own sequence slice: an expert's rows are those of every tp rank
+            counts = counts.clone()
+            dist.all_reduce(counts, group=self.tp_group)
         self.__dict__["tokens_per_expert"] = counts
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         """The block's expert output for its tokens; afterwards ``tokens_per_expert`` holds the rows each
-        local expert received from the whole group in this call (``local_experts`` integers)."""
+        local expert received from the whole group in this call (``local_experts`` integers; beside sequence
+        parallelism, summed over the tp ranks, each of which routed its own sequence slice)."""
         if not self.sums_over_tp:
             return route_to_experts(hidden_states, top_k_index, top_k_weights, self.total_experts, self.run_local,
                                     self.ep_group, on_counts=self._record_counts)
@@ -344,16 +349,11 @@ def tokens_per_expert_range(modules, group=None) -> Tuple[int, int]:
     """The fewest and the most rows any expert of ``modules`` (spread experts modules) received in their last
     forward, over every block and every expert of the group: each rank's ``tokens_per_expert`` counts the rows
     its own experts got from the whole expert-parallel group, so the all-gather over ``group`` (the
-    expert-parallel group; None: the world) sees every expert once per group. Beside sequence parallelism each tp
-    rank routed its own sequence slice: the counts are first summed over the tp ranks. ``(0, 0)`` before a
-    forward."""
-    read = [m for m in modules if m.tokens_per_expert is not None]
-    if not read:
+    expert-parallel group; None: the world) sees every expert once per group. ``(0, 0)`` before a forward."""
+    counts = [m.tokens_per_expert for m in modules if m.tokens_per_expert is not None]
+    if not counts:
         return 0, 0
-    mine = torch.cat([m.tokens_per_expert.reshape(-1).to(torch.int64) for m in read])
-    tp_group = next((m.tp_group for m in read if m.sums_over_tp), None)
-    if any(m.sums_over_tp for m in read) and groups.world_size(tp_group) > 1:
-        dist.all_reduce(mine, group=tp_group)
+    mine = torch.cat([c.reshape(-1).to(torch.int64) for c in counts])
     if groups.world_size(group) > 1:
         everyone = [torch.empty_like(mine) for _ in range(groups.world_size(group))]
         dist.all_gather(everyone, mine, group=group)
