@@ -544,9 +544,10 @@ def _validate_expert_parallel(ns: argparse.Namespace) -> None:
         _fail(f"--ep {ep}: expert parallelism is carved from the data-parallel ranks, --dp {ns.dp}"
               + (f" x --cp {ns.cp}" if ns.cp > 1 else "") + f" = {data}, which {ep} does not divide; valid --ep: "
               f"{valid}")
-    if ns.tp > 1:
-        _fail(f"--ep {ep} with --tp {ns.tp}: expert parallelism beside tensor parallelism is not supported yet "
-              "(the experts would be split by both); drop --tp or --ep")
+    if ns.tp > 1 and not ns.sp:
+        _fail(f"--ep {ep} with --tp {ns.tp} needs --sp: the experts stay whole on every tp rank and each tp rank "
+              "routes its own sequence slice through them (without --sp the tp ranks hold the same tokens and "
+              "tensor parallelism would split the experts too); add --sp, or drop --tp or --ep")
     if ns.optimize:  # given (its default is decided after this check)
         _fail(f"--optimize with --ep {ep}: optimize_model's rewrites are not checked against spread experts yet; "
               "drop --optimize or --ep")
