@@ -8,28 +8,19 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from schedlang import train as trainer
+from tests.helpers.trainer_runs import assert_same_steps, run_metrics
 
 COMMON = ["--model", "llama", "--config", "tiny", "--steps", "4", "--global-batch", "4", "--seq", "24",
           "--lr", "3e-3", "--device", "cpu", "--dtype", "fp32", "--seed", "7"]
 
 
 def _run(tmp: Path, name: str, *flags: str):
-    metrics = tmp / f"{name}.jsonl"
-    assert trainer.main(COMMON + ["--metrics", str(metrics)] + list(flags)) == 0
-    return [json.loads(line) for line in metrics.read_text().splitlines()]
+    return run_metrics(COMMON + list(flags), tmp / f"{name}.jsonl")
 
 
-def _assert_same(records, reference):
-    steps = [r["step"] for r in records]
-    ref = [r for r in reference if r["step"] in steps]
-    assert steps == [r["step"] for r in ref]
-    torch.testing.assert_close(torch.tensor([r["loss"] for r in records]), torch.tensor([r["loss"] for r in ref]),
-                               rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(torch.tensor([r["grad_norm"] for r in records]),
-                               torch.tensor([r["grad_norm"] for r in ref]), rtol=1e-4, atol=1e-5)
+_assert_same = assert_same_steps
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +59,6 @@ def test_cp2_beside_dp2_trains_like_one_process(reference, work, mode):
     (["--nproc", "2", "--cp", "2", "--seq", "26"],
      "--seq 26 does not split over --cp 2: each sequence is cut into 2 x cp = 4 equal chunks (rank r holds chunks r "
      "and 3 - r), so --seq must be a multiple of 4, e.g. 24 or 28"),
-    (["--nproc", "4", "--cp", "2", "--pp", "2"],
-     "--cp 2 with --pp 2: context parallelism and pipeline stages do not go together yet; drop --pp or --cp"),
     (["--nproc", "3", "--cp", "2"], "--dp 1 x --tp 1 x --pp 1 x --cp 2 = 2 ranks, but the run has 3"),
     (["--nproc", "2", "--cp", "2", "--optimize"], "--optimize fuses the head with a loss inside the model"),
 ])

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from schedlang import train as trainer
+from tests.helpers.trainer_runs import assert_same_steps, run_metrics
 
 pytest.importorskip("transformers")
 
@@ -35,19 +36,10 @@ def work(tmp_path_factory):
 
 
 def _run(tmp: Path, name: str, *flags: str):
-    metrics = tmp / f"{name}.jsonl"
-    assert trainer.main(_common(tmp / "config.json") + ["--metrics", str(metrics)] + list(flags)) == 0
-    return [json.loads(line) for line in metrics.read_text().splitlines()]
+    return run_metrics(_common(tmp / "config.json") + list(flags), tmp / f"{name}.jsonl")
 
 
-def _assert_same(records, reference):
-    steps = [r["step"] for r in records]
-    ref = [r for r in reference if r["step"] in steps]
-    assert steps == [r["step"] for r in ref]
-    torch.testing.assert_close(torch.tensor([r["loss"] for r in records]), torch.tensor([r["loss"] for r in ref]),
-                               rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(torch.tensor([r["grad_norm"] for r in records]),
-                               torch.tensor([r["grad_norm"] for r in ref]), rtol=1e-4, atol=1e-5)
+_assert_same = assert_same_steps
 
 
 @pytest.fixture(scope="module")
