@@ -18,6 +18,11 @@ the batch's row ``i`` becomes row ``(i + ep_rank) % batch`` of every tensor inpu
 more than one row in every tensor input, and a schedule that splits nothing else (tensor or context
 parallelism need the same tokens on the ranks that share a layer, which this cannot know); otherwise all
 ranks keep the same tokens, and the report says so.
+
+Beside tensor and sequence parallelism (experts kept whole by ``shard_model(sch, sequence_parallel=True)``,
+spread over the data-parallel ranks of each tp rank) every rank keeps rank 0's tokens; each tp rank routes
+its sequence slice, and the spread module sums its slice's gradient over the tp ranks, so the comparison
+with the original's gradient summed over the expert-parallel group holds as it is.
 """
 
 from __future__ import annotations
