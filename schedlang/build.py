@@ -68,9 +68,7 @@ def _parallelize(root, model: nn.Module, pipeline: Optional[Dict[str, Any]],
                                      "steps")
         logger.info("single process: the plan's fully_shard / replicate steps have nothing to shard over; skipped")
         dp_steps = []
-    if cuts and any(s.primitive == "context_parallel" for s in root.plan):
-        raise ScheduleValueError("build: context_parallel with pipeline stages is not supported; drop the "
-                                 "cut_pipeline_stage steps or the context_parallel step")
+    context_parallel = any(s.primitive == "context_parallel" for s in root.plan)
     if cuts:
         from .distributed.pipeline import build_pipeline
 
@@ -86,11 +84,15 @@ def _parallelize(root, model: nn.Module, pipeline: Optional[Dict[str, Any]],
         def prepare_stage(stage: nn.Module) -> None:
             if dp_steps:
                 apply_data_parallel(stage, dp_steps, dp_mesh, device, missing_ok=True, master_weights=master_weights)
+            elif context_parallel:  # each stage's gradients averaged over the cp ranks of its pp coordinate
+                from .distributed.context_parallel import average_gradients_over, group_of
+
+                average_gradients_over(stage, group_of(model))
 
         return build_pipeline(model, cuts, pp, pipeline, device, prepare_stage)
     if dp_steps:
         apply_data_parallel(model, dp_steps, dp_mesh, device, master_weights=master_weights)
-    elif any(s.primitive == "context_parallel" for s in root.plan):
+    elif context_parallel:
         from .distributed.context_parallel import average_gradients_over, group_of
 
         # no data parallelism averages what each cp rank's tokens contributed to the gradients: a hook does

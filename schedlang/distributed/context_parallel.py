@@ -38,7 +38,7 @@ from .collectives import gather_forward
 
 __all__ = ["ATTENTION_NAME", "ContextParallelGroup", "chunk_order", "local_positions", "split_sequence",
            "gather_sequence", "check_sequence_length", "context_parallel_attention", "context_parallel_loss",
-           "split_for_context_parallel", "average_gradients_over", "group_of"]
+           "split_for_context_parallel", "average_gradients_over", "group_of", "SplitInputs"]
 
 logger = logging.getLogger("schedlang.distributed.context_parallel")
 
@@ -150,8 +150,8 @@ def context_parallel_attention(module, query, key, value, attention_mask, dropou
                                  f"only attention without sinks (s_aux=None) is supported")
     local = query.shape[2]
     length = local * cp_group.size
-    keys = gather_sequence(key, 2, cp_group)
-    values = gather_sequence(value, 2, cp_group)
+    keys, values = (_shape_only_gather(t, cp_group.size) if _is_fake(t) else gather_sequence(t, 2, cp_group)
+                    for t in (key, value))
     q_pos = local_positions(length, cp_group.size, cp_group.rank, query.device)
     k_pos = torch.arange(length, device=query.device)
     allowed = _mask(q_pos, k_pos, sliding_window)
@@ -171,6 +171,69 @@ def context_parallel_attention(module, query, key, value, attention_mask, dropou
         weights = F.dropout(weights, p=dropout, training=module.training)
         out = torch.matmul(weights, values)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(t)
+
+
+def _shape_only_gather(t: torch.Tensor, cp: int) -> torch.Tensor:
+    """Fake tensors (a shape pass, e.g. the pipeline's split of the model at build) carry no values and have no
+    peers to exchange them with: every rank's part has this part's shape, so the gathered shape is enough."""
+    return torch.cat([t] * cp, dim=2)
+
+
+class SplitInputs:
+    """A forward pre-hook that keeps this rank's tokens of the full ``[b, L]`` batch, with their global
+    ``position_ids``: on the model's root (``context_parallel``), and under a pipeline on the first stage,
+    which takes the model's inputs in its place (the root's forward is then never called).
+
+    ``names``: the hooked forward's parameters in order (positional arguments are bound to them);
+    ``where``: the schedule path (or stage) its messages name."""
+
+    def __init__(self, names: Sequence[str], cp_group: ContextParallelGroup, where: str):
+        self.names, self.cp_group, self.where = list(names), cp_group, where
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __call__(self, module, args, kwargs):
+        kwargs = {**dict(zip(self.names, args)), **kwargs}
+        if kwargs.get("labels") is not None:
+            raise ScheduleValueError(
+                f"{self.where}: under context_parallel the model's own loss would shift labels within each rank's "
+                f"tokens; call it without labels= and compute the loss with schedlang.context_parallel_loss(logits, "
+                f"labels, model)")
+        mask = kwargs.get("attention_mask")
+        if mask is not None and not bool(torch.all(mask != 0)):
+            raise ScheduleValueError(
+                f"{self.where}: context_parallel does not support padding: attention_mask has zeros; pass sequences "
+                f"without padding (attention_mask=None or all ones)")
+        if "attention_mask" in self.names:
+            kwargs["attention_mask"] = None
+        tokens = kwargs.get("input_ids")
+        if tokens is None:
+            tokens = kwargs.get("inputs_embeds")
+        if tokens is None:
+            raise ScheduleValueError(f"{self.where}: context_parallel splits input_ids or inputs_embeds, and neither "
+                                     f"was given")
+        length = tokens.shape[1]
+        check_sequence_length(length, self.cp_group.size, self.where)
+        positions = kwargs.get("position_ids")
+        if positions is None:
+            positions = torch.arange(length, device=tokens.device).expand(tokens.shape[0], -1)
+        elif positions.shape[-1] != length:
+            raise ScheduleValueError(f"{self.where}: position_ids cover {positions.shape[-1]} tokens, the inputs "
+                                     f"{length}; pass the global positions of the full sequence")
+        for key in ("input_ids", "inputs_embeds"):
+            if kwargs.get(key) is not None:
+                kwargs[key] = split_sequence(kwargs[key], 1, self.cp_group.size, self.cp_group.rank)
+        kwargs["position_ids"] = split_sequence(positions, positions.dim() - 1, self.cp_group.size, self.cp_group.rank)
+        if "use_cache" in self.names:
+            kwargs["use_cache"] = False  # a cache of this rank's keys alone would be wrong to reuse
+        return (), kwargs
 
 
 def split_for_context_parallel(input_ids: torch.Tensor, labels: Optional[torch.Tensor], cp_group: ContextParallelGroup,

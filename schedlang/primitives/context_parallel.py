@@ -24,8 +24,6 @@ from __future__ import annotations
 import inspect
 from typing import Any, Dict
 
-import torch
-
 from ..distributed import context_parallel as cp_engine
 from ..errors import ScheduleValueError, UnsupportedModelError
 from .base import Primitive, register_primitive
@@ -108,55 +106,9 @@ class ContextParallel(Primitive):
         module._schedlang_context_parallel = cp_group
         module.config._attn_implementation = cp_engine.ATTENTION_NAME
         names = list(inspect.signature(module.forward).parameters)
-        module.register_forward_pre_hook(_SplitInputs(names, cp_group, where), with_kwargs=True)
+        module.register_forward_pre_hook(cp_engine.SplitInputs(names, cp_group, where), with_kwargs=True)
         return None
 
 
 def _join(where: str, path: str) -> str:
     return path if where == "<root>" else f"{where}.{path}" if path else where
-
-
-class _SplitInputs:
-    """The forward pre-hook: keep this rank's tokens of the full batch, with their global positions."""
-
-    def __init__(self, names, cp_group, where: str):
-        self.names, self.cp_group, self.where = names, cp_group, where
-
-    def __deepcopy__(self, memo):
-        return self
-
-    def __call__(self, module, args, kwargs):
-        kwargs = {**dict(zip(self.names, args)), **kwargs}
-        if kwargs.get("labels") is not None:
-            raise ScheduleValueError(
-                f"{self.where}: under context_parallel the model's own loss would shift labels within each rank's "
-                f"tokens; call it without labels= and compute the loss with schedlang.context_parallel_loss(logits, "
-                f"labels, model)")
-        mask = kwargs.get("attention_mask")
-        if mask is not None and not bool(torch.all(mask != 0)):
-            raise ScheduleValueError(
-                f"{self.where}: context_parallel does not support padding: attention_mask has zeros; pass sequences "
-                f"without padding (attention_mask=None or all ones)")
-        kwargs["attention_mask"] = None
-        tokens = kwargs.get("input_ids")
-        if tokens is None:
-            tokens = kwargs.get("inputs_embeds")
-        if tokens is None:
-            raise ScheduleValueError(f"{self.where}: context_parallel splits input_ids or inputs_embeds, and neither "
-                                     f"was given")
-        length = tokens.shape[1]
-        cp_engine.check_sequence_length(length, self.cp_group.size, self.where)
-        positions = kwargs.get("position_ids")
-        if positions is None:
-            positions = torch.arange(length, device=tokens.device).expand(tokens.shape[0], -1)
-        elif positions.shape[-1] != length:
-            raise ScheduleValueError(f"{self.where}: position_ids cover {positions.shape[-1]} tokens, the inputs "
-                                     f"{length}; pass the global positions of the full sequence")
-        for key in ("input_ids", "inputs_embeds"):
-            if kwargs.get(key) is not None:
-                kwargs[key] = cp_engine.split_sequence(kwargs[key], 1, self.cp_group.size, self.cp_group.rank)
-        kwargs["position_ids"] = cp_engine.split_sequence(positions, positions.dim() - 1, self.cp_group.size,
-                                                          self.cp_group.rank)
-        if "use_cache" in self.names:
-            kwargs["use_cache"] = False  # a cache of this rank's keys alone would be wrong to reuse
-        return (), kwargs

@@ -514,10 +514,7 @@ def validate_layout(ns: argparse.Namespace, world: int) -> None:
 
 
 def _validate_context_parallel(ns: argparse.Namespace) -> None:
-    """--cp against the other flags: no pipeline, a sequence that cuts into 2 x cp chunks, the plain loss."""
-    if ns.pp > 1:
-        _fail(f"--cp {ns.cp} with --pp {ns.pp}: context parallelism and pipeline stages do not go together yet; "
-              f"drop --pp or --cp")
+    """--cp against the other flags: a sequence that cuts into 2 x cp chunks, the plain loss."""
     if ns.seq % (2 * ns.cp):
         lower = ns.seq - ns.seq % (2 * ns.cp)
         _fail(f"--seq {ns.seq} does not split over --cp {ns.cp}: each sequence is cut into 2 x cp = {2 * ns.cp} "

@@ -203,7 +203,15 @@ class _Run:
     def _pipeline_loss(self, output, target):
         logits = output.logits if hasattr(output, "logits") else (output[0] if isinstance(output, (tuple, list))
                                                                  else output)
-        return self._loss(logits, target)
+        return self._loss(logits, self._split_labels(target))
+
+    def _split_labels(self, labels: torch.Tensor) -> torch.Tensor:
+        """Under --cp, this rank's labels (aligned with the inputs, so split like them; see forward_loss)."""
+        if self.cp == 1:
+            return labels
+        from ..distributed.context_parallel import split_sequence
+
+        return split_sequence(labels, 1, self.cp, self.mesh.get_local_rank("cp"))
 
     # -- one step
     def step(self, step: int, tokens: torch.Tensor) -> Dict[str, Any]:
@@ -221,13 +229,11 @@ class _Run:
     def forward_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The mean token loss of ``inputs`` against ``labels`` (aligned), through the run's model (pp=1)."""
         autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast)
-        if self.cp > 1:
-            # the model keeps this rank's tokens of the inputs; the labels (aligned, so shifted on the full
-            # sequence) follow the same split. Every cp rank holds as many tokens (no label is ignored), so
-            # its mean averaged over cp, as the gradients are, is the mean over the whole sequence
-            from ..distributed.context_parallel import split_sequence
-
-            labels = split_sequence(labels, 1, self.cp, self.mesh.get_local_rank("cp"))
+        # the model keeps this rank's tokens of the inputs (--cp); the labels (aligned, so shifted on the full
+        # sequence) follow the same split. Every cp rank holds as many tokens (no label is ignored), so its mean
+        # averaged over cp, as the gradients are, is the mean over the whole sequence. Under a pipeline the
+        # first stage splits the inputs and the loss function the labels, per microbatch
+        labels = self._split_labels(labels)
         with autocast:  # with the fused loss the labels go in aligned with the inputs: no shift inside
             out = (self.model(input_ids=inputs, labels=labels, shift_labels=labels, use_cache=False)
                    if self.fused_loss else self.model(input_ids=inputs, use_cache=False))

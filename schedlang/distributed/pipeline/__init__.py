@@ -73,6 +73,13 @@ add their gradients (point-to-point over the pp group, summed in rank order, so 
 the same total and takes the same optimizer step). FSDP on a tied weight held by two stages of
 one rank is not supported.
 
+Context parallelism
+-------------------
+A model ``context_parallel`` split is traced with ``position_ids`` as a graph input beside its main input,
+and the first stage gets the split the root's pre-hook would have made: it takes the full ``[b, L]``
+microbatch and keeps this rank's tokens with their global positions. ``target`` stays the full labels;
+``loss_fn`` keeps this rank's part (``context_parallel_loss`` does).
+
 Limits
 ------
 * The ZeroBubble schedule with ``fully_shard`` is refused: measured on torch 2.13 (gloo) its

@@ -63,12 +63,23 @@ def _trace(model: nn.Module, cut_paths: Sequence[str]) -> fx.GraphModule:
     enclosing = _enclosing_paths(cut_paths)
     leaves = _leaf_paths(model, enclosing)
     logger.debug("tracing %s through %s; leaves %s", type(model).__name__, ["<root>"] + enclosing, leaves)
+    concrete_args = None
+    if _context_parallel(model) is not None:
+        # the first stage takes the global positions of its tokens (the root's split of the sequence runs on it
+        # instead, see stages.py): traced as an input, not computed from the local length
+        main = getattr(model, "main_input_name", "input_ids")
+        concrete_args = {main: fx.PH, "position_ids": fx.PH}
     try:
         with _local_tensors(model):
-            return T.trace_module(model, flatten=True, leaf_modules=leaves)
+            return T.trace_module(model, flatten=True, leaf_modules=leaves, concrete_args=concrete_args)
     except SchedlangError as e:
         raise PipelineError(f"pipeline: cannot split {type(model).__name__} into pipeline stages after {', '.join(cut_paths)}: "
                             f"its forward could not be traced down to the cut modules: {e}") from e
+
+
+def _context_parallel(model: nn.Module):
+    """The ``ContextParallelGroup`` the model's sequence is split over (``context_parallel``), or None."""
+    return getattr(model, "_schedlang_context_parallel", None)
 
 
 _UNKNOWN = object()
@@ -113,6 +124,8 @@ def _examples(gm: fx.GraphModule, model: nn.Module, example_inputs: Optional[Seq
                 elif node.op == "placeholder":
                     if is_hf and node.target in ("input_ids",):
                         value = torch.zeros(T.EXAMPLE_BATCH, T.EXAMPLE_SEQUENCE, dtype=torch.long, device=device)
+                    elif is_hf and node.target == "position_ids":
+                        value = torch.arange(T.EXAMPLE_SEQUENCE, device=device).expand(T.EXAMPLE_BATCH, -1)
                 elif node.op == "get_attr":
                     value = _lookup(gm, node.target)
                 elif node.op != "output":

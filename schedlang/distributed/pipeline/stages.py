@@ -11,7 +11,7 @@ import torch.fx as fx
 from torch import nn
 
 from ...errors import PipelineError
-from .partition import _Leaf, _Split, _describe, _enclosing_paths, _leaves_of, _lookup, _partition
+from .partition import _Leaf, _Split, _context_parallel, _describe, _enclosing_paths, _leaves_of, _lookup, _partition
 from .transport import (_anchor_output, _anchor_scalar, _make_list, _make_size, _make_tuple, _recv_number,
                         _recv_plain_value, _relay, _send_grad_value, _send_number, _send_plain_value)
 
@@ -121,6 +121,15 @@ def _stage_module(split: _Split, model: nn.Module, s: int, device: torch.device)
                 owner._non_persistent_buffers_set.add(name)
     _restore_containers(stage, model)
     stage._schedlang_stage_index = s
+    cp_group = _context_parallel(model)
+    if s == 0 and cp_group is not None:
+        # the root's forward, whose pre-hook keeps this rank's tokens, never runs under a pipeline: the first
+        # stage takes the full sequences in its place and keeps this rank's tokens with their global positions
+        from ..context_parallel import SplitInputs
+
+        names = [n.target for n in graph.nodes if n.op == "placeholder"]
+        stage.register_forward_pre_hook(SplitInputs(names, cp_group, "pipeline stage 0"), with_kwargs=True)
+        stage._schedlang_context_parallel = cp_group
     return stage
 
 
