@@ -6,7 +6,7 @@ them) or DDP, tensor parallelism inside a node with or without sequence parallel
 none / selective / full, and microbatches: gradient accumulation (``pp == 1``) or a pipeline's, so that
 ``local batch per microbatch x microbatches x dp == global batch``. For long sequences (from
 :data:`LONG_SEQUENCE` tokens) it adds context parallelism (``cp`` of 2, 4 or 8 ranks inside a node, with the tp
-ranks, where the sequence cuts into ``2 x cp`` chunks; without a pipeline, as the trainer runs it), and for a
+ranks, where the sequence cuts into ``2 x cp`` chunks; with or without pipeline stages), and for a
 mixture of experts expert parallelism (``ep`` dividing both the data-parallel shard group ``dp x cp`` and the
 experts). :func:`choose_layout` estimates each (:func:`schedlang.autotune.step_cost.estimate_step`) and picks the
 fastest that fits.
@@ -85,8 +85,7 @@ def candidate_layouts(shape: ModelShape, world: int, global_batch: int, base: La
             continue
         for cp in _context_sizes(world, tp, per_node, seq, fixed):
             for pp in divisors(world // (tp * cp)):
-                if cp == 1 or pp == 1:  # the trainer runs context parallelism without pipeline stages
-                    meshes.append((tp, cp, pp))
+                meshes.append((tp, cp, pp))
     for tp, cp, pp in meshes:
         dp = world // (tp * pp * cp)
         if pp > shape.layers or fixed.get("pp", pp) != pp or fixed.get("dp", dp) != dp:

@@ -175,10 +175,11 @@ def test_context_parallel_candidates_stay_inside_a_node_and_cut_the_sequence_eve
     choice = choose_layout(LLAMA3_8B, HW64, 64, 64, 3 * LONG_SEQUENCE, base=FAST, tp_sizes=TP)
     cps = {e.layout.cp for e in choice.ranked}
     assert cps == {1, 2, 4, 8}
+    # context parallelism composes with pipeline stages: both are offered together
+    assert any(e.layout.cp > 1 and e.layout.pp > 1 for e in choice.ranked)
     for e in choice.ranked:
         lay = e.layout
         assert lay.cp * lay.tp <= 8 and (3 * LONG_SEQUENCE) % (2 * lay.cp) == 0
-        assert lay.cp == 1 or lay.pp == 1
         assert lay.pp * lay.dp * lay.cp * lay.tp == 64
     # 16388 tokens cut into 2 x 2 equal chunks, not into 2 x 4 or 2 x 8
     odd = choose_layout(LLAMA3_8B, HW8, 8, 8, LONG_SEQUENCE + 4, base=FAST, tp_sizes=TP)
@@ -189,7 +190,8 @@ def test_the_search_stays_fast_at_512_ranks_with_cp_and_ep():
     start = time.perf_counter()
     choice = choose_layout(LLAMA3_405B, Hardware.nominal("cuda", "NVIDIA H100", world=512), 512, 512, 131072,
                            base=FAST, tp_sizes=TP)
-    assert len(choice.ranked) < 6000 and time.perf_counter() - start < 10
+    # context parallelism with and without pipeline stages: about 8000 candidates
+    assert len(choice.ranked) < 10000 and time.perf_counter() - start < 10
     start = time.perf_counter()
     moe = choose_layout(QWEN3_30B_A3B, Hardware.nominal("cuda", "NVIDIA H100", world=512), 512, 1024, 32768,
                         base=FAST, tp_sizes=TP)
