@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Callable, Dict, List
 
@@ -124,12 +123,7 @@ def measure(shape: dict, device: torch.device) -> List[dict]:
         got = _step(way, experts, hidden, index, weights, cotangent)
         want = want or got
         call = lambda: _step(way, experts, hidden, index, weights, cotangent)  # noqa: E731
-        if device.type == "cuda":
-            ms = harness.gpu_time_ms(call, repeats=10, warmup=2)
-        else:
-            start = time.perf_counter()
-            call()
-            ms = (time.perf_counter() - start) * 1e3
+        ms = harness.call_time_ms(call, device, repeats=10, warmup=2)
         row = {"way": name, "ms": round(ms, 3), "tflops": round(flops / ms / 1e9, 1), "rows": rows,
                "check": _check(got, want, shape["dtype"])}
         out.append(row)

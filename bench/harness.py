@@ -263,6 +263,16 @@ def gpu_time_ms(fn: Callable[[], Any], repeats: int = 50, warmup: int = 5, flush
     return statistics.median(start.elapsed_time(end) for start, end in events)
 
 
+def call_time_ms(fn: Callable[[], Any], device: torch.device, **gpu_options: Any) -> float:
+    """One call of ``fn`` in ms: :func:`gpu_time_ms`'s median on a GPU (``gpu_options`` go to it), a single
+    wall-clock call elsewhere (a CPU or interpreter run checks that a probe works, its times mean nothing)."""
+    if device.type == "cuda":
+        return gpu_time_ms(fn, **gpu_options)
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e3
+
+
 def sum_over_ranks(value: Optional[float], device: torch.device) -> Optional[float]:
     """``value`` summed over all ranks; None when any rank has none (the value itself without torch.distributed)."""
     dist = _dist()

@@ -26,7 +26,6 @@ import argparse
 import importlib
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
 
@@ -124,12 +123,7 @@ def measure(rows: int, vocab: int, shapes: Sequence[Tuple[int, int, int]], devic
         loss_err = (loss - want_loss).abs().max().item()
         grad_err = (z.float() - want_grad).abs().max().item()
         ok = loss_err <= TOL["loss"] * max(1.0, want_loss.abs().max().item()) and grad_err <= TOL["grad"]
-        if device.type == "cuda":
-            ms = harness.gpu_time_ms(call)
-        else:
-            t = time.perf_counter()
-            call()
-            ms = (time.perf_counter() - t) * 1e3
+        ms = harness.call_time_ms(call, device)
         row = {"path": path, "vocab": vocab, "rows": rows, "launch": name, "shape": dict(shape), "rows_aligned": aligned,
                "row_stride": logits.stride(0),
                "ms": round(ms, 4), "gb_per_s": round(6 * rows * vocab / ms / 1e6, 1),
