@@ -13,8 +13,8 @@ import json
 import pytest
 import torch
 
-from schedlang import train as trainer
-from tests.train.test_expert_parallel import CONFIG, _assert_same, _common, _run
+from tests.helpers.trainer_runs import assert_same_steps as _assert_same, run_metrics
+from tests.train.test_expert_parallel import CONFIG, _common
 
 pytest.importorskip("transformers")
 
@@ -26,6 +26,10 @@ QWEN2_MOE = {"model_type": "qwen2_moe", "vocab_size": 64, "hidden_size": 32, "nu
              "bos_token_id": 1, "eos_token_id": 2}
 
 EP_TP = ("--nproc", "4", "--dp", "2", "--tp", "2", "--sp", "--ep", "2")
+
+
+def _run(tmp, name: str, *flags: str, config: str = "config.json", model=()):
+    return run_metrics(_common(tmp / config) + list(model) + list(flags), tmp / f"{name}.jsonl")
 
 
 @pytest.fixture(scope="module")
@@ -75,15 +79,14 @@ def test_shared_expert_family_trains_like_one_process(work):
     config.write_text(json.dumps(QWEN2_MOE))
 
     def run(name, *flags):
-        metrics = work / f"{name}.jsonl"
-        args = _common(config) + ["--model", "qwen2_moe", "--metrics", str(metrics)] + list(flags)
-        assert trainer.main(args) == 0
-        return [json.loads(line) for line in metrics.read_text().splitlines()]
+        return _run(work, name, *flags, config="qwen2_moe.json", model=("--model", "qwen2_moe"))
 
     _assert_same(run("qwen2-ep2-tp2", *EP_TP), run("qwen2-single"))
 
 
 def test_tp_without_sp_is_refused(work, capsys):
+    from schedlang import train as trainer
+
     flags = _common(work / "config.json") + ["--nproc", "4", "--dp", "2", "--tp", "2", "--ep", "2", "--dry-run"]
     assert trainer.main(flags) != 0
     assert ("--ep 2 with --tp 2 needs --sp: the experts stay whole on every tp rank and each tp rank routes its own "
