@@ -334,16 +334,21 @@ def distribute_parameters(model: nn.Module, tp_mesh) -> int:
     Sharding is read from each module's shard records; tied tensors stay tied (one DTensor for all
     holders). Modules owning DTensors get the local-view hooks described in the module docstring.
     """
+    from ..module_record import expert_slice_specs
     from .sharding import shard_specs
 
     done: Dict[int, tuple] = {}  # id(plain tensor) -> (plain tensor, kept alive so ids stay unique; DTensor)
     count = 0
     for module in model.modules():
         specs = shard_specs(module)
+        # an expert-parallel slice stays a plain tensor: its data parallelism runs on its own expert mesh, which a
+        # DTensor on tp would have to share a root mesh with, and its copies on the tp ranks are summed by its
+        # module (see distributed/expert_parallel.py)
+        expert_slices = expert_slice_specs(module)
         owns = False
         for store, is_param in ((module._parameters, True), (module._buffers, False)):
             for name, t in list(store.items()):
-                if t is None:
+                if t is None or (is_param and name in expert_slices):
                     continue
                 if is_dtensor(t):
                     owns = True

@@ -113,12 +113,28 @@ def test_the_load_counts_every_microbatch_and_every_stage_once(reference, ep2, w
     assert _load(staged) == _load(ep2)
 
 
+@pytest.mark.parametrize("flags,whole_batch", [
+    # expert parallelism carved from data and context parallelism together: 4 ranks, each with 2 of 8 experts;
+    # one expert-parallel group sees the whole batch, as the two ranks of --dp 2 --ep 2 do
+    (("--nproc", "4", "--dp", "2", "--cp", "2", "--ep", "4"), True),
+    # HSDP: the experts' FSDP2 shards inside each replica group and the replicas sum; a group sees half the rows
+    (("--nproc", "4", "--dp", "4", "--dp-mode", "hsdp", "--dp-replicate", "2", "--dp-shard", "2", "--ep", "2"), False),
+], ids=["cp2-ep4", "hsdp-ep2"])
+def test_ep_with_context_parallelism_and_hsdp_trains_like_one_process(reference, ep2, work, flags, whole_batch):
+    records = _run(work, "-".join(flags[3::2]), *flags)
+    _assert_same(records, reference)
+    if whole_batch:
+        assert _load(records) == _load(ep2)
+    else:  # each group's busiest expert got fewer rows than the whole batch's busiest
+        assert all(0 <= low <= high < whole[1] for (low, high), whole in zip(_load(records), _load(ep2)))
+
+
 @pytest.mark.parametrize("flags,message", [
     (["--nproc", "4", "--dp", "4", "--ep", "3"],
      "--ep 3: expert parallelism is carved from the data-parallel ranks, --dp 4 = 4, which 3 does not divide; "
      "valid --ep: 1, 2, 4"),
     (["--nproc", "4", "--dp", "2", "--tp", "2", "--ep", "2"],
-     "--ep 2 with --tp 2: expert parallelism beside tensor parallelism is not supported yet"),
+     "--ep 2 with --tp 2 needs --sp: the experts stay whole on every tp rank"),
     (["--nproc", "2", "--dp", "2", "--ep", "0"], "--ep must be at least 1, got 0"),
 ])
 def test_flags_that_cannot_work_are_named(work, flags, message, capsys):
