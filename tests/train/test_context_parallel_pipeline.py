@@ -7,14 +7,13 @@ with a pipeline on its own (no data parallelism: the averaging hook), for LLaMA 
 from __future__ import annotations
 
 import copy
-import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from schedlang import train as trainer
 from schedlang.distributed.launch import run_distributed
+from tests.helpers.trainer_runs import assert_same_steps, run_metrics
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -23,17 +22,12 @@ COMMON = ["--model", "llama", "--config", "tiny", "--steps", "3", "--global-batc
 
 
 def _run(tmp: Path, name: str, *flags: str):
-    metrics = tmp / f"{name}.jsonl"
-    assert trainer.main(COMMON + ["--metrics", str(metrics)] + list(flags)) == 0
-    return [json.loads(line) for line in metrics.read_text().splitlines()]
+    return run_metrics(COMMON + list(flags), tmp / f"{name}.jsonl")
 
 
 def _assert_same(records, reference):
-    assert [r["step"] for r in records] == [r["step"] for r in reference] == [1, 2, 3]
-    torch.testing.assert_close(torch.tensor([r["loss"] for r in records]), torch.tensor([r["loss"] for r in reference]),
-                               rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(torch.tensor([r["grad_norm"] for r in records]),
-                               torch.tensor([r["grad_norm"] for r in reference]), rtol=1e-4, atol=1e-5)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert_same_steps(records, reference)
 
 
 @pytest.fixture(scope="module")
@@ -46,10 +40,16 @@ def reference(work):
     return _run(work, "single")
 
 
-@pytest.mark.parametrize("schedule, mode", [("1F1B", "fsdp"), ("GPipe", "ddp")])
-def test_pp2_cp2_trains_like_one_process(reference, work, schedule, mode):
-    records = _run(work, f"pp2-cp2-{schedule}", "--nproc", "4", "--pp", "2", "--cp", "2", "--dp", "1",
-                   "--pp-schedule", schedule, "--dp-mode", mode)
+@pytest.mark.parametrize("flags", [
+    ("--nproc", "4", "--pp-schedule", "1F1B", "--dp-mode", "fsdp"),
+    ("--nproc", "4", "--pp-schedule", "GPipe", "--dp-mode", "ddp"),
+    # two stages per rank: each rank's two stages gather over the same cp group, in the schedule's order
+    ("--nproc", "4", "--pp-schedule", "Interleaved1F1B"),
+    # beside tensor parallelism: every (pp, tp) coordinate has its own cp group
+    ("--nproc", "8", "--tp", "2"),
+], ids=["1f1b-fsdp", "gpipe-ddp", "interleaved", "tp2"])
+def test_pp2_cp2_trains_like_one_process(reference, work, flags):
+    records = _run(work, "pp2-cp2-" + "-".join(flags[1::2]), "--pp", "2", "--cp", "2", *flags)
     _assert_same(records, reference)
 
 
