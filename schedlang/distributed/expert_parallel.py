@@ -123,6 +123,16 @@ def route_to_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weig
     with torch.no_grad():
         order = torch.argsort(expert, stable=True)
         per_expert = torch.bincount(expert, minlength=num_experts)
+    token_sorted = token[order]
+    if ep == 1:
+        # every expert is here: the rows sorted by expert are already what the experts take, with no exchange,
+        # no split sizes read back to the host and no regrouping by source rank
+        if on_counts is not None:
+            on_counts(per_expert)
+        computed = local_experts(hidden.index_select(0, token_sorted), expert[order])
+        weighted = computed * weight[order].unsqueeze(-1).to(computed.dtype)
+        return torch.zeros_like(hidden).index_add(0, token_sorted, weighted.to(hidden.dtype))
+    with torch.no_grad():
         send_counts = per_expert.view(ep, local)
         recv_counts = exchange_counts(send_counts, group)
         in_splits = send_counts.sum(1).tolist()
@@ -133,7 +143,6 @@ def route_to_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weig
         back_order = torch.argsort(by_expert)
         if on_counts is not None:
             on_counts(recv_counts.sum(0))
-    token_sorted = token[order]
     received = all_to_all(hidden.index_select(0, token_sorted), out_splits, in_splits, group)
     computed = local_experts(received.index_select(0, by_expert), local_ids[by_expert])
     # the backward of the all-to-all that brought the rows is a collective: it must run on every rank, also
