@@ -166,9 +166,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     launched = "RANK" in os.environ
     device = torch.device("cpu") if args.tiny else harness.local_gpu()
     if not launched:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-        dist.init_process_group("gloo" if device.type == "cpu" else "nccl", rank=0, world_size=1)
+        # one process: an in-process store, with no port to claim and nothing left in the environment (a caller's
+        # later subprocess would inherit a MASTER_PORT and try to listen on it)
+        dist.init_process_group("gloo" if device.type == "cpu" else "nccl", store=dist.HashStore(), rank=0,
+                                world_size=1)
     elif not dist.is_initialized():
         dist.init_process_group("gloo" if device.type == "cpu" else "nccl")
     world, rank = dist.get_world_size(), dist.get_rank()

@@ -36,8 +36,11 @@ def _assert_variants_agree(rows):
 
 def test_one_rank(bench, tmp_path):
     moe = bench("bench_moe")
+    rendezvous = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")}
     assert moe.main(["--tiny", "--layers", "2", "--out", str(tmp_path)]) == 0
     _assert_variants_agree(_rows(tmp_path, "1gpu"))
+    # one process needs no rendezvous, and leaves none for a later subprocess of the caller to inherit
+    assert {k: os.environ.get(k) for k in rendezvous} == rendezvous
 
 
 def _torchrun(script: Path, *args: str):
