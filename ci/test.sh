@@ -20,7 +20,7 @@ export SCHEDLANG_REQUIRE_BROWSER=1
 export SCHEDLANG_REQUIRE_PINNED=1  # tests/test_ci_setup.py checks the installed versions against the pins
 log=$(mktemp)
 set +e
-python3 -m pytest -q -p no:cacheprovider 2>&1 | tee "$log"
+python3 -m pytest -q -p no:cacheprovider --durations=30 2>&1 | tee "$log"
 status=${PIPESTATUS[0]}
 set -e
 if [ "$status" -eq 5 ] || ! grep -Eq '[0-9]+ passed' "$log"; then
