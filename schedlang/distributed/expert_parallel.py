@@ -47,7 +47,7 @@ from torch import nn
 from . import groups
 
 __all__ = ["all_to_all", "exchange_counts", "route_to_experts", "ExpertParallelExperts", "expert_parameters",
-           "reduce_gradients", "attach_expert_mesh", "expert_mesh_of", "expert_modules", "tokens_per_expert_range"]
+           "reduce_gradients", "attach_expert_mesh", "expert_mesh_of", "expert_modules"]
 
 logger = logging.getLogger("schedlang.distributed.expert_parallel")
 
@@ -352,19 +352,3 @@ def expert_mesh_of(module: nn.Module):
 def expert_modules(model: nn.Module) -> Dict[str, ExpertParallelExperts]:
     """Path -> spread experts module, of every expert-parallel block of ``model``."""
     return {path: m for path, m in model.named_modules() if isinstance(m, ExpertParallelExperts)}
-
-
-def tokens_per_expert_range(modules, group=None) -> Tuple[int, int]:
-    """The fewest and the most rows any expert of ``modules`` (spread experts modules) received in their last
-    forward, over every block and every expert of the group: each rank's ``tokens_per_expert`` counts the rows
-    its own experts got from the whole expert-parallel group, so the all-gather over ``group`` (the
-    expert-parallel group; None: the world) sees every expert once per group. ``(0, 0)`` before a forward."""
-    counts = [m.tokens_per_expert for m in modules if m.tokens_per_expert is not None]
-    if not counts:
-        return 0, 0
-    mine = torch.cat([c.reshape(-1).to(torch.int64) for c in counts])
-    if groups.world_size(group) > 1:
-        everyone = [torch.empty_like(mine) for _ in range(groups.world_size(group))]
-        dist.all_gather(everyone, mine, group=group)
-        mine = torch.cat(everyone)
-    return int(mine.min()), int(mine.max())
