@@ -154,6 +154,8 @@ def test_a_rank_runs_only_the_definitions_of_a_script(tmp_path):
 
 SCRIPT = textwrap.dedent('''
     """A script that launches two ranks from its top level, as a tutorial does."""
+    import sys
+
     import torch
     import torch.distributed as dist
 
@@ -167,14 +169,17 @@ SCRIPT = textwrap.dedent('''
         parts = [torch.zeros(1) for _ in range(world)]
         dist.all_gather(parts, t)
         if rank == 0:
-            print(f"rank 0 saw {[int(p.item()) for p in parts]}", flush=True)
+            sys.stdout.write(f"rank 0 saw {[int(p.item()) for p in parts]}\\n")
+            sys.stdout.flush()
         return FACTOR * (rank + 1)
 
 
     results = schedlang.launch(gather_ranks, world_size=2, timeout=120)
-    # one write per line: under torchrun both ranks print into one pipe, and print's separate writes of
-    # "results", " " and the list interleave between them
-    print(f"results {results}", flush=True)
+    # one write per line, newline included: under torchrun both ranks write into one pipe, and print
+    # writes the text and its newline separately (two system calls when stdout is unbuffered), which
+    # interleave between the ranks
+    sys.stdout.write(f"results {results}\\n")
+    sys.stdout.flush()
 ''')
 
 
@@ -194,7 +199,7 @@ def test_a_module_run_with_python_m_launches_its_own_functions_with_relative_imp
     (package / "constants.py").write_text("FACTOR = 2\n")
     (package / "main.py").write_text(SCRIPT.replace("FACTOR = 2", "from .constants import FACTOR").replace(
         "results = schedlang.launch", 'if __name__ == "__main__":\n    results = schedlang.launch').replace(
-        'print(f"results', '    print(f"results'))
+        "\nsys.stdout.write(", "\n    sys.stdout.write(").replace("\nsys.stdout.flush()", "\n    sys.stdout.flush()"))
     done = subprocess.run([sys.executable, "-m", "launching_package.main"], capture_output=True, text=True,
                           timeout=240, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert done.returncode == 0, done.stderr[-3000:]
