@@ -32,13 +32,18 @@ def format_estimate(e: StepEstimate, hw: Hardware, header: str = "", extras: str
     mem = (f"params {_size(e.params_bytes)} + optimizer {_size(e.optimizer_bytes)}"
            + (f" + gathered/cast weights {_size(e.gathered_bytes)}" if e.gathered_bytes else "")
            + held
-           + (f" + activations {_size(e.activation_bytes)}" if forward else "")
-           + f" + one layer's working set {_size(e.working_bytes)}"
+           + (f" + activations {_size(e.activation_bytes)}" if forward
+              else f" + a layer's backward {_size(e.working_bytes)}")
            + (f" + workspace {_size(e.other_bytes)}" if e.other_bytes else ""))
+    # early in the backward, the larger of the loss's backward (the logits) and the first layer's
+    layer = e.recompute_bytes + e.working_bytes
+    early = (f"the loss's backward, logits {_size(e.logits_bytes)}" if e.logits_bytes > layer else
+             f"a layer's backward {_size(layer)}" + (f" (recomputed {_size(e.recompute_bytes)})"
+                                                     if e.recompute_bytes else ""))
     if not forward:
         when = f"at the end of the backward; activations {_size(e.activation_bytes)} before it"
     elif not e.grads_in_forward:
-        when = f"at the turn to the backward; grads {_size(e.grads_bytes)} come after the activations go"
+        when = f"early in the backward, at {early}; grads {_size(e.grads_bytes)} come after the activations go"
     elif e.freed_before_grads_bytes and not e.turn_grads_bytes:
         when = (f"at the first backward, which frees {_size(e.freed_before_grads_bytes)} of activations before "
                 f"the grads {_size(e.grads_bytes)} are whole")
@@ -46,7 +51,7 @@ def format_estimate(e: StepEstimate, hw: Hardware, header: str = "", extras: str
         when = (f"at the end of the first backward: it freed {_size(e.freed_before_grads_bytes)} of the "
                 f"activations, the grads {_size(e.grads_bytes)} are whole")
     else:
-        when = "at the turn to the backward"
+        when = f"early in the backward, at {early}"
     lines.append(f"  per rank    {mem} = peak {_size(e.total_bytes)} of {_size(hw.memory_bytes)} ({when})"
                  + ("" if e.fits else "  (DOES NOT FIT)"))
     if e.moe:

@@ -15,10 +15,13 @@ what HF's causal LMs are. Activation checkpointing has two modes:
   projection), with attention's output and its log-sum-exp; the other matmuls (k, o, up) and the elementwise ops
   (norms, rotary embeddings, the activation function) are recomputed.
 
-The memory is the step's peak, the larger of two moments: the turn from forward to backward (every layer's
-activations, one layer's working set, and the gradients only where they outlive a microbatch: accumulation, a
-pipeline, where a rank that runs every forward first has them whole once its first backward freed a microbatch)
-and the end of the backward (every gradient, one layer's working set).
+The memory is the step's tensor peak (what ``torch.cuda.max_memory_allocated`` reports), the larger of two
+moments. Early in the backward: every layer's saved activations, with the larger of the loss's backward (the
+logits and its fp32 tensors) and the first layer's backward after it (what a checkpointed layer recomputes, and
+what a layer's backward allocates), and the gradients only where they outlive a microbatch (accumulation, a
+pipeline, where a rank that runs every forward first has them whole once its first backward freed a
+microbatch). At the end of the backward: every gradient and a layer's backward. The caching allocator's reserve
+over the tensors is not counted; :data:`USABLE_MEMORY` leaves room for it.
 """
 
 from __future__ import annotations
@@ -47,7 +50,9 @@ _CONTENTION = 0.1
 _CUDA_ALLOWANCE = 0.5 * GIB
 #: the share of a GPU's peak that a forward bf16 GEMM of a layer's size reaches (H100: ~0.7 at hidden 2048 and up)
 _FORWARD_GEMM_EFFICIENCY = 0.7
-#: the part of a device's memory a layout may plan to use
+#: the part of a device's memory a layout may plan to use: the rest is for the caching allocator's reserve over
+#: the tensors the estimate counts (2.0 to 8.2 GiB on the trainer's 1-GPU runs of an 80 GiB H100,
+#: bench/results/2026-12-06-planner-validation-reserve-h100.json)
 USABLE_MEMORY = 0.9
 #: NVLink 4 (H100 / H200 SXM) per direction, as NCCL's bus bandwidth reaches it on 8 GPUs
 NOMINAL_NVLINK = 450e9
@@ -257,7 +262,9 @@ class StepEstimate:
     gathered_bytes: float
     activation_bytes: float
     other_bytes: float
-    #: the activations of one layer: what is in flight on top of the saved ones when the backward starts
+    #: what a layer's backward allocates on top of the activations it reads (its MLP's gradients and the residual
+    #: stream's, FSDP's reduce-scatter input), with float8's copies of a layer's matmul inputs; counted in
+    #: ``activation_bytes`` early in the backward and in ``backward_peak_bytes`` at its end
     working_bytes: float
     #: the gradients are allocated while the activations are (accumulated over microbatches, or a pipeline's)
     grads_in_forward: bool
@@ -269,8 +276,12 @@ class StepEstimate:
     optimizer_s: float
     tokens: int
     memory_limit: float
-    #: the logits, their fp32 copy and their gradient (part of ``activation_bytes``); 0 for a pipeline whose peak
-    #: rank is the first, which holds no logits
+    #: what a checkpointed layer recomputes for its backward beyond what it saved (0 without checkpointing):
+    #: in flight with ``working_bytes`` early in the backward, once the loss's backward has freed the logits
+    recompute_bytes: float = 0.0
+    #: the logits and the loss's fp32 tensors at its backward (counted in ``activation_bytes`` where they are
+    #: larger than a recomputed layer, which is in flight after them); 0 for a pipeline whose peak rank is the
+    #: first, which holds no logits
     logits_bytes: float = 0.0
     global_batch: int = 0
     seq: int = 0
@@ -292,13 +303,14 @@ class StepEstimate:
 
     @property
     def forward_peak_bytes(self) -> float:
-        """At the turn from forward to backward: saved activations, one layer's working set, the gradients only
-        where they outlive the step (zeroed to None after each step otherwise)."""
-        return self.gathered_bytes + self.activation_bytes + self.working_bytes + self.turn_grads_bytes
+        """Early in the backward: the saved activations with the larger of the loss's backward and the first
+        layer's (``activation_bytes``), the gradients only where they outlive the step (zeroed to None after each
+        step otherwise)."""
+        return self.gathered_bytes + self.activation_bytes + self.turn_grads_bytes
 
     @property
     def backward_peak_bytes(self) -> float:
-        """At the end of the backward: every gradient, the gathered weights, one layer's working set."""
+        """At the end of the backward: every gradient, the gathered weights, a layer's backward."""
         return self.grads_bytes + self.gathered_bytes + self.working_bytes
 
     @property
@@ -321,7 +333,8 @@ class StepEstimate:
 
     def as_dict(self) -> Dict:
         out = {k: getattr(self, k) for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "gathered_bytes",
-                                             "activation_bytes", "logits_bytes", "working_bytes",
+                                             "activation_bytes", "logits_bytes", "recompute_bytes",
+                                             "working_bytes",
                                              "grads_in_forward", "forward_peak_bytes", "backward_peak_bytes",
                                              "other_bytes", "compute_s", "comm_s", "comm_exposed_s", "bubble_s",
                                              "optimizer_s")}
@@ -392,6 +405,19 @@ def _activation_bytes_per_token(shape: ModelShape, layout: Layout) -> float:
         # the MLP are all-gathered to the whole sequence before their matmuls, which keep that gathered copy
         per_token -= 2 * norm * (1 - 1 / tp)
     return per_token
+
+
+def _backward_working_bytes_per_token(shape: ModelShape, layout: Layout) -> float:
+    """What a layer's backward allocates per token on top of the activations it reads: the MLP's gradients, the
+    largest set at once (gate's, up's and their product's in a gated MLP; fc1's and the activation's in a plain
+    one), the input gradients of its first matmuls (gate's and up's, or fc1's), which are the whole hidden width on
+    every tp rank (partial sums, reduced after), and the gradient of the residual stream."""
+    c, tp = _bytes(layout.dtype), layout.tp
+    imbalance = LOAD_IMBALANCE if layout.ep > 1 else 1.0
+    width = mean_mlp_width(shape.layers, shape.intermediate, shape.moe, imbalance)
+    residual = shape.hidden * _residual_bytes(layout) / (tp if layout.sp else 1)
+    first_matmuls = 2 if shape.gated_mlp else 1
+    return (first_matmuls + 1) * width * c / tp + first_matmuls * shape.hidden * c + residual
 
 
 def _layer_input_bytes(shape: ModelShape, layout: Layout) -> float:
@@ -524,7 +550,7 @@ def estimate_step(shape: ModelShape, layout: Layout, hw: Hardware, global_batch:
     grads_bytes = 4 * local + (stage * reduce_bytes if data > 1 and not sharded else 0)  # DDP's gradient buckets
     optimizer_bytes = (8 if layout.optimizer != "sgd" else 4) * local
     gathered = 0.0
-    per_layer = (stage - shape.embedding_params / tp) / max(1, layers)
+    per_layer = layer_params = (stage - shape.embedding_params / tp) / max(1, layers)
     if sharded and pp > 1:
         # torch.distributed.pipelining runs FSDP2 without resharding after the backward and without reducing the
         # gradients before the last microbatch: the stage's weights stay gathered and its gradients accumulate
@@ -534,6 +560,11 @@ def estimate_step(shape: ModelShape, layout: Layout, hw: Hardware, global_batch:
     elif sharded:
         ends = shape.embedding_params / tp
         gathered = compute_bytes * (ends + (stage - ends if not layout.reshard else 2 * per_layer))
+    elif layout.dtype == "bf16" and layout.recomputes and layout.compiled:
+        # autocast's bf16 copies of the weights: a checkpointed compiled layer casts its weights inside its graph
+        # and saves nothing but its input, so only the output head's copy (outside the layers) and the copies of
+        # the layer being recomputed are alive (eager autocast caches every cast until the forward ends)
+        gathered = 2 * (shape.vocab * shape.hidden / tp + per_layer)
     elif layout.dtype == "bf16":  # autocast's bf16 copies of the weights, saved for the backward
         gathered = 2 * stage
     if layout.float8:  # a layer's float8 weight and its transpose, cast for its matmuls
@@ -545,8 +576,18 @@ def estimate_step(shape: ModelShape, layout: Layout, hw: Hardware, global_batch:
     acts = microbatch_tokens * _layers_in_flight(layout, layers) * saved
     freed = 0.0
     logits = 0.0
-    if not layout.optimize or tp > 1:  # the logits, their fp32 copy and their gradient
-        logits = microbatch_tokens * shape.vocab / tp * (compute_bytes + 8)
+    if not layout.optimize or tp > 1:
+        # at the loss's backward: the logits, the log-softmax's fp32 output (saved), its gradient and the
+        # gradient of the logits' fp32 copy
+        logits = microbatch_tokens * shape.vocab / tp * (compute_bytes + 12)
+    # the two moments of the backward with the most in flight besides the saved activations: the loss's backward
+    # (the logits) and, after it has freed them, a layer's backward: what the layer recomputes beyond what it
+    # saved, and what its backward allocates
+    working = microbatch_tokens * _backward_working_bytes_per_token(shape, layout)
+    if sharded and pp == 1:  # the layer's unsharded gradient in the reduce dtype, FSDP's reduce-scatter input
+        working += reduce_bytes * layer_params
+    recompute = microbatch_tokens * (per_token - saved) if layout.recomputes else 0.0
+    layer_backward = recompute + working
     # gradients outlive the forward when microbatches accumulate into them (and in a pipeline's schedule)
     grads_in_forward = layout.microbatches > 1 or pp > 1
     if pp > 1:
@@ -556,18 +597,14 @@ def estimate_step(shape: ModelShape, layout: Layout, hw: Hardware, global_batch:
         per_layer = microbatch_tokens * saved
         acts, freed = _pipeline_rank_bytes(layout, layers, per_layer, boundary, 0)
         last, last_freed = _pipeline_rank_bytes(layout, layers, per_layer, boundary, pp - 1)
-        last += logits
+        acts += layer_backward
+        last += max(logits, layer_backward)
         if last + max(0.0, grads_bytes - last_freed) <= acts + max(0.0, grads_bytes - freed):
             logits = 0.0
         else:
             acts, freed = last, last_freed
     else:
-        acts += logits
-    if layout.recomputes:  # one layer's activations while it is recomputed
-        acts += microbatch_tokens * per_token
-    working = microbatch_tokens * per_token
-    if layout.float8:  # the float8 copies of a layer's matmul inputs
-        working += microbatch_tokens * sum(a / (tp if row else 1) for a, _, row in _layer_matmuls(shape))
+        acts += max(logits, layer_backward)
     other = _CUDA_ALLOWANCE if hw.device == "cuda" else 0.0
 
     # -- time
@@ -690,5 +727,5 @@ def estimate_step(shape: ModelShape, layout: Layout, hw: Hardware, global_batch:
                         collectives=collectives, compute_s=compute, comm_s=comm,
                         comm_exposed_s=dp_exposed + tp_comm + pp_comm + cp_comm + ep_comm, bubble_s=bubble,
                         optimizer_s=optimizer, tokens=tokens, memory_limit=USABLE_MEMORY * hw.memory_bytes,
-                        logits_bytes=logits, global_batch=global_batch, seq=seq, moe=moe_facts,
+                        logits_bytes=logits, recompute_bytes=recompute, global_batch=global_batch, seq=seq, moe=moe_facts,
                         freed_before_grads_bytes=freed)

@@ -15,6 +15,11 @@ HW64 = Hardware.nominal("cuda", "NVIDIA H100", memory_gib=80, world=64)
 TP8 = Layout(dp=8, tp=8, activation_checkpoint="full", compiled=True, optimize=True)
 
 
+def _early_backward(e):
+    """The larger of the two moments early in the backward: the loss's (the logits) and a checkpointed layer's."""
+    return max(e.logits_bytes, e.recompute_bytes + e.working_bytes)
+
+
 def _by(e, group, op):
     return next(c for c in e.collectives if c.group == group and c.op == op)
 
@@ -28,8 +33,9 @@ def test_sequence_parallelism_splits_the_saved_layer_inputs_over_the_tp_ranks():
     plain, split = (estimate_step(LLAMA3_70B, lay, HW64, 64, 8192) for lay in (TP8, sp))
     tokens = 64 / 8 * 8192
     kept = tokens * 80 * 8192 * 2
-    assert plain.activation_bytes - split.activation_bytes == pytest.approx(kept * 7 / 8 + tokens * (
-        plain.working_bytes - split.working_bytes) / tokens)
+    # besides what the layers keep: the larger of the loss's backward and a recomputed layer's
+    assert plain.activation_bytes - split.activation_bytes == pytest.approx(
+        kept * 7 / 8 + _early_backward(plain) - _early_backward(split))
     assert split.fits and split.total_bytes < 60 * GIB  # the layout torchtitan runs fits an 80 GiB H100
     assert not plain.fits
 
@@ -160,21 +166,23 @@ def test_a_pipeline_counts_the_logits_on_its_last_rank_only():
     deep = Layout(pp=4, microbatches=8, activation_checkpoint="full", compiled=True)  # 20 layers per rank
     e = estimate_step(LLAMA3_70B, deep, HW64, 8, 8192)
     layer_input = saved_bytes_per_token(LLAMA3_70B, deep)
-    logits = tokens * LLAMA3_70B.vocab * (2 + 8)  # the bf16 logits, their fp32 copy and the fp32 log-softmax
+    # the bf16 logits, the log-softmax's fp32 output, its gradient and the gradient of the logits' fp32 copy
+    logits = tokens * LLAMA3_70B.vocab * (2 + 12)
     # the first rank also keeps each in-flight microbatch's output (fp32 residual stream: no FSDP here) and one
     # gradient receive buffer per microbatch; the last rank sends nothing on
     boundary = tokens * LLAMA3_70B.hidden * 4
     first, last = tokens * 4 * 20 * layer_input + (4 + 8) * boundary, tokens * 1 * 20 * layer_input + logits
     assert first > last  # the first rank's 4 microbatches win
     assert e.logits_bytes == 0
-    assert e.activation_bytes == pytest.approx(first + e.working_bytes)  # + one layer's while it is recomputed
+    layer = e.recompute_bytes + e.working_bytes  # a recomputed layer's backward
+    assert e.activation_bytes == pytest.approx(first + layer)
     wide = dataclasses.replace(LLAMA3_70B, vocab=4 * LLAMA3_70B.vocab)  # a vocabulary large enough to tip it
     e = estimate_step(wide, deep, HW64, 8, 8192)
-    logits = tokens * wide.vocab * (2 + 8)
+    logits = tokens * wide.vocab * (2 + 12)
     first, last = tokens * 4 * 20 * layer_input + (4 + 8) * boundary, tokens * 1 * 20 * layer_input + logits
     assert first < last
     assert e.logits_bytes == pytest.approx(logits)
-    assert e.activation_bytes == pytest.approx(last + e.working_bytes)
+    assert e.activation_bytes == pytest.approx(last)  # the loss's backward, larger than a layer's
 
 
 def test_a_rank_that_runs_every_forward_first_has_no_gradients_at_its_first_backward():
@@ -192,7 +200,7 @@ def test_a_rank_that_runs_every_forward_first_has_no_gradients_at_its_first_back
             assert e.turn_grads_bytes == pytest.approx(max(0.0, e.grads_bytes - one_microbatch))
         else:
             assert e.freed_before_grads_bytes == 0 and e.turn_grads_bytes == e.grads_bytes
-        assert e.forward_peak_bytes == pytest.approx(e.gathered_bytes + e.working_bytes + max(
+        assert e.forward_peak_bytes == pytest.approx(e.gathered_bytes + max(
             e.activation_bytes, e.activation_bytes - e.freed_before_grads_bytes + e.grads_bytes))
     # GPipe runs every forward first whatever the count; gradient accumulation without a pipeline never does
     gpipe = estimate_step(LLAMA3_70B, Layout(pp=4, microbatches=8, pp_schedule="GPipe"), HW64, 8, 8192)
@@ -216,8 +224,8 @@ def test_405b_1f1b_with_one_microbatch_per_stage_peaks_above_interleaved():
     layer_input = saved_bytes_per_token(LLAMA3_405B, base)
     # a stage's output is a layer's input in size: one per stage-microbatch in flight, one receive buffer for its
     # gradient per stage-microbatch of the step
-    assert one.activation_bytes - one.working_bytes == pytest.approx((8 * 16 + 8 + 8) * 4 * 8192 * layer_input)
-    assert inter.activation_bytes - inter.working_bytes == pytest.approx((23 * 8 + 23 + 32) * 2 * 8192 * layer_input)
+    assert one.activation_bytes - _early_backward(one) == pytest.approx((8 * 16 + 8 + 8) * 4 * 8192 * layer_input)
+    assert inter.activation_bytes - _early_backward(inter) == pytest.approx((23 * 8 + 23 + 32) * 2 * 8192 * layer_input)
     # 1F1B's first rank runs all 8 forwards before its first backward: the gradients are whole once it has freed
     # one microbatch (16 layer inputs and its output); interleaved's steady phase refills what it frees
     assert one.freed_before_grads_bytes == pytest.approx(17 * 4 * 8192 * layer_input)
@@ -245,3 +253,37 @@ def test_recomputation_costs_its_forward_flops_at_a_forward_gemms_rate(mode):
     else:
         flops = 2 * layers * (h * kv + h * h + h * i)
     assert checkpointed.compute_s - none.compute_s == pytest.approx(tokens * flops / (8 * hw.peak_flops * 0.7))
+
+
+def test_the_loss_and_a_recomputed_layer_are_in_flight_one_after_the_other():
+    """Early in the backward the loss's backward frees the logits before the last layer is recomputed: the peak
+    counts the larger of the two, not both. Without checkpointing nothing is recomputed."""
+    hw = Hardware.nominal("cuda", "NVIDIA H100", memory_gib=80, world=8)
+    for mode in ("none", "selective", "full"):
+        layout = Layout(dp=8, activation_checkpoint=mode)  # eager: the logits are there
+        e = estimate_step(LLAMA3_8B, layout, hw, 16, 4096)
+        tokens = 2 * 4096
+        saved = tokens * LLAMA3_8B.layers * saved_bytes_per_token(LLAMA3_8B, layout)
+        assert e.logits_bytes == pytest.approx(tokens * LLAMA3_8B.vocab * (2 + 12))
+        assert (e.recompute_bytes == 0) == (mode == "none")
+        assert e.activation_bytes == pytest.approx(saved + max(e.logits_bytes, e.recompute_bytes + e.working_bytes))
+    # full checkpointing recomputes more of a layer than selective does
+    sel, full = (estimate_step(LLAMA3_8B, Layout(dp=8, activation_checkpoint=m), hw, 16, 4096)
+                 for m in ("selective", "full"))
+    assert full.recompute_bytes > sel.recompute_bytes > 0
+
+
+def test_a_compiled_checkpointed_layer_holds_no_bf16_weight_copies_of_the_other_layers():
+    """Without FSDP, bf16 autocast casts each fp32 weight for its matmul. Eager autocast caches every cast until the
+    forward ends, and a layer without checkpointing saves its casts for its backward: all of them are held. A
+    compiled checkpointed layer casts inside its graph and saves only its input: the output head's copy and the
+    recomputed layer's are held."""
+    hw = Hardware.nominal("cuda", "NVIDIA H100", memory_gib=80, world=1)
+    shape = LLAMA3_8B
+    stage = shape.params  # one rank holds the whole model
+    layer = (stage - shape.embedding_params) / shape.layers
+    plain = estimate_step(shape, Layout(compiled=True), hw, 1, 4096)
+    eager_full = estimate_step(shape, Layout(activation_checkpoint="full"), hw, 1, 4096)
+    compiled_full = estimate_step(shape, Layout(activation_checkpoint="full", compiled=True), hw, 1, 4096)
+    assert plain.gathered_bytes == pytest.approx(2 * stage) and eager_full.gathered_bytes == pytest.approx(2 * stage)
+    assert compiled_full.gathered_bytes == pytest.approx(2 * (shape.vocab * shape.hidden + layer))

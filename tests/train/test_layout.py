@@ -73,7 +73,7 @@ def test_memory_decides_resharding_and_checkpointing():
     stays = e.params_bytes + e.optimizer_bytes + e.other_bytes
     assert e.total_bytes == pytest.approx(stays + max(e.forward_peak_bytes, e.backward_peak_bytes))
     assert e.backward_peak_bytes == pytest.approx(e.grads_bytes + e.gathered_bytes + e.working_bytes)
-    assert e.forward_peak_bytes == pytest.approx(e.gathered_bytes + e.activation_bytes + e.working_bytes)
+    assert e.forward_peak_bytes == pytest.approx(e.gathered_bytes + e.activation_bytes)
     hw = Hardware.nominal("cuda", "NVIDIA H100", memory_gib=72, link_gbps=300)
     plain, full = (estimate_step(llama_8b, Layout(**{**e.layout.__dict__, "activation_checkpoint": mode}), hw, 4, 2048)
                    for mode in (False, "full"))
@@ -90,9 +90,9 @@ def test_gradients_count_at_the_forward_peak_only_where_they_outlive_a_step():
     accumulated = estimate_step(LLAMA_1B, Layout(**{**FAST.__dict__, "dp": 2, "microbatches": 2}), hw, 8, 2048)
     piped = estimate_step(LLAMA_1B, Layout(**{**FAST.__dict__, "pp": 2, "microbatches": 4}), hw, 8, 2048)
     assert not one.grads_in_forward and accumulated.grads_in_forward and piped.grads_in_forward
-    assert one.forward_peak_bytes == pytest.approx(one.gathered_bytes + one.activation_bytes + one.working_bytes)
+    assert one.forward_peak_bytes == pytest.approx(one.gathered_bytes + one.activation_bytes)
     assert accumulated.forward_peak_bytes == pytest.approx(accumulated.gathered_bytes + accumulated.grads_bytes
-                                                           + accumulated.activation_bytes + accumulated.working_bytes)
+                                                           + accumulated.activation_bytes)
 
 
 def _newest_gpu_memory_rows():

@@ -40,8 +40,8 @@ def _trace(config, *layout):
     return trace_peak(ns, facts, world)
 
 
-# world sizes 8 and 64: FSDP2 on dp only, HSDP, tp + dp with sequence parallelism, the first stage of pp=2, full
-# activation checkpointing with and without a pipeline
+# world sizes 8 and 64: FSDP2 on dp only, HSDP, tp + dp with and without sequence parallelism, the first stage of
+# pp=2, full and selective activation checkpointing, full with and without a pipeline
 GRID = {
     "fsdp-8": ("--nproc", "8", "--dp", "8"),
     "hsdp-64": ("--nodes", "8", "--gpus-per-node", "8", "--dp-replicate", "8", "--dp-shard", "8"),
@@ -51,17 +51,22 @@ GRID = {
     # two microbatches, both forward before the first stage's first backward: its gradients come with that
     # backward, and are whole once it has freed its microbatch (the formula's freed_before_grads_bytes)
     "pp2-8": ("--nproc", "8", "--dp", "4", "--pp", "2"),
-    # formula 0.0412 GiB, traced 0.0284 GiB. The traced peak is not at the turn but in the backward of a recomputed
-    # layer (its MLP): the layers' saved inputs 1.7 MiB, the recomputed layer with its gradients 15.7 MiB, the root
-    # and two layers gathered 3.7 MiB, one layer's fp32 gradient for the reduce-scatter 2.8 MiB; the logits
-    # (9.8 MiB) are gone by then. The formula adds the logits, the recomputed layer and a layer's working set
-    # (10.9 MiB each) together. Counting the larger of the logits and the recomputed layer gives -10.2% here, but
-    # drops torchtitan's 70B full-checkpointing row (published, reserved memory; logits 19.6 GiB) from -9.4% to -20%
-    "fsdp-ac-full-8": pytest.param(
-        ("--nproc", "8", "--dp", "8", "--activation-checkpoint", "full"),
+    # the peak is in the backward of a recomputed layer, after the loss's backward has freed the logits: the formula
+    # counts the larger of the two, not both
+    "fsdp-ac-full-8": ("--nproc", "8", "--dp", "8", "--activation-checkpoint", "full"),
+    "fsdp-ac-selective-8": ("--nproc", "8", "--dp", "8", "--activation-checkpoint", "selective"),
+    # tp 4: the column-parallel matmuls' input gradients are the whole hidden width on every tp rank
+    "tp4-sp-ac-full-64": ("--nodes", "8", "--gpus-per-node", "8", "--dp", "16", "--tp", "4", "--sp",
+                          "--activation-checkpoint", "full"),
+    "tp4-ac-selective-64": ("--nodes", "8", "--gpus-per-node", "8", "--dp", "16", "--tp", "4",
+                            "--activation-checkpoint", "selective"),
+    # the first stage of pp 2 beside tp 4 traces 11 to 15% above the formula (with or without sp and checkpointing;
+    # pp 2 beside tp 2 is within 4%): a term that grows with tp on a pipeline's first stage is not found yet
+    "pp2-tp4-sp-ac-full-64": pytest.param(
+        ("--nodes", "8", "--gpus-per-node", "8", "--dp", "8", "--pp", "2", "--tp", "4", "--sp",
+         "--activation-checkpoint", "full", "--microbatches", "4"),
         marks=pytest.mark.xfail(strict=True, raises=AssertionError,
-                                reason="full checkpointing, pp=1: the formula counts the logits and the recomputed "
-                                       "layer together: 31% above the trace")),
+                                reason="pp 2 beside tp 4: the trace is 15% above the formula")),
 }
 
 
