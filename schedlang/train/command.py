@@ -162,7 +162,7 @@ def main(argv: Optional[Sequence[str]] = None, prog: Optional[str] = None) -> in
                 from .trace_memory import trace_peak
 
                 traced = trace_peak(ns, facts, world)
-                ns._traced_peak_gib = traced.peak_bytes / 2**30
+                ns._traced = traced
             if is_main:
                 print(plan_block(ns, facts, hardware(ns, world), world), file=sys.stderr)
                 if traced is not None:

@@ -266,8 +266,10 @@ def write_plan_json(ns: argparse.Namespace, facts: ModelFacts, hw: Hardware, wor
              "warnings": [w for w in [toy_size_warning(ns, facts)] if w]}
     if choice is not None:
         extra["why"] = choice.reason
-    if getattr(ns, "_traced_peak_gib", None) is not None:  # --trace-memory: the peak rank's traced step
-        extra["traced_peak_gib"] = ns._traced_peak_gib
+    if getattr(ns, "_traced", None) is not None:  # --trace-memory: the peak rank's traced step
+        from .trace_memory import traced_json
+
+        extra.update(traced_json(ns._traced))
     data = estimate_json(e, hw, runners_up=choice.runners_up if choice is not None else [], extra=extra)
     with open(ns.json, "w") as f:
         json.dump(data, f, indent=2)

@@ -20,11 +20,16 @@ def test_the_page_is_current(validate):
     assert validate.render(data) == page
     for row in data["rows"]:
         assert row["name"] in page and f"{row['error_pct']:+.1f}%" in page
+        # each published row is traced, or says why not
+        assert ("traced_gib" in row["traced"]) != ("skipped" in row["traced"])
 
 
 def test_a_stale_page_is_refused(validate, tmp_path, monkeypatch, capsys):
     stale = tmp_path / "planner_validation.rst"
-    stale.write_text(validate.PAGE.read_text().replace("-9.4%", "-1.0%"))
+    page = validate.PAGE.read_text()
+    error = f"{json.loads(validate.newest_results().read_text())['rows'][0]['error_pct']:+.1f}%"
+    assert error in page
+    stale.write_text(page.replace(error, "+0.1%"))
     monkeypatch.setattr(validate, "PAGE", stale)
     assert validate.main(["--check"]) == 1
     assert "is not current" in capsys.readouterr().err

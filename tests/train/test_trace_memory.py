@@ -106,6 +106,9 @@ def test_json_has_the_traced_peak(config, tmp_path, capsys):
     line = next(l for l in capsys.readouterr().err.splitlines() if "peak per rank" in l)
     traced = float(line.split("traced ")[1].split(" GiB")[0])
     assert data["traced_peak_gib"] == pytest.approx(traced, rel=0.01)
+    # beside the formula of the traced (eager) layout, which the line compares it with
+    formula = float(line.split("formula ")[1].split(" GiB")[0])
+    assert data["traced_formula_peak_gib"] == pytest.approx(formula, rel=0.01)
     assert trainer.main(_flags(config, "--nproc", "8", "--dp", "8", "--json", str(out))) == 0
     assert "traced_peak_gib" not in json.loads(out.read_text())
 
