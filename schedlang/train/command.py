@@ -159,10 +159,10 @@ def main(argv: Optional[Sequence[str]] = None, prog: Optional[str] = None) -> in
         if ns.dry_run:
             traced = None
             if ns.trace_memory and is_main:  # before the plan block, whose --json takes the traced peak
-                from .trace_memory import trace_peak
+                from .trace_memory import trace_peak, traced_json
 
                 traced = trace_peak(ns, facts, world)
-                ns._traced = traced
+                ns._traced_json = traced_json(traced)
             if is_main:
                 print(plan_block(ns, facts, hardware(ns, world), world), file=sys.stderr)
                 if traced is not None:

@@ -266,10 +266,7 @@ def write_plan_json(ns: argparse.Namespace, facts: ModelFacts, hw: Hardware, wor
              "warnings": [w for w in [toy_size_warning(ns, facts)] if w]}
     if choice is not None:
         extra["why"] = choice.reason
-    if getattr(ns, "_traced", None) is not None:  # --trace-memory: the peak rank's traced step
-        from .trace_memory import traced_json
-
-        extra.update(traced_json(ns._traced))
+    extra.update(getattr(ns, "_traced_json", {}))  # --trace-memory: the peak rank's traced step
     data = estimate_json(e, hw, runners_up=choice.runners_up if choice is not None else [], extra=extra)
     with open(ns.json, "w") as f:
         json.dump(data, f, indent=2)
