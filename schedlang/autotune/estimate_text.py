@@ -36,7 +36,7 @@ def format_estimate(e: StepEstimate, hw: Hardware, header: str = "", extras: str
               else f" + a layer's backward {_size(e.working_bytes)}")
            + (f" + workspace {_size(e.other_bytes)}" if e.other_bytes else ""))
     # early in the backward, the larger of the loss's backward (the logits) and the first layer's
-    layer = e.recompute_bytes + e.working_bytes
+    layer = e.layer_backward_bytes
     early = (f"the loss's backward, logits {_size(e.logits_bytes)}" if e.logits_bytes > layer else
              f"a layer's backward {_size(layer)}" + (f" (recomputed {_size(e.recompute_bytes)})"
                                                      if e.recompute_bytes else ""))

@@ -18,7 +18,7 @@ what HF's causal LMs are. Activation checkpointing has two modes:
 The memory is the step's tensor peak (what ``torch.cuda.max_memory_allocated`` reports), the larger of two
 moments. Early in the backward: every layer's saved activations, with the larger of the loss's backward (the
 logits and its fp32 tensors) and the first layer's backward after it (what a checkpointed layer recomputes, and
-what a layer's backward allocates), and the gradients only where they outlive a microbatch (accumulation, a
+what a layer's backward allocates at its MLP and at its norm, and FSDP2's unsharded gradients), and the gradients only where they outlive a microbatch (accumulation, a
 pipeline, where a rank that runs every forward first has them whole once its first backward freed a
 microbatch). At the end of the backward: every gradient and a layer's backward. The caching allocator's reserve
 over the tensors is not counted; :data:`USABLE_MEMORY` leaves room for it.
@@ -46,6 +46,9 @@ _FORWARD_GEMM_EFFICIENCY = 0.7
 #: the tensors the estimate counts (2.0 to 8.2 GiB on the trainer's 1-GPU runs of an 80 GiB H100,
 #: bench/results/2026-12-06-planner-validation-reserve-h100.json)
 USABLE_MEMORY = 0.9
+#: fp32 copies of its input an eager RMSNorm's backward holds at once (traced: the upcast gradient, the power's,
+#: the mean's and the products' gradients)
+_EAGER_NORM_BACKWARD_COPIES = 6
 CHECKPOINT_MODES = ("none", "selective", "full")
 DP_MODES = ("fsdp", "hsdp", "ddp")
 
@@ -191,6 +194,10 @@ class StepEstimate:
     #: what a checkpointed layer recomputes for its backward beyond what it saved (0 without checkpointing):
     #: in flight with ``working_bytes`` early in the backward, once the loss's backward has freed the logits
     recompute_bytes: float = 0.0
+    #: the larger moment of a layer's backward beside the saved activations: at its MLP (with what it recomputed),
+    #: at its norm (with FSDP2's unsharded weight gradients), plus the previous layer's reduce-scatter input where
+    #: it outlives that layer's freed activations
+    layer_backward_bytes: float = 0.0
     #: the logits and the loss's fp32 tensors at its backward (counted in ``activation_bytes`` where they are
     #: larger than a recomputed layer, which is in flight after them); 0 for a pipeline whose peak rank is the
     #: first, which holds no logits
@@ -246,7 +253,7 @@ class StepEstimate:
     def as_dict(self) -> Dict:
         out = {k: getattr(self, k) for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "gathered_bytes",
                                              "activation_bytes", "logits_bytes", "recompute_bytes",
-                                             "working_bytes",
+                                             "layer_backward_bytes", "working_bytes",
                                              "grads_in_forward", "forward_peak_bytes", "backward_peak_bytes",
                                              "other_bytes", "compute_s", "comm_s", "comm_exposed_s", "bubble_s",
                                              "optimizer_s")}
@@ -320,16 +327,27 @@ def _activation_bytes_per_token(shape: ModelShape, layout: Layout) -> float:
 
 
 def _backward_working_bytes_per_token(shape: ModelShape, layout: Layout) -> float:
-    """What a layer's backward allocates per token on top of the activations it reads: the MLP's gradients, the
-    largest set at once (gate's, up's and their product's in a gated MLP; fc1's and the activation's in a plain
-    one), the input gradients of its first matmuls (gate's and up's, or fc1's), which are the whole hidden width on
-    every tp rank (partial sums, reduced after), and the gradient of the residual stream."""
+    """What a layer's backward allocates per token on top of the activations it reads, at its MLP: the MLP's
+    gradients, the largest set at once (gate's, up's and their product's in a gated MLP; fc1's and the activation's
+    in a plain one), the input gradients of its first matmuls (gate's and up's, or fc1's), which are the whole hidden
+    width on every tp rank (partial sums, reduced after), and the gradient of the residual stream."""
     c, tp = _bytes(layout.dtype), layout.tp
     imbalance = LOAD_IMBALANCE if layout.ep > 1 else 1.0
     width = mean_mlp_width(shape.layers, shape.intermediate, shape.moe, imbalance)
-    residual = shape.hidden * _residual_bytes(layout) / (tp if layout.sp else 1)
     first_matmuls = 2 if shape.gated_mlp else 1
-    return (first_matmuls + 1) * width * c / tp + first_matmuls * shape.hidden * c + residual
+    return (first_matmuls + 1) * width * c / tp + first_matmuls * shape.hidden * c + _residual_gradient(shape, layout)
+
+
+def _residual_gradient(shape: ModelShape, layout: Layout) -> float:
+    return shape.hidden * _residual_bytes(layout) / (layout.tp if layout.sp else 1)
+
+
+def _norm_backward_bytes_per_token(shape: ModelShape, layout: Layout) -> float:
+    """What a layer's norm's backward allocates per token, at the end of the layer's backward: the residual stream's
+    gradient in and out and, for an unfused, uncompiled RMSNorm, which runs in fp32 op by op, fp32 copies of its
+    input (the whole hidden width unless the sequence is split): larger than the MLP's at tp 4 without SP."""
+    copies = 0 if layout.optimize or layout.compiled else _EAGER_NORM_BACKWARD_COPIES
+    return copies * 4 * shape.hidden / (layout.tp if layout.sp else 1) + 2 * _residual_gradient(shape, layout)
 
 
 def _layer_input_bytes(shape: ModelShape, layout: Layout) -> float:
@@ -495,11 +513,21 @@ def estimate_step(shape: ModelShape, layout: Layout, hw: Hardware, global_batch:
     # the two moments of the backward with the most in flight besides the saved activations: the loss's backward
     # (the logits) and, after it has freed them, a layer's backward: what the layer recomputes beyond what it
     # saved, and what its backward allocates
-    working = microbatch_tokens * _backward_working_bytes_per_token(shape, layout)
-    if sharded and pp == 1:  # the layer's unsharded gradient in the reduce dtype, FSDP's reduce-scatter input
-        working += reduce_bytes * layer_params
+    mlp_working = microbatch_tokens * _backward_working_bytes_per_token(shape, layout)
+    norm_working = microbatch_tokens * _norm_backward_bytes_per_token(shape, layout)
     recompute = microbatch_tokens * (per_token - saved) if layout.recomputes else 0.0
-    layer_backward = recompute + working
+    # a layer's backward: at its MLP, with what it recomputed; at its end, at its norm
+    layer_backward = max(recompute + mlp_working, norm_working)
+    working = max(mlp_working, norm_working)
+    if sharded and pp == 1:
+        # FSDP2 computes a layer's weight gradients unsharded in the compute dtype (whole at the layer's end), and
+        # keeps the reduce-scatter input it copies them into (the unsharded gradient in the reduce dtype) until
+        # the next layer's reduce-scatter: through the next layer's backward, once the layer's own activations
+        # are freed
+        reduce_scatter_input = reduce_bytes * layer_params
+        layer_backward = (max(recompute + mlp_working, norm_working + compute_bytes * layer_params)
+                          + max(0.0, reduce_scatter_input - microbatch_tokens * saved))
+        working += reduce_scatter_input  # at the end of the backward, beside every gradient
     # gradients outlive the forward when microbatches accumulate into them (and in a pipeline's schedule)
     grads_in_forward = layout.microbatches > 1 or pp > 1
     if pp > 1:
@@ -639,5 +667,6 @@ def estimate_step(shape: ModelShape, layout: Layout, hw: Hardware, global_batch:
                         collectives=collectives, compute_s=compute, comm_s=comm,
                         comm_exposed_s=dp_exposed + tp_comm + pp_comm + cp_comm + ep_comm, bubble_s=bubble,
                         optimizer_s=optimizer, tokens=tokens, memory_limit=USABLE_MEMORY * hw.memory_bytes,
-                        logits_bytes=logits, recompute_bytes=recompute, global_batch=global_batch, seq=seq, moe=moe_facts,
+                        logits_bytes=logits, recompute_bytes=recompute,
+                        layer_backward_bytes=layer_backward, global_batch=global_batch, seq=seq, moe=moe_facts,
                         freed_before_grads_bytes=freed)

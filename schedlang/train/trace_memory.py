@@ -222,7 +222,7 @@ def _run_traced(ns: argparse.Namespace, rank: int, world: int, tools) -> "tuple[
     modules = run._modules()
     tracker, per_step = _tracker_of(tools, modules, run.optimizer, ns)
     rows = ns.global_batch // ns.dp
-    with fake, _meshes_on_real_tensors():
+    with fake, _meshes_on_real_tensors(), _packing_answered_as_the_run_would(ns):
         tokens = torch.randint(0, run.dims.vocab, (rows, ns.seq + 1))
         held: list = []  # the pipeline's gradient receive buffers, kept from step to step as torch's stage does
         with tracker:
@@ -236,6 +236,47 @@ def _run_traced(ns: argparse.Namespace, rank: int, world: int, tools) -> "tuple[
     snapshot = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
     by_kind = {str(getattr(k, "value", k)): int(v) for k, v in snapshot.items()}
     return int(by_kind.pop("Total", 0)), by_kind
+
+
+@contextlib.contextmanager
+def _packing_answered_as_the_run_would(ns: argparse.Namespace):
+    """transformers' mask builder asks ``find_packed_sequence_indices`` whether the position ids restart within a
+    row (sequences packed together); where they do not, it leaves causality to SDPA and builds no mask. On fake
+    position ids it cannot read the values and answers "packed", so a traced step would build a ``[b, 1, s, s]``
+    mask the run never holds (and, under a pipeline, send it to the next stage with a gradient buffer per
+    microbatch: 1 GiB a microbatch of 4 rows at sequence 8192). The trainer's rows are one sequence each; the
+    positions rank 0 holds are the plain count, or under context parallelism its two load-balanced chunks. The
+    check is answered on those real positions, as the run's would be."""
+    try:
+        from transformers import masking_utils
+    except ImportError:
+        yield
+        return
+    original = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if original is None:
+        yield
+        return
+    from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
+
+    def answered(position_ids, *args, **kwargs):
+        if not is_fake(position_ids):
+            return original(position_ids, *args, **kwargs)
+        with unset_fake_temporarily():
+            length = position_ids.shape[-1]
+            if (ns.cp or 1) > 1:
+                from ..distributed.context_parallel import local_positions
+
+                held = local_positions(length * ns.cp, ns.cp, 0)
+            else:
+                held = torch.arange(length)
+            packed = original(held.expand(position_ids.shape[0], -1))
+        return None if packed is None else original(position_ids, *args, **kwargs)
+
+    masking_utils.find_packed_sequence_indices = answered
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = original
 
 
 #: pipeline schedules whose first stage the trace runs (one stage per rank)
