@@ -75,7 +75,7 @@ def estimate(row: Dict, extra: List[str] = ()) -> Dict:
 
 
 #: rows the trace cannot run, and why
-UNTRACED = {"Interleaved1F1B": "the trace runs 1F1B and GPipe only"}
+UNTRACED: Dict[str, str] = {}
 
 
 def trace(row: Dict) -> Dict:
@@ -223,8 +223,10 @@ What the estimate counts, per GPU (``schedlang.autotune.step_cost``), and what e
   stage-microbatches of ``layers / v`` layers (23 on the first rank, 9 on the last). Each rank is taken to hold
   ``126 / 8`` layers and the embedding, as schedlang's trainer splits them (16, 16, 15, 16, 16, 15, 16, 16
   layers: the first rank holds 16 and the embedding). Its activations count ``ceil(126 / 8) = 16`` layers.
-  Each stage-microbatch in flight also keeps the stage's output (a layer's input in size) until its backward,
-  and torch's stage keeps one receive buffer for that output's gradient per stage-microbatch of the step. The
+  Each stage-microbatch in flight also keeps the stage's output (a layer's input in size, with the rotary
+  embeddings and position ids the later stages use, relayed) until its backward; torch's stages keep one receive
+  buffer for that output's gradient per stage-microbatch of the step, and a stage fed by another rank one for
+  its input per microbatch. The
   gradients, zeroed after each step, come with a rank's first backward: where the rank ran every microbatch's
   forward before it (1F1B's first rank, 8 microbatches of 8 stages), they are whole only once that backward has
   freed its microbatch, so the peak counts 7 microbatches beside every gradient.

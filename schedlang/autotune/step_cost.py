@@ -444,7 +444,8 @@ def _pipeline_rank_bytes(layout: Layout, layers: int, per_layer: float, boundary
     """``(held, freed before the gradients)`` of pipeline rank ``pp_rank`` at its first backward: the saved
     activations of its layer-microbatches in flight (``per_layer`` bytes each) and, for each stage-microbatch in
     flight whose output goes to the next rank, that output (``boundary`` bytes), which torch's stage keeps for
-    the backward, plus one gradient receive buffer per stage-microbatch, which it allocates once and keeps.
+    the backward, plus one gradient receive buffer per stage-microbatch, which it allocates once and keeps, and
+    for each stage that receives its input from another rank one input receive buffer per microbatch.
     Where every stage-microbatch runs its forward before the first backward (GPipe; 1F1B with ``m <= pp -
     rank``), the gradients come with that backward, and are whole once it has freed its stage-microbatch."""
     pp, v, m = layout.pp, layout.stages_per_rank, layout.microbatches
@@ -452,7 +453,10 @@ def _pipeline_rank_bytes(layout: Layout, layers: int, per_layer: float, boundary
     stage_microbatches = in_flight * v / layers
     # the stages whose output goes on: all of a rank's but the last rank's last (the model's end)
     sending = 1.0 if pp_rank < pp - 1 else (v - 1) / v
-    held = in_flight * per_layer + sending * boundary * (stage_microbatches + m * v)
+    # the stages that receive their input from another rank (all but the model's first) keep one receive buffer
+    # per microbatch, allocated once
+    receiving = v - 1 if pp_rank == 0 else v
+    held = in_flight * per_layer + boundary * (sending * (stage_microbatches + m * v) + receiving * m)
     freed = per_layer * layers / v + sending * boundary if stage_microbatches >= m * v else 0.0
     return held, freed
 
@@ -534,6 +538,9 @@ def estimate_step(shape: ModelShape, layout: Layout, hw: Hardware, global_batch:
         # the logits live on the last pipeline rank, which keeps the fewest microbatches in flight; the first rank
         # keeps the most and no logits: the rank with the larger sum sets the peak (the stages are equal in size)
         boundary = microbatch_tokens * shape.hidden * _residual_bytes(layout) / (tp if layout.sp else 1)
+        # beside the hidden states, the values later stages use are relayed: the rotary embeddings' cos and sin
+        # and the position ids (sent as float64), one row for the microbatch
+        boundary += seq / cp * (2 * shape.head_dim * compute_bytes + 8)
         per_layer = microbatch_tokens * saved
         acts, freed = _pipeline_rank_bytes(layout, layers, per_layer, boundary, 0)
         last, last_freed = _pipeline_rank_bytes(layout, layers, per_layer, boundary, pp - 1)

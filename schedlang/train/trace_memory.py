@@ -233,7 +233,7 @@ def _run_traced(ns: argparse.Namespace, rank: int, world: int, tools) -> "tuple[
 
     if ns.pp > 1 and ns.pp_schedule not in _TRACED_SCHEDULES:
         raise TraceMemoryError(f"--trace-memory with --pp-schedule {ns.pp_schedule}: the trace runs the first "
-                               f"stage's microbatches in the order of {' or '.join(_TRACED_SCHEDULES)}; use one of "
+                               f"rank's microbatches in the order of {', '.join(_TRACED_SCHEDULES)}; use one of "
                                "those, or drop --trace-memory")
     run = _Run(ns, rank, world, torch.device("cpu"))
     with warnings.catch_warnings():  # the fake backend takes no group timeout, and says so per group
@@ -248,11 +248,11 @@ def _run_traced(ns: argparse.Namespace, rank: int, world: int, tools) -> "tuple[
     rows = ns.global_batch // ns.dp
     with fake, _meshes_on_real_tensors(), _packing_answered_as_the_run_would(ns):
         tokens = torch.randint(0, run.dims.vocab, (rows, ns.seq + 1))
-        held: list = []  # the pipeline's gradient receive buffers, kept from step to step as torch's stage does
+        held: dict = {}  # the pipeline's receive buffers, kept from step to step as torch's stages do
         with tracker:
             for step in range(2):  # the first creates the optimizer's state, which the second finds in place
                 if ns.pp > 1:
-                    _first_stage_step(run, step, tokens[:, :-1], held)
+                    _first_rank_step(run, step, tokens[:, :-1], held)
                 else:
                     run.train_step(step, tokens[:, :-1], tokens[:, 1:])
                 if per_step:
@@ -303,60 +303,95 @@ def _packing_answered_as_the_run_would(ns: argparse.Namespace):
         masking_utils.find_packed_sequence_indices = original
 
 
-#: pipeline schedules whose first stage the trace runs (one stage per rank)
-_TRACED_SCHEDULES = ("1F1B", "GPipe")
+#: pipeline schedules whose first rank the trace runs: their backward is one action per stage and microbatch
+_TRACED_SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B")
 
 
-def _first_stage_step(run, step: int, inputs: torch.Tensor, held: list) -> None:
-    """One training step of the first pipeline stage (rank 0), as the trainer's ``train_step`` runs it but for the
+def _rank_actions(pipeline, ns: argparse.Namespace) -> "list[tuple[str, int, int]]":
+    """``(F or B, microbatch, position among the rank's stages)`` in the order rank 0 runs them. One stage per rank:
+    1F1B runs ``min(m, pp)`` forwards before the first backward (the ``pp - rank`` microbatches in flight on rank
+    0), then one backward and one forward in turn; GPipe every forward, then every backward. Several stages per
+    rank: the order torch's schedule computed for the rank (``pipeline_order``, made without communicating)."""
+    m = ns.microbatches
+    if len(pipeline.stage_modules) == 1:
+        ahead = min(m, ns.pp) if ns.pp_schedule == "1F1B" else m
+        order = [("F", k, 0) for k in range(ahead)]
+        for k in range(ahead, m):
+            order += [("B", k - ahead, 0), ("F", k, 0)]
+        return order + [("B", k, 0) for k in range(m - ahead, m)]
+    position = {index: i for i, index in enumerate(pipeline.stage_indices)}
+    order = []
+    for action in pipeline.schedule.pipeline_order[pipeline.pp_rank]:
+        if action is None:
+            continue  # an idle slot of the rank
+        kind = str(getattr(action.computation_type, "value", action.computation_type))
+        if kind not in ("F", "B"):
+            raise TraceMemoryError(f"--trace-memory with --pp-schedule {ns.pp_schedule}: its schedule splits the "
+                                   f"backward ({kind!r} actions), which the trace does not run; use one of "
+                                   f"{', '.join(_TRACED_SCHEDULES)}, or drop --trace-memory")
+        order.append((kind, action.microbatch_index, position[action.stage_index]))
+    return order
+
+
+def _first_rank_step(run, step: int, inputs: torch.Tensor, held: dict) -> None:
+    """One training step of the first pipeline rank (rank 0), as the trainer's ``train_step`` runs it but for the
     schedule: torch's schedule agrees on the stages' shapes by sending pickled metadata between the pp ranks, which
-    a fake process group does not carry, so this runs the stage's microbatches itself, in the schedule's order.
-    1F1B: ``min(m, pp)`` forwards before the first backward (the ``pp - rank`` microbatches in flight on rank 0),
-    then one backward and one forward in turn; GPipe: every forward, then every backward. FSDP2 runs as torch's
-    stage runs it: no resharding after a backward and no gradient reduction until after the last; the gradients
-    that come back from the next stage land in one receive buffer per microbatch, which the stage keeps."""
+    a fake process group does not carry, so this runs the rank's stages and microbatches itself, in the schedule's
+    order (:func:`_rank_actions`). A later stage of the rank (interleaved schedules) gets what the stage before it
+    sends, the first stage's outputs in shape. As torch's stages do, each stage keeps one receive buffer per
+    microbatch for what comes from the neighbouring stages (the inputs of a later stage, the outputs' gradients),
+    from step to step; FSDP2 reshards nothing after a backward and reduces the gradients only after the last."""
     from torch.distributed.fsdp import FSDPModule
 
     from .data import lr_at, _mix
 
     ns = run.ns
     pipeline = run.model
-    stage = pipeline.stages[0]
-    module = pipeline.stage_modules[0]
+    modules = list(pipeline.stage_modules)
     for group in run.optimizer.param_groups:
         group["lr"] = lr_at(ns, step)
     torch.manual_seed(_mix(ns.seed, step, 2))
     m = ns.microbatches
-    ahead = min(m, ns.pp) if ns.pp_schedule == "1F1B" else m
-    fsdp = isinstance(module, FSDPModule)
-    if fsdp:
-        module.set_is_last_backward(False)
-        module.set_reshard_after_backward(False)
-        module.set_requires_gradient_sync(False)
+    for module in modules:
+        if isinstance(module, FSDPModule):
+            module.set_is_last_backward(False)
+            module.set_reshard_after_backward(False)
+            module.set_requires_gradient_sync(False)
     autocast = torch.autocast(run.device.type, dtype=torch.bfloat16, enabled=run.autocast)
-    in_flight: list = []
+    in_flight: dict = {}
+    boundary: list = []  # the first stage's outputs of a microbatch: what a later stage of the rank receives
 
-    def forward(k: int) -> None:
+    def received(position: int, k: int) -> list:
+        # a stage after the second also receives the stages' anchor, a 0-d tensor that carries the gradients of
+        # the values it relays (schedlang.distributed.pipeline.transport)
+        names = [n.name for n in modules[position].graph.nodes if n.op == "placeholder"]
+        shapes = boundary + ([torch.zeros((), requires_grad=True)] if names[-1:] == ["_pipeline_anchor"] else [])
+        buffers = held.setdefault(("in", position), [None] * m)
+        if buffers[k] is None:
+            buffers[k] = [torch.empty_like(t) for t in shapes]
+        return [b.detach().requires_grad_(t.requires_grad) for b, t in zip(buffers[k], shapes)]
+
+    def forward(k: int, position: int) -> None:
+        args = [inputs.chunk(m)[k].contiguous()] if position == 0 else received(position, k)
         with autocast:
-            out = module(inputs.chunk(m)[k].contiguous())
-        outs = [t for t in (out if isinstance(out, (tuple, list)) else (out,))
-                if isinstance(t, torch.Tensor) and t.requires_grad]
-        if not held:
-            held.extend([torch.empty_like(t) for t in outs] for _ in range(m))
-        in_flight.append((outs, held[k]))
+            out = modules[position](*args)
+        out = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+        if position == 0 and not boundary:
+            boundary.extend(out)
+        outs = [t for t in out if isinstance(t, torch.Tensor) and t.requires_grad]
+        grads = held.setdefault(("grad", position), [None] * m)
+        if grads[k] is None:
+            grads[k] = [torch.empty_like(t) for t in outs]
+        in_flight[(position, k)] = (outs, grads[k])
 
-    def backward() -> None:
-        outs, grads = in_flight.pop(0)
+    def backward(k: int, position: int) -> None:
+        outs, grads = in_flight.pop((position, k))
         torch.autograd.backward(outs, grads)
 
-    for k in range(ahead):
-        forward(k)
-    for k in range(ahead, m):
-        backward()
-        forward(k)
-    while in_flight:
-        backward()
-    stage.perform_reduce_grad(1)  # FSDP2's reduction after the last microbatch, as the schedule calls it
+    for kind, k, position in _rank_actions(pipeline, ns):
+        (forward if kind == "F" else backward)(k, position)
+    for stage in pipeline.stages:
+        stage.perform_reduce_grad(1)  # FSDP2's reduction after the last microbatch, as the schedule calls it
     pipeline._finish_gradients()
     run._clip()
     run.optimizer.step()

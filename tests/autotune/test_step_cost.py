@@ -17,7 +17,13 @@ TP8 = Layout(dp=8, tp=8, activation_checkpoint="full", compiled=True, optimize=T
 
 def _early_backward(e):
     """The larger of the two moments early in the backward: the loss's (the logits) and a checkpointed layer's."""
-    return max(e.logits_bytes, e.recompute_bytes + e.working_bytes)
+    return max(e.logits_bytes, e.layer_backward_bytes)
+
+
+def _relayed(shape, seq):
+    """What a stage sends beside the hidden states per microbatch: the rotary cos and sin (bf16) and the position
+    ids (float64), one row."""
+    return seq * (2 * shape.head_dim * 2 + 8)
 
 
 def _by(e, group, op):
@@ -168,18 +174,20 @@ def test_a_pipeline_counts_the_logits_on_its_last_rank_only():
     layer_input = saved_bytes_per_token(LLAMA3_70B, deep)
     # the bf16 logits, the log-softmax's fp32 output, its gradient and the gradient of the logits' fp32 copy
     logits = tokens * LLAMA3_70B.vocab * (2 + 12)
-    # the first rank also keeps each in-flight microbatch's output (fp32 residual stream: no FSDP here) and one
-    # gradient receive buffer per microbatch; the last rank sends nothing on
-    boundary = tokens * LLAMA3_70B.hidden * 4
-    first, last = tokens * 4 * 20 * layer_input + (4 + 8) * boundary, tokens * 1 * 20 * layer_input + logits
+    # the first rank also keeps each in-flight microbatch's output (fp32 residual stream: no FSDP here, with the
+    # relayed rotary embeddings and positions) and one gradient receive buffer per microbatch; the last rank sends
+    # nothing on, and keeps one receive buffer per microbatch for its input
+    boundary = tokens * LLAMA3_70B.hidden * 4 + _relayed(LLAMA3_70B, 8192)
+    first = tokens * 4 * 20 * layer_input + (4 + 8) * boundary
+    last = tokens * 1 * 20 * layer_input + 8 * boundary + logits
     assert first > last  # the first rank's 4 microbatches win
     assert e.logits_bytes == 0
-    layer = e.recompute_bytes + e.working_bytes  # a recomputed layer's backward
-    assert e.activation_bytes == pytest.approx(first + layer)
+    assert e.activation_bytes == pytest.approx(first + e.layer_backward_bytes)  # with a recomputed layer's backward
     wide = dataclasses.replace(LLAMA3_70B, vocab=4 * LLAMA3_70B.vocab)  # a vocabulary large enough to tip it
     e = estimate_step(wide, deep, HW64, 8, 8192)
     logits = tokens * wide.vocab * (2 + 12)
-    first, last = tokens * 4 * 20 * layer_input + (4 + 8) * boundary, tokens * 1 * 20 * layer_input + logits
+    first = tokens * 4 * 20 * layer_input + (4 + 8) * boundary
+    last = tokens * 1 * 20 * layer_input + 8 * boundary + logits
     assert first < last
     assert e.logits_bytes == pytest.approx(logits)
     assert e.activation_bytes == pytest.approx(last)  # the loss's backward, larger than a layer's
@@ -194,7 +202,8 @@ def test_a_rank_that_runs_every_forward_first_has_no_gradients_at_its_first_back
     for m, freed_expected in ((4, True), (8, False)):
         layout = Layout(pp=4, microbatches=m, activation_checkpoint="full", compiled=True)
         e = estimate_step(LLAMA3_70B, layout, HW64, m, 8192)
-        one_microbatch = tokens * 20 * saved_bytes_per_token(LLAMA3_70B, layout) + tokens * LLAMA3_70B.hidden * 4
+        one_microbatch = (tokens * 20 * saved_bytes_per_token(LLAMA3_70B, layout) + tokens * LLAMA3_70B.hidden * 4
+                          + _relayed(LLAMA3_70B, 8192))
         if freed_expected:
             assert e.freed_before_grads_bytes == pytest.approx(one_microbatch)
             assert e.turn_grads_bytes == pytest.approx(max(0.0, e.grads_bytes - one_microbatch))
@@ -222,13 +231,18 @@ def test_405b_1f1b_with_one_microbatch_per_stage_peaks_above_interleaved():
                                                             pp_schedule="Interleaved1F1B"), hw, 256, 8192)
     assert one.total_bytes > inter.total_bytes
     layer_input = saved_bytes_per_token(LLAMA3_405B, base)
-    # a stage's output is a layer's input in size: one per stage-microbatch in flight, one receive buffer for its
-    # gradient per stage-microbatch of the step
-    assert one.activation_bytes - _early_backward(one) == pytest.approx((8 * 16 + 8 + 8) * 4 * 8192 * layer_input)
-    assert inter.activation_bytes - _early_backward(inter) == pytest.approx((23 * 8 + 23 + 32) * 2 * 8192 * layer_input)
+    # a stage's output is a layer's input in size with the relayed rotary embeddings and positions: one per
+    # stage-microbatch in flight, one receive buffer for its gradient per stage-microbatch of the step, and under
+    # interleaving, one receive buffer per microbatch for the input of the rank's second stage
+    relayed = _relayed(LLAMA3_405B, 8192)
+    assert one.activation_bytes - _early_backward(one) == pytest.approx(
+        8 * 16 * 4 * 8192 * layer_input + (8 + 8) * (4 * 8192 * layer_input + relayed))
+    assert inter.activation_bytes - _early_backward(inter) == pytest.approx(
+        23 * 8 * 2 * 8192 * layer_input + (23 + 32 + 16) * (2 * 8192 * layer_input + relayed))
     # 1F1B's first rank runs all 8 forwards before its first backward: the gradients are whole once it has freed
     # one microbatch (16 layer inputs and its output); interleaved's steady phase refills what it frees
-    assert one.freed_before_grads_bytes == pytest.approx(17 * 4 * 8192 * layer_input)
+    assert one.freed_before_grads_bytes == pytest.approx(16 * 4 * 8192 * layer_input + 4 * 8192 * layer_input
+                                                         + relayed)
     assert inter.freed_before_grads_bytes == 0
 
 

@@ -64,6 +64,11 @@ GRID = {
     # positions up, so transformers leaves causality to SDPA; the trace answers its packed-sequence check so too)
     "pp2-tp4-sp-ac-full-64": ("--nodes", "8", "--gpus-per-node", "8", "--dp", "8", "--pp", "2", "--tp", "4", "--sp",
                               "--activation-checkpoint", "full", "--microbatches", "4"),
+    # two stages per rank: rank 0 runs stages 0 and 2 in torch's interleaved order; stage 2 keeps a receive buffer
+    # per microbatch for its input, which relays the rotary embeddings and positions beside the hidden states
+    "pp2-interleaved-tp2-sp-ac-full-64": ("--nodes", "8", "--gpus-per-node", "8", "--dp", "16", "--pp", "2", "--tp", "2",
+                                          "--sp", "--pp-schedule", "Interleaved1F1B", "--microbatches", "4",
+                                          "--activation-checkpoint", "full"),
 }
 
 
@@ -116,8 +121,8 @@ def test_refusals_name_the_flag(config, capsys):
         validate(ns, 1)
     with pytest.raises(TraceMemoryError, match="--trace-memory with --float8: .*drop --float8"):
         _trace(config, "--nproc", "8", "--dp", "8", "--float8")
-    with pytest.raises(TraceMemoryError, match="--pp-schedule Interleaved1F1B: .*1F1B or GPipe"):
-        _trace(config, "--nproc", "8", "--dp", "4", "--pp", "2", "--pp-schedule", "Interleaved1F1B",
+    with pytest.raises(TraceMemoryError, match="--pp-schedule ZeroBubble: .*1F1B, GPipe, Interleaved1F1B"):
+        _trace(config, "--nproc", "8", "--dp", "4", "--pp", "2", "--pp-schedule", "ZeroBubble",
                "--microbatches", "4", "--global-batch", "64")
     assert not dist.is_initialized()
 
