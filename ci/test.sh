@@ -9,7 +9,7 @@ python3 -m pip install --quiet "torch==2.13.0" -e ".[test,docs]" -c ci/constrain
 python3 -m pip check || true
 echo "ci: $(python3 --version), in $(python3 -c 'import sys; print(sys.prefix)')"
 python3 -m pip list --format=freeze 2>/dev/null \
-  | grep -iE '^(torch|triton|transformers|tokenizers|huggingface.hub|safetensors|torchao|pytest|pytest.timeout|hypothesis|numpy|sphinx|sphinx.gallery)==' \
+  | grep -iE '^(torch|triton|transformers|tokenizers|huggingface.hub|safetensors|torchao|pytest|pytest.timeout|pytest.xdist|hypothesis|numpy|sphinx|sphinx.gallery)==' \
   | sed "s/^/ci: installed /"
 # the report's browser test renders the page in Debian's headless Chromium
 if ! command -v chromium >/dev/null 2>&1; then
@@ -20,7 +20,7 @@ export SCHEDLANG_REQUIRE_BROWSER=1
 export SCHEDLANG_REQUIRE_PINNED=1  # tests/test_ci_setup.py checks the installed versions against the pins
 log=$(mktemp)
 set +e
-python3 -m pytest -q -p no:cacheprovider --durations=30 2>&1 | tee "$log"
+python3 -m pytest -q -n 2 --dist loadfile -p no:cacheprovider --durations=30 2>&1 | tee "$log"
 status=${PIPESTATUS[0]}
 set -e
 if [ "$status" -eq 5 ] || ! grep -Eq '[0-9]+ passed' "$log"; then
