@@ -153,12 +153,27 @@ def trace_peak(ns: argparse.Namespace, facts, world: int) -> TracedPeak:
     rank = 0  # the mesh puts pp outermost: rank 0 holds the first stage, the one with the most in flight
     dist.init_process_group("fake", rank=rank, world_size=world, store=tools["FakeStore"]())
     try:
-        tensor_bytes, by_kind = _run_traced(traced_ns, rank, world, tools)
+        with _quiet_failed_meta_kernels():
+            tensor_bytes, by_kind = _run_traced(traced_ns, rank, world, tools)
     finally:
         dist.destroy_process_group()
         torch.random.set_rng_state(rng)
     other = formula.other_bytes  # what the formula allows for beyond tensors (a CUDA rank's workspace)
     return TracedPeak(rank, tensor_bytes, other, formula, by_kind, notes, time.perf_counter() - start)
+
+
+@contextlib.contextmanager
+def _quiet_failed_meta_kernels():
+    """FakeTensorMode logs, at error level with a traceback, every op whose shape computation raises, before it
+    raises it. The schedule's build tries shapes that way on purpose (and catches the error), so under the trace
+    each such try printed a traceback; the errors that matter still raise."""
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = fake_log.level
+    fake_log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        fake_log.setLevel(level)
 
 
 @contextlib.contextmanager
