@@ -18,9 +18,9 @@ what HF's causal LMs are. Activation checkpointing has two modes:
 The memory is the step's tensor peak (what ``torch.cuda.max_memory_allocated`` reports), the larger of two
 moments. Early in the backward: every layer's saved activations, with the larger of the loss's backward (the
 logits and its fp32 tensors) and the first layer's backward after it (what a checkpointed layer recomputes, and
-what a layer's backward allocates at its MLP and at its norm, and FSDP2's unsharded gradients), and the gradients only where they outlive a microbatch (accumulation, a
-pipeline, where a rank that runs every forward first has them whole once its first backward freed a
-microbatch). At the end of the backward: every gradient and a layer's backward. The caching allocator's reserve
+what a layer's backward allocates at its MLP and at its norm, and FSDP2's unsharded gradients), and the
+gradients only where they outlive a microbatch (accumulation, a pipeline, where a rank that runs every forward
+first has them whole once its first backward freed a microbatch). At the end of the backward: every gradient and a layer's backward. The caching allocator's reserve
 over the tensors is not counted; :data:`USABLE_MEMORY` leaves room for it.
 """
 
@@ -335,11 +335,8 @@ def _backward_working_bytes_per_token(shape: ModelShape, layout: Layout) -> floa
     imbalance = LOAD_IMBALANCE if layout.ep > 1 else 1.0
     width = mean_mlp_width(shape.layers, shape.intermediate, shape.moe, imbalance)
     first_matmuls = 2 if shape.gated_mlp else 1
-    return (first_matmuls + 1) * width * c / tp + first_matmuls * shape.hidden * c + _residual_gradient(shape, layout)
-
-
-def _residual_gradient(shape: ModelShape, layout: Layout) -> float:
-    return shape.hidden * _residual_bytes(layout) / (layout.tp if layout.sp else 1)
+    # the residual stream's gradient is a layer's input in size
+    return (first_matmuls + 1) * width * c / tp + first_matmuls * shape.hidden * c + _layer_input_bytes(shape, layout)
 
 
 def _norm_backward_bytes_per_token(shape: ModelShape, layout: Layout) -> float:
@@ -347,7 +344,7 @@ def _norm_backward_bytes_per_token(shape: ModelShape, layout: Layout) -> float:
     gradient in and out and, for an unfused, uncompiled RMSNorm, which runs in fp32 op by op, fp32 copies of its
     input (the whole hidden width unless the sequence is split): larger than the MLP's at tp 4 without SP."""
     copies = 0 if layout.optimize or layout.compiled else _EAGER_NORM_BACKWARD_COPIES
-    return copies * 4 * shape.hidden / (layout.tp if layout.sp else 1) + 2 * _residual_gradient(shape, layout)
+    return copies * 4 * shape.hidden / (layout.tp if layout.sp else 1) + 2 * _layer_input_bytes(shape, layout)
 
 
 def _layer_input_bytes(shape: ModelShape, layout: Layout) -> float:
@@ -520,24 +517,25 @@ def estimate_step(shape: ModelShape, layout: Layout, hw: Hardware, global_batch:
     mlp_working = microbatch_tokens * _backward_working_bytes_per_token(shape, layout)
     norm_working = microbatch_tokens * _norm_backward_bytes_per_token(shape, layout)
     recompute = microbatch_tokens * (per_token - saved) if layout.recomputes else 0.0
-    # a layer's backward: at its MLP, with what it recomputed; at its end, at its norm
-    layer_backward = max(recompute + mlp_working, norm_working)
     working = max(mlp_working, norm_working)
+    norm_moment, previous_reduce_scatter = norm_working, 0.0
     if sharded and pp == 1:
         # FSDP2 computes a layer's weight gradients unsharded in the compute dtype (whole at the layer's end), and
         # keeps the reduce-scatter input it copies them into (the unsharded gradient in the reduce dtype) until
         # the next layer's reduce-scatter: through the next layer's backward, once the layer's own activations
         # are freed
         reduce_scatter_input = reduce_bytes * layer_params
-        layer_backward = (max(recompute + mlp_working, norm_working + compute_bytes * layer_params)
-                          + max(0.0, reduce_scatter_input - microbatch_tokens * saved))
+        norm_moment += compute_bytes * layer_params
+        previous_reduce_scatter = max(0.0, reduce_scatter_input - microbatch_tokens * saved)
         working += reduce_scatter_input  # at the end of the backward, beside every gradient
+    # a layer's backward: at its MLP, with what it recomputed; at its end, at its norm
+    layer_backward = max(recompute + mlp_working, norm_moment) + previous_reduce_scatter
     # gradients outlive the forward when microbatches accumulate into them (and in a pipeline's schedule)
     grads_in_forward = layout.microbatches > 1 or pp > 1
     if pp > 1:
         # the logits live on the last pipeline rank, which keeps the fewest microbatches in flight; the first rank
         # keeps the most and no logits: the rank with the larger sum sets the peak (the stages are equal in size)
-        boundary = microbatch_tokens * shape.hidden * _residual_bytes(layout) / (tp if layout.sp else 1)
+        boundary = microbatch_tokens * _layer_input_bytes(shape, layout)
         # beside the hidden states, the values later stages use are relayed: the rotary embeddings' cos and sin
         # and the position ids (sent as float64), one row for the microbatch
         boundary += seq / cp * (2 * shape.head_dim * compute_bytes + 8)

@@ -24,7 +24,7 @@ from typing import List, Optional
 
 from torch import nn
 
-__all__ = ["ProbeFailure", "probe_forward"]
+__all__ = ["ProbeFailure", "probe_forward", "quiet_fake_tensors"]
 
 logger = logging.getLogger("schedlang.models.shape_probe")
 
@@ -44,8 +44,9 @@ def _first_line(error: BaseException) -> str:
 
 
 @contextlib.contextmanager
-def _quiet_fake_tensors():
-    """torch logs every operator that fails on fake tensors at error level; here a failure is an answer."""
+def quiet_fake_tensors():
+    """torch logs, at error level with a traceback, every operator that fails on fake tensors, before it raises;
+    where a failure is an answer (a probe, a shape the build tries on purpose) the raised error is enough."""
     fake_logger = logging.getLogger("torch._subclasses.fake_tensor")
     level = fake_logger.level
     fake_logger.setLevel(logging.CRITICAL)
@@ -72,7 +73,7 @@ def probe_forward(model: nn.Module) -> Optional[ProbeFailure]:
         handles.append(module.register_forward_pre_hook(lambda m, a, path=path: stack.append(path) and None))
         handles.append(module.register_forward_hook(leave))
     try:
-        with _quiet_fake_tensors():
+        with quiet_fake_tensors():
             forward()
         return None
     except Exception as e:  # the point of the probe: where the forward breaks

@@ -140,6 +140,8 @@ def trace_peak(ns: argparse.Namespace, facts, world: int) -> TracedPeak:
     steps and return its traced peak beside the formula's. Leaves no process group, mode or seed behind."""
     import torch.distributed as dist
 
+    from ..models.shape_probe import quiet_fake_tensors
+
     check_trace_options(ns)
     tools = _torch_tools()
     if dist.is_available() and dist.is_initialized():
@@ -153,27 +155,14 @@ def trace_peak(ns: argparse.Namespace, facts, world: int) -> TracedPeak:
     rank = 0  # the mesh puts pp outermost: rank 0 holds the first stage, the one with the most in flight
     dist.init_process_group("fake", rank=rank, world_size=world, store=tools["FakeStore"]())
     try:
-        with _quiet_failed_meta_kernels():
+        # the schedule's build tries shapes on fake tensors on purpose and catches the errors
+        with quiet_fake_tensors():
             tensor_bytes, by_kind = _run_traced(traced_ns, rank, world, tools)
     finally:
         dist.destroy_process_group()
         torch.random.set_rng_state(rng)
     other = formula.other_bytes  # what the formula allows for beyond tensors (a CUDA rank's workspace)
     return TracedPeak(rank, tensor_bytes, other, formula, by_kind, notes, time.perf_counter() - start)
-
-
-@contextlib.contextmanager
-def _quiet_failed_meta_kernels():
-    """FakeTensorMode logs, at error level with a traceback, every op whose shape computation raises, before it
-    raises it. The schedule's build tries shapes that way on purpose (and catches the error), so under the trace
-    each such try printed a traceback; the errors that matter still raise."""
-    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
-    level = fake_log.level
-    fake_log.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        fake_log.setLevel(level)
 
 
 @contextlib.contextmanager
@@ -339,11 +328,8 @@ def _rank_actions(pipeline, ns: argparse.Namespace) -> "list[tuple[str, int, int
     for action in pipeline.schedule.pipeline_order[pipeline.pp_rank]:
         if action is None:
             continue  # an idle slot of the rank
+        # the traced schedules' actions are forwards ("F") and whole backwards ("B")
         kind = str(getattr(action.computation_type, "value", action.computation_type))
-        if kind not in ("F", "B"):
-            raise TraceMemoryError(f"--trace-memory with --pp-schedule {ns.pp_schedule}: its schedule splits the "
-                                   f"backward ({kind!r} actions), which the trace does not run; use one of "
-                                   f"{', '.join(_TRACED_SCHEDULES)}, or drop --trace-memory")
         order.append((kind, action.microbatch_index, position[action.stage_index]))
     return order
 
