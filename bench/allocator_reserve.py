@@ -28,8 +28,10 @@ sys.path.insert(0, str(ROOT / "bench"))
 from planner_measured import COMMON, ROWS, _versions  # noqa: E402  (the same rows as the measured table)
 
 STEPS = 6
-#: the allocator settings compared: torch's default and torchtitan's launch scripts' setting
-ALLOCATOR_SETTINGS = {"default": "", "expandable_segments": "expandable_segments:True"}
+#: the allocator settings compared: torch's default (named: the trainer turns expandable segments on where the
+#: environment names no setting) and torchtitan's launch scripts' setting, which is also the trainer's own
+ALLOCATOR_SETTINGS = {"default": "expandable_segments:False", "expandable_segments": "expandable_segments:True",
+                      "trainer": None}
 
 
 def _measure_in_this_process(flags: List[str]) -> None:
@@ -49,7 +51,7 @@ def run_row(row: Dict, setting: str) -> Dict:
     env = dict(os.environ)
     env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
     env.pop("PYTORCH_ALLOC_CONF", None)
-    if ALLOCATOR_SETTINGS[setting]:
+    if ALLOCATOR_SETTINGS[setting] is not None:  # None: the environment names none, the trainer chooses
         env["PYTORCH_CUDA_ALLOC_CONF"] = ALLOCATOR_SETTINGS[setting]
     done = subprocess.run([sys.executable, __file__, "--worker", json.dumps(flags)], cwd=ROOT, env=env,
                           capture_output=True, text=True)
@@ -71,7 +73,8 @@ def main(argv=None) -> int:
     p.add_argument("--only", default=None, help="comma-separated row numbers (from 0) to run; default: every "
                                                 "row that fits the GPUs here")
     p.add_argument("--allocator", default=",".join(ALLOCATOR_SETTINGS),
-                   help=f"comma-separated allocator settings, of {', '.join(ALLOCATOR_SETTINGS)}")
+                   help=f"comma-separated allocator settings, of {', '.join(ALLOCATOR_SETTINGS)} (trainer: the "
+                        "environment names none and the trainer chooses)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ns = p.parse_args(argv)
     if ns.worker is not None:
@@ -107,7 +110,7 @@ def main(argv=None) -> int:
                 "what": "the trainer's peak allocated and peak reserved memory of the same run "
                         "(torch.cuda.max_memory_allocated / max_memory_reserved after schedlang.train.main "
                         "returned, one process per row), under each allocator setting: the caching allocator's "
-                        "reserve over the tensors",
+                        "reserve over the tensors. 'trainer': no setting in the environment (the trainer's own choice)",
                 "allocator_settings": {s: ALLOCATOR_SETTINGS[s] for s in settings}, "rows": rows}, indent=1) + "\n")
     print(f"allocator_reserve: wrote {path}")
     return 0 if all("error" not in r for r in rows) else 1
