@@ -12,19 +12,24 @@ by one, so the check's answer is known: no packing. :func:`skip_packed_sequence_
 check so for such calls of one model, and only for them. A call that passes ``position_ids`` (packed
 batches among them) goes through the check as before, and so does a model compiled whole by
 ``torch.compile``, whose traced check syncs nothing.
+
+A pipeline runs its stages, not the model: the stages are traced pieces of it, and a hook on the model never
+runs. :func:`skip_packed_sequence_check_in_stages` marks the stages of a model whose first stage makes the
+positions itself (every call of such a stage then sees positions that count up).
 """
 
 from __future__ import annotations
 
 import contextvars
 import inspect
+from typing import Sequence
 
 import torch
 from torch import nn
 
 from .forward_marks import ForwardMark, wrap_masking_helper
 
-__all__ = ["skip_packed_sequence_check"]
+__all__ = ["skip_packed_sequence_check", "skip_packed_sequence_check_in_stages"]
 
 # set while a hooked model runs a forward whose positions it makes itself
 _OWN_POSITIONS = contextvars.ContextVar("schedlang_own_positions", default=False)
@@ -62,6 +67,12 @@ class _OwnPositionsMark(ForwardMark):
         return given is None
 
 
+class _StageOfOwnPositionsMark(ForwardMark):
+    """Marks every call of a pipeline stage cut from a model that makes its positions itself."""
+
+    variable = _OWN_POSITIONS
+
+
 def _positions_count_up(model: nn.Module) -> bool:
     """Whether the positions ``model`` makes itself are the plain count: not so for multimodal models, which
     derive them from the image or video layout (a rope index, ``mrope_section``)."""
@@ -82,3 +93,19 @@ def skip_packed_sequence_check(model: nn.Module) -> bool:
         return False
     _OwnPositionsMark(model).install(model)
     return True
+
+
+def skip_packed_sequence_check_in_stages(model: nn.Module, stages: Sequence[nn.Module]) -> bool:
+    """Skip transformers' packed-sequence check (a host sync) in every call of ``stages``, the pipeline stages cut
+    from ``model``, for a pipeline whose first stage takes no ``position_ids`` (the positions it makes count up,
+    and the later stages get them from it). A pipeline that is given the positions (context parallelism's
+    load-balanced chunks, say) must not be marked: its check has something to find.
+
+    Returns False, changing nothing, where the installed transformers has no such check, or where the model
+    does not count its positions up one by one (multimodal models)."""
+    if not _positions_count_up(model) or not wrap_masking_helper("find_packed_sequence_indices", _wrap):
+        return False
+    for stage in stages:
+        _StageOfOwnPositionsMark().install(stage)
+    return True
+

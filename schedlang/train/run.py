@@ -142,6 +142,12 @@ class _Run:
             self.model, self.optimizer = schedlang.build(sch, optimizer=opt_cls, device=self.device,
                                                          pipeline=pipeline, pretrained=ns.init_from, **opt_kw)
         self.sch = sch
+        if self.pipelined and self.cp == 1:
+            # the first stage makes the positions (no --cp gives them): transformers' packed-sequence check, a host
+            # sync per microbatch, has nothing to find
+            from ..models.packed_sequences import skip_packed_sequence_check_in_stages
+
+            skip_packed_sequence_check_in_stages(sch.mod, self._modules())
         self.grad_weight = self._tied_weights(tied) if self.pipelined and tied else {}
         weigh_expert_gradients(self)
         track_expert_load(self)

@@ -115,3 +115,26 @@ def test_models_that_derive_their_positions_keep_the_check():
     model.config.vision_config = {"hidden_size": 8}
     assert not packed_sequences.skip_packed_sequence_check(model)
     assert packed_sequences.skip_packed_sequence_check(_llama())
+
+
+def test_marked_pipeline_stages_skip_the_check_and_keep_the_mask_answer(checks):
+    """A traced stage runs no hook of its model: the stages get marks of their own. Stand-ins for two stages here:
+    the marked one is answered without the check, with the logits the plain model gives; an unmarked one checks."""
+    plain, stage, other = _llama(), _llama(), _llama()
+    assert packed_sequences.skip_packed_sequence_check_in_stages(plain, [stage])
+    ids = torch.randint(0, 89, (2, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        out = stage(input_ids=ids, use_cache=False).logits
+        assert checks == []
+        torch.testing.assert_close(out, plain(input_ids=ids, use_cache=False).logits)
+        assert len(checks) == 1  # the model the stages were cut from is not marked by it
+        other(input_ids=ids, use_cache=False)
+        assert len(checks) == 2
+    assert not packed_sequences._OWN_POSITIONS.get()
+
+
+def test_stages_of_a_model_that_derives_its_positions_keep_the_check():
+    model, stage = _llama(), _llama()
+    model.config.vision_config = {"hidden_size": 8}
+    assert not packed_sequences.skip_packed_sequence_check_in_stages(model, [stage])
+    assert not stage._forward_pre_hooks and not stage._forward_hooks
