@@ -77,7 +77,8 @@ def set_group_timeout(group, timeout: Seconds = None) -> None:
     if group is None or isinstance(group, SingleRankGroup) or not is_distributed():
         return
     value = pg_timeout(timeout)
-    setter = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    # public from torch 2.15, which deprecates the private one older releases have
+    setter = getattr(dist, "set_timeout", None) or getattr(dist.distributed_c10d, "_set_pg_timeout", None)
     try:
         if setter is not None:
             setter(value, group)

@@ -174,11 +174,16 @@ def main(argv: Optional[Sequence[str]] = None, prog: Optional[str] = None) -> in
             # the same command line serves the first start and every restart
             saved = latest_checkpoint(ns.checkpoint_dir)
             at = int(saved.name[len(_CKPT_PREFIX):]) if saved is not None else 0
-            if saved is not None and at >= (ns.stop_after or ns.steps):
-                _fail(f"--resume: the latest checkpoint ({saved}) is at step {at}; nothing is left to run up to step "
-                      f"{ns.stop_after or ns.steps} (raise --steps)")
             if saved is not None:
                 _check_saved_model(ns, saved, facts.dims)
+            if saved is not None and at >= (ns.stop_after or ns.steps) and not ns.dry_run:
+                # the run is done: a restart after its last save (an elastic agent restarting its workers when
+                # another node rejoins, say) or the command run again has nothing to do, and that is no failure
+                if is_main:
+                    print(f"schedlang train: the run is complete: the latest checkpoint ({saved}) is at step {at} of "
+                          f"{ns.stop_after or ns.steps}; nothing to do (raise --steps to train further)",
+                          file=sys.stderr)
+                return 0
         elif ns.checkpoint_dir and latest_checkpoint(ns.checkpoint_dir) is not None:
             # a fresh run would save among another run's checkpoints, and a later --resume take the newest of either
             _fail(f"--checkpoint-dir {ns.checkpoint_dir} already holds checkpoints of a run (the latest is "

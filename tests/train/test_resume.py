@@ -242,3 +242,17 @@ def test_a_rank_killed_mid_run_restarts_and_continues_exactly(tmp_path):
     for name in theirs:
         assert torch.equal(mine[name], theirs[name]), name
     assert not list(ckpt.glob("*.partial"))
+
+
+def test_resuming_a_complete_run_does_nothing_and_succeeds(tmp_path, capsys):
+    """The same command line serves every restart, one after the last save included (an elastic agent restarts
+    its workers when another node rejoins): the run is complete, nothing trains, the metrics stay as they were."""
+    flags = ["--steps", "2", "--checkpoint-dir", str(tmp_path / "ckpt"), "--save-every", "2", "--resume"]
+    first = _run(tmp_path, "m", *flags)
+    assert [r["step"] for r in first] == [1, 2]
+    capsys.readouterr()
+    assert trainer.main(COMMON + ["--metrics", str(tmp_path / "m.jsonl")] + flags) == 0
+    assert "the run is complete: the latest checkpoint" in capsys.readouterr().err
+    assert _records(tmp_path / "m.jsonl") == first
+    # a checkpoint of another model is still refused, complete or not
+    assert trainer.main([f if f != "llama" else "gpt2" for f in COMMON] + flags) == 2
