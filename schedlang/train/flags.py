@@ -182,7 +182,8 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     io.add_argument("--save-every", type=int, default=0, help="save a checkpoint every K steps (0: only at the end)")
     io.add_argument("--resume", action="store_true",
                     help="continue from the newest complete checkpoint in --checkpoint-dir (skipping damaged ones), or "
-                         "start fresh if it holds none: the same command line serves a first start and every restart")
+                         "start fresh if it holds none: the same command line serves a first start and every restart "
+                         "(one after the last step's save exits 0 with nothing to do)")
     io.add_argument("--async-save", action="store_true",
                     help="write checkpoints in the background (torch.distributed.checkpoint.async_save) while training "
                          "goes on; each becomes visible once written, and the run waits for the last one")
