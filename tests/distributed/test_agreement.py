@@ -224,7 +224,10 @@ def test_the_launcher_names_the_rank_that_failed_first_and_stops_the_others():
     message = str(info.value)
     assert message.startswith("run_distributed: distributed run of _raises on 2 ranks (gloo) failed:\n"
                               "rank 1 failed first (ZeroDivisionError: rank 1 divides by zero)\n")
-    assert "rank(s) [0] did not finish within 120 s (stopped 1 s after rank 1 failed)" in message
+    # rank 0, asleep, is stopped by the launcher; on a loaded machine its own side can notice the lost peer first
+    # (a gloo connection error) and fail after rank 1 within the grace, which the message names as a failure
+    assert ("rank(s) [0] did not finish within 120 s (stopped 1 s after rank 1 failed)" in message
+            or "\nrank 0 failed:\n" in message), message
     assert time.monotonic() - start < 60
 
 
