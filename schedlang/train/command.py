@@ -16,6 +16,7 @@ from typing import Any, Dict, Optional, Sequence
 import torch
 
 from ..errors import DistributedError, SchedlangError
+from .allocator import ALLOCATOR_VARIABLES, EXPANDABLE_SEGMENTS
 from .checkpoints import _CKPT_PREFIX, latest_checkpoint, read_trainer_state
 from .data import open_data
 from .flags import _device_type, _fail, _world_from_env, build_parser, validate
@@ -112,10 +113,6 @@ def _check_saved_model(ns: argparse.Namespace, saved, dims) -> None:
               "resume with the --model and --config the checkpoint was saved with")
 
 
-#: the caching allocator setting the trainer runs CUDA with unless the environment names one
-EXPANDABLE_SEGMENTS = "expandable_segments:True"
-#: the variables torch reads its allocator settings from (the second is the older, CUDA-only name)
-ALLOCATOR_VARIABLES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 
 
 def prefer_expandable_segments(ns: argparse.Namespace) -> Optional[str]:
@@ -129,7 +126,9 @@ def prefer_expandable_segments(ns: argparse.Namespace) -> Optional[str]:
     10% of the device for everything else, so only the second keeps a plan that fits from running out of memory.
     Set here, before anything starts CUDA, and inherited by the ranks ``--nproc`` spawns; a torchrun rank sets it
     for itself. A setting of the user's, even ``expandable_segments:False``, is left as it is."""
-    if ns.dry_run or _device_type(ns) != "cuda" or any(v in os.environ for v in ALLOCATOR_VARIABLES):
+    # a dry run starts no CUDA, but --trace-memory gpu runs the peak rank on the GPU as the run would
+    runs_cuda = not ns.dry_run or getattr(ns, "trace_memory", None) == "gpu"
+    if not runs_cuda or _device_type(ns) != "cuda" or any(v in os.environ for v in ALLOCATOR_VARIABLES):
         return None
     if torch.cuda.is_initialized():  # a caller that used CUDA already: its allocator has read its settings
         logger.info("CUDA is already initialized in this process: its caching allocator keeps its settings")
@@ -191,7 +190,12 @@ def main(argv: Optional[Sequence[str]] = None, prog: Optional[str] = None) -> in
                   "--checkpoint-dir to start a new run")
         if ns.dry_run:
             traced = None
-            if ns.trace_memory and is_main:  # before the plan block, whose --json takes the traced peak
+            if ns.trace_memory == "gpu" and is_main:  # before the plan block, whose --json takes the peaks
+                from .rank_on_gpu import rank_on_gpu_json, run_rank_on_gpu
+
+                traced = run_rank_on_gpu(ns, facts, world)
+                ns._traced_json = rank_on_gpu_json(traced)
+            elif ns.trace_memory and is_main:
                 from .trace_memory import trace_peak, traced_json
 
                 traced = trace_peak(ns, facts, world)

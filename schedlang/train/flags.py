@@ -50,6 +50,10 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}; {self.prog} --help lists every flag\n")
 
 
+#: where ``--trace-memory`` runs the peak rank: on fake tensors (anywhere), or for real on this machine's GPU
+TRACE_MODES = ("fake", "gpu")
+
+
 def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     p = _Parser(
         prog=prog or "schedlang train",
@@ -201,10 +205,13 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     io.add_argument("--json", default=None, metavar="FILE",
                     help="with --dry-run: write the plan as JSON here (layout degrees, peak GiB of the largest rank, "
                          "step time, tokens/s, the collectives with bytes and link, the runners-up)")
-    io.add_argument("--trace-memory", action="store_true",
-                    help="with --dry-run: also build the peak rank of the run on fake tensors with a fake process "
-                         "group of the planned world, run two real training steps under torch's memory tracker and "
-                         "print the traced peak beside the formula's (no GPU, nothing allocated)")
+    io.add_argument("--trace-memory", nargs="?", const="fake", default=None, choices=TRACE_MODES,
+                    help="with --dry-run: also build the peak rank of the run with a fake process group of the "
+                         "planned world and run real training steps, printing its peak beside the formula's. "
+                         "'fake' (the bare flag): on fake tensors under torch's memory tracker, eager, no GPU, "
+                         "nothing allocated. 'gpu': for real on this machine's GPU, as the run would (torch.compile, "
+                         "float8 and the fused kernels included), reading the caching allocator's peak allocated "
+                         "and reserved memory")
     return p
 
 
@@ -342,7 +349,7 @@ def validate(ns: argparse.Namespace, world: int) -> int:
     if ns.json and not ns.dry_run:
         _fail("--json writes the plan of --dry-run; add --dry-run (a launched run writes --metrics)")
     if getattr(ns, "trace_memory", False) and not ns.dry_run:
-        _fail("--trace-memory traces the plan of --dry-run on fake tensors; add --dry-run (a launched run reports "
+        _fail("--trace-memory runs the peak rank of the plan of --dry-run; add --dry-run (a launched run reports "
               "its measured peak memory in its metrics)")
     # the smoke-test sizes stand in where none were given; a plan for a large model warns about them
     ns.toy_defaults = [flag for flag, value in (("--global-batch", ns.global_batch), ("--seq", ns.seq))

@@ -46,6 +46,18 @@ def test_nothing_is_set_for_a_cpu_run_or_a_dry_run(no_allocator_setting, ns):
     assert not any(v in os.environ for v in command.ALLOCATOR_VARIABLES)
 
 
+def test_a_dry_run_that_runs_its_rank_on_the_gpu_gets_them_as_the_run_would(no_allocator_setting):
+    import os
+
+    ns = _ns(dry_run=True)
+    ns.trace_memory = "gpu"
+    assert command.prefer_expandable_segments(ns) == "expandable_segments:True"
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    ns.trace_memory = "fake"  # the fake-tensor trace starts no CUDA
+    no_allocator_setting.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    assert command.prefer_expandable_segments(ns) is None
+
+
 def test_a_process_whose_cuda_is_started_keeps_its_allocator(no_allocator_setting):
     import os
 

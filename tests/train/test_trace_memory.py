@@ -117,7 +117,7 @@ def test_json_has_the_traced_peak(config, tmp_path, capsys):
 
 def test_refusals_name_the_flag(config, capsys):
     ns = build_parser().parse_args(["--config", config, "--trace-memory"])
-    with pytest.raises(TrainError, match="--trace-memory traces the plan of --dry-run"):
+    with pytest.raises(TrainError, match="--trace-memory runs the peak rank of the plan of --dry-run"):
         validate(ns, 1)
     with pytest.raises(TraceMemoryError, match="--trace-memory with --float8: .*drop --float8"):
         _trace(config, "--nproc", "8", "--dp", "8", "--float8")
