@@ -22,6 +22,8 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
+
 import logging
 from typing import Dict, List
 
@@ -293,6 +295,23 @@ class _SwapTreeBack:
         for owner in reversed(self.owners):
             _swap_back(owner, args, output)
         return None
+
+
+@contextlib.contextmanager
+def hoisted_local_views(module: nn.Module):
+    """The swap :func:`hoist_local_views` hooks around ``module``'s call, for a call of its forward that bypasses
+    its hooks: the recompute of a checkpointed layer (``torch.utils.checkpoint`` runs the forward again during the
+    backward, after the hooks have put the DTensors back). The swap is a stack: inside the hooked call it
+    pushes nothing new (the subtree holds local tensors already) and pops what it pushed."""
+    hooks = [h for h in module._forward_pre_hooks.values() if isinstance(h, _SwapTreeIn)]
+    for hook in hooks:
+        hook(module, ())
+    try:
+        yield
+    finally:
+        for hook in reversed(hooks):
+            for owner in reversed(hook.owners):
+                _swap_back(owner, (), None)
 
 
 def hoist_local_views(root: nn.Module) -> int:

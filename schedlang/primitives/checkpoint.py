@@ -33,8 +33,18 @@ def _checkpointed_forward(self, *args, **kwargs):
     forward = type(self).forward
     if not torch.is_grad_enabled():
         return forward(self, *args, **kwargs)
-    return torch_checkpoint.checkpoint(forward, self, *args, use_reentrant=False,
+    return torch_checkpoint.checkpoint(_with_hoisted_local_views, forward, self, *args, use_reentrant=False,
                                        **module_record(self).checkpoint_options, **kwargs)
+
+
+def _with_hoisted_local_views(forward, module, *args, **kwargs):
+    # a compiled tensor-parallel layer swaps its DTensors for local tensors around its call, in hooks
+    # (schedlang.distributed.dtensor_params.hoist_local_views); the recompute in the backward runs the forward
+    # without them, and must see the same local tensors
+    from ..distributed.dtensor_params import hoisted_local_views
+
+    with hoisted_local_views(module):
+        return forward(module, *args, **kwargs)
 
 
 @register_primitive

@@ -112,16 +112,23 @@ def _grad_sync_at_norm_and_compiled_layers():
     from schedlang.models import compile_layers
 
     out = {}
+    # compiled_sp_checkpointed: every layer checkpointed; the backward's recompute runs the forward outside the
+    # hooks that swap the compiled layer's DTensors for local tensors, and must see the local tensors too
     for name, grad_sync, trace in [("norm", "norm", None), ("compiled", "block", False),
-                                   ("compiled_traced", "block", True), ("compiled_sp", "block", False)]:
+                                   ("compiled_traced", "block", True), ("compiled_sp", "block", False),
+                                   ("compiled_sp_checkpointed", "block", False)]:
         model = _model()
         ids, labels = _inputs()
-        sch = schedlang.create_schedule(model)
+        # the checkpointed variant holds DTensor parameters, as the trainer's models do
+        sch = schedlang.create_schedule(model, mesh=T.tp_mesh() if name == "compiled_sp_checkpointed" else None)
         if name == "norm":
             with schedlang.Verify(sch, example_inputs=[ids]):
                 shard_llama(sch, grad_sync=grad_sync, gather_logits=True)
             sch = schedlang.create_schedule(model)
-        shard_llama(sch, grad_sync=grad_sync, sequence_parallel=name == "compiled_sp")
+        shard_llama(sch, grad_sync=grad_sync, sequence_parallel=name.startswith("compiled_sp"))
+        if name == "compiled_sp_checkpointed":
+            for i in range(len(model.model.layers)):
+                sch[f"model.layers.{i}"].checkpoint()
         built, _ = schedlang.build(sch)
         if trace and not compat.TRACED_COLLECTIVES_KEEP_BACKWARD:
             try:
