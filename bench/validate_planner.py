@@ -114,7 +114,20 @@ def run() -> Dict:
             "reserve_measured": {"file": str(newest_reserve().relative_to(ROOT)),
                                  "device": json.loads(newest_reserve().read_text()).get("device", "H100"),
                                  "rows": json.loads(newest_reserve().read_text())["rows"]},
-            "measured": measured_rows()}
+            "measured": measured_rows(), "on_gpu": on_gpu_rows()}
+
+
+def on_gpu_rows() -> Dict:
+    """The published rows' rank 0 run on one GPU (bench/planner_on_gpu.py): for each row and allocator setting, the
+    newest measurement that ran (files read oldest first, by name)."""
+    chosen: Dict = {}
+    for path in sorted(RESULTS.glob("*-planner-on-gpu-*.json")):
+        data = json.loads(path.read_text())
+        for row in data["rows"]:
+            if "error" not in row:
+                chosen[(row["name"], row["allocator"])] = {**row, "file": str(path.relative_to(ROOT)),
+                                                           "git_sha": data["git_sha"], "versions": data["versions"]}
+    return {"rows": list(chosen.values())}
 
 
 #: the goals of the rows measured on our own GPUs: memory within 10%, step time within 15%
@@ -348,6 +361,7 @@ def render(data: Dict) -> str:
                   f"     - {_traced_cell(row['traced'])}", f"     - ``{row['layout']}``"]
     lines += ["", "Error = estimated / published - 1. The flags of each row are in the JSON (``flags``, after "
               "``common_flags``); every row runs ``schedlang train`` with them.", "", ASSUMPTIONS, _remaining(data)]
+    lines += _on_gpu_section(data)
     lines += _measured_section(data["measured"])
     missed = [r for r in data["rows"] if not r["within_tolerance"]]
     if missed:
@@ -357,6 +371,37 @@ def render(data: Dict) -> str:
                          f"{r['published_gib']:.1f} GiB). {r.get('why_missed', '')}".rstrip())
         lines.append("")
     return "\n".join(lines)
+
+
+def _on_gpu_section(data: Dict) -> List[str]:
+    rows = data.get("on_gpu", {}).get("rows", [])
+    if not rows:
+        return []
+    title = "One rank of each run, on one GPU"
+    by = {(r["name"], r["allocator"]): r for r in rows}
+    devices = sorted({r["device"] for r in rows})
+    files = sorted({f"``{r['file']}``" for r in rows})
+    lines = [title, "-" * len(title), "",
+             "``--dry-run --trace-memory gpu`` builds rank 0 of the run on one GPU, in a fake process group of the "
+             "run's world size, with the row's flags (torch.compile and float8 included), and runs three training "
+             "steps: the caching allocator's peaks are those of a rank of the job, the communication library's own "
+             f"buffers apart. On {', '.join(devices)}, each row and allocator setting in a process of its own "
+             f"(``bench/planner_on_gpu.py``; {', '.join(files)}). Reserved is what the published figures are; "
+             "error = reserved / published - 1.", "",
+             ".. list-table::", "   :header-rows: 1", "",
+             "   * - Run", "     - Published, reserved (GiB)", "     - Allocated (GiB)",
+             "     - Reserved, expandable segments", "     - Reserved, torch's default"]
+    for row in data["rows"]:
+        cells = []
+        for setting in ("expandable_segments", "default"):
+            r = by.get((row["name"], setting))
+            cells.append(f"{r['reserved_gib']:.1f} ({r['reserved_error_pct']:+.1f}%)" if r else "not run")
+        allocated = [f"{by[(row['name'], s)]['allocated_gib']:.1f}" for s in ("expandable_segments", "default")
+                     if (row["name"], s) in by]
+        lines += [f"   * - {row['name']}", f"     - {row['published_gib']:.1f}",
+                  f"     - {' / '.join(allocated) or 'not run'}", *(f"     - {c}" for c in cells)]
+    lines += ["", "Allocated is given for the expandable-segments run, then the default's.", ""]
+    return lines
 
 
 def _measured_section(measured: Dict) -> List[str]:

@@ -67,3 +67,21 @@ def test_our_measured_runs_sit_beside_their_estimates_of_today(validate):
     # the layouts no lent machine could run are listed as not measured, not left out
     for name in measured["not_measured"]:
         assert name.split(" (")[0] in page
+
+
+def test_the_ranks_run_on_one_gpu_sit_beside_the_published_figures(validate):
+    """Each row's rank 0 run on one GPU (bench/planner_on_gpu.py): the page shows its reserved peak under each
+    allocator setting with the error the published figure gives, from files that exist."""
+    data = json.loads(validate.newest_results().read_text())
+    rows = data.get("on_gpu", {}).get("rows", [])
+    if not rows:
+        pytest.skip("no row of the published runs has been run on a GPU yet")
+    page = validate.PAGE.read_text()
+    published = {r["name"]: r["published_gib"] for r in data["rows"]}
+    for row in rows:
+        assert (validate.ROOT / row["file"]).is_file()
+        assert row["published_gib"] == published[row["name"]]
+        assert row["reserved_gib"] >= row["allocated_gib"] > 0
+        assert row["reserved_error_pct"] == pytest.approx(100 * (row["reserved_gib"] / row["published_gib"] - 1),
+                                                          abs=0.06)
+        assert f"{row['reserved_gib']:.1f} ({row['reserved_error_pct']:+.1f}%)" in page
