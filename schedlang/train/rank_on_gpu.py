@@ -99,6 +99,7 @@ def run_rank(ns: argparse.Namespace, world: int, device: torch.device, steps: in
     and no seed behind. (The steps' numbers are meaningless: the collectives carry nothing.)"""
     import torch.distributed as dist
 
+    from ..models.shape_probe import quiet_fake_tensors
     from .run import _Run
 
     tools = _torch_tools()
@@ -111,7 +112,9 @@ def run_rank(ns: argparse.Namespace, world: int, device: torch.device, steps: in
     dist.init_process_group("fake", rank=rank, world_size=world, store=tools["FakeStore"]())
     try:
         run = _Run(ns, rank, world, device)
-        with warnings.catch_warnings():  # the fake backend takes no group timeout, and says so per group
+        # the fake backend takes no group timeout, and says so per group; the schedule's build tries shapes on
+        # fake tensors on purpose and catches the errors
+        with warnings.catch_warnings(), quiet_fake_tensors():
             warnings.filterwarnings("ignore", message="Set timeout is now only supported")
             run.make_mesh()
             run.build()
