@@ -470,8 +470,12 @@ MISSES: Dict[str, str] = {
         "communication streams a one-GPU run does not have.",
     "LLaMA-3.1-405B, 512 GPUs, FSDP 8 x TP 8 x PP 8 (1F1B, 8 microbatches), local batch 32, full AC, float8":
         "The trace of the same layout without float8 is below the estimate ({traced_gib:.1f} GiB traced, "
-        "{formula_gib:.1f} GiB estimated): the tensors are counted. The 10 GiB to the published figure are not "
-        "tensors the trace sees: float8's and torch.compile's buffers, asynchronous tensor parallelism's "
+        "{formula_gib:.1f} GiB estimated), but the trace runs eager layers: run for real on one H100 80GB with "
+        "compile and float8 as published (``--trace-memory gpu``, "
+        "``bench/results/exploratory/2026-12-07-rank-on-gpu-h100/``), the rank ran out of memory with 77.6 GiB "
+        "allocated, so its real peak is at least 6.6% above the estimate, and the estimate misses tensors of this "
+        "path. What else fills the 10 GiB to the published figure: float8's and torch.compile's buffers, "
+        "asynchronous tensor parallelism's "
         "symmetric memory, and the allocator's reserve (the gradients of a pipeline stage accumulate unsharded in "
         "fp32 from microbatch to microbatch while the activations come and go around them, across the streams "
         "of the pipeline's and FSDP's communication).",
