@@ -31,7 +31,7 @@ import torch
 
 from ..autotune.training_cost import GIB, StepEstimate
 from .allocator import allocator_setting
-from .trace_memory import TraceMemoryError, _first_rank_step, _formula, _torch_tools
+from .trace_memory import TraceMemoryError, _first_rank_step, _formula, _torch_tools, rank_in_fake_group
 
 #: training steps run: the first creates the optimizer's state (and compiles), the later ones run as a run's do
 STEPS = 3
@@ -95,22 +95,13 @@ def _run_namespace(ns: argparse.Namespace) -> argparse.Namespace:
 
 def run_rank(ns: argparse.Namespace, world: int, device: torch.device, steps: int, before_steps=None) -> None:
     """Build rank 0 of the ``world``-rank run of ``ns`` on ``device`` in a fake process group and run ``steps``
-    training steps on random tokens; ``before_steps(run)`` is called with the trainer's rank once it is built. Leaves no process group
-    and no seed behind. (The steps' numbers are meaningless: the collectives carry nothing.)"""
-    import torch.distributed as dist
-
+    training steps on random tokens; ``before_steps(run)`` is called with the trainer's rank once it is built.
+    Leaves no process group and no seed behind. (The steps' numbers are meaningless: the collectives carry
+    nothing.)"""
     from ..models.shape_probe import quiet_fake_tensors
     from .run import _Run
 
-    tools = _torch_tools()
-    if dist.is_available() and dist.is_initialized():
-        raise TraceMemoryError("--trace-memory gpu makes a fake process group of the planned world, but this process "
-                               "already has one (it runs under torchrun or --nproc); run the dry run in a single "
-                               "process (without torchrun or --nproc)")
-    rng = torch.random.get_rng_state()
-    rank = 0  # the mesh puts pp outermost: rank 0 holds the first stage, the one with the most in flight
-    dist.init_process_group("fake", rank=rank, world_size=world, store=tools["FakeStore"]())
-    try:
+    with rank_in_fake_group(world, _torch_tools(), "gpu") as rank:
         run = _Run(ns, rank, world, device)
         # the fake backend takes no group timeout, and says so per group; the schedule's build tries shapes on
         # fake tensors on purpose and catches the errors
@@ -130,9 +121,6 @@ def run_rank(ns: argparse.Namespace, world: int, device: torch.device, steps: in
                 _first_rank_step(run, step, tokens[:, :-1], held)
             else:
                 run.train_step(step, tokens[:, :-1], tokens[:, 1:])
-    finally:
-        dist.destroy_process_group()
-        torch.random.set_rng_state(rng)
 
 
 def run_rank_on_gpu(ns: argparse.Namespace, facts, world: int, steps: int = STEPS) -> RankOnGpu:

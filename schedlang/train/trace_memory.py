@@ -135,32 +135,42 @@ def _formula(ns: argparse.Namespace, facts, world: int) -> StepEstimate:
     return estimate_step(facts.shape, layout_of(ns), hardware(ns, world), ns.global_batch, ns.seq)
 
 
+@contextlib.contextmanager
+def rank_in_fake_group(world: int, tools, mode: str):
+    """This process as rank 0 of torch's fake process group of ``world`` ranks, for a run of one rank of the job
+    (rank 0: the mesh puts pp outermost, so it holds the first stage, the one with the most in flight); yields
+    the rank. Refused where a process group exists already; leaves no group and no seed behind (the trainer seeds
+    the default generator)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        raise TraceMemoryError(f"--trace-memory {mode} makes a fake process group of the planned world, but this process already "
+                               "has one (it runs under torchrun or --nproc); run the dry run in a single process "
+                               "(without torchrun or --nproc)")
+    rng = torch.random.get_rng_state()
+    rank = 0
+    dist.init_process_group("fake", rank=rank, world_size=world, store=tools["FakeStore"]())
+    try:
+        yield rank
+    finally:
+        dist.destroy_process_group()
+        torch.random.set_rng_state(rng)
+
+
 def trace_peak(ns: argparse.Namespace, facts, world: int) -> TracedPeak:
     """Build rank 0 of the ``world``-rank run of ``ns`` on fake tensors and a fake process group, run two training
     steps and return its traced peak beside the formula's. Leaves no process group, mode or seed behind."""
-    import torch.distributed as dist
-
     from ..models.shape_probe import quiet_fake_tensors
 
     check_trace_options(ns)
     tools = _torch_tools()
-    if dist.is_available() and dist.is_initialized():
-        raise TraceMemoryError("--trace-memory makes a fake process group of the planned world, but this process "
-                               "already has one (it runs under torchrun or --nproc); run the dry run in a single "
-                               "process (without torchrun or --nproc)")
     traced_ns, notes = _trace_namespace(ns)
     formula = _formula(traced_ns, facts, world)
     start = time.perf_counter()
-    rng = torch.random.get_rng_state()  # the trainer seeds the default generator: given back afterwards
-    rank = 0  # the mesh puts pp outermost: rank 0 holds the first stage, the one with the most in flight
-    dist.init_process_group("fake", rank=rank, world_size=world, store=tools["FakeStore"]())
-    try:
+    with rank_in_fake_group(world, tools, "fake") as rank:
         # the schedule's build tries shapes on fake tensors on purpose and catches the errors
         with quiet_fake_tensors():
             tensor_bytes, by_kind = _run_traced(traced_ns, rank, world, tools)
-    finally:
-        dist.destroy_process_group()
-        torch.random.set_rng_state(rng)
     other = formula.other_bytes  # what the formula allows for beyond tensors (a CUDA rank's workspace)
     return TracedPeak(rank, tensor_bytes, other, formula, by_kind, notes, time.perf_counter() - start)
 

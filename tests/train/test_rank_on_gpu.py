@@ -176,3 +176,12 @@ def test_a_pipelined_rank_holds_no_second_copy_of_its_stages(config):
     run_rank(ns, world, torch.device("cpu"), steps=1, before_steps=before_steps)
     assert held["outside the stages"] == []
     assert held["meta"] > 0  # the structure is kept: the replaced parameters are meta tensors of their shapes
+
+
+def test_a_process_that_has_a_group_already_is_refused(config, monkeypatch):
+    """Under torchrun or --nproc the process has a process group: the rank cannot join a fake one beside it."""
+    ns, _, world = _plan(config, "cpu", *LAYOUTS["fsdp-8"])
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    with pytest.raises(TraceMemoryError, match=r"--trace-memory gpu makes a fake process group .* already has one .*"
+                                               r"run the dry run in a single process"):
+        run_rank(ns, world, torch.device("cpu"), steps=1)
