@@ -44,8 +44,11 @@ def run_row(row: Dict, setting: str, timeout: float) -> Dict:
     try:
         done = subprocess.run([sys.executable, "-c", _TRAIN, *flags], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"name": row["name"], "allocator": setting, "flags": row["flags"], "error": f"over {timeout:.0f} s"}
+    except subprocess.TimeoutExpired as late:
+        # what the run printed before its time ran out says where the time went
+        said = late.stderr.decode(errors="replace") if isinstance(late.stderr, bytes) else (late.stderr or "")
+        return {"name": row["name"], "allocator": setting, "flags": row["flags"],
+                "error": f"over {timeout:.0f} s", "stderr_tail": said[-2000:]}
     if done.returncode != 0 or not out.exists():
         return {"name": row["name"], "allocator": setting, "flags": row["flags"], "error": done.stderr[-3000:]}
     plan = json.loads(out.read_text())
