@@ -4,11 +4,13 @@ and steps, no peaks to read); on a machine with CUDA the peaks are checked again
 
 from __future__ import annotations
 
+import gc
 import json
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from schedlang import train as trainer
 from schedlang.train.flags import build_parser, validate
@@ -176,6 +178,39 @@ def test_a_pipelined_rank_holds_no_second_copy_of_its_stages(config):
     run_rank(ns, world, torch.device("cpu"), steps=1, before_steps=before_steps)
     assert held["outside the stages"] == []
     assert held["meta"] > 0  # the structure is kept: the replaced parameters are meta tensors of their shapes
+
+
+@pytest.mark.parametrize("layout", ["pp2-ac-full-64", "interleaved-8"])
+def test_a_pipelined_rank_leaves_no_unreachable_weights_behind(config, layout):
+    """The split and the other ranks' stages form reference cycles; unreachable after the build, they held the
+    whole model's unsharded weights on the device until Python's next full collection. With automatic
+    collection off, no tensor the size of a weight is alive outside the rank's stages once the build returns."""
+    ns, _, world = _plan(config, "cpu", *LAYOUTS[layout])
+    weight_shapes = {(SMALL_LLAMA["intermediate_size"], SMALL_LLAMA["hidden_size"]),
+                     (SMALL_LLAMA["hidden_size"], SMALL_LLAMA["intermediate_size"]),
+                     (SMALL_LLAMA["vocab_size"], SMALL_LLAMA["hidden_size"])}
+    found = {}
+
+    def before_steps(run):
+        stage = {t.untyped_storage().data_ptr() for m in run._modules()
+                 for t in (_local(x) for x in list(m.parameters()) + list(m.buffers()))}
+        # every tensor Python tracks, the unreachable ones included (type(), not isinstance: a lazy module's
+        # __class__ would warn)
+        tracked = [o for o in gc.get_objects() if issubclass(type(o), torch.Tensor)]
+        found["weights"] = sum(tuple(t.shape) in weight_shapes for t in tracked if type(t) is nn.Parameter)
+        found["outside"] = sorted({tuple(t.shape) for t in tracked if type(t) in (torch.Tensor, nn.Parameter)
+                                   and t.device.type == "cpu" and tuple(t.shape) in weight_shapes
+                                   and t.untyped_storage().data_ptr() not in stage})
+
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        run_rank(ns, world, torch.device("cpu"), steps=1, before_steps=before_steps)
+    finally:
+        if was_enabled:
+            gc.enable()
+    assert found["outside"] == []
+    assert found["weights"] > 0  # the scan sees the model's weights (meta tensors now, of their shapes)
 
 
 def test_a_process_that_has_a_group_already_is_refused(config, monkeypatch):

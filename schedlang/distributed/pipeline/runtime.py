@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -294,6 +295,16 @@ def build_pipeline(model: nn.Module, cut_paths: Sequence[str], pp_group_or_mesh,
                               torch.device("cpu"))
         pipe.step(input_ids, target=labels, losses=losses)
     """
+    pipelined = _build_pipeline(model, cut_paths, pp_group_or_mesh, options, device, prepare_stage)
+    # the split's graph modules and the other ranks' stages sit in reference cycles (a graph and its owning
+    # module): unreachable once the build returns, they would hold the whole model's unsharded tensors on the
+    # device until Python's next full collection (on a GPU, the first of 2 stages allocated twice its tensors)
+    gc.collect()
+    return pipelined
+
+
+def _build_pipeline(model: nn.Module, cut_paths: Sequence[str], pp_group_or_mesh, options: dict,
+                    device: torch.device, prepare_stage: Optional[Callable[[nn.Module], None]]) -> PipelinedModel:
     from torch.distributed.pipelining import PipelineStage
 
     opts = _check_options(options)
