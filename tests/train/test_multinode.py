@@ -31,6 +31,9 @@ from schedlang import train as trainer
 COMMON = ["--model", "llama", "--config", "tiny", "--global-batch", "4", "--seq", "32", "--lr", "3e-3",
           "--device", "cpu", "--dtype", "fp32", "--seed", "5", "--timeout", "120", "--log-every", "1000"]
 STEPS = 6
+#: the lost-node test's rendezvous keep-alive: a beat every KEEP_ALIVE_S seconds, a node lost after
+#: KEEP_ALIVE_MAX_ATTEMPT missed ones
+KEEP_ALIVE_S, KEEP_ALIVE_MAX_ATTEMPT = 2, 3
 
 
 def _records(path: Path):
@@ -47,23 +50,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _agent_command(port: int, run_id: str, node_rank: int, flags, max_restarts: int = 0):
+def _agent_command(port: int, run_id: str, node_rank: int, flags, max_restarts: int = 0, rdzv_conf: str = ""):
     """One node's agent: what a user runs on each host (the rendezvous endpoint is node 0's address).
 
     On a cluster, the agent whose host is the endpoint's hosts the rendezvous store; here every "node" is this
     host, so ``is_host`` says which one does, as the host name would (a lost node 1 then never takes the store
-    with it)."""
+    with it). ``rdzv_conf`` adds to ``--rdzv-conf``."""
     return [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2",
             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={run_id}",
-            f"--rdzv-conf=is_host={int(node_rank == 0)},join_timeout=300", f"--max-restarts={max_restarts}",
+            f"--rdzv-conf=is_host={int(node_rank == 0)},join_timeout=300{rdzv_conf}", f"--max-restarts={max_restarts}",
             "--monitor-interval=0.5", "-m", "schedlang.train", *flags]
 
 
 class _Agents:
     """The two nodes' agents as child process groups, each logging to its own file; never left running."""
 
-    def __init__(self, tmp: Path, flags, max_restarts: int = 0, env=None):
-        self.tmp, self.flags, self.max_restarts = tmp, list(flags), max_restarts
+    def __init__(self, tmp: Path, flags, max_restarts: int = 0, env=None, rdzv_conf: str = ""):
+        self.tmp, self.flags, self.max_restarts, self.rdzv_conf = tmp, list(flags), max_restarts, rdzv_conf
         self.port, self.run_id = _free_port(), uuid.uuid4().hex[:12]
         self.env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
         self.procs, self.logs, self.starts = {}, {}, {0: 0, 1: 0}
@@ -73,7 +76,7 @@ class _Agents:
         log = open(self.tmp / f"node{node}-{self.starts[node]}.log", "w")
         self.logs.setdefault(node, []).append(log)
         self.procs[node] = subprocess.Popen(
-            _agent_command(self.port, self.run_id, node, self.flags, self.max_restarts), env=self.env,
+            _agent_command(self.port, self.run_id, node, self.flags, self.max_restarts, self.rdzv_conf), env=self.env,
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def start_both(self):
@@ -192,7 +195,11 @@ def test_a_lost_node_rejoins_and_the_run_continues_from_its_checkpoint(tmp_path,
     # across rounds does not publish the workers' store address again, and a replacement agent waits for it
     # forever (seen with torch 2.13); the docs' multi-node commands set this too
     env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    with _Agents(tmp_path, flags, max_restarts=2, env=env) as agents:
+    # the rendezvous counts a node as lost once KEEP_ALIVE_MAX_ATTEMPT keep-alive beats, KEEP_ALIVE_S apart, are
+    # missed (torch's default is 3 beats of 5 s); a replacement started before that would be counted beside the dead
+    # one, so the test waits that long and a few seconds more before starting it
+    rdzv_conf = f",keep_alive_interval={KEEP_ALIVE_S},keep_alive_max_attempt={KEEP_ALIVE_MAX_ATTEMPT}"
+    with _Agents(tmp_path, flags, max_restarts=2, env=env, rdzv_conf=rdzv_conf) as agents:
         agents.start_both()
         deadline = time.monotonic() + 900
         while True:  # lose node 1 once a checkpoint exists and the run has gone past it
@@ -203,9 +210,7 @@ def test_a_lost_node_rejoins_and_the_run_continues_from_its_checkpoint(tmp_path,
                 break
             time.sleep(0.05)
         agents.kill(1)  # node 1's agent and its workers, at once
-        # the rendezvous drops a lost node once its keep-alive beats stop (3 beats of 5 s); a replacement started
-        # before that would be counted beside the dead one
-        time.sleep(20)
+        time.sleep(KEEP_ALIVE_S * KEEP_ALIVE_MAX_ATTEMPT + 3)
         agents.start(1)  # the node comes back: the same command line, as a cluster scheduler would rerun it
         codes = agents.wait(deadline)
         assert codes == {0: 0, 1: 0}, agents.output()
