@@ -4,11 +4,14 @@ For a model with real weights the working copy is already the scheduled model: b
 moves it to ``device`` / ``dtype`` and makes the optimizer. For a model on the meta device
 (:func:`schedlang.init_empty_weights`) build allocates every tensor at its *sharded*
 size and initializes it so that each shard equals the matching slice of the unsharded
-model initialized the same way with the same seed (:mod:`schedlang.materialize`).
+model initialized the same way with the same seed (:mod:`schedlang.materialize`). Under a
+pipeline a rank allocates the tensors of its own stages only, once the split is known; the
+other stages stay on the meta device.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, Callable, Dict, Optional, Tuple, Union
 
@@ -34,15 +37,16 @@ def _model_device(model: nn.Module) -> torch.device:
 
 
 def _parallelize(root, model: nn.Module, pipeline: Optional[Dict[str, Any]],
-                 master_weights: Optional[torch.dtype] = None) -> nn.Module:
+                 master_weights: Optional[torch.dtype] = None, by_stage: Optional[Materializer] = None) -> nn.Module:
     """Tensor-parallel DTensors, pipeline stages and data parallelism, in that order (see :func:`build`).
-    ``master_weights``: the compute dtype of an optimizer with fp32 masters (``replicate`` runs on DDP)."""
+    ``master_weights``: the compute dtype of an optimizer with fp32 masters (``replicate`` runs on DDP).
+    ``by_stage``: the materializer of a model still on the meta device, run once the pipeline's split is known."""
     from .distributed import mesh as meshes
     from .distributed.data_parallel import apply_data_parallel, data_parallel_steps
     from .distributed.groups import SingleRankGroup, is_distributed
 
     mesh = root.mesh
-    device = _model_device(model)
+    device = by_stage.device if by_stage is not None else _model_device(model)
     cuts = [s.path for s in root.plan if s.primitive == "cut_pipeline_stage"]
     if pipeline is not None and not cuts:
         raise ScheduleValueError("build: pipeline= was given but the plan cuts no pipeline stage; mark the "
@@ -89,7 +93,8 @@ def _parallelize(root, model: nn.Module, pipeline: Optional[Dict[str, Any]],
 
                 average_gradients_over(stage, group_of(model))
 
-        return build_pipeline(model, cuts, pp, pipeline, device, prepare_stage)
+        return build_pipeline(model, cuts, pp, pipeline, device, prepare_stage,
+                              allocate=None if by_stage is None else functools.partial(_allocate_stages, by_stage, model))
     if dp_steps:
         apply_data_parallel(model, dp_steps, dp_mesh, device, master_weights=master_weights)
     elif context_parallel:
@@ -98,6 +103,37 @@ def _parallelize(root, model: nn.Module, pipeline: Optional[Dict[str, Any]],
         # no data parallelism averages what each cp rank's tokens contributed to the gradients: a hook does
         average_gradients_over(model, group_of(model))
     return model
+
+
+def _move_real_tensors(model: nn.Module, device, dtype: Optional[torch.dtype]) -> None:
+    """``model.to(device=device, dtype=dtype)`` for the tensors that are not on the meta device (dtype for the
+    floating-point ones), leaving the meta tensors as they are; tied tensors stay tied."""
+    if device is None and dtype is None:
+        return
+    moved: Dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for store, is_param in ((module._parameters, True), (module._buffers, False)):
+            for name, t in list(store.items()):
+                if t is None or t.is_meta:
+                    continue
+                if id(t) not in moved:
+                    new = t.to(device=device, dtype=dtype if dtype is not None and t.is_floating_point() else None)
+                    if is_param and new is not t:
+                        new = nn.Parameter(new.detach(), requires_grad=t.requires_grad)
+                    moved[id(t)] = new
+                store[name] = moved[id(t)]
+
+
+def _allocate_stages(materializer: Materializer, model: nn.Module, stages) -> Dict[int, torch.Tensor]:
+    """Allocate the tensors of a pipeline rank's ``stages`` (modules of ``model``'s, split from it), and leave the
+    other stages' on the meta device; every module's init still runs, so the values are those of a whole build."""
+    materializer.keep = {id(t) for stage in stages for t in list(stage.parameters()) + list(stage.buffers())}
+    materializer.run(model)
+    for stage in stages:  # a stage may hold a tensor under a path of its own (one no stage's code uses)
+        materializer.repoint(stage)
+    logger.info("materialized the meta tensors of this rank's %d pipeline stage(s) on %s", len(stages),
+                materializer.device)
+    return {key: new for key, (_, new) in materializer.done.items()}
 
 
 def _already_there(model: nn.Module, device, dtype: Optional[torch.dtype]) -> bool:
@@ -316,18 +352,27 @@ def build(sch, init_weights: Union[None, bool, Callable[[nn.Module], None]] = No
             weights = PretrainedWeights.for_build(model, pretrained, init_weights, dtype)
     # before any collective of the plan runs: ranks with different plans would pair up different collectives
     check_same_plan(root.plan, group, phase="build: plan comparison")
+    by_stage = None  # a pipeline rank's materializer: it allocates the rank's stages once the split is known
     with agreement(group, phase="build: initializing the weights"):
         if has_meta_tensors(model):
             init = None if init_weights is False else (init_weights if callable(init_weights) else DEFAULT_INIT)
-            if weights is not None:
-                weights.materialize(model, target)
+            materializer = (weights.materializer(model, target) if weights is not None else
+                            Materializer(target, init, default_inits(model) if init is DEFAULT_INIT else {}))
+            if pipeline is not None and any(s.primitive == "cut_pipeline_stage" for s in root.plan):
+                # allocating the whole model first would put every stage on every pp rank (LLaMA-3.1-405B at tp 8:
+                # 202 GB a rank in fp32) before the split keeps one of them
+                by_stage = materializer
+                by_stage.dtype = dtype
+                # what the model made for real (transformers' rotary frequencies) goes where the rest will be
+                _move_real_tensors(model, device, dtype)
             else:
-                Materializer(target, init, default_inits(model) if init is DEFAULT_INIT else {}).run(model)
-            logger.info("materialized meta tensors on %s", target)
+                materializer.run(model)
+                logger.info("materialized meta tensors on %s", target)
         elif callable(init_weights) and weights is None:
             with torch.no_grad():
                 model.apply(init_weights)
-        if (device is not None or dtype is not None) and not _already_there(model, device, dtype):
+        if by_stage is None and (device is not None or dtype is not None) and not _already_there(model, device,
+                                                                                                  dtype):
             model.to(device=device, dtype=dtype)
         from .primitives.annotate import apply_annotations
 
@@ -335,7 +380,7 @@ def build(sch, init_weights: Union[None, bool, Callable[[nn.Module], None]] = No
             apply_annotations(module)
     with agreement(group, phase="build: tensor, pipeline and data parallelism"):
         compute_dtype = optimizer_kwargs.get("compute_dtype", torch.bfloat16) if master_weights else None
-        model = _parallelize(root, model, pipeline, master_weights=compute_dtype)
+        model = _parallelize(root, model, pipeline, master_weights=compute_dtype, by_stage=by_stage)
         from .distributed.dtensor_params import register_rank_major
 
         register_rank_major(model)  # FSDP2 replaced parameters: full_tensor still knows the rank-major ones

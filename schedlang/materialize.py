@@ -15,13 +15,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Set, Tuple
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from tqdm.auto import tqdm
 
+from .distributed.dtensor_params import is_dtensor
 from .distributed.sharding import shard_tensor
 from .errors import ScheduleValueError
 from .module_record import expert_slice_specs, original_view, shard_specs
@@ -120,10 +121,16 @@ class Materializer:
     are re-cut into the descendants' shards. Tied tensors are materialized once and stay tied.
     """
 
-    def __init__(self, device, init: Optional[Callable[[nn.Module], None]], inits: Dict[int, Callable]):
+    def __init__(self, device, init: Optional[Callable[[nn.Module], None]], inits: Dict[int, Callable],
+                 keep: Optional[Set[int]] = None, dtype: Optional[torch.dtype] = None):
         self.device = device
+        self.dtype = dtype  # floating-point tensors are cast to it once initialized, as model.to(dtype) would
         self.init = init
         self.inits = inits
+        # ids of the meta tensors to allocate (None: all). The others stay meta, but their modules' inits still run
+        # on the temporary full-size copies, so the random numbers drawn, and the kept tensors' values, are those
+        # of a build that allocates everything (a pipeline rank keeps its own stages only)
+        self.keep = keep
         self.done: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # id(meta tensor) -> (meta tensor, new tensor)
 
     def run(self, root: nn.Module) -> None:
@@ -155,8 +162,8 @@ class Materializer:
         init = self._init_fn(module)
         if init is None:
             for name, t, is_param in pending:
-                shape = tuple(t.shape)
-                self._store(module, name, t, is_param, _new_tensor(shape, t, is_param, self.device))
+                if self._kept(t):
+                    self._store(module, name, t, is_param, _new_tensor(_local_shape(t), t, is_param, self.device))
             return
         written_below = self._dry_run(module, init) if module._modules else set()
         if not pending and not written_below:
@@ -185,7 +192,8 @@ class Materializer:
                                type(module).__name__, name)
                 with torch.no_grad():
                     full.zero_()
-            self._store(module, name, t, is_param, _cut(module, name, full))
+            if self._kept(t):
+                self._store(module, name, t, is_param, _cut(module, name, full))
         if written_below:
             self._recut_descendants(module, memo, written_below, written)
 
@@ -212,6 +220,9 @@ class Materializer:
             for name, t, is_param in _own_tensors(sub):
                 if id(t) not in written:
                     continue
+                if t.is_meta:  # a tensor this build does not keep (and so not allocated)
+                    written = written - {id(t)}
+                    continue
                 full = memo[id(t)]
                 if not elements.whole(full):
                     raise ScheduleValueError(
@@ -222,14 +233,50 @@ class Materializer:
                     t.copy_(_cut(sub, name, full))
                 written = written - {id(t)}
 
+    def _kept(self, t: torch.Tensor) -> bool:
+        return self.keep is None or id(t) in self.keep
+
     def _store(self, module: nn.Module, name: str, old: torch.Tensor, is_param: bool, value: torch.Tensor) -> None:
+        value = value.contiguous()
+        if self.dtype is not None and value.is_floating_point():
+            value = value.to(self.dtype)
+        if is_dtensor(old):  # a tensor-parallel shard already made a DTensor: the new one keeps its mesh and layout
+            from torch.distributed.tensor import DTensor
+
+            value = DTensor.from_local(value, old.device_mesh, old.placements, run_check=False, shape=old.shape,
+                                       stride=old.stride())
         if is_param:
-            new = nn.Parameter(value.detach().contiguous(), requires_grad=old.requires_grad)
+            new = nn.Parameter(value.detach(), requires_grad=old.requires_grad)
+            for key, attribute in vars(old).items():  # annotations (schedlang's annotate) travel with the parameter
+                if not key.startswith("_"):
+                    setattr(new, key, attribute)
             module._parameters[name] = new
         else:
-            new = value.contiguous()
+            new = value
             module._buffers[name] = new
         self.done[id(old)] = (old, new)
+
+    def repoint(self, root: nn.Module) -> int:
+        """Put the new tensors in ``root`` wherever it still holds a meta tensor this build allocated (a module
+        that registered the same tensor under a path of its own, as a pipeline stage does for tensors no stage's
+        code uses); returns how many."""
+        count = 0
+        for module in root.modules():
+            for store in (module._parameters, module._buffers):
+                for name, t in list(store.items()):
+                    if t is not None and id(t) in self.done and self.done[id(t)][0] is t:
+                        store[name] = self.done[id(t)][1]
+                        count += 1
+        return count
+
+
+def _local_shape(t: torch.Tensor) -> Tuple[int, ...]:
+    """The shape of the tensor a rank holds: a DTensor's local shard, else the tensor's own."""
+    if is_dtensor(t):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        return tuple(compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)[0])
+    return tuple(t.shape)
 
 
 class _WrittenElements(TorchDispatchMode):

@@ -523,11 +523,16 @@ class PretrainedWeights:
 
     def materialize(self, model: nn.Module, device: torch.device) -> None:
         """Allocate the meta tensors empty on ``device``; initialize only those the checkpoint does not hold."""
-        from .materialize import DEFAULT_INIT, Materializer, default_inits
         from .init import has_meta_tensors
 
-        if not has_meta_tensors(model):
-            return
+        if has_meta_tensors(model):
+            self.materializer(model, device).run(model)
+
+    def materializer(self, model: nn.Module, device: torch.device):
+        """The :class:`~schedlang.materialize.Materializer` of :meth:`materialize`, to run now or (a pipeline
+        rank) once the split names the tensors the rank keeps."""
+        from .materialize import DEFAULT_INIT, Materializer, default_inits
+
         init = self.init_weights
         needing = [m for m in model.modules()
                    if any(t is not None and t.is_meta and id(t) not in self.covered
@@ -537,7 +542,7 @@ class PretrainedWeights:
             defaults = {} if callable(init) else default_inits(model)
             for module in needing:
                 inits[id(module)] = init if callable(init) else defaults.get(id(module))
-        Materializer(device, DEFAULT_INIT, inits).run(model)
+        return Materializer(device, DEFAULT_INIT, inits)
 
     def load(self, model: nn.Module) -> Dict[str, Any]:
         """Read this rank's slices into ``model`` (built: DTensors or plain local shards, FSDP2, pipeline stages);

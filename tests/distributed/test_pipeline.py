@@ -9,6 +9,9 @@ part); the tests below read its results. The splitting itself is checked in one 
 
 from __future__ import annotations
 
+import contextlib
+from unittest import mock
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -59,15 +62,47 @@ def _reference(model, batches):
     return losses, grads
 
 
-def _train(rank, make, cuts, schedule, n_microbatches, seed):
+def _train(rank, make, cuts, schedule, n_microbatches, seed, from_meta=False):
+    """``from_meta``: the model is made on the meta device and built by each rank; the reference is the whole
+    model built from meta with the same seed in one process."""
     batches = _batches(seed)
-    model = make(seed)
+    allocated = []
+    if from_meta:
+        from schedlang.materialize import Materializer
+
+        with schedlang.init_empty_weights():
+            model = make(seed)
+        made = {n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if not t.is_meta}
+        store = Materializer._store
+
+        def recorded(self, module, name, old, is_param, value):
+            store(self, module, name, old, is_param, value)
+            allocated.append(id((module._parameters if is_param else module._buffers)[name]))
+    else:
+        model = make(seed)
     sch = schedlang.create_schedule(model)
     for path in cuts:
         sch[path].cut_pipeline_stage()
-    pipe, opt = schedlang.build(sch, optimizer=torch.optim.SGD, lr=LR, pipeline={
-        "schedule": schedule, "n_microbatches": n_microbatches, "loss_fn": _loss_fn})
+    with mock.patch.object(Materializer, "_store", recorded) if from_meta else contextlib.nullcontext():
+        torch.manual_seed(seed)
+        pipe, opt = schedlang.build(sch, optimizer=torch.optim.SGD, lr=LR, pipeline={
+            "schedule": schedule, "n_microbatches": n_microbatches, "loss_fn": _loss_fn})
     assert isinstance(pipe, PipelinedModel)
+    if from_meta:
+        with schedlang.init_empty_weights():
+            whole = make(seed)
+        torch.manual_seed(seed)
+        model = schedlang.build(schedlang.create_schedule(whole), device="cpu")[0]
+        # the rank allocated its own stages' tensors and nothing else (transformers makes the rotary frequencies
+        # for real even under init_empty_weights), with the values of the whole build
+        held = {id(t): n for m in pipe.stage_modules for n, t in list(m.named_parameters()) + list(m.named_buffers())}
+        assert all(i in held for i in allocated)
+        assert sorted(held[i] for i in set(allocated)) == sorted(n for n in held.values() if n not in made)
+        assert len(set(allocated)) < len(list(model.parameters()))  # not the whole model
+        reference = model.state_dict()
+        for m in pipe.stage_modules:
+            for n, t in m.state_dict().items():
+                assert torch.equal(t, reference[n]), n
     losses, grads = [], None
     for ids, labels in batches:
         mb_losses = []
@@ -125,6 +160,8 @@ def _all_layouts(rank, world):
         "Interleaved1F1B": _train(rank, _llama, four, "Interleaved1F1B", 4, seed=3),
         "ZeroBubble": _train(rank, _llama, four, "ZeroBubble", 2, seed=4),
         "gpt2": _train(rank, _gpt2, ["transformer.h.1"], "1F1B", 2, seed=5),
+        "meta": _train(rank, _llama, four, "Interleaved1F1B", 4, seed=7, from_meta=True),
+        "meta_gpt2": _train(rank, _gpt2, ["transformer.h.1"], "1F1B", 2, seed=8, from_meta=True),
         "errors": _errors(rank),
     }
 
@@ -196,6 +233,20 @@ def test_gpt2_tied_embedding_and_head_on_two_ranks_sum_their_gradients(results):
     torch.testing.assert_close(head["grads"]["lm_head.weight"], wte["grads"]["transformer.wte.weight"], **GRAD_TOL)
     torch.testing.assert_close(wte["state"]["transformer.wte.weight"], head["state"]["lm_head.weight"], **TOL)
     assert "tied: transformer.wte.weight = lm_head.weight on pp ranks [0, 1]" in wte["repr"]
+
+
+def test_a_meta_model_is_allocated_stage_by_stage_with_the_values_of_a_whole_build(results):
+    """Built from the meta device, each rank allocates its own stages' tensors only (checked in the rank: the
+    tensors the materializer allocated are exactly those its stages hold, equal to the whole model built from meta
+    with the same seed), and trains like one process; GPT-2's tied embedding and head still start equal and get
+    the summed gradient."""
+    held = _check_layout(results, "meta")
+    assert not held[0] & held[1]
+    assert [r["meta"]["stages"] for r in results] == [[0, 2], [1, 3]]
+    held = _check_layout(results, "meta_gpt2")
+    wte, head = results[0]["meta_gpt2"], results[1]["meta_gpt2"]
+    torch.testing.assert_close(head["grads"]["lm_head.weight"], wte["grads"]["transformer.wte.weight"], **GRAD_TOL)
+    torch.testing.assert_close(wte["state"]["transformer.wte.weight"], head["state"]["lm_head.weight"], **TOL)
 
 
 @pytest.mark.parametrize("key,message", [

@@ -57,6 +57,27 @@ def _local_tensors(model: nn.Module):
             dp._swap_back(m, (), None)
 
 
+@contextlib.contextmanager
+def _meta_as_fake(model: nn.Module, device: torch.device):
+    """Inside a fake mode: the model's meta tensors (a model not yet allocated, or the stages of other pp ranks)
+    stand in as fake tensors on ``device`` while the example values are computed, so that every module computes
+    on one device whatever is allocated yet."""
+    swapped = []
+    for module in model.modules():
+        for store, is_param in ((module._parameters, True), (module._buffers, False)):
+            for name, t in list(store.items()):
+                if t is None or not t.is_meta:
+                    continue
+                fake = torch.empty(t.shape, dtype=t.dtype, device=device)
+                store[name] = nn.Parameter(fake, requires_grad=t.requires_grad) if is_param else fake
+                swapped.append((store, name, t))
+    try:
+        yield
+    finally:
+        for store, name, t in swapped:
+            store[name] = t
+
+
 def _trace(model: nn.Module, cut_paths: Sequence[str]) -> fx.GraphModule:
     from ...graph import tracer as T
 
@@ -107,15 +128,13 @@ def _examples(gm: fx.GraphModule, model: nn.Module, example_inputs: Optional[Seq
         fx.node.map_aggregate(a, lambda x: found.append(x) if x is _UNKNOWN else None)
         return bool(found)
 
-    device = next((t.device for t in model.parameters()), torch.device("cpu"))
-    if device.type == "meta":
-        device = torch.device("cpu")
+    device = next((t.device for t in model.parameters() if not t.is_meta), torch.device("cpu"))
     given = {}
     if example_inputs is not None:
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         given = {n: fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t
                  for n, t in zip(placeholders, example_inputs)}
-    with _local_tensors(model), T._shape_only_syncs(), fake_mode, torch.enable_grad():
+    with _local_tensors(model), T._shape_only_syncs(), fake_mode, _meta_as_fake(model, device), torch.enable_grad():
         for node in gm.graph.nodes:
             value = _UNKNOWN
             try:

@@ -273,7 +273,8 @@ def _check_prepared_stage(stage: nn.Module, index: int, enclosing: Sequence[str]
 
 
 def build_pipeline(model: nn.Module, cut_paths: Sequence[str], pp_group_or_mesh, options: dict,
-                   device: torch.device, prepare_stage: Optional[Callable[[nn.Module], None]] = None
+                   device: torch.device, prepare_stage: Optional[Callable[[nn.Module], None]] = None,
+                   allocate: Optional[Callable[[Sequence[nn.Module]], Dict[int, torch.Tensor]]] = None
                    ) -> PipelinedModel:
     """Split ``model`` after ``cut_paths`` and run this rank's stages with torch's pipeline schedules.
 
@@ -285,6 +286,9 @@ def build_pipeline(model: nn.Module, cut_paths: Sequence[str], pp_group_or_mesh,
     (a tuple like the model's inputs, for models other than transformers). ``device``: where the model
     and its stages live. ``prepare_stage(stage_module)`` runs on each local stage module after
     the split and before its ``PipelineStage`` is made (data parallelism goes here).
+    ``allocate(local_stage_modules)``, for a model still on the meta device: allocates the tensors of this
+    rank's stages only, right after the split (``schedlang.build`` passes it, so that a rank never holds the
+    whole model); returns ``{id(meta tensor): new tensor}``.
 
     Every rank must call this with the same model structure and arguments.
 
@@ -295,7 +299,7 @@ def build_pipeline(model: nn.Module, cut_paths: Sequence[str], pp_group_or_mesh,
                               torch.device("cpu"))
         pipe.step(input_ids, target=labels, losses=losses)
     """
-    pipelined = _build_pipeline(model, cut_paths, pp_group_or_mesh, options, device, prepare_stage)
+    pipelined = _build_pipeline(model, cut_paths, pp_group_or_mesh, options, device, prepare_stage, allocate)
     # the split's graph modules and the other ranks' stages sit in reference cycles (a graph and its owning
     # module): unreachable once the build returns, they would hold the whole model's unsharded tensors on the
     # device until Python's next full collection (on a GPU, the first of 2 stages allocated twice its tensors)
@@ -304,7 +308,8 @@ def build_pipeline(model: nn.Module, cut_paths: Sequence[str], pp_group_or_mesh,
 
 
 def _build_pipeline(model: nn.Module, cut_paths: Sequence[str], pp_group_or_mesh, options: dict,
-                    device: torch.device, prepare_stage: Optional[Callable[[nn.Module], None]]) -> PipelinedModel:
+                    device: torch.device, prepare_stage: Optional[Callable[[nn.Module], None]],
+                    allocate) -> PipelinedModel:
     from torch.distributed.pipelining import PipelineStage
 
     opts = _check_options(options)
@@ -319,7 +324,10 @@ def _build_pipeline(model: nn.Module, cut_paths: Sequence[str], pp_group_or_mesh
     enclosing = _enclosing_paths(cut_paths)
     _attach_unused_state(all_stages, model, enclosing)
     local = [s for s in range(n_stages) if s % pp_size == pp_rank]
-    tied = _tied_parameters(all_stages, lambda s: s % pp_size)
+    tied = _tied_parameters(all_stages, lambda s: s % pp_size)  # by identity: before the stages get new tensors
+    if allocate is not None:
+        allocated = allocate([all_stages[s] for s in local])
+        tied = [_Tied(t.names, allocated.get(id(t.param), t.param), t.holders) for t in tied]
     kept = {id(p) for s in local for p in all_stages[s].parameters()}
     my_tied = []
     for t in tied:
