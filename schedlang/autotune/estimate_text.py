@@ -53,7 +53,11 @@ def format_estimate(e: StepEstimate, hw: Hardware, header: str = "", extras: str
     else:
         when = f"early in the backward, at {early}"
     lines.append(f"  per rank    {mem} = peak {_size(e.total_bytes)} of {_size(hw.memory_bytes)} ({when})"
-                 + ("" if e.fits else "  (DOES NOT FIT)"))
+                 + ("" if e.total_bytes <= e.memory_limit else "  (DOES NOT FIT)"))
+    if e.build_bytes > e.total_bytes:
+        lines.append(f"  build       {_size(e.build_bytes)} while building: the rank's stage in fp32 before data "
+                     "parallelism shards it, and a full-size copy of the embedding for its init"
+                     + ("" if e.build_bytes <= e.memory_limit else "  (DOES NOT FIT)"))
     if e.moe:
         lines.append(f"  experts     {moe_text(e.moe)}")
     if e.collectives:
@@ -95,7 +99,8 @@ def layout_json(e: StepEstimate) -> Dict:
 
 
 def _estimate_summary(e: StepEstimate) -> Dict:
-    return {"layout": layout_json(e), "peak_gib": e.total_bytes / GIB, "fits": e.fits, "step_ms": 1e3 * e.step_s,
+    return {"layout": layout_json(e), "peak_gib": e.total_bytes / GIB, "build_peak_gib": e.build_bytes / GIB,
+            "fits": e.fits, "step_ms": 1e3 * e.step_s,
             "tokens_per_s": e.tokens_per_s}
 
 

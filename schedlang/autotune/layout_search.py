@@ -172,7 +172,7 @@ def _rank_key(e: StepEstimate):
     # fitting layouts first, then the fastest; among equals the simpler (fewer pipeline and tensor ranks,
     # FSDP before HSDP before DDP, resharding kept, fp32 reduction, less recomputation, fewer microbatches)
     lay = e.layout
-    return (not e.fits, round(e.step_s, 6) if e.fits else e.total_bytes, lay.pp, lay.tp, lay.cp, lay.ep,
+    return (not e.fits, round(e.step_s, 6) if e.fits else e.peak_bytes, lay.pp, lay.tp, lay.cp, lay.ep,
             ("fsdp", "hsdp", "ddp").index(lay.dp_mode), not lay.reshard, lay.reduce_dtype != "fp32",
             ("none", "selective", "full").index(lay.activation_checkpoint), lay.microbatches, lay.sp)
 
@@ -200,7 +200,8 @@ def _mesh_key(lay: Layout) -> Tuple:
 
 def _loss_reason(best: StepEstimate, e: StepEstimate) -> str:
     if not e.fits:
-        return (f"does not fit: {e.total_bytes / GIB:.1f} GiB per rank, {(e.total_bytes - e.memory_limit) / GIB:.1f} "
+        what = "per rank" if e.total_bytes >= e.build_bytes else "per rank while building (the stage in fp32)"
+        return (f"does not fit: {e.peak_bytes / GIB:.1f} GiB {what}, {(e.peak_bytes - e.memory_limit) / GIB:.1f} "
                 f"GiB over the {e.memory_limit / GIB:.1f} GiB usable")
     slower = 100 * (e.step_s / best.step_s - 1)
     parts = {"compute": e.compute_s - best.compute_s, "exposed communication": e.comm_exposed_s - best.comm_exposed_s,
@@ -222,7 +223,7 @@ def _runners_up(best: StepEstimate, ranked: List[StepEstimate], count: int) -> L
         seen.add(key)
         (fitting if e.fits else not_fitting).append(e)
     chosen = fitting[:count]
-    chosen += sorted(not_fitting, key=lambda e: e.total_bytes)[:max(0, count - len(chosen))]
+    chosen += sorted(not_fitting, key=lambda e: e.peak_bytes)[:max(0, count - len(chosen))]
     if len(chosen) < count:  # a small world: other options of the same mesh
         chosen += [e for e in ranked[1:] if e not in chosen and e.layout != best.layout][:count - len(chosen)]
     return [RunnerUp(e, _loss_reason(best, e)) for e in chosen]
@@ -243,7 +244,7 @@ def _without(best: StepEstimate, ranked: List[StepEstimate], what: str) -> str:
     if other is None:
         return f"no layout without {what} was a candidate"
     if not other.fits:
-        return f"without it no layout fits (the closest, {other.layout.describe()}, needs {other.total_bytes / GIB:.1f} GiB)"
+        return f"without it no layout fits (the closest, {other.layout.describe()}, needs {other.peak_bytes / GIB:.1f} GiB)"
     return f"the best without it, {other.layout.describe()}, is {_ms(other.step_s - best.step_s)} slower"
 
 
@@ -266,7 +267,7 @@ def _split_reasons(best: StepEstimate, ranked: List[StepEstimate]) -> List[str]:
 def _reason(best: StepEstimate, ranked: List[StepEstimate], hw: Hardware) -> str:
     lay = best.layout
     parts = []
-    mem = f"{best.total_bytes / GIB:.1f} of {hw.memory_bytes / GIB:.0f} GiB per rank"
+    mem = f"{best.peak_bytes / GIB:.1f} of {hw.memory_bytes / GIB:.0f} GiB per rank"
     if not best.fits:
         parts.append(f"no layout fits the estimated memory: this one needs the least ({mem})")
     else:
@@ -303,7 +304,7 @@ def _reason(best: StepEstimate, ranked: List[StepEstimate], hw: Hardware) -> str
         alt = _alternative(best, ranked, activation_checkpoint="none")
         if alt is not None and not alt.fits:
             parts.append(f"{lay.activation_checkpoint} activation checkpointing: without it "
-                         f"{alt.total_bytes / GIB:.1f} GiB would not fit")
+                         f"{alt.peak_bytes / GIB:.1f} GiB would not fit")
     if lay.pp == 1 and lay.microbatches > 1:
         alt = _alternative(best, ranked, microbatches=1)
         if alt is not None and not alt.fits:

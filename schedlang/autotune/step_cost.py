@@ -210,6 +210,9 @@ class StepEstimate:
     #: microbatch's forward before its first backward (the gradients, zeroed after the last step, come with that
     #: backward); 0 where a step's gradients are whole while the rank still holds all it holds at the turn
     freed_before_grads_bytes: float = 0.0
+    #: the build's peak from the meta device: the rank's stage in fp32 (tensor-parallel shards, before FSDP2 shards
+    #: them over the data ranks) and the full-size copy of the largest module its init runs on
+    build_bytes: float = 0.0
 
     @property
     def turn_grads_bytes(self) -> float:
@@ -239,6 +242,11 @@ class StepEstimate:
                 + max(self.forward_peak_bytes, self.backward_peak_bytes))
 
     @property
+    def peak_bytes(self) -> float:
+        """The larger of the step's peak and the build's: what the device must hold."""
+        return max(self.total_bytes, self.build_bytes)
+
+    @property
     def step_s(self) -> float:
         return self.compute_s + self.comm_exposed_s + self.bubble_s + self.optimizer_s
 
@@ -248,14 +256,14 @@ class StepEstimate:
 
     @property
     def fits(self) -> bool:
-        return self.total_bytes <= self.memory_limit
+        return self.peak_bytes <= self.memory_limit
 
     def as_dict(self) -> Dict:
         out = {k: getattr(self, k) for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "gathered_bytes",
                                              "activation_bytes", "logits_bytes", "recompute_bytes",
                                              "layer_backward_bytes", "working_bytes",
                                              "grads_in_forward", "forward_peak_bytes", "backward_peak_bytes",
-                                             "other_bytes", "compute_s", "comm_s", "comm_exposed_s", "bubble_s",
+                                             "other_bytes", "build_bytes", "compute_s", "comm_s", "comm_exposed_s", "bubble_s",
                                              "optimizer_s")}
         out.update(total_bytes=self.total_bytes, step_s=self.step_s, tokens_per_s=self.tokens_per_s,
                    layout=self.layout.describe(), fits=self.fits, moe=self.moe,
@@ -551,6 +559,10 @@ def estimate_step(shape: ModelShape, layout: Layout, hw: Hardware, global_batch:
     else:
         acts += max(logits, layer_backward)
     other = _CUDA_ALLOWANCE if hw.device == "cuda" else 0.0
+    # the build from the meta device allocates the rank's stage in fp32 (a pipeline rank its own stages only)
+    # before data parallelism shards it, each module initialized on a temporary full-size copy: the largest is the
+    # embedding or output head, whole (a layer's Linears are smaller)
+    build = 4 * stage + 4 * shape.vocab * shape.hidden + other
 
     # -- time
     tokens = global_batch * seq
@@ -674,4 +686,4 @@ def estimate_step(shape: ModelShape, layout: Layout, hw: Hardware, global_batch:
                         optimizer_s=optimizer, tokens=tokens, memory_limit=USABLE_MEMORY * hw.memory_bytes,
                         logits_bytes=logits, recompute_bytes=recompute,
                         layer_backward_bytes=layer_backward, global_batch=global_batch, seq=seq, moe=moe_facts,
-                        freed_before_grads_bytes=freed)
+                        freed_before_grads_bytes=freed, build_bytes=build)

@@ -218,7 +218,7 @@ def choice_block(choice: Choice) -> str:
     """``--layout auto``'s choice and its reasons, and the runners-up with why each lost."""
     lines = [f"schedlang train: --layout auto chose {choice.best.layout.describe()}", f"  why: {choice.reason}"]
     for r in choice.runners_up:
-        lines.append(f"  runner-up: {r.estimate.layout.describe()}: {r.why} ({r.estimate.total_bytes / GIB:.1f} GiB, "
+        lines.append(f"  runner-up: {r.estimate.layout.describe()}: {r.why} ({r.estimate.peak_bytes / GIB:.1f} GiB, "
                      f"{1e3 * r.estimate.step_s:,.0f} ms/step)")
     return "\n".join(lines)
 

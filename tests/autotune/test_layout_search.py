@@ -49,13 +49,15 @@ def test_70b_on_8_nodes_keeps_tensor_parallelism_inside_the_node():
     best = choice.best.layout
     assert best.tp > 1 and best.pp == 1 and choice.best.fits
     assert {c.link for c in choice.best.collectives if c.group == "tp"} == {"intra-node"}
-    pure = min((e for e in choice.ranked if (e.layout.tp, e.layout.pp) == (1, 1) and e.fits), key=lambda e: e.step_s)
-    assert pure.step_s > choice.best.step_s
-    assert pure.comm_exposed_s > choice.best.comm_exposed_s
+    pure = [e for e in choice.ranked if (e.layout.tp, e.layout.pp) == (1, 1)]
+    # pure FSDP cannot even be built: a rank allocates the whole model in fp32 (282 GB) before FSDP2 shards it
+    assert pure and all(not e.fits and e.build_bytes > e.memory_limit for e in pure)
+    fsdp = min((e for e in pure if e.layout.dp_mode == "fsdp"), key=lambda e: e.step_s)
+    assert fsdp.comm_exposed_s > choice.best.comm_exposed_s  # and were it built, its all-gathers would show
 
 
 def test_405b_on_512_gpus_names_its_runners_up_and_why_they_lost():
-    choice = choose_layout(LLAMA3_405B, _h100s(512), 512, 2048, 8192, base=FAST, tp_sizes=TP)
+    choice = choose_layout(LLAMA3_405B, _h100s(512), 512, 1024, 8192, base=FAST, tp_sizes=TP)
     assert choice.best.fits and len(choice.runners_up) >= 3
     meshes = {(r.estimate.layout.pp, r.estimate.layout.dp, r.estimate.layout.tp, r.estimate.layout.dp_mode)
               for r in choice.runners_up}
@@ -66,15 +68,15 @@ def test_405b_on_512_gpus_names_its_runners_up_and_why_they_lost():
             slower = 100 * (e.step_s / choice.best.step_s - 1)
             assert r.why.startswith(f"slower by {slower:.1f}%") and e.step_s >= choice.best.step_s
         else:
-            assert r.why.startswith("does not fit: ") and f"{(e.total_bytes - e.memory_limit) / GIB:.1f} GiB over" in r.why
+            assert r.why.startswith("does not fit: ") and f"{(e.peak_bytes - e.memory_limit) / GIB:.1f} GiB over" in r.why
 
 
 def test_accumulation_reaches_a_global_batch_one_pass_could_not_hold():
-    """405B, 512 ranks, 2048 x 8192: 4 sequences per dp rank at once fit no layout; accumulation does."""
-    choice = choose_layout(LLAMA3_405B, _h100s(512), 512, 2048, 8192, base=FAST, tp_sizes=TP)
+    """70B, 64 ranks, 256 x 8192: the sequences of a dp rank at once fit no layout; accumulation does."""
+    choice = choose_layout(LLAMA3_70B, _h100s(64), 64, 256, 8192, base=FAST, tp_sizes=TP)
     best = choice.best.layout
-    assert best.microbatches > 1
-    alone = choose_layout(LLAMA3_405B, _h100s(512), 512, 2048, 8192, base=FAST, tp_sizes=TP,
+    assert best.microbatches > 1 and best.pp == 1 and choice.best.fits
+    alone = choose_layout(LLAMA3_70B, _h100s(64), 64, 256, 8192, base=FAST, tp_sizes=TP,
                           fixed={"microbatches": 1})
     assert not alone.best.fits
     assert "accumulation steps of" in choice.reason

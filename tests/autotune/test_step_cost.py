@@ -9,7 +9,7 @@ import pytest
 from schedlang.autotune.training_cost import (GIB, Hardware, Layout, estimate_step, saved_bytes_per_token,
                                               selective_recompute_share)
 
-from .shapes import LLAMA3_8B, LLAMA3_70B
+from .shapes import LLAMA3_8B, LLAMA3_70B, LLAMA3_405B
 
 HW64 = Hardware.nominal("cuda", "NVIDIA H100", memory_gib=80, world=64)
 TP8 = Layout(dp=8, tp=8, activation_checkpoint="full", compiled=True, optimize=True)
@@ -301,3 +301,25 @@ def test_a_compiled_checkpointed_layer_holds_no_bf16_weight_copies_of_the_other_
     compiled_full = estimate_step(shape, Layout(activation_checkpoint="full", compiled=True), hw, 1, 4096)
     assert plain.gathered_bytes == pytest.approx(2 * stage) and eager_full.gathered_bytes == pytest.approx(2 * stage)
     assert compiled_full.gathered_bytes == pytest.approx(2 * (shape.vocab * shape.hidden + layer))
+
+
+def test_the_build_holds_the_rank_s_stage_in_fp32_before_data_parallelism_shards_it():
+    """Built from the meta device, a rank allocates its stage (tensor-parallel shards; a pipeline rank its own
+    stages only) in fp32 and FSDP2 shards it afterwards, each module initialized on a full-size copy: the
+    embedding, whole, is the largest. 70B at tp 8 builds within the step's peak; 405B without a pipeline cannot
+    build on an 80 GiB GPU (202 GB of shards a rank), with pp 8 it can."""
+    hw = Hardware.nominal("cuda", "NVIDIA H100", memory_gib=80, world=512)
+    embedding = 4 * LLAMA3_70B.vocab * LLAMA3_70B.hidden
+    e = estimate_step(LLAMA3_70B, dataclasses.replace(TP8, sp=True), HW64, 64, 8192)
+    assert e.build_bytes == pytest.approx(4 * LLAMA3_70B.params / 8 + embedding + 0.5 * GIB, rel=1e-9)
+    assert e.build_bytes < e.total_bytes == e.peak_bytes and e.fits
+    flat = estimate_step(LLAMA3_405B, Layout(dp=64, tp=8, sp=True, activation_checkpoint="full", compiled=True,
+                                              optimize=True), hw, 512, 8192)
+    assert flat.total_bytes < flat.memory_limit < flat.build_bytes == flat.peak_bytes
+    assert not flat.fits
+    staged = estimate_step(LLAMA3_405B, Layout(pp=8, dp=8, tp=8, sp=True, activation_checkpoint="full",
+                                                microbatches=8, compiled=True, optimize=True), hw, 512, 8192)
+    whole = 4 * LLAMA3_405B.vocab * LLAMA3_405B.hidden + 0.5 * GIB  # the embedding's copy, the workspace
+    # a rank's own stages: an eighth of the shards (the largest stage, 16 of 126 layers, and the embedding)
+    assert staged.build_bytes - whole == pytest.approx((flat.build_bytes - whole) / 8, rel=0.05)
+    assert staged.build_bytes < staged.memory_limit
