@@ -80,6 +80,9 @@ def test_the_ranks_run_on_one_gpu_sit_beside_the_published_figures(validate):
     published = {r["name"]: r["published_gib"] for r in data["rows"]}
     for row in rows:
         assert (validate.ROOT / row["file"]).is_file()
+        if row.get("out_of_memory"):  # the rank needs more than that GPU under that allocator setting
+            assert f"out of memory on {row['device']}" in page and "reserved_gib" not in row
+            continue
         assert row["published_gib"] == published[row["name"]]
         assert row["reserved_gib"] >= row["allocated_gib"] > 0
         assert row["reserved_error_pct"] == pytest.approx(100 * (row["reserved_gib"] / row["published_gib"] - 1),
