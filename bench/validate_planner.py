@@ -413,9 +413,12 @@ def _on_gpu_section(data: Dict) -> List[str]:
                 cells.append(f"{r['reserved_gib']:.1f} ({r['reserved_error_pct']:+.1f}%)")
         ran = [by[(row["name"], s)] for s in ("expandable_segments", "default")
                if "allocated_gib" in by.get((row["name"], s), {})]
-        allocated = (f"{ran[0]['allocated_gib']:.1f} ({100 * (ran[0]['allocated_gib'] / ran[0]['formula_gib'] - 1):+.1f}%"
-                     " from the estimate)") if ran else "not run"
-        formula = f"{ran[0]['formula_gib']:.1f}" if ran else "-"
+        if ran:
+            off = 100 * (ran[0]["allocated_gib"] / ran[0]["formula_gib"] - 1)
+            allocated = f"{ran[0]['allocated_gib']:.1f} ({off:+.1f}% from the estimate)"
+            formula = f"{ran[0]['formula_gib']:.1f}"
+        else:
+            allocated, formula = "not run", "-"
         lines += [f"   * - {row['name']}", f"     - {row['published_gib']:.1f}", f"     - {formula}",
                   f"     - {allocated}", *(f"     - {c}" for c in cells)]
     lines += ["", "Allocated: the expandable-segments run's (the default's agrees within 0.1 GiB where both ran). The "

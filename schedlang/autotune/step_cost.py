@@ -263,8 +263,8 @@ class StepEstimate:
                                              "activation_bytes", "logits_bytes", "recompute_bytes",
                                              "layer_backward_bytes", "working_bytes",
                                              "grads_in_forward", "forward_peak_bytes", "backward_peak_bytes",
-                                             "other_bytes", "build_bytes", "compute_s", "comm_s", "comm_exposed_s", "bubble_s",
-                                             "optimizer_s")}
+                                             "other_bytes", "build_bytes", "compute_s", "comm_s", "comm_exposed_s",
+                                             "bubble_s", "optimizer_s")}
         out.update(total_bytes=self.total_bytes, step_s=self.step_s, tokens_per_s=self.tokens_per_s,
                    layout=self.layout.describe(), fits=self.fits, moe=self.moe,
                    collectives=[dataclasses.asdict(c) for c in self.collectives])
